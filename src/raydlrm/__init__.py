@@ -1,0 +1,24 @@
+"""raydlrm: train large deep-learning recommendation models (DLRMs) on Ray.
+
+The public Python API: :func:`train` runs a training job from a config (a path, a dict or a
+:class:`JobConfig`), :func:`load_config` reads a TOML run file with overrides. They are loaded
+lazily so that worker-side modules (``raydlrm.batch``, ``raydlrm.sharding``) import without Ray
+or MLflow.
+"""
+
+from typing import Any
+
+from raydlrm._versions import check_versions
+
+check_versions()
+
+__all__ = ["JobConfig", "TrainResult", "load_config", "train"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import raydlrm.platform as platform_api
+
+        return getattr(platform_api, name)
+    raise AttributeError(f"module 'raydlrm' has no attribute {name!r}")

@@ -1,0 +1,378 @@
+"""The batch types every layer shares.
+
+Sparse features travel in the layout fbgemm's table-batched embedding (TBE) kernels read:
+feature-major jagged arrays. For ``F`` features and a batch of ``B`` samples, sample ``b`` of
+feature ``f`` has ``L[f][b]`` ids; ``lengths`` has shape ``(F * B,)`` in the order
+``(f0,b0), (f0,b1), ..., (f1,b0), ...`` and ``values`` holds the ids of all bags back to back in
+the same order (shape ``(sum L,)``). ``offsets`` (shape ``(F * B + 1,)``) is the exclusive
+cumulative sum of ``lengths``; it is what TBE takes.
+
+Deduplicated features (RecD) travel as a :class:`DedupGroup`: the unique rows of a group of
+features (a :class:`KeyedJaggedTensor` whose batch size is the number of unique rows ``U``) and an
+inverse index of shape ``(B,)`` mapping each sample to its unique row.
+
+Validation of shapes and dtypes runs on construction when debug mode is on (environment
+variable ``RAYDLRM_DEBUG=1``, or :func:`set_debug`); it is off by default because it syncs and
+costs time on the hot path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "Batch",
+    "DedupGroup",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "is_debug",
+    "set_debug",
+]
+
+_DEBUG = os.environ.get("RAYDLRM_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def set_debug(enabled: bool) -> None:
+    """Turns construction-time validation of batch types on or off."""
+    global _DEBUG
+    _DEBUG = enabled
+
+
+def is_debug() -> bool:
+    """Whether construction-time validation of batch types is on."""
+    return _DEBUG
+
+
+def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    return offsets
+
+
+@dataclass
+class KeyedJaggedTensor:
+    """Jagged sparse features of shape ``(F, B, L[f][b])``, feature-major.
+
+    Attributes:
+        keys: the ``F`` feature names, in the order of the data.
+        values: ids, int64, shape ``(sum L,)``.
+        lengths: number of ids per (feature, sample), int64, shape ``(F * B,)``.
+        batch_size: ``B``.
+        weights: optional per-id weights, float32, shape ``(sum L,)`` (weighted bags).
+    """
+
+    keys: list[str]
+    values: torch.Tensor
+    lengths: torch.Tensor
+    batch_size: int
+    weights: torch.Tensor | None = None
+    _offsets: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if _DEBUG:
+            self.validate()
+
+    def validate(self) -> None:
+        """Checks shapes, dtypes and consistency.
+
+        Raises:
+            ValueError: naming the offending field.
+        """
+        num_keys = len(self.keys)
+        if len(set(self.keys)) != num_keys:
+            raise ValueError(f"KeyedJaggedTensor keys must be unique, got {self.keys}")
+        if self.values.dim() != 1 or self.lengths.dim() != 1:
+            raise ValueError("KeyedJaggedTensor values and lengths must be 1-D")
+        if self.values.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {self.values.dtype}")
+        if self.lengths.numel() != num_keys * self.batch_size:
+            raise ValueError(
+                f"KeyedJaggedTensor lengths has {self.lengths.numel()} entries, expected "
+                f"F * B = {num_keys} * {self.batch_size}"
+            )
+        if self.lengths.numel() and int(self.lengths.min()) < 0:
+            raise ValueError("KeyedJaggedTensor lengths must be non-negative")
+        total = int(self.lengths.sum()) if self.lengths.numel() else 0
+        if total != self.values.numel():
+            raise ValueError(
+                f"KeyedJaggedTensor lengths sum to {total} but values has {self.values.numel()}"
+            )
+        if self.weights is not None and self.weights.shape != self.values.shape:
+            raise ValueError(
+                f"KeyedJaggedTensor weights shape {tuple(self.weights.shape)} != values shape "
+                f"{tuple(self.values.shape)}"
+            )
+
+    @classmethod
+    def from_lengths(
+        cls,
+        keys: list[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> KeyedJaggedTensor:
+        """Builds a KJT, inferring the batch size from ``lengths`` (shape ``(F * B,)``)."""
+        if not keys:
+            raise ValueError("KeyedJaggedTensor needs at least one key")
+        if lengths.numel() % len(keys):
+            raise ValueError(
+                f"lengths has {lengths.numel()} entries, not a multiple of {len(keys)} keys"
+            )
+        return cls(
+            keys=list(keys),
+            values=values,
+            lengths=lengths.to(torch.int64),
+            batch_size=lengths.numel() // len(keys),
+            weights=weights,
+        )
+
+    @classmethod
+    def concat(cls, kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Concatenates KJTs with the same batch size along the feature dimension."""
+        batch_sizes = {k.batch_size for k in kjts}
+        if len(batch_sizes) != 1:
+            raise ValueError(f"cannot concatenate KJTs with batch sizes {sorted(batch_sizes)}")
+        has_weights = {k.weights is not None for k in kjts}
+        if len(has_weights) != 1:
+            raise ValueError("cannot concatenate weighted and unweighted KJTs")
+        return cls(
+            keys=[key for k in kjts for key in k.keys],
+            values=torch.cat([k.values for k in kjts]),
+            lengths=torch.cat([k.lengths for k in kjts]),
+            batch_size=kjts[0].batch_size,
+            weights=torch.cat([k.weights for k in kjts]) if kjts[0].weights is not None else None,
+        )
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Exclusive cumulative sum of ``lengths``, shape ``(F * B + 1,)``, int64."""
+        if self._offsets is None:
+            self._offsets = _lengths_to_offsets(self.lengths)
+        return self._offsets
+
+    def length_per_key(self) -> torch.Tensor:
+        """Number of ids per feature, shape ``(F,)``."""
+        return self.lengths.view(len(self.keys), self.batch_size).sum(dim=1)
+
+    def offset_per_key(self) -> torch.Tensor:
+        """Start of each feature's values, shape ``(F + 1,)``."""
+        return _lengths_to_offsets(self.length_per_key())
+
+    def select(self, keys: list[str]) -> KeyedJaggedTensor:
+        """A KJT holding only ``keys``, in that order (copies values).
+
+        Raises:
+            KeyError: naming a key that is not in this KJT.
+        """
+        index = {k: i for i, k in enumerate(self.keys)}
+        missing = [k for k in keys if k not in index]
+        if missing:
+            raise KeyError(f"features {missing} not in batch (has {self.keys})")
+        if keys == self.keys:
+            return self
+        pos = torch.tensor([index[k] for k in keys], dtype=torch.int64)
+        starts = self.offset_per_key()
+        bounds = [(int(starts[p]), int(starts[p + 1])) for p in pos]
+        b = self.batch_size
+        lengths = self.lengths.view(len(self.keys), b)[pos].reshape(-1)
+        values = torch.cat([self.values[s:e] for s, e in bounds])
+        weights = (
+            torch.cat([self.weights[s:e] for s, e in bounds]) if self.weights is not None else None
+        )
+        return KeyedJaggedTensor(keys=list(keys), values=values, lengths=lengths, batch_size=b,
+                                 weights=weights)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
+        """Moves all tensors to ``device``."""
+        return KeyedJaggedTensor(
+            keys=self.keys,
+            values=self.values.to(device, non_blocking=non_blocking),
+            lengths=self.lengths.to(device, non_blocking=non_blocking),
+            batch_size=self.batch_size,
+            weights=None
+            if self.weights is None
+            else self.weights.to(device, non_blocking=non_blocking),
+        )
+
+    def index_rows(self, rows: torch.Tensor) -> KeyedJaggedTensor:
+        """Gathers samples: the result has batch size ``rows.numel()`` and sample ``i`` is
+        sample ``rows[i]`` of this KJT, for every feature. Used to expand deduplicated rows.
+
+        Args:
+            rows: int64 sample indices, shape ``(B',)``, each in ``[0, B)``.
+        """
+        num_keys, b = len(self.keys), self.batch_size
+        bag = (torch.arange(num_keys, device=rows.device).unsqueeze(1) * b + rows.unsqueeze(0))
+        bag = bag.reshape(-1)
+        lengths = self.lengths[bag]
+        starts = self.offsets[bag]
+        # For every output id, its position in `values`: the start of its bag plus its rank
+        # inside the bag. Vectorized: no Python loop over bags.
+        out_offsets = _lengths_to_offsets(lengths)
+        total = int(out_offsets[-1])
+        within = torch.arange(total, device=rows.device) - torch.repeat_interleave(
+            out_offsets[:-1], lengths, output_size=total
+        )
+        src = torch.repeat_interleave(starts, lengths, output_size=total) + within
+        return KeyedJaggedTensor(
+            keys=self.keys,
+            values=self.values[src],
+            lengths=lengths,
+            batch_size=rows.numel(),
+            weights=None if self.weights is None else self.weights[src],
+        )
+
+
+@dataclass
+class DedupGroup:
+    """A group of features stored once per unique row (RecD).
+
+    Attributes:
+        unique: the unique rows, a KJT over the group's features with batch size ``U``.
+        inverse: int64, shape ``(B,)``; sample ``b`` has the features of unique row
+            ``inverse[b]``.
+    """
+
+    unique: KeyedJaggedTensor
+    inverse: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if _DEBUG:
+            self.validate()
+
+    @property
+    def keys(self) -> list[str]:
+        return self.unique.keys
+
+    def validate(self) -> None:
+        """Checks the inverse index against the unique rows.
+
+        Raises:
+            ValueError: naming the group's features.
+        """
+        self.unique.validate()
+        if self.inverse.dim() != 1 or self.inverse.dtype != torch.int64:
+            raise ValueError(f"dedup group {self.keys}: inverse must be a 1-D int64 tensor")
+        if self.inverse.numel() and (
+            int(self.inverse.min()) < 0 or int(self.inverse.max()) >= self.unique.batch_size
+        ):
+            raise ValueError(
+                f"dedup group {self.keys}: inverse index out of range [0, {self.unique.batch_size})"
+            )
+
+    def expand(self) -> KeyedJaggedTensor:
+        """The group's features for every sample (batch size ``B``)."""
+        return self.unique.index_rows(self.inverse)
+
+
+@dataclass
+class KeyedTensor:
+    """Pooled embeddings: one ``(B, D_f)`` block per feature, concatenated.
+
+    Attributes:
+        keys: feature names, in column order.
+        dims: embedding dimension ``D_f`` of each feature.
+        values: float tensor of shape ``(B, sum D_f)``.
+    """
+
+    keys: list[str]
+    dims: list[int]
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if _DEBUG:
+            if len(self.keys) != len(self.dims):
+                raise ValueError("KeyedTensor keys and dims differ in length")
+            if self.values.dim() != 2 or self.values.shape[1] != sum(self.dims):
+                raise ValueError(
+                    f"KeyedTensor values shape {tuple(self.values.shape)} does not match dims "
+                    f"(sum {sum(self.dims)})"
+                )
+
+    def stacked(self) -> torch.Tensor:
+        """The pooled embeddings as a tensor of shape ``(B, F, D)``; all dims must be equal."""
+        if len(set(self.dims)) != 1:
+            raise ValueError(f"cannot stack features of different dims {self.dims}")
+        return self.values.view(self.values.shape[0], len(self.keys), self.dims[0])
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """Feature name -> pooled embedding of shape ``(B, D_f)``."""
+        return dict(zip(self.keys, torch.split(self.values, self.dims, dim=1), strict=True))
+
+
+@dataclass
+class Batch:
+    """One training batch of ``B`` samples.
+
+    Attributes:
+        dense: float32 dense features, shape ``(B, num_dense)``.
+        sparse: the sparse features that are not deduplicated, a KJT of batch size ``B``.
+        labels: float32 click labels, shape ``(B,)``.
+        dedup_groups: deduplicated feature groups (RecD); their features are not in ``sparse``.
+        sample_ids: optional int64 ids of the samples, shape ``(B,)`` (accounting, tests).
+    """
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor
+    dedup_groups: list[DedupGroup] = field(default_factory=list)
+    sample_ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if _DEBUG:
+            self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return self.labels.shape[0]
+
+    def validate(self) -> None:
+        """Checks that every part has batch size ``B``.
+
+        Raises:
+            ValueError: naming the offending part.
+        """
+        b = self.labels.shape[0]
+        if self.labels.dim() != 1:
+            raise ValueError(f"Batch labels must be 1-D, got shape {tuple(self.labels.shape)}")
+        if self.dense.dim() != 2 or self.dense.shape[0] != b:
+            raise ValueError(f"Batch dense shape {tuple(self.dense.shape)} != (B={b}, num_dense)")
+        if self.sparse.batch_size != b:
+            raise ValueError(f"Batch sparse batch size {self.sparse.batch_size} != B={b}")
+        self.sparse.validate()
+        for group in self.dedup_groups:
+            if group.inverse.numel() != b:
+                raise ValueError(
+                    f"dedup group {group.keys}: inverse has {group.inverse.numel()} rows, B={b}"
+                )
+            group.validate()
+        if self.sample_ids is not None and self.sample_ids.shape != (b,):
+            raise ValueError(f"Batch sample_ids shape {tuple(self.sample_ids.shape)} != ({b},)")
+
+    @property
+    def feature_names(self) -> list[str]:
+        """All sparse feature names, plain then deduplicated."""
+        return self.sparse.keys + [k for g in self.dedup_groups for k in g.keys]
+
+    def all_sparse(self) -> KeyedJaggedTensor:
+        """Every sparse feature for every sample (dedup groups expanded), batch size ``B``."""
+        if not self.dedup_groups:
+            return self.sparse
+        return KeyedJaggedTensor.concat([self.sparse] + [g.expand() for g in self.dedup_groups])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Moves all tensors to ``device``."""
+        return Batch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            dedup_groups=[
+                DedupGroup(unique=g.unique.to(device, non_blocking=non_blocking),
+                           inverse=g.inverse.to(device, non_blocking=non_blocking))
+                for g in self.dedup_groups
+            ],
+            sample_ids=None if self.sample_ids is None else self.sample_ids.to(device),
+        )

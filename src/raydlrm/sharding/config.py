@@ -1,0 +1,40 @@
+"""Configuration of how embedding tables are sharded and optimized."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Literal
+
+from raydlrm._config import config_dataclass
+
+ShardingType = Literal["table_wise"]
+"""How a table is placed: ``table_wise`` puts a whole table on one rank."""
+
+EmbeddingOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd"]
+
+
+@config_dataclass
+class ShardingConfig:
+    """Sharding plan inputs and the fused sparse optimizer."""
+
+    default_type: ShardingType = "table_wise"
+    """Sharding type of every table not pinned in ``pinned_types``."""
+    pinned_types: dict[str, ShardingType] = field(default_factory=dict)
+    """Table name -> sharding type, overriding the planner."""
+    pinned_ranks: dict[str, list[int]] = field(default_factory=dict)
+    """Table name -> ranks the table must be placed on."""
+    optimizer: EmbeddingOptimizer = "rowwise_adagrad"
+    """fbgemm fused optimizer applied to embedding rows in the backward pass."""
+    learning_rate: float = 0.05
+    """Learning rate of the fused embedding optimizer."""
+    eps: float = 1e-8
+    """Epsilon of the (row-wise) Adagrad update."""
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError(f"sharding.learning_rate must be positive, got {self.learning_rate}")
+        if self.eps <= 0:
+            raise ValueError(f"sharding.eps must be positive, got {self.eps}")
+        for table, ranks in self.pinned_ranks.items():
+            if not ranks or any(r < 0 for r in ranks):
+                raise ValueError(f"sharding.pinned_ranks.{table} must be non-negative ranks")
