@@ -40,6 +40,11 @@ class SyntheticConfig:
     """Power-law exponent of id popularity."""
     dense_null_fraction: float = 0.02
     """Fraction of dense values written as null (missing)."""
+    target_auc: float = 0.80
+    """AUC of the planted model (the best a trainer can reach); the planted logits are scaled to
+    reach it."""
+    positive_rate: float = 0.25
+    """Expected fraction of positive labels."""
     seed: int = 0
     """Seed; the same seed gives the same files."""
 
@@ -67,6 +72,12 @@ class SyntheticConfig:
         if not 0 <= self.dense_null_fraction < 1:
             raise ValueError(
                 f"synthetic.dense_null_fraction must be in [0, 1), got {self.dense_null_fraction}"
+            )
+        if not 0.55 <= self.target_auc <= 0.95:
+            raise ValueError(f"synthetic.target_auc must be in [0.55, 0.95], got {self.target_auc}")
+        if not 0.01 <= self.positive_rate <= 0.99:
+            raise ValueError(
+                f"synthetic.positive_rate must be in [0.01, 0.99], got {self.positive_rate}"
             )
 
 
@@ -97,12 +108,18 @@ class DataConfig:
     """Samples per batch on each worker."""
     num_preprocess_actors: int = 0
     """Size of the preprocessing actor pool; 0 sizes it from the cluster's CPUs."""
+    preprocess_batch_size: int = 8192
+    """Rows per preprocessing call on the actor pool (independent of ``batch_size``)."""
     prefetch_batches: int = 2
     """Batches prefetched on each worker."""
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
             raise ValueError(f"data.batch_size must be positive, got {self.batch_size}")
+        if self.preprocess_batch_size <= 0:
+            raise ValueError(
+                f"data.preprocess_batch_size must be positive, got {self.preprocess_batch_size}"
+            )
         if self.table_size <= 0:
             raise ValueError(f"data.table_size must be positive, got {self.table_size}")
         for col, size in self.table_sizes.items():

@@ -1,1 +1,22 @@
-"""placeholder"""
+"""Sharding of embedding tables: plans, the planner, and the sharded embedding collection.
+
+Tables are placed on ranks by a :class:`ShardingPlan` (made by :func:`plan_sharding`), looked up
+with fbgemm's table-batched embedding kernels and fused optimizers by
+:class:`ShardedEmbeddingBagCollection`, and a whole model is sharded by :func:`shard_model`.
+"""
+
+from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
+from raydlrm.sharding.parallelize import shard_model
+from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.planner import plan_sharding
+
+__all__ = [
+    "Shard",
+    "ShardedEmbeddingBagCollection",
+    "ShardingConfig",
+    "ShardingPlan",
+    "TablePlan",
+    "plan_sharding",
+    "shard_model",
+]

@@ -1,1 +1,20 @@
-"""placeholder"""
+"""Worker side of a training run: the loop, metrics, and model checkpoints.
+
+Only ``raydlrm.trainers._ray`` imports Ray; the rest runs in plain processes.
+"""
+
+from raydlrm.trainers.checkpoint import LoadedModel, load_model_checkpoint, save_model_checkpoint
+from raydlrm.trainers.config import TrainingConfig
+from raydlrm.trainers.metrics import BinaryMetrics, binary_metrics
+from raydlrm.trainers.spec import WorkerSpec, tables_for
+
+__all__ = [
+    "BinaryMetrics",
+    "LoadedModel",
+    "TrainingConfig",
+    "WorkerSpec",
+    "binary_metrics",
+    "load_model_checkpoint",
+    "save_model_checkpoint",
+    "tables_for",
+]

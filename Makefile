@@ -1,0 +1,39 @@
+# raydlrm: `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU build: torch 2.13.0 + fbgemm-gpu-cpu 1.8.0 (the pinned pair). Use EXTRA=gpu on CUDA hosts.
+EXTRA ?= cpu
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: install demo test test-fast lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing resolves a different (CUDA) build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[$(EXTRA),dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m raydlrm train --config configs/quickstart.toml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu" --timeout=900 tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu and not ray and not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs mlflow.db mlartifacts data/synthetic

@@ -1,0 +1,73 @@
+"""The Ray Data pipeline from Parquet to preprocessed rows.
+
+:func:`build_dataset` validates the data set's footers (:func:`validate_data`), reads only the
+columns the model needs with ``ray.data.read_parquet`` and preprocesses them with
+:class:`Preprocessor` on an actor pool (actors keep their state between batches and let the pool
+size be bounded independently of the number of read tasks). The result is lazy: nothing runs until
+it is iterated, e.g. by ``streaming_split`` or a Ray Train worker's ``get_dataset_shard``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+import ray.data
+
+from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.preprocess import Preprocessor
+from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, validate_data
+
+__all__ = ["build_dataset", "default_num_actors"]
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_NUM_CPUS = 0.5
+_MAX_AUTO_ACTORS = 4
+
+
+def default_num_actors() -> int:
+    """Preprocessing actors for this cluster: half its CPUs, between 1 and 4."""
+    if ray.is_initialized():
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+    else:
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_AUTO_ACTORS, cpus // 2))
+
+
+def build_dataset(
+    path: str, config: DataConfig, *, num_actors: int | None = None, role: str = "train"
+) -> ray.data.Dataset:
+    """A lazy Ray dataset of preprocessed rows (see ``Preprocessor`` for the columns).
+
+    Args:
+        path: Parquet file or directory, local or a URI (``s3://...``).
+        config: the data config (columns, table sizes, actor pool size).
+        num_actors: size of the preprocessing actor pool; defaults to
+            ``config.num_preprocess_actors``, or :func:`default_num_actors` when that is 0.
+        role: what the data is for (``"train"``, ``"eval"``), used in error messages.
+
+    Returns:
+        A ``ray.data.Dataset`` of preprocessed rows; ``sample_id`` is kept when the files have it.
+
+    Raises:
+        DataValidationError: the path, its files or its columns do not match ``config``.
+    """
+    summary = validate_data(path, config, role=role)
+    columns = [config.label_column, *config.dense_columns, *config.sparse_columns]
+    if SAMPLE_ID_COLUMN in summary.schema.names:
+        columns.append(SAMPLE_ID_COLUMN)
+    size = num_actors or config.num_preprocess_actors or default_num_actors()
+    logger.info(
+        "%s data %s: %d rows in %d files; preprocessing on %d actors",
+        role, path, summary.num_rows, summary.num_files, size,
+    )
+    return ray.data.read_parquet(path, columns=columns).map_batches(
+        Preprocessor,
+        fn_constructor_kwargs={"config": config},
+        batch_format="pyarrow",
+        batch_size=config.preprocess_batch_size,
+        compute=ray.data.ActorPoolStrategy(size=size),
+        num_cpus=_ACTOR_NUM_CPUS,
+    )

@@ -1,0 +1,140 @@
+"""Checks a Parquet data set against the data config before any training starts.
+
+:func:`validate_data` reads only Parquet footers (file metadata), never the data: it checks that
+the path exists, that it holds Parquet files with at least one row, and that every file has the
+label, every dense and every sparse column with a usable type. Each error names the path, the
+file and the column, so a wrong data set stops the job at submission, not hours into a run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+
+from raydlrm.ingestion.config import DataConfig
+
+__all__ = ["SAMPLE_ID_COLUMN", "DataSummary", "DataValidationError", "validate_data"]
+
+SAMPLE_ID_COLUMN = "sample_id"
+"""Optional int64 column of globally unique sample ids; carried into batches when present."""
+
+
+class DataValidationError(ValueError):
+    """A data set does not match the data config (missing path, file, rows or column)."""
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """What :func:`validate_data` found.
+
+    Attributes:
+        path: the data set's path, as given.
+        num_rows: rows over all files (from the Parquet footers).
+        num_files: number of Parquet files.
+        schema: the Arrow schema of the first file.
+        list_columns: the sparse columns that hold id lists (the others hold one id per row).
+    """
+
+    path: str
+    num_rows: int
+    num_files: int
+    schema: pa.Schema
+    list_columns: list[str]
+
+
+def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def _is_int_list(type_: pa.DataType) -> bool:
+    return (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and pa.types.is_integer(
+        type_.value_type
+    )
+
+
+def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> None:
+    if kind == "label":
+        ok = pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_)
+        expected = "integer, float or bool"
+    elif kind == "dense":
+        ok = pa.types.is_integer(type_) or pa.types.is_floating(type_)
+        expected = "integer or float"
+    else:
+        ok = pa.types.is_integer(type_) or _is_int_list(type_)
+        expected = "integer or list of integers"
+    if not ok:
+        raise DataValidationError(
+            f"{kind} column {column!r} in {file} has type {type_}, expected {expected}"
+        )
+
+
+def validate_data(path: str, config: DataConfig, *, role: str = "train") -> DataSummary:
+    """Checks that ``path`` holds Parquet data with the columns ``config`` names.
+
+    Args:
+        path: a Parquet file or a directory of them, local or a URI (``s3://...``).
+        config: the data config naming the label, dense and sparse columns.
+        role: what the data is for (``"train"``, ``"eval"``), used in error messages.
+
+    Returns:
+        The row and file counts and the schema.
+
+    Raises:
+        DataValidationError: naming the path, file and column of the first problem found.
+    """
+    filesystem, resolved = _resolve(path)
+    info = filesystem.get_file_info(resolved)
+    if info.type == pafs.FileType.NotFound:
+        raise DataValidationError(f"{role} data path {path!r} does not exist")
+    try:
+        dataset = pads.dataset(
+            resolved, format="parquet", filesystem=filesystem, exclude_invalid_files=False
+        )
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataValidationError(f"{role} data at {path!r} is not readable Parquet: {exc}") from exc
+    fragments = list(dataset.get_fragments())
+    if not fragments:
+        raise DataValidationError(f"{role} data path {path!r} contains no Parquet files")
+
+    expected = [
+        (config.label_column, "label"),
+        *((c, "dense") for c in config.dense_columns),
+        *((c, "sparse") for c in config.sparse_columns),
+    ]
+    num_rows = 0
+    first_schema: pa.Schema | None = None
+    for fragment in fragments:
+        try:
+            metadata = fragment.metadata
+            schema = fragment.physical_schema
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataValidationError(
+                f"{role} data file {fragment.path} is not readable Parquet: {exc}"
+            ) from exc
+        first_schema = first_schema or schema
+        num_rows += metadata.num_rows
+        for column, kind in expected:
+            index = schema.get_field_index(column)
+            if index < 0:
+                raise DataValidationError(
+                    f"{role} data file {fragment.path} has no {kind} column {column!r} "
+                    f"(has {schema.names})"
+                )
+            _check_type(column, schema.field(index).type, kind=kind, file=fragment.path)
+    if num_rows == 0:
+        raise DataValidationError(f"{role} data set at {path!r} is empty (0 rows)")
+    assert first_schema is not None
+    list_columns = [c for c in config.sparse_columns if _is_int_list(first_schema.field(c).type)]
+    return DataSummary(
+        path=path,
+        num_rows=num_rows,
+        num_files=len(fragments),
+        schema=first_schema,
+        list_columns=list_columns,
+    )

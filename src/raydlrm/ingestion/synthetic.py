@@ -1,0 +1,478 @@
+"""A Criteo-shaped synthetic data set with a planted model, so training has a known ceiling.
+
+:func:`generate_synthetic` writes ``out_dir/train/part-NNNNN.parquet`` and
+``out_dir/eval/part-NNNNN.parquet`` and, last, ``out_dir/metadata.json`` (the config, row counts,
+files and the planted model's AUC); a directory without ``metadata.json`` is an incomplete data
+set. Columns:
+
+- ``sample_id`` int64, globally unique (train rows first, then eval rows);
+- ``session_id`` int64, the ``sample_id`` of the session's first sample; sessions are runs of
+  consecutive rows of geometric length;
+- ``label`` int64 0/1;
+- ``I1..In`` float32, heavy-tailed non-negative counts with some nulls (so ``log1p`` matters);
+- ``C1..Cm`` int64 raw ids, the last ``num_list_features`` as ``list<int64>`` of 1 to
+  ``max_list_length`` ids. Ids follow a power law over per-feature cardinalities log-spaced up to
+  ``max_cardinality`` and are scrambled into the whole int64 range, so they must be hashed.
+  The first ``num_user_features`` are user features, identical over a session's samples.
+
+Labels are ``Bernoulli(sigmoid(logit))`` with a planted logit: a bias, a linear term on
+``log1p`` of the (null-filled) dense features, per-id effects for half of the sparse features (a
+hash of (feature, raw id) turned into a normal deviate, the mean over the list for list
+features) and one product of two features' per-id factors, so the interaction layer matters.
+The planted model is derived from the seed alone: its term scales and bias are calibrated once on
+a sample so that its AUC is ``target_auc`` and the positive rate ``positive_rate``.
+
+Each file is generated from its own random stream, seeded by (seed, split, file index): files are
+reproducible (the same seed gives byte-identical files), independent of each other, and only one
+is held in memory at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raydlrm.ingestion.config import SyntheticConfig
+from raydlrm.ingestion.preprocess import mix64
+
+__all__ = ["SyntheticInfo", "generate_synthetic", "planted_auc"]
+
+logger = logging.getLogger(__name__)
+
+_METADATA = "metadata.json"
+_FORMAT_VERSION = 1
+_SPLIT_CODES = {"train": 0, "eval": 1}
+_CALIBRATION_CODE = 2
+_CALIBRATION_ROWS = 20_000
+_MIN_CARDINALITY = 4
+# Shares of the planted logit's variance: dense linear term, per-id effects, interaction.
+_DENSE_SHARE, _SPARSE_SHARE, _INTERACTION_SHARE = 0.25, 0.55, 0.20
+_AUC_BINS = 1 << 16
+_AUC_RANGE = 40.0
+
+
+@dataclass(frozen=True)
+class SyntheticInfo:
+    """A generated data set.
+
+    Attributes:
+        out_dir: the data set's root directory.
+        train_path: directory of the training files.
+        eval_path: directory of the evaluation files (None when there are no eval rows).
+        num_train_rows: rows in the training split.
+        num_eval_rows: rows in the evaluation split.
+        train_files: training Parquet files, in order.
+        eval_files: evaluation Parquet files, in order.
+        planted_auc: AUC of the planted logits on the evaluation labels, the ceiling a trainer
+            can reach (None when there are no eval rows).
+        positive_rate: fraction of positive labels over both splits.
+    """
+
+    out_dir: Path
+    train_path: Path
+    eval_path: Path | None
+    num_train_rows: int
+    num_eval_rows: int
+    train_files: list[Path]
+    eval_files: list[Path]
+    planted_auc: float | None
+    positive_rate: float
+
+
+@dataclass(frozen=True)
+class _PlantedModel:
+    """The model the labels are drawn from; derived from the config's seed alone."""
+
+    cardinalities: np.ndarray  # (F,) int64
+    id_salts: np.ndarray  # (F,) uint64, scrambles ranks into raw ids
+    effect_salts: np.ndarray  # (F,) uint64, per-id effects
+    dense_mu: np.ndarray  # (D,) of the log-normal count generator
+    dense_sigma: np.ndarray  # (D,)
+    dense_center: np.ndarray  # (D,) mean of log1p(filled dense)
+    dense_weights: np.ndarray  # (D,) per standardized log1p(dense)
+    effect_weights: np.ndarray  # (F,) 0 for features without an effect
+    pair: tuple[int, int]  # the two interacting features
+    pair_salts: tuple[int, int]
+    interaction_weight: float
+    bias: float
+
+
+@dataclass
+class _Rows:
+    """Raw columns of one chunk and the planted logit's terms."""
+
+    session_start: np.ndarray  # (N,) row index of each row's session start
+    dense: np.ndarray  # (N, D) float32, NaN where missing
+    ids: list[np.ndarray]  # per feature: (N,) or (sum L,) raw int64 ids
+    offsets: list[np.ndarray | None]  # per feature: (N + 1,) int32 for lists, else None
+
+
+def _num_single(config: SyntheticConfig) -> int:
+    return config.num_sparse - config.num_list_features
+
+
+def _zipf_ranks(rng: np.random.Generator, *, size: int, cardinality: int, s: float) -> np.ndarray:
+    """Ranks in ``[0, cardinality)`` with P(rank) ~ (rank + 1) ** -s (inverse CDF, continuous)."""
+    u = rng.random(size)
+    n = cardinality + 1.0
+    if abs(s - 1.0) < 1e-6:
+        x = n**u
+    else:
+        x = ((n ** (1.0 - s) - 1.0) * u + 1.0) ** (1.0 / (1.0 - s))
+    return np.minimum(x.astype(np.int64) - 1, cardinality - 1)
+
+
+def _hash_normal(raw_ids: np.ndarray, salt: int) -> np.ndarray:
+    """A standard-normal value per id, a deterministic function of (salt, id) (Box-Muller)."""
+    h1 = mix64(raw_ids.view(np.uint64) ^ np.uint64(salt))
+    h2 = mix64(h1)
+    scale = 2.0**-53
+    u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 0.5) * scale
+    u2 = (h2 >> np.uint64(11)).astype(np.float64) * scale
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def _per_row(values: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
+    """Per-row values of a feature: as is, or the mean over each row's list (lengths >= 1)."""
+    if offsets is None:
+        return values
+    return np.add.reduceat(values, offsets[:-1].astype(np.int64)) / np.diff(offsets)
+
+
+def _sample_rows(
+    config: SyntheticConfig, model: _PlantedModel, rng: np.random.Generator, num_rows: int
+) -> _Rows:
+    p = 1.0 / config.mean_session_length
+    lengths = rng.geometric(p, size=int(num_rows * p * 1.5) + 16)
+    while lengths.sum() < num_rows:
+        lengths = np.concatenate([lengths, rng.geometric(p, size=len(lengths))])
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    num_sessions = int(np.searchsorted(starts, num_rows, side="left"))
+    session = np.repeat(np.arange(num_sessions), lengths[:num_sessions])[:num_rows]
+    session_start = starts[session]
+
+    normal = rng.standard_normal((num_rows, config.num_dense))
+    counts = np.floor(np.exp(model.dense_mu + model.dense_sigma * normal)) - 1.0
+    dense = np.maximum(counts, 0.0).astype(np.float32)
+    dense[rng.random(dense.shape) < config.dense_null_fraction] = np.nan
+
+    ids: list[np.ndarray] = []
+    offsets: list[np.ndarray | None] = []
+    for f in range(config.num_sparse):
+        card = int(model.cardinalities[f])
+        if f < config.num_user_features:
+            ranks = _zipf_ranks(rng, size=num_sessions, cardinality=card, s=config.zipf_exponent)
+            ranks = ranks[session]
+            offs = None
+        elif f < _num_single(config):
+            ranks = _zipf_ranks(rng, size=num_rows, cardinality=card, s=config.zipf_exponent)
+            offs = None
+        else:
+            list_lengths = rng.integers(1, config.max_list_length + 1, size=num_rows)
+            offs = np.zeros(num_rows + 1, dtype=np.int32)
+            np.cumsum(list_lengths, out=offs[1:])
+            ranks = _zipf_ranks(
+                rng, size=int(offs[-1]), cardinality=card, s=config.zipf_exponent
+            )
+        raw = mix64(ranks.astype(np.uint64) + model.id_salts[f]) >> np.uint64(1)
+        ids.append(raw.view(np.int64))
+        offsets.append(offs)
+    return _Rows(session_start=session_start, dense=dense, ids=ids, offsets=offsets)
+
+
+def _terms(model: _PlantedModel, rows: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The planted logit's unscaled terms: standardized log1p dense ``(N, D)``, per-id effects
+    ``(N, F)`` and the interaction product ``(N,)``."""
+    dense = np.log1p(np.nan_to_num(rows.dense, nan=0.0).astype(np.float64)) - model.dense_center
+    effects = np.zeros((dense.shape[0], len(rows.ids)))
+    for f, (raw, offs) in enumerate(zip(rows.ids, rows.offsets, strict=True)):
+        if model.effect_weights[f] != 0.0:
+            effects[:, f] = _per_row(_hash_normal(raw, int(model.effect_salts[f])), offs)
+    a, b = model.pair
+    interaction = _per_row(
+        _hash_normal(rows.ids[a], model.pair_salts[0]), rows.offsets[a]
+    ) * _per_row(_hash_normal(rows.ids[b], model.pair_salts[1]), rows.offsets[b])
+    return dense, effects, interaction
+
+
+def _logit(model: _PlantedModel, rows: _Rows) -> np.ndarray:
+    dense, effects, interaction = _terms(model, rows)
+    return (
+        model.bias
+        + dense @ model.dense_weights
+        + effects @ model.effect_weights
+        + model.interaction_weight * interaction
+    )
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _soft_auc(scores: np.ndarray, probs: np.ndarray) -> float:
+    """Expected AUC of ``scores`` when labels are Bernoulli(``probs``)."""
+    order = np.argsort(scores, kind="stable")
+    p = probs[order]
+    negatives_below = np.cumsum(1.0 - p) - (1.0 - p)
+    return float((p * negatives_below).sum() / (p.sum() * (1.0 - p).sum()))
+
+
+def _solve_bias(z: np.ndarray, rate: float) -> float:
+    """The bias ``b`` with ``mean(sigmoid(b + z)) == rate`` (Newton's method; it is monotone)."""
+    bias = math.log(rate / (1.0 - rate))
+    for _ in range(50):
+        p = _sigmoid(bias + z)
+        gap = float(p.mean()) - rate
+        if abs(gap) < 1e-7:
+            break
+        bias -= gap / max(float((p * (1.0 - p)).mean()), 1e-6)
+    return bias
+
+
+def _plant(config: SyntheticConfig) -> _PlantedModel:
+    """Draws the planted model from the seed and calibrates its scales on a sample."""
+    rng = np.random.default_rng([config.seed, _CALIBRATION_CODE, 0])
+    f_count, d_count = config.num_sparse, config.num_dense
+    low = min(_MIN_CARDINALITY, config.max_cardinality)
+    cards = np.geomspace(low, config.max_cardinality, f_count).round().astype(np.int64)
+    cards = rng.permutation(cards)
+    salts = rng.integers(0, 2**63, size=(3, f_count), dtype=np.int64).view(np.uint64)
+    with_effect = np.zeros(f_count, dtype=bool)
+    with_effect[rng.permutation(f_count)[: max(1, f_count // 2)]] = True
+    # The interaction pairs the first feature (a user feature when there are any) with the
+    # first single-valued non-user feature, or the last feature.
+    first_item = config.num_user_features
+    b = first_item if 0 < first_item < _num_single(config) else f_count - 1
+    pair = (0, b)
+    draft = _PlantedModel(
+        cardinalities=cards,
+        id_salts=salts[0],
+        effect_salts=salts[1],
+        dense_mu=rng.uniform(0.0, 3.0, d_count),
+        dense_sigma=rng.uniform(0.8, 2.0, d_count),
+        dense_center=np.zeros(d_count),
+        dense_weights=rng.standard_normal(d_count),
+        effect_weights=np.where(with_effect, rng.uniform(0.5, 1.5, f_count), 0.0),
+        pair=pair,
+        pair_salts=(int(salts[2, 0]), int(salts[2, min(1, f_count - 1)])),
+        interaction_weight=1.0,
+        bias=0.0,
+    )
+    rows = _sample_rows(config, draft, rng, _CALIBRATION_ROWS)
+    dense, effects, interaction = _terms(draft, rows)
+    center = dense.mean(axis=0)
+    dense = dense - center
+    parts = [dense @ draft.dense_weights, effects @ draft.effect_weights, interaction]
+    shares = [_DENSE_SHARE, _SPARSE_SHARE, _INTERACTION_SHARE if pair[0] != pair[1] else 0.0]
+    scales = [math.sqrt(s) / max(float(x.std()), 1e-12) for s, x in zip(shares, parts, strict=True)]
+    unit = sum(s * x for s, x in zip(scales, parts, strict=True))
+    unit = unit / max(float(unit.std()), 1e-12)
+
+    # Bisect the logit's scale so that the planted model's expected AUC is the target.
+    lo, hi = 0.01, 20.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        bias = _solve_bias(mid * unit, config.positive_rate)
+        if _soft_auc(unit, _sigmoid(bias + mid * unit)) < config.target_auc:
+            lo = mid
+        else:
+            hi = mid
+    total = 0.5 * (lo + hi)
+    total_std = float(
+        np.std(sum(s * x for s, x in zip(scales, parts, strict=True)))
+    )
+    k = total / max(total_std, 1e-12)
+    return dataclasses.replace(
+        draft,
+        dense_center=draft.dense_center + center,
+        dense_weights=draft.dense_weights * scales[0] * k,
+        effect_weights=draft.effect_weights * scales[1] * k,
+        interaction_weight=scales[2] * k,
+        bias=_solve_bias(total * unit, config.positive_rate),
+    )
+
+
+def _file_table(
+    config: SyntheticConfig, model: _PlantedModel, *, split: str, index: int, first_id: int,
+    num_rows: int,
+) -> tuple[pa.Table, np.ndarray]:
+    """One file's rows and their planted logits ``(num_rows,)``."""
+    rng = np.random.default_rng([config.seed, _SPLIT_CODES[split], index])
+    rows = _sample_rows(config, model, rng, num_rows)
+    logit = _logit(model, rows)
+    labels = (rng.random(num_rows) < _sigmoid(logit)).astype(np.int64)
+    sample_ids = np.arange(first_id, first_id + num_rows, dtype=np.int64)
+    columns: dict[str, pa.Array] = {
+        "sample_id": pa.array(sample_ids),
+        "session_id": pa.array(sample_ids[rows.session_start]),
+        "label": pa.array(labels),
+    }
+    missing = np.isnan(rows.dense)
+    for j in range(config.num_dense):
+        columns[f"I{j + 1}"] = pa.array(rows.dense[:, j], mask=missing[:, j])
+    for f, (raw, offs) in enumerate(zip(rows.ids, rows.offsets, strict=True)):
+        values = pa.array(raw)
+        columns[f"C{f + 1}"] = (
+            values if offs is None else pa.ListArray.from_arrays(pa.array(offs), values)
+        )
+    return pa.table(columns), logit
+
+
+class _HistogramAUC:
+    """Streaming AUC over binned scores (bin width ~1e-3 in logit units), in constant memory."""
+
+    def __init__(self) -> None:
+        self.positives = np.zeros(_AUC_BINS, dtype=np.int64)
+        self.negatives = np.zeros(_AUC_BINS, dtype=np.int64)
+
+    def update(self, scores: np.ndarray, labels: np.ndarray) -> None:
+        bins = np.clip(
+            ((scores + _AUC_RANGE / 2) / _AUC_RANGE * _AUC_BINS).astype(np.int64), 0, _AUC_BINS - 1
+        )
+        self.positives += np.bincount(bins[labels == 1], minlength=_AUC_BINS)
+        self.negatives += np.bincount(bins[labels == 0], minlength=_AUC_BINS)
+
+    def compute(self) -> float | None:
+        num_pos, num_neg = int(self.positives.sum()), int(self.negatives.sum())
+        if num_pos == 0 or num_neg == 0:
+            return None
+        below = np.cumsum(self.negatives) - self.negatives
+        wins = (self.positives * (below + 0.5 * self.negatives)).sum()
+        return float(wins / (num_pos * num_neg))
+
+
+def planted_auc(config: SyntheticConfig, *, num_rows: int = 50_000) -> float:
+    """AUC of the planted model on ``num_rows`` fresh eval-split rows, without writing files.
+
+    Args:
+        config: the synthetic data set's config.
+        num_rows: rows to sample (the first eval file's stream).
+
+    Returns:
+        The AUC of the planted logits against the sampled labels.
+    """
+    model = _plant(config)
+    table, logit = _file_table(config, model, split="eval", index=0, first_id=0, num_rows=num_rows)
+    auc = _HistogramAUC()
+    auc.update(logit, table.column("label").to_numpy())
+    result = auc.compute()
+    assert result is not None, "sample has only one class"
+    return result
+
+
+def _read_info(out_dir: Path) -> tuple[SyntheticInfo, dict] | None:
+    meta_path = out_dir / _METADATA
+    if not meta_path.exists():
+        return None
+    meta = json.loads(meta_path.read_text())
+    info = SyntheticInfo(
+        out_dir=out_dir,
+        train_path=out_dir / "train",
+        eval_path=out_dir / "eval" if meta["num_eval_rows"] else None,
+        num_train_rows=meta["num_train_rows"],
+        num_eval_rows=meta["num_eval_rows"],
+        train_files=[out_dir / p for p in meta["train_files"]],
+        eval_files=[out_dir / p for p in meta["eval_files"]],
+        planted_auc=meta["planted_auc"],
+        positive_rate=meta["positive_rate"],
+    )
+    return info, meta["config"]
+
+
+def generate_synthetic(
+    config: SyntheticConfig, *, out_dir: str | Path, overwrite: bool = False
+) -> SyntheticInfo:
+    """Writes the synthetic data set described by ``config`` (see the module docstring).
+
+    If ``out_dir`` already holds a complete data set generated from the same config, it is
+    returned as is.
+
+    Args:
+        config: sizes, shapes and seed of the data set.
+        out_dir: root directory; ``train/``, ``eval/`` and ``metadata.json`` are written in it.
+        overwrite: replace an existing (complete or partial) data set in ``out_dir``.
+
+    Returns:
+        The paths, row counts, files and planted AUC of the data set.
+
+    Raises:
+        FileExistsError: ``out_dir`` holds a different or incomplete data set and ``overwrite``
+            is False.
+    """
+    out_dir = Path(out_dir)
+    config_dict = dataclasses.asdict(config)
+    existing = _read_info(out_dir)
+    if not overwrite:
+        if existing is not None and existing[1] == config_dict:
+            return existing[0]
+        if existing is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
+            state = "a different" if existing is not None else "an incomplete"
+            raise FileExistsError(
+                f"{out_dir} holds {state} synthetic data set; pass overwrite=True to replace it"
+            )
+    (out_dir / _METADATA).unlink(missing_ok=True)
+    for split in _SPLIT_CODES:
+        shutil.rmtree(out_dir / split, ignore_errors=True)
+
+    model = _plant(config)
+    auc = _HistogramAUC()
+    files: dict[str, list[Path]] = {}
+    positives = 0
+    first_id = 0
+    for split, total in (("train", config.num_train_rows), ("eval", config.num_eval_rows)):
+        split_dir = out_dir / split
+        files[split] = []
+        if total == 0:
+            continue
+        split_dir.mkdir(parents=True, exist_ok=True)
+        for index in range(math.ceil(total / config.rows_per_file)):
+            num_rows = min(config.rows_per_file, total - index * config.rows_per_file)
+            table, logit = _file_table(
+                config, model, split=split, index=index, first_id=first_id, num_rows=num_rows
+            )
+            path = split_dir / f"part-{index:05d}.parquet"
+            pq.write_table(table, path)
+            files[split].append(path)
+            labels = table.column("label").to_numpy()
+            positives += int(labels.sum())
+            if split == "eval":
+                auc.update(logit, labels)
+            first_id += num_rows
+        logger.info("wrote %d %s rows in %d files to %s", total, split, len(files[split]),
+                    split_dir)
+
+    num_rows = config.num_train_rows + config.num_eval_rows
+    info = SyntheticInfo(
+        out_dir=out_dir,
+        train_path=out_dir / "train",
+        eval_path=out_dir / "eval" if config.num_eval_rows else None,
+        num_train_rows=config.num_train_rows,
+        num_eval_rows=config.num_eval_rows,
+        train_files=files["train"],
+        eval_files=files["eval"],
+        planted_auc=auc.compute(),
+        positive_rate=positives / num_rows,
+    )
+    meta = {
+        "format_version": _FORMAT_VERSION,
+        "config": config_dict,
+        "num_train_rows": info.num_train_rows,
+        "num_eval_rows": info.num_eval_rows,
+        "train_files": [str(p.relative_to(out_dir)) for p in info.train_files],
+        "eval_files": [str(p.relative_to(out_dir)) for p in info.eval_files],
+        "planted_auc": info.planted_auc,
+        "positive_rate": info.positive_rate,
+    }
+    tmp = out_dir / f".{_METADATA}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(out_dir / _METADATA)
+    return info

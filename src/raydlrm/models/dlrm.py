@@ -1,0 +1,174 @@
+"""DLRM and DCNv2, written unsharded.
+
+Every model here is a :class:`RecModel`: an :class:`EmbeddingBagCollection` (``embedding_bags``,
+the sparse, model-parallel part) and a dense module (``dense``, the data-parallel part) that takes
+the dense features and the pooled embeddings as plain tensors. ``raydlrm.sharding.shard_model``
+relies on exactly these two attribute names: it replaces ``embedding_bags`` by its sharded form
+and wraps ``dense`` in DDP. No parallelism lives here.
+
+* DLRM (Naumov et al., 2019): bottom MLP over dense features, pairwise dot products between the
+  bottom output and every pooled embedding, top MLP over the bottom output and the dot products.
+* DCNv2 (Wang et al., 2021), as in MLPerf DLRMv2: the bottom output and the embeddings are
+  concatenated and go through low-rank cross layers ``x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l``,
+  then the top MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raydlrm.batch import Batch, KeyedJaggedTensor
+from raydlrm.models.config import ModelConfig
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+
+__all__ = ["CrossNet", "DCNv2Dense", "DLRMDense", "RecModel", "build_model", "mlp"]
+
+
+def mlp(sizes: list[int], *, final_activation: bool) -> nn.Sequential:
+    """Linear layers of ``sizes[i] -> sizes[i+1]`` with ReLU between them (and after the last
+    one when ``final_activation``)."""
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(n_in, n_out))
+        if final_activation or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRMDense(nn.Module):
+    """The dense side of DLRM: bottom MLP, dot interaction, top MLP.
+
+    Args:
+        num_dense: dense input features.
+        num_sparse: ``F``, pooled embeddings per sample.
+        embedding_dim: ``D``; the bottom MLP must end at ``D``.
+        bottom_mlp: bottom MLP sizes (without the input size).
+        top_mlp: top MLP hidden sizes (a 1-unit logit layer is appended).
+    """
+
+    def __init__(self, *, num_dense: int, num_sparse: int, embedding_dim: int,
+                 bottom_mlp: list[int], top_mlp: list[int]):
+        super().__init__()
+        if bottom_mlp[-1] != embedding_dim:
+            raise ValueError(
+                f"DLRM bottom MLP must end at embedding_dim={embedding_dim}, got {bottom_mlp}"
+            )
+        self.num_sparse = num_sparse
+        self.embedding_dim = embedding_dim
+        self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
+        num_vectors = num_sparse + 1
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        self.register_buffer("_triu_rows", rows, persistent=False)
+        self.register_buffer("_triu_cols", cols, persistent=False)
+        num_interactions = num_vectors * (num_vectors - 1) // 2
+        self.top = mlp([embedding_dim + num_interactions, *top_mlp, 1], final_activation=False)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
+        x = self.bottom(dense)  # B x D
+        vectors = torch.cat(
+            [x.unsqueeze(1), pooled.view(-1, self.num_sparse, self.embedding_dim)], dim=1
+        )  # B x (F+1) x D
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))  # B x (F+1) x (F+1)
+        interactions = dots[:, self._triu_rows, self._triu_cols]
+        return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
+
+
+class CrossNet(nn.Module):
+    """Low-rank cross layers (DCNv2): ``x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l``.
+
+    Args:
+        in_features: width of ``x_0``.
+        num_layers: cross layers.
+        low_rank: rank of each layer's ``U_l V_l`` factorization.
+    """
+
+    def __init__(self, *, in_features: int, num_layers: int, low_rank: int):
+        super().__init__()
+        self.down = nn.ModuleList(
+            nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers)
+        )
+        self.up = nn.ModuleList(nn.Linear(low_rank, in_features) for _ in range(num_layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for down, up in zip(self.down, self.up, strict=True):
+            x = x0 * up(down(x)) + x
+        return x
+
+
+class DCNv2Dense(nn.Module):
+    """The dense side of DCNv2 (MLPerf DLRMv2): bottom MLP, cross network, top MLP."""
+
+    def __init__(self, *, num_dense: int, num_sparse: int, embedding_dim: int,
+                 bottom_mlp: list[int], top_mlp: list[int], num_layers: int, low_rank: int):
+        super().__init__()
+        self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
+        width = bottom_mlp[-1] + num_sparse * embedding_dim
+        self.cross = CrossNet(in_features=width, num_layers=num_layers, low_rank=low_rank)
+        self.top = mlp([width, *top_mlp, 1], final_activation=False)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
+        x0 = torch.cat([self.bottom(dense), pooled], dim=1)
+        return self.top(self.cross(x0)).squeeze(1)
+
+
+class RecModel(nn.Module):
+    """A recommendation model: sparse ``embedding_bags`` plus a ``dense`` module.
+
+    Args:
+        embedding_bags: the embedding tables (unsharded; sharding replaces this attribute).
+        dense: a module mapping ``(dense B x num_dense, pooled B x sum D_f)`` to logits ``(B,)``.
+    """
+
+    def __init__(self, embedding_bags: EmbeddingBagCollection, dense: nn.Module):
+        super().__init__()
+        self.embedding_bags = embedding_bags
+        self.dense = dense
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Click logits of shape ``(B,)``."""
+        return self.forward_features(batch.dense, batch.all_sparse())
+
+    def forward_features(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Click logits of shape ``(B,)`` from dense ``B x num_dense`` and a KJT of batch ``B``."""
+        pooled = self.embedding_bags(sparse)
+        return self.dense(dense, pooled.values)
+
+
+def build_model(config: ModelConfig, *, tables: list[EmbeddingBagConfig], num_dense: int,
+                device: torch.device | str = "cpu") -> RecModel:
+    """Builds the model ``config.arch`` over ``tables``.
+
+    Args:
+        config: architecture and sizes.
+        tables: embedding tables; every table must have ``config.embedding_dim`` columns.
+        num_dense: number of dense input features.
+        device: where to allocate parameters (``meta`` defers allocation).
+
+    Raises:
+        ValueError: if a table's dim differs from ``model.embedding_dim``.
+    """
+    for t in tables:
+        if t.embedding_dim != config.embedding_dim:
+            raise ValueError(
+                f"table {t.name}: embedding_dim {t.embedding_dim} != model.embedding_dim "
+                f"{config.embedding_dim}"
+            )
+    embedding_bags = EmbeddingBagCollection(tables, device=device)
+    num_sparse = len(embedding_bags.feature_names)
+    with torch.device(device):
+        if config.arch == "dlrm":
+            dense: nn.Module = DLRMDense(
+                num_dense=num_dense, num_sparse=num_sparse, embedding_dim=config.embedding_dim,
+                bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
+            )
+        else:
+            dense = DCNv2Dense(
+                num_dense=num_dense, num_sparse=num_sparse, embedding_dim=config.embedding_dim,
+                bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
+                num_layers=config.dcn_num_layers, low_rank=config.dcn_low_rank,
+            )
+    return RecModel(embedding_bags, dense)

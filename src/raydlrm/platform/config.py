@@ -1,0 +1,221 @@
+"""The job config: every layer's config composed, loaded from TOML with dotted overrides.
+
+A run file is TOML with one table per section (``[data]``, ``[model]``, ``[sharding]``,
+``[training]``, ``[scaling]``, ``[run]``, ``[tracking]``, ``[ray]``). Overrides are
+``section.key=value`` strings (``--set training.learning_rate=0.01`` on the command line); the
+value is read as a TOML value when it parses as one (numbers, booleans, arrays, inline tables)
+and as a plain string otherwise. Unknown keys and invalid values stop with a :class:`ConfigError`
+naming the full dotted key.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from dataclasses import asdict, field
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from raydlrm._config import config_dataclass
+from raydlrm.ingestion.config import DataConfig
+from raydlrm.models import ModelConfig
+from raydlrm.sharding.config import ShardingConfig
+from raydlrm.trainers import TrainingConfig, WorkerSpec
+
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "RayInitConfig",
+    "RunSpec",
+    "ScalingSpec",
+    "TrackingConfig",
+    "flatten",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names the dotted key."""
+
+
+@config_dataclass
+class ScalingSpec:
+    """Fields of Ray Train's ``ScalingConfig``."""
+
+    num_workers: int = 2
+    """Ray Train workers; each holds a shard of the embedding tables."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL and CUDA kernels) instead of CPU (gloo)."""
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    """Ray resources per worker; fractional CPUs leave room for Ray Data on small machines."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers <= 0:
+            raise ValueError(f"scaling.num_workers must be positive, got {self.num_workers}")
+
+
+@config_dataclass
+class RunSpec:
+    """Fields of Ray Train's ``RunConfig`` and ``FailureConfig``."""
+
+    name: str | None = None
+    """Run name; also the name of the Ray Train run directory. Default: ``raydlrm-<time>``."""
+    storage_path: str = "runs"
+    """Where Ray Train keeps run state and checkpoints (a local path or ``s3://...``)."""
+    max_failures: int = 0
+    """Worker failures to recover from before the run fails."""
+
+    def __post_init__(self) -> None:
+        if self.max_failures < -1:
+            raise ValueError(f"run.max_failures must be >= -1, got {self.max_failures}")
+
+
+@config_dataclass
+class TrackingConfig:
+    """Where the MLflow run and the registered model go."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI. Default: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the
+    working directory."""
+    experiment_name: str = "raydlrm"
+    """MLflow experiment of the run."""
+    registered_model_name: str | None = "raydlrm-model"
+    """Name under which the final model is registered; None logs it without registering."""
+
+
+@config_dataclass
+class RayInitConfig:
+    """How to reach (or start) Ray when the caller has not initialized it."""
+
+    address: str | None = None
+    """Cluster address. Default: ``$RAY_ADDRESS`` (set by ``ray job submit``), else a new local
+    Ray instance."""
+    num_cpus: int | None = None
+    """CPUs of a new local instance (default: the machine's)."""
+    object_store_memory: int | None = None
+    """Object store bytes of a new local instance."""
+
+
+@config_dataclass
+class JobConfig:
+    """Everything a training job needs."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayInitConfig = field(default_factory=RayInitConfig)
+
+    def worker_spec(self) -> WorkerSpec:
+        """The part of the config the workers get."""
+        return WorkerSpec(data=self.data, model=self.model, sharding=self.sharding,
+                          training=self.training)
+
+    def run_name(self) -> str:
+        return self.run.name or time.strftime("raydlrm-%Y%m%d-%H%M%S")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and empty dicts are leaves."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, prefix=f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply_override(tree: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} is not of the form section.key=value")
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section"
+            )
+        node = child
+    node[parts[-1]] = _parse_value(text.strip())
+
+
+def _format_error(error: pydantic.ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"{key}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def load_config(source: str | Path | dict[str, Any] | JobConfig | None = None, *,
+                overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Builds a validated :class:`JobConfig`.
+
+    Args:
+        source: a TOML file path, a dict of sections, a ``JobConfig``, or None (defaults).
+        overrides: ``section.key=value`` strings applied on top, in order.
+
+    Returns:
+        The resolved config.
+
+    Raises:
+        ConfigError: a missing or unreadable file, an unknown key or an invalid value, named.
+    """
+    if isinstance(source, JobConfig):
+        tree = source.to_dict()
+    elif isinstance(source, dict):
+        tree = dict(source)
+    elif source is None:
+        tree = {}
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for override in overrides:
+        _apply_override(tree, override)
+    try:
+        return JobConfig(**tree)
+    except pydantic.ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+    except TypeError as e:  # a section given as a scalar
+        raise ConfigError(f"invalid config: {e}") from None
+
+
+def default_tracking_uri(config: TrackingConfig) -> str:
+    """The MLflow tracking URI, made absolute (the Ray Train controller runs elsewhere)."""
+    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return f"sqlite:///{Path(uri[len('sqlite:///'):]).resolve()}"
+    return uri

@@ -1,0 +1,198 @@
+"""Launching a training job: the driver side of ``raydlrm train`` and ``raydlrm.train``.
+
+In order: resolve the config; make the synthetic data set if the config asks for one and it is
+not there; validate the data (paths, rows, columns) before anything starts; plan the sharding;
+connect to Ray (or start it locally); open the job's MLflow run; start Ray Train's
+``TorchTrainer`` over Ray Data streams; log and register the final model. A failure after the
+run was opened marks the run failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as pads
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from raydlrm.ingestion import build_dataset, generate_synthetic, validate_data
+from raydlrm.platform.config import JobConfig, RayInitConfig, load_config
+from raydlrm.platform.export import log_model
+from raydlrm.platform.tracking import TrackedRun, start_run
+from raydlrm.sharding import ShardingPlan, plan_sharding
+from raydlrm.trainers.loop import train_loop_per_worker
+
+__all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
+
+logger = logging.getLogger(__name__)
+
+_EXAMPLE_ROWS = 5
+
+
+@dataclass
+class TrainResult:
+    """What a finished training job produced."""
+
+    metrics: dict[str, float]
+    """Final metrics: ``train/*`` over the last epoch, ``eval/*`` on the held-out data."""
+    checkpoint_path: str
+    """The final checkpoint (unsharded model, config, plan)."""
+    run_id: str
+    """The job's MLflow run."""
+    tracking_uri: str
+    """Where the MLflow run lives."""
+    model_uri: str
+    """The logged MLflow model (``models:/...``)."""
+    registered_model_name: str | None
+    registered_model_version: str | None
+    plan: ShardingPlan = field(repr=False)
+    """The sharding plan the job ran with."""
+
+
+def prepare_data(config: JobConfig) -> None:
+    """Generates the configured synthetic data set if ``data.train_path`` does not exist."""
+    data = config.data
+    if data.synthetic is None or Path(data.train_path).exists():
+        return
+    root = Path(data.train_path).parent
+    logger.info("generating synthetic data into %s", root)
+    generate_synthetic(data.synthetic, out_dir=root)
+
+
+def make_plan(config: JobConfig) -> ShardingPlan:
+    """The sharding plan of the job's tables over ``scaling.num_workers`` ranks."""
+    spec = config.worker_spec()
+    return plan_sharding(spec.tables(), world_size=config.scaling.num_workers,
+                         config=config.sharding)
+
+
+def _init_ray(config: RayInitConfig) -> None:
+    if ray.is_initialized():
+        return
+    address = config.address or os.environ.get("RAY_ADDRESS") or "local"
+    kwargs: dict[str, Any] = {}
+    if address == "local":
+        kwargs = {"num_cpus": config.num_cpus, "object_store_memory": config.object_store_memory}
+    ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _example_rows(path: str, config: JobConfig) -> Any:
+    """A few raw input rows (no label) for the model signature."""
+    data = config.data
+    columns = [*data.dense_columns, *data.sparse_columns]
+    table = pads.dataset(path, format="parquet").head(_EXAMPLE_ROWS, columns=columns)
+    return table.to_pandas()
+
+
+def train(config: str | Path | dict[str, Any] | JobConfig | None = None, *,
+          overrides: list[str] | tuple[str, ...] = (),
+          scaling_config: ScalingConfig | None = None,
+          run_config: RunConfig | None = None) -> TrainResult:
+    """Runs a training job end to end.
+
+    Args:
+        config: a TOML path, a dict of sections, a :class:`JobConfig`, or None (defaults).
+        overrides: ``section.key=value`` strings applied on top of ``config``.
+        scaling_config: a Ray ``ScalingConfig`` replacing the ``[scaling]`` section.
+        run_config: a Ray ``RunConfig`` replacing the ``[run]`` section (its callbacks are kept
+            and the MLflow callback is added).
+
+    Returns:
+        The final metrics, checkpoint, MLflow run and registered model.
+
+    Raises:
+        ConfigError: an invalid config, before anything runs.
+        DataValidationError: missing or malformed data, before any training starts.
+    """
+    job = load_config(config, overrides=overrides)
+    if scaling_config is not None:
+        job.scaling.num_workers = scaling_config.num_workers
+    prepare_data(job)
+    train_summary = validate_data(job.data.train_path, job.data, role="train")
+    eval_summary = (
+        validate_data(job.data.eval_path, job.data, role="eval") if job.data.eval_path else None
+    )
+    plan = make_plan(job)
+    logger.info("sharding plan:\n%s", plan.format_table())
+
+    _init_ray(job.ray)
+    run_name = run_config.name if run_config and run_config.name else job.run_name()
+    tracked = start_run(job, run_name=run_name)
+    try:
+        tracked.log_plan(plan)
+        tracked.log_params({
+            "data.train_rows": train_summary.num_rows,
+            "data.eval_rows": eval_summary.num_rows if eval_summary else 0,
+        })
+        result = _fit(job, plan=plan, tracked=tracked, run_name=run_name,
+                      scaling_config=scaling_config, run_config=run_config,
+                      has_eval=eval_summary is not None)
+    except BaseException:
+        tracked.finish(failed=True)
+        raise
+    tracked.finish()
+    return result
+
+
+def _fit(job: JobConfig, *, plan: ShardingPlan, tracked: TrackedRun, run_name: str,
+         scaling_config: ScalingConfig | None, run_config: RunConfig | None,
+         has_eval: bool) -> TrainResult:
+    datasets = {"train": build_dataset(job.data.train_path, job.data)}
+    if has_eval:
+        datasets["eval"] = build_dataset(job.data.eval_path, job.data)
+    scaling = scaling_config or ScalingConfig(
+        num_workers=job.scaling.num_workers,
+        use_gpu=job.scaling.use_gpu,
+        resources_per_worker=dict(job.scaling.resources_per_worker),
+    )
+    callbacks = [*(run_config.callbacks or [] if run_config else []), tracked.callback()]
+    if run_config is None:
+        storage = job.run.storage_path
+        run_config = RunConfig(
+            name=run_name,
+            storage_path=storage if "://" in storage else str(Path(storage).resolve()),
+            failure_config=FailureConfig(max_failures=job.run.max_failures),
+            callbacks=callbacks,
+        )
+    else:
+        run_config.callbacks = callbacks
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "spec": job.worker_spec().to_dict(),
+            "plan": plan.to_json(),
+            "has_eval": has_eval,
+        },
+        scaling_config=scaling,
+        run_config=run_config,
+        datasets=datasets,
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
+    tracked.set_tags({"raydlrm.checkpoint": result.checkpoint.path})
+    example = _example_rows(job.data.eval_path or job.data.train_path, job)
+    with result.checkpoint.as_directory() as checkpoint_dir:
+        info = log_model(
+            run_id=tracked.run_id,
+            checkpoint_dir=checkpoint_dir,
+            example=example,
+            registered_model_name=job.tracking.registered_model_name,
+        )
+    version = info.registered_model_version
+    return TrainResult(
+        metrics=metrics,
+        checkpoint_path=result.checkpoint.path,
+        run_id=tracked.run_id,
+        tracking_uri=tracked.tracking_uri,
+        model_uri=info.model_uri,
+        registered_model_name=job.tracking.registered_model_name,
+        registered_model_version=None if version is None else str(version),
+        plan=plan,
+    )

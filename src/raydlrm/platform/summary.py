@@ -1,0 +1,44 @@
+"""The short summary printed at the end of ``raydlrm train``."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from raydlrm.platform.launch import TrainResult
+
+__all__ = ["print_summary"]
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def print_summary(result: TrainResult, *, console: Console | None = None) -> None:
+    """Prints metrics, throughput, the sharding plan and where to find the MLflow run."""
+    console = console or Console()
+    m = result.metrics
+    table = Table(title="raydlrm training summary", show_header=True)
+    table.add_column("metric")
+    table.add_column("train", justify="right")
+    table.add_column("eval", justify="right")
+    for name in ("auc", "log_loss", "normalized_entropy"):
+        table.add_row(name, _fmt(m.get(f"train/{name}")), _fmt(m.get(f"eval/{name}")))
+    table.add_row("samples", _fmt(m.get("samples_seen"), ".0f"),
+                  _fmt(m.get("eval/num_samples"), ".0f"))
+    console.print(table)
+    console.print(f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
+                  f"over {int(m.get('step', 0))} steps")
+    console.print("sharding plan:")
+    console.print(result.plan.format_table(), markup=False, highlight=False)
+    console.print(f"MLflow run: {result.run_id}  ({result.tracking_uri})")
+    if result.registered_model_name:
+        console.print(f"registered model: {result.registered_model_name} "
+                      f"version {result.registered_model_version}")
+    console.print(f"checkpoint: {result.checkpoint_path}")
+    console.print(f"open the MLflow UI: mlflow ui --backend-store-uri {result.tracking_uri}",
+                  markup=False, highlight=False)

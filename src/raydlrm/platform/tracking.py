@@ -1,0 +1,137 @@
+"""One MLflow run per training job.
+
+The driver creates the run before the workers start and logs the resolved config (flattened) as
+params and the sharding plan as artifacts. Workers never talk to MLflow: their
+``ray.train.report`` metrics reach the run through :class:`MLflowReportCallback`, a Ray Train
+``UserCallback`` that runs in the Train controller. Rank 0's metrics are logged (every rank
+reports the same, globally reduced values) with the training step as the MLflow step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.tracking import MlflowClient
+from ray.train import UserCallback
+
+from raydlrm.platform.config import JobConfig, default_tracking_uri, flatten
+from raydlrm.sharding import ShardingPlan
+
+__all__ = ["MLflowReportCallback", "TrackedRun", "start_run"]
+
+logger = logging.getLogger(__name__)
+
+# MLflow limits a param value's length; long values (lists of columns) are cut, with a marker.
+_MAX_PARAM_LENGTH = 6000
+_BATCH = 100
+
+
+def _metrics_at(values: dict[str, Any], *, step: int) -> list[Metric]:
+    now = int(time.time() * 1000)
+    return [
+        Metric(key=k, value=float(v), timestamp=now, step=step)
+        for k, v in values.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+        and not math.isinf(float(v))
+    ]
+
+
+class TrackedRun:
+    """A handle on the job's MLflow run (driver side)."""
+
+    def __init__(self, *, tracking_uri: str, run_id: str, experiment_id: str):
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.client = MlflowClient(tracking_uri)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [
+            Param(k, (str(v) if len(str(v)) <= _MAX_PARAM_LENGTH
+                      else str(v)[: _MAX_PARAM_LENGTH - 3] + "..."))
+            for k, v in sorted(params.items())
+        ]
+        for i in range(0, len(items), _BATCH):
+            self.client.log_batch(self.run_id, params=items[i : i + _BATCH])
+
+    def log_metrics(self, metrics: dict[str, Any], *, step: int) -> None:
+        batch = _metrics_at(metrics, step=step)
+        for i in range(0, len(batch), _BATCH):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
+
+    def log_text(self, text: str, *, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def log_plan(self, plan: ShardingPlan) -> None:
+        """The plan as ``sharding/plan.json`` and a readable ``sharding/plan.txt``."""
+        self.log_text(plan.to_json(), artifact_file="sharding/plan.json")
+        self.log_text(plan.format_table(), artifact_file="sharding/plan.txt")
+
+    def log_dir(self, directory: str | Path, *, artifact_path: str) -> None:
+        self.client.log_artifacts(self.run_id, str(directory), artifact_path)
+
+    def finish(self, *, failed: bool = False) -> None:
+        status = RunStatus.to_string(RunStatus.FAILED if failed else RunStatus.FINISHED)
+        self.client.set_terminated(self.run_id, status=status)
+
+    def callback(self) -> MLflowReportCallback:
+        return MLflowReportCallback(tracking_uri=self.tracking_uri, run_id=self.run_id)
+
+
+def start_run(config: JobConfig, *, run_name: str) -> TrackedRun:
+    """Creates the job's MLflow run and logs the resolved config as params and an artifact."""
+    uri = default_tracking_uri(config.tracking)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.set_experiment(config.tracking.experiment_name)
+    client = MlflowClient(uri)
+    run = client.create_run(experiment.experiment_id, run_name=run_name,
+                            tags={"raydlrm.run_name": run_name})
+    tracked = TrackedRun(tracking_uri=uri, run_id=run.info.run_id,
+                         experiment_id=experiment.experiment_id)
+    resolved = config.to_dict()
+    tracked.log_params(flatten(resolved))
+    tracked.log_text(json.dumps(resolved, indent=2), artifact_file="config/resolved.json")
+    logger.info("MLflow run %s in experiment %r at %s", tracked.run_id,
+                config.tracking.experiment_name, uri)
+    return tracked
+
+
+class MLflowReportCallback(UserCallback):
+    """Logs every ``ray.train.report`` to the job's MLflow run (runs in the Train controller).
+
+    Args:
+        tracking_uri: absolute MLflow tracking URI.
+        run_id: the run created by the driver.
+    """
+
+    def __init__(self, *, tracking_uri: str, run_id: str):
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self._client: MlflowClient | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None}
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
+                     checkpoint: Any) -> None:
+        if self._client is None:
+            self._client = MlflowClient(self.tracking_uri)
+        values = metrics[0] if metrics else {}
+        step = int(values.get("step", 0))
+        batch = _metrics_at(values, step=step)
+        for i in range(0, len(batch), _BATCH):
+            self._client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
+        if checkpoint is not None:
+            self._client.set_tag(self.run_id, "raydlrm.checkpoint", checkpoint.path)
+

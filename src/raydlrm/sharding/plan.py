@@ -1,0 +1,195 @@
+"""The sharding plan: which rank holds which part of which embedding table.
+
+A plan is plain data (dataclasses of ints, floats and strings) so it can be written to JSON,
+stored in every checkpoint, printed as a per-rank table and compared in tests. The planner
+(:mod:`raydlrm.sharding.planner`) produces it; :class:`ShardedEmbeddingBagCollection` consumes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding.config import ShardingType
+
+__all__ = ["Shard", "ShardingPlan", "TablePlan"]
+
+_SHARDING_TYPES: tuple[str, ...] = ("table_wise",)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rectangle ``[row_start, row_end) x [col_start, col_end)`` of a table on one rank."""
+
+    rank: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+
+
+@dataclass
+class TablePlan:
+    """How one table is sharded.
+
+    Attributes:
+        name: table name.
+        sharding_type: how the table is split (``table_wise``: one shard holding the whole table).
+        num_embeddings: rows of the table.
+        embedding_dim: columns of the table.
+        shards: the pieces of the table and their ranks.
+        cost: estimated per-sample cost of the table's lookups and output communication (bytes).
+        memory_bytes: weights plus fused optimizer state, in bytes.
+    """
+
+    name: str
+    sharding_type: ShardingType
+    num_embeddings: int
+    embedding_dim: int
+    shards: list[Shard]
+    cost: float = 0.0
+    memory_bytes: int = 0
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks holding a shard of this table, in shard order."""
+        return [s.rank for s in self.shards]
+
+
+@dataclass
+class ShardingPlan:
+    """Placement of every embedding table on ``world_size`` ranks.
+
+    Attributes:
+        world_size: number of ranks the plan is for.
+        tables: one :class:`TablePlan` per table.
+    """
+
+    world_size: int
+    tables: list[TablePlan] = field(default_factory=list)
+
+    def table(self, name: str) -> TablePlan:
+        """The plan of table ``name``.
+
+        Raises:
+            KeyError: if the plan has no such table.
+        """
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(f"table {name!r} is not in the sharding plan")
+
+    def tables_on_rank(self, rank: int) -> list[str]:
+        """Names of the tables with a shard on ``rank``, in plan order."""
+        return [t.name for t in self.tables if rank in t.ranks]
+
+    def per_rank_cost(self) -> list[float]:
+        """Estimated cost per rank (a table's cost is split evenly over its shards)."""
+        costs = [0.0] * self.world_size
+        for t in self.tables:
+            for s in t.shards:
+                costs[s.rank] += t.cost / len(t.shards)
+        return costs
+
+    def per_rank_memory(self) -> list[int]:
+        """Bytes of weights plus optimizer state per rank (split over shards by area)."""
+        memory = [0] * self.world_size
+        for t in self.tables:
+            area = t.num_embeddings * t.embedding_dim
+            for s in t.shards:
+                shard_area = (s.row_end - s.row_start) * (s.col_end - s.col_start)
+                memory[s.rank] += t.memory_bytes * shard_area // area
+        return memory
+
+    def validate(self, tables: Sequence[EmbeddingBagConfig]) -> None:
+        """Checks that the plan places exactly ``tables`` on ``world_size`` ranks.
+
+        Args:
+            tables: the tables the plan must cover.
+
+        Raises:
+            ValueError: naming the table that is missing, planned twice, unknown, of the wrong
+                shape, not covered exactly by its shards, or placed on a rank ``>= world_size``.
+        """
+        if self.world_size <= 0:
+            raise ValueError(f"sharding plan world_size must be positive, got {self.world_size}")
+        seen: set[str] = set()
+        for t in self.tables:
+            if t.name in seen:
+                raise ValueError(f"table {t.name!r} is planned more than once")
+            seen.add(t.name)
+        configs = {t.name: t for t in tables}
+        for name in configs:
+            if name not in seen:
+                raise ValueError(f"table {name!r} is not covered by the sharding plan")
+        for t in self.tables:
+            if t.name not in configs:
+                raise ValueError(f"table {t.name!r} in the sharding plan is not a model table")
+            cfg = configs[t.name]
+            if (t.num_embeddings, t.embedding_dim) != (cfg.num_embeddings, cfg.embedding_dim):
+                raise ValueError(
+                    f"table {t.name!r}: planned shape ({t.num_embeddings}, {t.embedding_dim}) != "
+                    f"model shape ({cfg.num_embeddings}, {cfg.embedding_dim})"
+                )
+            if t.sharding_type not in _SHARDING_TYPES:
+                raise ValueError(
+                    f"table {t.name!r}: sharding_type {t.sharding_type!r} not in {_SHARDING_TYPES}"
+                )
+            for s in t.shards:
+                if not 0 <= s.rank < self.world_size:
+                    raise ValueError(
+                        f"table {t.name!r}: shard rank {s.rank} not in [0, {self.world_size})"
+                    )
+            _check_coverage(t)
+
+    def to_json(self) -> str:
+        """The plan as a JSON string (see :meth:`from_json`)."""
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        """Reads a plan written by :meth:`to_json`."""
+        data = json.loads(text)
+        tables = [
+            TablePlan(**{**t, "shards": [Shard(**s) for s in t["shards"]]})
+            for t in data["tables"]
+        ]
+        return cls(world_size=data["world_size"], tables=tables)
+
+    def format_table(self) -> str:
+        """A readable per-rank summary: rank, tables, estimated cost and memory."""
+        costs, memory = self.per_rank_cost(), self.per_rank_memory()
+        rows = [
+            (str(r), ", ".join(self.tables_on_rank(r)) or "-", f"{costs[r]:.4g}", _mib(memory[r]))
+            for r in range(self.world_size)
+        ]
+        header = ("rank", "tables", "est. cost", "memory")
+        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
+        lines = [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in [header, *rows]
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _check_coverage(t: TablePlan) -> None:
+    """Table-wise: exactly one shard spanning the whole table."""
+    full = (0, t.num_embeddings, 0, t.embedding_dim)
+    if len(t.shards) != 1:
+        raise ValueError(
+            f"table {t.name!r}: table_wise needs exactly one shard, got {len(t.shards)} "
+            "(covered twice or not at all)"
+        )
+    s = t.shards[0]
+    if (s.row_start, s.row_end, s.col_start, s.col_end) != full:
+        raise ValueError(
+            f"table {t.name!r}: shard rows [{s.row_start}, {s.row_end}) x cols "
+            f"[{s.col_start}, {s.col_end}) does not cover the table {full}"
+        )

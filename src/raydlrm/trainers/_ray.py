@@ -1,0 +1,56 @@
+"""The one seam between the training loop and Ray Train.
+
+Everything the worker needs from Ray (its rank and device, its stream of the data set, reporting
+metrics and checkpoints) goes through here, so the rest of ``raydlrm.trainers`` runs in plain
+processes and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray.train
+import ray.train.torch
+
+__all__ = ["WorkerContext", "dataset_iterator", "report", "worker_context"]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where this worker sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Any
+
+
+def worker_context() -> WorkerContext:
+    ctx = ray.train.get_context()
+    return WorkerContext(
+        rank=ctx.get_world_rank(),
+        world_size=ctx.get_world_size(),
+        local_rank=ctx.get_local_rank(),
+        device=ray.train.torch.get_device(),
+    )
+
+
+def dataset_iterator(name: str) -> Any | None:
+    """This worker's stream of dataset ``name`` (a Ray ``DataIterator``), or None if the job
+    has no such dataset."""
+    try:
+        return ray.train.get_dataset_shard(name)
+    except KeyError:
+        return None
+
+
+def report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> None:
+    """Reports metrics (and, from the ranks that pass one, a checkpoint directory).
+
+    Every worker must call this the same number of times.
+    """
+    checkpoint = (
+        ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir is not None else None
+    )
+    ray.train.report(metrics, checkpoint=checkpoint)

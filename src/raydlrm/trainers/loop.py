@@ -1,0 +1,270 @@
+"""The per-worker training loop.
+
+Every Ray Train worker runs :func:`train_loop_per_worker`: build the model from the seed (all
+ranks build identical weights), shard it with the plan the driver made, then stream batches from
+this worker's split of the data: forward, loss, backward (the embedding rows are updated inside
+the backward by fbgemm's fused optimizer), dense optimizer step. Metrics are computed over all
+workers and reported every ``log_every_steps``; the held-out set is evaluated every
+``eval_every_steps`` and at the end; the last report carries the final model as a checkpoint.
+
+Sharded embeddings make every forward pass a collective (all-to-all), so all ranks must run the
+same number of steps. Ray Data's equal split gives every worker the same number of rows; the loop
+still checks, before each step, that every rank has a batch, and stops the epoch on all ranks
+when one runs dry, counting the samples the others could not use (``dropped_samples``).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raydlrm.batch import Batch
+from raydlrm.ingestion.loader import iter_train_batches
+from raydlrm.models import RecModel, build_model
+from raydlrm.sharding import ShardingPlan, shard_model
+from raydlrm.trainers import _ray
+from raydlrm.trainers.checkpoint import save_model_checkpoint
+from raydlrm.trainers.metrics import PredictionBuffer
+from raydlrm.trainers.spec import WorkerSpec
+
+__all__ = ["Trainer", "train_loop_per_worker"]
+
+logger = logging.getLogger(__name__)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_ranks_have(has_batch: bool, device: torch.device) -> bool:
+    """True only if every rank has a batch (a MIN all-reduce of a flag)."""
+    if not _distributed():
+        return has_batch
+    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _global_sum(value: float, device: torch.device) -> float:
+    if not _distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+class Trainer:
+    """The state of one worker's training: the sharded model, the dense optimizer, counters.
+
+    Args:
+        spec: data, model, sharding and training configs.
+        plan: the sharding plan (the same on every rank).
+        rank: this worker's rank.
+        device: this worker's device.
+    """
+
+    def __init__(self, spec: WorkerSpec, *, plan: ShardingPlan, rank: int, device: torch.device):
+        self.spec = spec
+        self.plan = plan
+        self.rank = rank
+        self.device = torch.device(device)
+        cfg = spec.training
+        torch.set_num_threads(cfg.torch_threads)
+        # Same seed on every rank: identical initial tables and dense weights, so sharding can
+        # take each rank's tables from its own copy and DDP starts from agreeing replicas.
+        torch.manual_seed(cfg.seed)
+        model = build_model(
+            spec.model, tables=spec.tables(), num_dense=len(spec.data.dense_columns)
+        )
+        self.model: RecModel = shard_model(
+            model, plan=plan, config=spec.sharding, device=self.device
+        )
+        dense_params = list(self.model.dense.parameters())
+        if cfg.dense_optimizer == "adam":
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
+                dense_params, lr=cfg.learning_rate
+            )
+        elif cfg.dense_optimizer == "adagrad":
+            self.optimizer = torch.optim.Adagrad(dense_params, lr=cfg.learning_rate)
+        else:
+            self.optimizer = torch.optim.SGD(dense_params, lr=cfg.learning_rate)
+        self.step = 0
+        self.epoch = 0
+        self.samples_seen = 0  # global, all ranks
+        self.dropped_samples = 0  # global
+        self.train_seconds = 0.0
+
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """One optimization step on ``batch``; returns the logits, shape ``(B,)``."""
+        self.model.train()
+        logits = self.model(batch)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # also applies the fused embedding optimizer
+        self.optimizer.step()
+        self.step += 1
+        return logits.detach()
+
+    def _lockstep(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """Yields batches while every rank has one; counts the samples left over."""
+        iterator = iter(batches)
+        while True:
+            batch = next(iterator, None)
+            if not _all_ranks_have(batch is not None, self.device):
+                left = 0 if batch is None else batch.batch_size + sum(b.batch_size for b in iterator)
+                dropped = int(_global_sum(float(left), self.device))
+                if dropped:
+                    logger.warning(
+                        "ranks ran out of data unevenly: %d samples not used this pass", dropped
+                    )
+                self.dropped_samples += dropped
+                return
+            yield batch.to(self.device)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        """Metrics of the model on ``batches`` over all ranks (prefix ``eval/``)."""
+        self.model.eval()
+        buffer = PredictionBuffer()
+        limit = self.spec.training.max_eval_batches
+        for i, batch in enumerate(self._lockstep(batches)):
+            buffer.add(self.model(batch), batch.labels)
+            if limit is not None and i + 1 >= limit:
+                break
+        return buffer.compute().to_dict("eval/")
+
+    def fit(self, *, train_data: Any, eval_data: Any | None,
+            report: Any = _ray.report) -> dict[str, float]:
+        """Trains for the configured epochs or steps; returns the final metrics.
+
+        Args:
+            train_data: this worker's stream of training data (a Ray ``DataIterator``), iterated
+                once per epoch.
+            eval_data: the same for held-out data, or None.
+            report: called as ``report(metrics, checkpoint_dir=...)`` on every rank.
+        """
+        cfg = self.spec.training
+        window = PredictionBuffer()  # predictions since the last report
+        epoch_buffer = PredictionBuffer()  # predictions of the current epoch
+        window_loss, window_steps, window_samples = 0.0, 0, 0
+        window_start = time.perf_counter()
+        for epoch in range(cfg.num_epochs):
+            self.epoch = epoch
+            epoch_buffer = PredictionBuffer()
+            last = time.perf_counter()
+            for batch in self._lockstep(self._batches(train_data)):
+                logits = self.train_step(batch)
+                # Wall time of the step including waiting for its batch (not eval or reports).
+                self.train_seconds += time.perf_counter() - last
+                window.add(logits, batch.labels)
+                epoch_buffer.add(logits, batch.labels)
+                window_loss += float(
+                    torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                )
+                window_steps += 1
+                window_samples += batch.batch_size
+                if self.step % cfg.log_every_steps == 0:
+                    samples = _global_sum(float(window_samples), self.device)
+                    self.samples_seen += int(samples)
+                    metrics = {
+                        **window.compute().to_dict("train/"),
+                        "train/loss": window_loss / window_steps,
+                        "train/samples_per_second": samples
+                        / max(time.perf_counter() - window_start, 1e-9),
+                    }
+                    if eval_data is not None and cfg.eval_every_steps and (
+                        self.step % cfg.eval_every_steps == 0
+                    ):
+                        metrics.update(self.evaluate(self._batches(eval_data)))
+                    self._report(metrics, report=report)
+                    window_loss, window_steps, window_samples = 0.0, 0, 0
+                    window_start = time.perf_counter()
+                last = time.perf_counter()
+                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                    break
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                break
+        self.samples_seen += int(_global_sum(float(window_samples), self.device))
+        # Final metrics: training metrics over the last epoch, throughput over the whole run.
+        final = epoch_buffer.compute().to_dict("train/")
+        final["train/samples_per_second"] = self.samples_seen / max(
+            _global_max(self.train_seconds, self.device), 1e-9
+        )
+        if eval_data is not None:
+            final.update(self.evaluate(self._batches(eval_data)))
+        final["dropped_samples"] = float(self.dropped_samples)
+        self._report(final, report=report, with_model=True)
+        return final
+
+    def _batches(self, data: Any) -> Iterator[Batch]:
+        return iter_train_batches(data, config=self.spec.data)
+
+    def _report(self, metrics: dict[str, float], *, report: Any, with_model: bool = False) -> None:
+        metrics = {**metrics, "step": self.step, "epoch": self.epoch,
+                   "samples_seen": self.samples_seen}
+        if self.rank == 0:
+            shown = ", ".join(
+                f"{k}={v:.4f}" for k, v in metrics.items()
+                if k in ("train/loss", "train/auc", "eval/auc", "eval/log_loss")
+            )
+            logger.info("step %d epoch %d: %s", self.step, self.epoch, shown)
+        if not with_model:
+            report(metrics, checkpoint_dir=None)
+            return
+        state = self.unsharded_state_dict()  # a collective: every rank takes part
+        if self.rank != 0:
+            report(metrics, checkpoint_dir=None)
+            return
+        with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
+            save_model_checkpoint(
+                tmp, state_dict=state, spec=self.spec, plan=self.plan, metrics=metrics
+            )
+            report(metrics, checkpoint_dir=tmp)
+
+    def unsharded_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full, unsharded model state on rank 0 (None elsewhere); all ranks must call.
+
+        Keys are those of the unsharded :class:`RecModel`: ``embedding_bags.weights.<table>``
+        and ``dense.*``.
+        """
+        tables = self.model.embedding_bags.gather_full_tables(dst=0)
+        if self.rank != 0:
+            return None
+        dense = self.model.dense
+        dense = getattr(dense, "module", dense)  # unwrap DDP
+        state = {f"embedding_bags.weights.{name}": t.cpu() for name, t in tables.items()}
+        state.update({f"dense.{k}": v.detach().cpu() for k, v in dense.state_dict().items()})
+        return state
+
+
+def _global_max(value: float, device: torch.device) -> float:
+    if not _distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train entry point: ``config`` holds ``spec`` (a :class:`WorkerSpec` as a dict),
+    ``plan`` (the plan's JSON) and ``has_eval``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    spec = WorkerSpec(**config["spec"])
+    plan = ShardingPlan.from_json(config["plan"])
+    ctx = _ray.worker_context()
+    if plan.world_size != ctx.world_size:
+        raise ValueError(
+            f"the sharding plan is for {plan.world_size} workers but the job has {ctx.world_size}"
+        )
+    trainer = Trainer(spec, plan=plan, rank=ctx.rank, device=ctx.device)
+    trainer.fit(
+        train_data=_ray.dataset_iterator("train"),
+        eval_data=_ray.dataset_iterator("eval") if config.get("has_eval") else None,
+    )
+    logger.info("worker %d finished after %d steps", ctx.rank, trainer.step)

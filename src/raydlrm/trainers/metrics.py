@@ -1,0 +1,94 @@
+"""Click-prediction metrics computed over all workers: AUC, log loss, normalized entropy.
+
+Each worker holds the predictions of its own samples; the metrics of a global window are
+computed from all of them, gathered to every rank (so every rank reports the same numbers).
+AUC comes from scikit-learn. Normalized entropy (He et al., 2014) is the log loss divided by the
+entropy of the window's positive rate: 1.0 means no better than predicting the base rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from sklearn.metrics import roc_auc_score
+
+__all__ = ["BinaryMetrics", "PredictionBuffer", "all_gather_varlen", "binary_metrics"]
+
+
+def all_gather_varlen(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenates a 1-D tensor of any length from every rank, in rank order.
+
+    Works without an initialized process group (returns ``tensor``).
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor
+    world = dist.get_world_size()
+    size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    max_size = int(max(int(s) for s in sizes))
+    padded = torch.zeros(max_size, dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.numel()] = tensor
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[: int(s)] for g, s in zip(gathered, sizes, strict=True)])
+
+
+@dataclass
+class BinaryMetrics:
+    """Metrics of a set of binary predictions."""
+
+    auc: float
+    log_loss: float
+    normalized_entropy: float
+    num_samples: int
+    positive_rate: float
+
+    def to_dict(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+
+
+def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> BinaryMetrics:
+    """Metrics of ``logits`` (shape ``(N,)``) against 0/1 ``labels`` (shape ``(N,)``).
+
+    AUC is NaN when only one class is present.
+    """
+    logits = logits.detach().double().cpu()
+    labels = labels.detach().double().cpu()
+    n = labels.numel()
+    if n == 0:
+        return BinaryMetrics(math.nan, math.nan, math.nan, 0, math.nan)
+    log_loss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
+    p = float(labels.mean())
+    base = -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else math.nan
+    both = 0 < p < 1
+    auc = float(roc_auc_score(labels.numpy(), logits.numpy())) if both else math.nan
+    return BinaryMetrics(
+        auc=auc,
+        log_loss=log_loss,
+        normalized_entropy=log_loss / base if both else math.nan,
+        num_samples=n,
+        positive_rate=p,
+    )
+
+
+class PredictionBuffer:
+    """Collects a worker's logits and labels over a window; computes global metrics."""
+
+    def __init__(self) -> None:
+        self._logits: list[torch.Tensor] = []
+        self._labels: list[torch.Tensor] = []
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self._logits.append(logits.detach().float().cpu())
+        self._labels.append(labels.detach().float().cpu())
+
+    def compute(self) -> BinaryMetrics:
+        """Global metrics over every rank's buffer (a collective: all ranks must call); clears."""
+        logits = torch.cat(self._logits) if self._logits else torch.zeros(0)
+        labels = torch.cat(self._labels) if self._labels else torch.zeros(0)
+        self._logits, self._labels = [], []
+        return binary_metrics(all_gather_varlen(logits), all_gather_varlen(labels))

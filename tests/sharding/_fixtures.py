@@ -1,0 +1,71 @@
+"""Shared test data for the sharding tests: tables, a tiny model, seeded batches."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raydlrm.batch import KeyedJaggedTensor
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+
+GLOBAL_BATCH = 13
+# Unequal per-rank slices of the global batch, as with a last, short batch.
+SPLITS = {1: [13], 2: [8, 5], 3: [5, 2, 6], 4: [4, 3, 4, 2]}
+# Input feature order differs from the collection's, plus a feature no table uses.
+INPUT_KEYS = ["f3", "fx", "f0", "f4", "f2", "f1"]
+
+
+def make_tables(*, mean_pooling: bool = True) -> list[EmbeddingBagConfig]:
+    """Four small tables; ``t0`` is shared by two features, ``t1`` mean-pooled if asked."""
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=8,
+                           feature_names=("f0", "f1")),
+        EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=("f2",),
+                           pooling="mean" if mean_pooling else "sum"),
+        EmbeddingBagConfig(name="t2", num_embeddings=40, embedding_dim=12,
+                           feature_names=("f3",)),
+        EmbeddingBagConfig(name="t3", num_embeddings=20, embedding_dim=4, feature_names=("f4",)),
+    ]
+
+
+class TinyModel(nn.Module):
+    """Embedding bags plus one linear layer on the pooled output (the dense side)."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig]):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding_bags = EmbeddingBagCollection(tables)
+        self.dense = nn.Linear(sum(self.embedding_bags.feature_dims), 1)
+
+
+def global_batch(step: int, *, weighted: bool, rows: dict[str, int]) -> KeyedJaggedTensor:
+    """A seeded batch of ``GLOBAL_BATCH`` samples over ``INPUT_KEYS``, with empty bags.
+
+    Args:
+        step: seeds the batch.
+        weighted: attach per-id weights.
+        rows: feature -> table size (ids are drawn below it).
+    """
+    gen = torch.Generator().manual_seed(1000 + step)
+    num_keys = len(INPUT_KEYS)
+    lengths = torch.randint(0, 4, (num_keys * GLOBAL_BATCH,), generator=gen)
+    lengths[INPUT_KEYS.index("f2") * GLOBAL_BATCH] = 0  # an empty mean-pooled bag
+    lengths[INPUT_KEYS.index("f0") * GLOBAL_BATCH + GLOBAL_BATCH - 1] = 0
+    per_key = lengths.view(num_keys, GLOBAL_BATCH).sum(1).tolist()
+    values = torch.cat(
+        [
+            torch.randint(0, rows.get(k, 1000), (n,), generator=gen)
+            for k, n in zip(INPUT_KEYS, per_key, strict=True)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor.from_lengths(INPUT_KEYS, values, lengths, weights=weights)
+
+
+def targets(step: int) -> torch.Tensor:
+    """Seeded regression targets, shape ``(GLOBAL_BATCH,)``."""
+    return torch.randn(GLOBAL_BATCH, generator=torch.Generator().manual_seed(2000 + step))
+
+
+def feature_rows(tables: list[EmbeddingBagConfig]) -> dict[str, int]:
+    return {f: t.num_embeddings for t in tables for f in t.feature_names}

@@ -1,0 +1,228 @@
+"""Parity of the sharded embedding collection with the unsharded one plus a reference optimizer.
+
+Each rank feeds its own (unequal) slice of a seeded global batch through a sharded model; the
+reference runs the whole batch through the plain-torch :class:`EmbeddingBagCollection` and
+applies the fused optimizer's update rule written out in torch below.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydlrm.sharding import (
+    ShardedEmbeddingBagCollection,
+    ShardingConfig,
+    plan_sharding,
+    shard_model,
+)
+from tests._multiprocess import run_distributed
+from tests.sharding._fixtures import (
+    GLOBAL_BATCH,
+    SPLITS,
+    TinyModel,
+    feature_rows,
+    global_batch,
+    make_tables,
+    targets,
+)
+
+NUM_STEPS = 2
+LR = 0.1
+EPS = 1e-8
+TOL = {"atol": 1e-6, "rtol": 1e-5}
+SCENARIOS = [
+    {"optimizer": "rowwise_adagrad", "weighted": False},
+    {"optimizer": "rowwise_adagrad", "weighted": True},
+    {"optimizer": "adagrad", "weighted": False},
+    {"optimizer": "sgd", "weighted": True},
+]
+# With 4 ranks: rank 0 holds a sum and a mean table (two TBEs), rank 3 holds no table.
+PINNED_4 = {"t0": [0], "t1": [0], "t2": [1], "t3": [2]}
+
+
+def _config(optimizer: str, world_size: int) -> ShardingConfig:
+    pinned = PINNED_4 if world_size == 4 else {}
+    return ShardingConfig(optimizer=optimizer, learning_rate=LR, eps=EPS, pinned_ranks=pinned)
+
+
+def _train(model, *, weighted: bool, rows: slice, tables) -> dict:
+    """Runs NUM_STEPS forward/backward steps on samples ``rows`` of each global batch."""
+    record = {"pooled": [], "pooled_grad": [], "dense_grad": []}
+    dense = getattr(model.dense, "module", model.dense)
+    for step in range(NUM_STEPS):
+        batch = global_batch(step, weighted=weighted, rows=feature_rows(tables))
+        kjt = batch.index_rows(torch.arange(rows.start, rows.stop))
+        kt = model.embedding_bags(kjt)
+        pooled = kt.values
+        pooled.retain_grad()
+        pred = model.dense(pooled).squeeze(1)
+        # Normalized by the global batch, so embedding gradients summed over ranks equal the
+        # reference's; DDP averages the dense gradients over ranks.
+        loss = ((pred - targets(step)[rows]) ** 2).sum() / GLOBAL_BATCH
+        loss.backward()
+        yield_ref = getattr(model, "reference_step", None)
+        if yield_ref is not None:
+            yield_ref()
+        record["keys"] = kt.keys
+        record["pooled"].append(pooled.detach().clone())
+        record["pooled_grad"].append(pooled.grad.clone())
+        record["dense_grad"].append([p.grad.clone() for p in dense.parameters()])
+        dense.zero_grad()
+    return record
+
+
+def _sharded_worker(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
+    results = []
+    start = sum(SPLITS[world_size][:rank])
+    rows = slice(start, start + SPLITS[world_size][rank])
+    for sc in scenarios:
+        tables = make_tables(mean_pooling=not sc["weighted"])
+        config = _config(sc["optimizer"], world_size)
+        plan = plan_sharding(tables, world_size=world_size, config=config)
+        model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
+        record = _train(model, weighted=sc["weighted"], rows=rows, tables=tables)
+        record["tables"] = model.embedding_bags.gather_full_tables(dst=0)
+        record["states"] = {
+            k: [s.clone() for s in v] for k, v in model.embedding_bags.optimizer_states().items()
+        }
+        record["ddp"] = type(model.dense).__name__
+        results.append(record)
+    return results
+
+
+def _reference(optimizer: str, weighted: bool) -> dict:
+    """Single-process unsharded run with the fused optimizer's update written in torch."""
+    tables = make_tables(mean_pooling=not weighted)
+    model = TinyModel(tables)
+    ebc = model.embedding_bags
+    states = {
+        t.name: {
+            "rowwise_adagrad": [torch.zeros(t.num_embeddings)],
+            "adagrad": [torch.zeros(t.num_embeddings, t.embedding_dim)],
+            "sgd": [],
+        }[optimizer]
+        for t in tables
+    }
+
+    @torch.no_grad()
+    def step() -> None:
+        for name, weight in ebc.weights.items():
+            grad = weight.grad
+            if optimizer == "rowwise_adagrad":
+                states[name][0] += (grad * grad).mean(dim=1)
+                weight -= LR * grad / (states[name][0].sqrt() + EPS).unsqueeze(1)
+            elif optimizer == "adagrad":
+                states[name][0] += grad * grad
+                weight -= LR * grad / (states[name][0].sqrt() + EPS)
+            else:
+                weight -= LR * grad
+            weight.grad = None
+
+    model.reference_step = step
+    record = _train(model, weighted=weighted, rows=slice(0, GLOBAL_BATCH), tables=tables)
+    record["tables"] = {k: w.detach() for k, w in ebc.weights.items()}
+    record["states"] = states
+    record["keys"] = ebc.feature_names
+    return record
+
+
+@pytest.fixture(scope="module")
+def references() -> list[dict]:
+    return [_reference(sc["optimizer"], sc["weighted"]) for sc in SCENARIOS]
+
+
+def _check_parity(results: list[list[dict]], references: list[dict], world_size: int) -> None:
+    for i, ref in enumerate(references):
+        start = 0
+        merged_states: dict[str, list[torch.Tensor]] = {}
+        for rank, per_rank in enumerate(results):
+            got = per_rank[i]
+            rows = slice(start, start + SPLITS[world_size][rank])
+            start = rows.stop
+            assert got["keys"] == ref["keys"]
+            assert got["ddp"] == ("DistributedDataParallel" if world_size > 1 else "Linear")
+            for step in range(NUM_STEPS):
+                torch.testing.assert_close(got["pooled"][step], ref["pooled"][step][rows], **TOL)
+                torch.testing.assert_close(
+                    got["pooled_grad"][step], ref["pooled_grad"][step][rows], **TOL
+                )
+                for g, r in zip(got["dense_grad"][step], ref["dense_grad"][step], strict=True):
+                    torch.testing.assert_close(g * world_size, r, **TOL)
+            merged_states.update(got["states"])
+            if rank:
+                assert got["tables"] is None
+        assert results[0][i]["tables"].keys() == ref["tables"].keys()
+        for name, weight in ref["tables"].items():
+            torch.testing.assert_close(results[0][i]["tables"][name], weight, **TOL)
+            torch.testing.assert_close(merged_states[name], ref["states"][name], **TOL)
+
+
+def test_reference_updates_rows(references: list[dict]) -> None:
+    # Guards the parity test against a reference that never changes the tables.
+    initial = TinyModel(make_tables()).embedding_bags.weights
+    for ref in references:
+        assert not torch.equal(ref["tables"]["t0"], initial["t0"])
+
+
+def test_parity_without_process_group(references: list[dict]) -> None:
+    results = [_sharded_worker(0, 1, SCENARIOS)]
+    _check_parity(results, references, world_size=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_parity_multi_process(world_size: int, references: list[dict]) -> None:
+    results = run_distributed(_sharded_worker, world_size=world_size, args=(SCENARIOS,))
+    _check_parity(results, references, world_size=world_size)
+
+
+def _round_trip_worker(rank: int, world_size: int) -> dict:
+    tables = make_tables()
+    config = ShardingConfig()
+    plan = plan_sharding(tables, world_size=world_size, config=config)
+    ebc = TinyModel(tables).embedding_bags
+    sharded = ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
+    before = sharded.gather_full_tables(dst=1)
+    sharded.load_full_tables({k: w.detach() * 2 + 1 for k, w in ebc.weights.items()})
+    after = sharded.gather_full_tables(dst=1)
+    return {"before": before, "after": after, "local": sorted(sharded.local_tables())}
+
+
+@pytest.mark.distributed
+def test_gather_and_load_full_tables() -> None:
+    results = run_distributed(_round_trip_worker, world_size=2)
+    ebc = TinyModel(make_tables()).embedding_bags
+    assert results[0]["before"] is None and results[0]["after"] is None
+    assert sorted(results[0]["local"] + results[1]["local"]) == ["t0", "t1", "t2", "t3"]
+    for name, weight in ebc.weights.items():
+        torch.testing.assert_close(results[1]["before"][name], weight.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(results[1]["after"][name], weight.detach() * 2 + 1)
+
+
+def test_out_of_range_id_names_table() -> None:
+    tables = make_tables()
+    sharded = ShardedEmbeddingBagCollection(
+        TinyModel(tables).embedding_bags,
+        plan=plan_sharding(tables, world_size=1, config=ShardingConfig()),
+        config=ShardingConfig(),
+        device="cpu",
+    )
+    batch = global_batch(0, weighted=False, rows=feature_rows(tables))
+    bad = batch.values.clone()
+    f4_start = int(batch.offset_per_key()[batch.keys.index("f4")])
+    bad[f4_start] = 20  # t3 has 20 rows
+    with pytest.raises(ValueError, match="table 't3'.*id 20"):
+        sharded(type(batch).from_lengths(batch.keys, bad, batch.lengths))
+    bad[f4_start] = -1
+    with pytest.raises(ValueError, match="table 't3'"):
+        sharded(type(batch).from_lengths(batch.keys, bad, batch.lengths))
+
+
+def test_plan_world_size_must_match_process_group() -> None:
+    tables = make_tables()
+    plan = plan_sharding(tables, world_size=2, config=ShardingConfig())
+    with pytest.raises(ValueError, match="world_size 2"):
+        ShardedEmbeddingBagCollection(
+            TinyModel(tables).embedding_bags, plan=plan, config=ShardingConfig(), device="cpu"
+        )
