@@ -165,7 +165,7 @@ def _format_error(error: pydantic.ValidationError) -> str:
     for e in error.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
         msg = e["msg"]
-        if e["type"] == "extra_forbidden":
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = "unknown key"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]

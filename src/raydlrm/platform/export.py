@@ -43,7 +43,7 @@ class RecModelPythonModel(mlflow.pyfunc.PythonModel):
         self._data = loaded.spec.data
         self._preprocess = Preprocessor(loaded.spec.data)
 
-    def predict(self, context, model_input, params=None):  # noqa: ANN001 (MLflow reads hints)
+    def predict(self, context: Any, model_input: pd.DataFrame, params: Any = None) -> np.ndarray:
         """Click probabilities, shape ``(N,)``, for ``N`` raw rows (a pandas DataFrame)."""
         frame = pd.DataFrame(model_input)
         table = pa.Table.from_pandas(frame, preserve_index=False)
