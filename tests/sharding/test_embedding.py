@@ -37,12 +37,12 @@ SCENARIOS = [
     {"optimizer": "adagrad", "weighted": False},
     {"optimizer": "sgd", "weighted": True},
 ]
-# With 4 ranks: rank 0 holds a sum and a mean table (two TBEs), rank 3 holds no table.
-PINNED_4 = {"t0": [0], "t1": [0], "t2": [1], "t3": [2]}
+# With 3 ranks: rank 0 holds a sum and a mean table (two TBEs), rank 2 holds no table.
+PINNED_3 = {"t0": [0], "t1": [0], "t2": [1], "t3": [1]}
 
 
 def _config(optimizer: str, world_size: int) -> ShardingConfig:
-    pinned = PINNED_4 if world_size == 4 else {}
+    pinned = PINNED_3 if world_size == 3 else {}
     return ShardingConfig(optimizer=optimizer, learning_rate=LR, eps=EPS, pinned_ranks=pinned)
 
 
@@ -61,9 +61,10 @@ def _train(model, *, weighted: bool, rows: slice, tables) -> dict:
         # reference's; DDP averages the dense gradients over ranks.
         loss = ((pred - targets(step)[rows]) ** 2).sum() / GLOBAL_BATCH
         loss.backward()
-        yield_ref = getattr(model, "reference_step", None)
-        if yield_ref is not None:
-            yield_ref()
+        # The sharded model's fused optimizer has already updated its rows in backward.
+        optimizer_step = getattr(model, "reference_optimizer_step", None)
+        if optimizer_step is not None:
+            optimizer_step()
         record["keys"] = kt.keys
         record["pooled"].append(pooled.detach().clone())
         record["pooled_grad"].append(pooled.grad.clone())
@@ -119,7 +120,7 @@ def _reference(optimizer: str, weighted: bool) -> dict:
                 weight -= LR * grad
             weight.grad = None
 
-    model.reference_step = step
+    model.reference_optimizer_step = step
     record = _train(model, weighted=weighted, rows=slice(0, GLOBAL_BATCH), tables=tables)
     record["tables"] = {k: w.detach() for k, w in ebc.weights.items()}
     record["states"] = states
@@ -171,7 +172,7 @@ def test_parity_without_process_group(references: list[dict]) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_multi_process(world_size: int, references: list[dict]) -> None:
     results = run_distributed(_sharded_worker, world_size=world_size, args=(SCENARIOS,))
     _check_parity(results, references, world_size=world_size)
