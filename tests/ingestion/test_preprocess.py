@@ -24,18 +24,21 @@ def _raw_table(num_rows: int = 6, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 4, size=num_rows)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.table({
-        "sample_id": pa.array(np.arange(num_rows, dtype=np.int64) + 100),
-        "label": pa.array(rng.integers(0, 2, num_rows)),
-        "I1": pa.array(rng.uniform(-2, 50, num_rows).astype(np.float32),
-                       mask=np.arange(num_rows) % 3 == 0),
-        "I2": pa.array(rng.integers(0, 1000, num_rows)),
-        "C1": pa.array(rng.integers(-(2**62), 2**62, num_rows)),
-        "C2": pa.array(rng.integers(0, 10, num_rows).astype(np.int32)),
-        "C3": pa.ListArray.from_arrays(
-            pa.array(offsets), pa.array(rng.integers(-(2**62), 2**62, int(offsets[-1])))
-        ),
-    })
+    return pa.table(
+        {
+            "sample_id": pa.array(np.arange(num_rows, dtype=np.int64) + 100),
+            "label": pa.array(rng.integers(0, 2, num_rows)),
+            "I1": pa.array(
+                rng.uniform(-2, 50, num_rows).astype(np.float32), mask=np.arange(num_rows) % 3 == 0
+            ),
+            "I2": pa.array(rng.integers(0, 1000, num_rows)),
+            "C1": pa.array(rng.integers(-(2**62), 2**62, num_rows)),
+            "C2": pa.array(rng.integers(0, 10, num_rows).astype(np.int32)),
+            "C3": pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(rng.integers(-(2**62), 2**62, int(offsets[-1])))
+            ),
+        }
+    )
 
 
 def test_output_columns_ranges_and_types():
@@ -99,7 +102,10 @@ def test_hash_is_stable_across_processes():
         f"print(hash_ids(np.array({ids.tolist()}, dtype=np.int64), table_size=1_000_003).tolist())"
     )
     other = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"PYTHONHASHSEED": "12345"},
     )
     assert other.stdout.strip() == str(here)
@@ -108,15 +114,20 @@ def test_hash_is_stable_across_processes():
 
 def test_null_ids_and_labels_are_errors_naming_the_column():
     raw = _raw_table()
-    bad = raw.set_column(raw.schema.get_field_index("C1"), "C1",
-                         pa.array([1, None, 3, 4, 5, 6], pa.int64()))
+    bad = raw.set_column(
+        raw.schema.get_field_index("C1"), "C1", pa.array([1, None, 3, 4, 5, 6], pa.int64())
+    )
     with pytest.raises(ValueError, match="'C1'"):
         Preprocessor(_config())(bad)
-    bad_list = raw.set_column(raw.schema.get_field_index("C3"), "C3",
-                              pa.array([[1], [2, None], [3], [4], [5], [6]], pa.list_(pa.int64())))
+    bad_list = raw.set_column(
+        raw.schema.get_field_index("C3"),
+        "C3",
+        pa.array([[1], [2, None], [3], [4], [5], [6]], pa.list_(pa.int64())),
+    )
     with pytest.raises(ValueError, match="'C3'"):
         Preprocessor(_config())(bad_list)
-    bad_label = raw.set_column(raw.schema.get_field_index("label"), "label",
-                               pa.array([1, 0, None, 0, 1, 0], pa.int64()))
+    bad_label = raw.set_column(
+        raw.schema.get_field_index("label"), "label", pa.array([1, 0, None, 0, 1, 0], pa.int64())
+    )
     with pytest.raises(ValueError, match="'label'"):
         Preprocessor(_config())(bad_label)

@@ -61,7 +61,9 @@ def test_columns_types_and_ids(dataset):
         assert train.schema.field(f"C{i}").type == pa.list_(pa.int64())
         lengths = train.column(f"C{i}").combine_chunks().value_lengths().to_numpy()
         assert lengths.min() >= 1 and lengths.max() <= config.max_list_length
-    ids = np.concatenate([train.column("sample_id").to_numpy(), evals.column("sample_id").to_numpy()])
+    ids = np.concatenate(
+        [train.column("sample_id").to_numpy(), evals.column("sample_id").to_numpy()]
+    )
     np.testing.assert_array_equal(ids, np.arange(36_000))
     labels = train.column("label").to_numpy()
     assert set(np.unique(labels)) == {0, 1}

@@ -13,7 +13,10 @@ DEFAULT_SPARSE_COLUMNS = [f"C{i}" for i in range(1, 27)]
 
 @config_dataclass
 class SyntheticConfig:
-    """A Criteo-shaped synthetic data set with a planted model (see ``raydlrm.ingestion.synthetic``)."""
+    """A Criteo-shaped synthetic data set with a planted model.
+
+    See ``raydlrm.ingestion.synthetic`` for the columns and the planted model.
+    """
 
     num_train_rows: int = 200_000
     """Rows in the training split."""
@@ -49,8 +52,14 @@ class SyntheticConfig:
     """Seed; the same seed gives the same files."""
 
     def __post_init__(self) -> None:
-        for name in ("num_train_rows", "rows_per_file", "num_dense", "num_sparse",
-                     "max_list_length", "max_cardinality"):
+        for name in (
+            "num_train_rows",
+            "rows_per_file",
+            "num_dense",
+            "num_sparse",
+            "max_list_length",
+            "max_cardinality",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"synthetic.{name} must be positive, got {getattr(self, name)}")
         if self.num_eval_rows < 0:

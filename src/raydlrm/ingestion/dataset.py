@@ -61,7 +61,11 @@ def build_dataset(
     size = num_actors or config.num_preprocess_actors or default_num_actors()
     logger.info(
         "%s data %s: %d rows in %d files; preprocessing on %d actors",
-        role, path, summary.num_rows, summary.num_files, size,
+        role,
+        path,
+        summary.num_rows,
+        summary.num_files,
+        size,
     )
     return ray.data.read_parquet(path, columns=columns).map_batches(
         Preprocessor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,9 @@ import torch
 from raydlrm.batch import Batch, KeyedJaggedTensor
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
+
+if TYPE_CHECKING:
+    from ray.data import DataIterator, Dataset
 
 __all__ = ["arrow_to_batch", "iter_train_batches"]
 
@@ -100,7 +103,7 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     )
 
 
-def iter_train_batches(iterator: Any, *, config: DataConfig) -> Iterator[Batch]:
+def iter_train_batches(iterator: DataIterator | Dataset, *, config: DataConfig) -> Iterator[Batch]:
     """Yields ``Batch`` es from a Ray Data iterator over preprocessed rows.
 
     Args:

@@ -97,7 +97,9 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
             resolved, format="parquet", filesystem=filesystem, exclude_invalid_files=False
         )
     except (pa.ArrowInvalid, OSError) as exc:
-        raise DataValidationError(f"{role} data at {path!r} is not readable Parquet: {exc}") from exc
+        raise DataValidationError(
+            f"{role} data at {path!r} is not readable Parquet: {exc}"
+        ) from exc
     fragments = list(dataset.get_fragments())
     if not fragments:
         raise DataValidationError(f"{role} data path {path!r} contains no Parquet files")

@@ -125,9 +125,8 @@ def _zipf_ranks(rng: np.random.Generator, *, size: int, cardinality: int, s: flo
     u = rng.random(size)
     n = cardinality + 1.0
     if abs(s - 1.0) < 1e-6:
-        x = n**u
-    else:
-        x = ((n ** (1.0 - s) - 1.0) * u + 1.0) ** (1.0 / (1.0 - s))
+        return np.minimum((n**u).astype(np.int64) - 1, cardinality - 1)
+    x = ((n ** (1.0 - s) - 1.0) * u + 1.0) ** (1.0 / (1.0 - s))
     return np.minimum(x.astype(np.int64) - 1, cardinality - 1)
 
 
@@ -180,9 +179,7 @@ def _sample_rows(
             list_lengths = rng.integers(1, config.max_list_length + 1, size=num_rows)
             offs = np.zeros(num_rows + 1, dtype=np.int32)
             np.cumsum(list_lengths, out=offs[1:])
-            ranks = _zipf_ranks(
-                rng, size=int(offs[-1]), cardinality=card, s=config.zipf_exponent
-            )
+            ranks = _zipf_ranks(rng, size=int(offs[-1]), cardinality=card, s=config.zipf_exponent)
         raw = mix64(ranks.astype(np.uint64) + model.id_salts[f]) >> np.uint64(1)
         ids.append(raw.view(np.int64))
         offsets.append(offs)
@@ -287,9 +284,7 @@ def _plant(config: SyntheticConfig) -> _PlantedModel:
         else:
             hi = mid
     total = 0.5 * (lo + hi)
-    total_std = float(
-        np.std(sum(s * x for s, x in zip(scales, parts, strict=True)))
-    )
+    total_std = float(np.std(sum(s * x for s, x in zip(scales, parts, strict=True))))
     k = total / max(total_std, 1e-12)
     return dataclasses.replace(
         draft,
@@ -302,7 +297,12 @@ def _plant(config: SyntheticConfig) -> _PlantedModel:
 
 
 def _file_table(
-    config: SyntheticConfig, model: _PlantedModel, *, split: str, index: int, first_id: int,
+    config: SyntheticConfig,
+    model: _PlantedModel,
+    *,
+    split: str,
+    index: int,
+    first_id: int,
     num_rows: int,
 ) -> tuple[pa.Table, np.ndarray]:
     """One file's rows and their planted logits ``(num_rows,)``."""
@@ -447,8 +447,9 @@ def generate_synthetic(
             if split == "eval":
                 auc.update(logit, labels)
             first_id += num_rows
-        logger.info("wrote %d %s rows in %d files to %s", total, split, len(files[split]),
-                    split_dir)
+        logger.info(
+            "wrote %d %s rows in %d files to %s", total, split, len(files[split]), split_dir
+        )
 
     num_rows = config.num_train_rows + config.num_eval_rows
     info = SyntheticInfo(
