@@ -41,8 +41,9 @@ SetOption = Annotated[
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("raydlrm").setLevel(logging.INFO)
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:

@@ -132,11 +132,28 @@ def train(config: str | Path | dict[str, Any] | JobConfig | None = None, *,
         result = _fit(job, plan=plan, tracked=tracked, run_name=run_name,
                       scaling_config=scaling_config, run_config=run_config,
                       has_eval=eval_summary is not None)
+        _account_rows(result, job=job, train_rows=train_summary.num_rows, tracked=tracked)
     except BaseException:
         tracked.finish(failed=True)
         raise
     tracked.finish()
     return result
+
+
+def _account_rows(result: TrainResult, *, job: JobConfig, train_rows: int,
+                  tracked: TrackedRun) -> None:
+    """Counts training rows that were read but not trained on (an uneven split across workers
+    leaves at most ``num_workers - 1`` rows per epoch out); logs the count, never hides it."""
+    if job.training.max_steps is not None:
+        return
+    expected = train_rows * job.training.num_epochs
+    missing = expected - int(result.metrics.get("samples_seen", expected))
+    result.metrics["rows_not_trained"] = float(missing)
+    tracked.log_metrics({"rows_not_trained": missing}, step=int(result.metrics.get("step", 0)))
+    if missing:
+        logger.warning("%d of %d training rows (over %d epochs) were not trained on: the data "
+                       "did not split evenly over %d workers", missing, expected,
+                       job.training.num_epochs, job.scaling.num_workers)
 
 
 def _fit(job: JobConfig, *, plan: ShardingPlan, tracked: TrackedRun, run_name: str,

@@ -31,10 +31,13 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
     table.add_row("samples", _fmt(m.get("samples_seen"), ".0f"),
                   _fmt(m.get("eval/num_samples"), ".0f"))
     console.print(table)
+    if m.get("rows_not_trained"):
+        console.print(f"rows not trained: {int(m['rows_not_trained'])} (see the log)")
     console.print(f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
                   f"over {int(m.get('step', 0))} steps")
     console.print("sharding plan:")
-    console.print(result.plan.format_table(), markup=False, highlight=False)
+    # Plain print: the plan is a fixed-width table that must not be re-wrapped.
+    print(result.plan.format_table(), file=console.file, flush=True)
     console.print(f"MLflow run: {result.run_id}  ({result.tracking_uri})")
     if result.registered_model_name:
         console.print(f"registered model: {result.registered_model_name} "

@@ -98,7 +98,8 @@ class Trainer:
         self.epoch = 0
         self.samples_seen = 0  # global, all ranks
         self.dropped_samples = 0  # global
-        self.train_seconds = 0.0
+        self.train_seconds = 0.0  # steady-state training wall time (excludes first batch)
+        self.first_batch_seconds: float | None = None
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimization step on ``batch``; returns the logits, shape ``(B,)``."""
@@ -159,6 +160,10 @@ class Trainer:
             epoch_buffer = PredictionBuffer()
             last = time.perf_counter()
             for batch in self._lockstep(self._batches(train_data)):
+                if self.first_batch_seconds is None:
+                    # Start-up of the data pipeline is reported apart from the steady state.
+                    self.first_batch_seconds = time.perf_counter() - last
+                    last = time.perf_counter()
                 logits = self.train_step(batch)
                 # Wall time of the step including waiting for its batch (not eval or reports).
                 self.train_seconds += time.perf_counter() - last
@@ -199,6 +204,8 @@ class Trainer:
         if eval_data is not None:
             final.update(self.evaluate(self._batches(eval_data)))
         final["dropped_samples"] = float(self.dropped_samples)
+        final["data/first_batch_seconds"] = _global_max(self.first_batch_seconds or 0.0,
+                                                        self.device)
         self._report(final, report=report, with_model=True)
         return final
 
@@ -251,10 +258,20 @@ def _global_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def _configure_logging() -> None:
+    """INFO lines from raydlrm only (fbgemm and Ray log plenty at INFO on their own)."""
+    package = logging.getLogger("raydlrm")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+    package.setLevel(logging.INFO)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: ``config`` holds ``spec`` (a :class:`WorkerSpec` as a dict),
     ``plan`` (the plan's JSON) and ``has_eval``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _configure_logging()
     spec = WorkerSpec(**config["spec"])
     plan = ShardingPlan.from_json(config["plan"])
     ctx = _ray.worker_context()
