@@ -18,12 +18,17 @@ INPUT_KEYS = ["f3", "fx", "f0", "f4", "f2", "f1"]
 def make_tables(*, mean_pooling: bool = True) -> list[EmbeddingBagConfig]:
     """Four small tables; ``t0`` is shared by two features, ``t1`` mean-pooled if asked."""
     return [
-        EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=8,
-                           feature_names=("f0", "f1")),
-        EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=("f2",),
-                           pooling="mean" if mean_pooling else "sum"),
-        EmbeddingBagConfig(name="t2", num_embeddings=40, embedding_dim=12,
-                           feature_names=("f3",)),
+        EmbeddingBagConfig(
+            name="t0", num_embeddings=50, embedding_dim=8, feature_names=("f0", "f1")
+        ),
+        EmbeddingBagConfig(
+            name="t1",
+            num_embeddings=30,
+            embedding_dim=4,
+            feature_names=("f2",),
+            pooling="mean" if mean_pooling else "sum",
+        ),
+        EmbeddingBagConfig(name="t2", num_embeddings=40, embedding_dim=12, feature_names=("f3",)),
         EmbeddingBagConfig(name="t3", num_embeddings=20, embedding_dim=4, feature_names=("f4",)),
     ]
 

@@ -171,14 +171,8 @@ def test_parity_without_process_group(references: list[dict]) -> None:
     _check_parity(results, references, world_size=1)
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_parity_multi_process(world_size: int, references: list[dict]) -> None:
-    results = run_distributed(_sharded_worker, world_size=world_size, args=(SCENARIOS,))
-    _check_parity(results, references, world_size=world_size)
-
-
-def _round_trip_worker(rank: int, world_size: int) -> dict:
+def _round_trip(world_size: int) -> dict:
+    """Gathers the tables on rank 1, loads changed full tables, gathers again."""
     tables = make_tables()
     config = ShardingConfig()
     plan = plan_sharding(tables, world_size=world_size, config=config)
@@ -190,12 +184,43 @@ def _round_trip_worker(rank: int, world_size: int) -> dict:
     return {"before": before, "after": after, "local": sorted(sharded.local_tables())}
 
 
+def _distributed_worker(rank: int, world_size: int) -> dict:
+    # One process group per world size for all checks: spawning processes dominates the time.
+    return {
+        "parity": _sharded_worker(rank, world_size, SCENARIOS),
+        "round_trip": _round_trip(world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def distributed_runs():
+    """World size -> per-rank results of ``_distributed_worker`` (each size run once)."""
+    cache: dict[int, list[dict]] = {}
+
+    def get(world_size: int) -> list[dict]:
+        if world_size not in cache:
+            cache[world_size] = run_distributed(_distributed_worker, world_size=world_size)
+        return cache[world_size]
+
+    return get
+
+
 @pytest.mark.distributed
-def test_gather_and_load_full_tables() -> None:
-    results = run_distributed(_round_trip_worker, world_size=2)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parity_multi_process(world_size: int, references: list[dict], distributed_runs) -> None:
+    results = [r["parity"] for r in distributed_runs(world_size)]
+    _check_parity(results, references, world_size=world_size)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_and_load_full_tables(world_size: int, distributed_runs) -> None:
+    results = [r["round_trip"] for r in distributed_runs(world_size)]
     ebc = TinyModel(make_tables()).embedding_bags
-    assert results[0]["before"] is None and results[0]["after"] is None
-    assert sorted(results[0]["local"] + results[1]["local"]) == ["t0", "t1", "t2", "t3"]
+    for rank, result in enumerate(results):
+        if rank != 1:
+            assert result["before"] is None and result["after"] is None
+    assert sorted(name for r in results for name in r["local"]) == ["t0", "t1", "t2", "t3"]
     for name, weight in ebc.weights.items():
         torch.testing.assert_close(results[1]["before"][name], weight.detach(), atol=0, rtol=0)
         torch.testing.assert_close(results[1]["after"][name], weight.detach() * 2 + 1)
@@ -213,7 +238,7 @@ def test_out_of_range_id_names_table() -> None:
     bad = batch.values.clone()
     f4_start = int(batch.offset_per_key()[batch.keys.index("f4")])
     bad[f4_start] = 20  # t3 has 20 rows
-    with pytest.raises(ValueError, match="table 't3'.*id 20"):
+    with pytest.raises(ValueError, match=r"table 't3'.*id 20"):
         sharded(type(batch).from_lengths(batch.keys, bad, batch.lengths))
     bad[f4_start] = -1
     with pytest.raises(ValueError, match="table 't3'"):

@@ -53,9 +53,7 @@ def all_to_all(
         Shape ``(sum(output_splits),)``: the blocks received, in source-rank order.
     """
     output = tensor.new_empty(sum(output_splits))
-    dist.all_to_all_single(
-        output, tensor.contiguous(), output_splits, input_splits, group=pg
-    )
+    dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=pg)
     return output
 
 
@@ -83,8 +81,9 @@ class PooledCodec(Protocol):
         """``(rows, cols)`` float block -> 1-D payload of ``payload_numel(rows, cols)``."""
         ...
 
-    def decode(self, payload: torch.Tensor, *, rows: int, cols: int,
-               dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, *, rows: int, cols: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """1-D payload -> ``(rows, cols)`` block of ``dtype``."""
         ...
 
@@ -98,8 +97,9 @@ class IdentityCodec:
     def encode(self, block: torch.Tensor) -> torch.Tensor:
         return block.reshape(-1)
 
-    def decode(self, payload: torch.Tensor, *, rows: int, cols: int,
-               dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, *, rows: int, cols: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         return payload.view(rows, cols).to(dtype)
 
 

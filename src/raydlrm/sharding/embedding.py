@@ -172,7 +172,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
         return SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(t.num_embeddings, t.embedding_dim, location, compute) for t in tables],
+            embedding_specs=[
+                (t.num_embeddings, t.embedding_dim, location, compute) for t in tables
+            ],
             feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
             optimizer=_OPTIMIZERS[config.optimizer],
             learning_rate=config.learning_rate,
@@ -225,9 +227,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         local = self.local_tables()
         if self._world_size == 1:
             return {t.name: local[t.name].clone() for t in self.tables}
-        payload = torch.cat([w.reshape(-1) for w in local.values()]) if local else (
-            torch.empty(0, device=self._device)
-        )
+        # Flattened in the order of self._rank_tables[rank] (local_tables() follows it).
+        flat = [w.reshape(-1) for w in local.values()]
+        payload = torch.cat(flat) if flat else torch.empty(0, device=self._device)
         sizes = [sum(t.num_embeddings * t.embedding_dim for t in ts) for ts in self._rank_tables]
         is_dst = self._rank == dst
         received = all_to_all(
@@ -317,7 +319,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
         recv_splits = [self._num_rank_features[self._rank] * b for b in batch_sizes]
         send_ids = [
-            int(s) for s in torch.stack(
+            int(s)
+            for s in torch.stack(
                 [x.sum() for x in kjt.length_per_key().split(self._num_rank_features)]
             ).tolist()
         ]
@@ -327,9 +330,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         values = all_to_all(kjt.values, input_splits=send_ids, output_splits=recv_ids, pg=pg)
         weights = None
         if kjt.weights is not None:
-            weights = all_to_all(
-                kjt.weights, input_splits=send_ids, output_splits=recv_ids, pg=pg
-            )
+            weights = all_to_all(kjt.weights, input_splits=send_ids, output_splits=recv_ids, pg=pg)
         lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
             self._bag_permutation(batch_sizes), lengths, values, weights, values.numel()
         )

@@ -153,8 +153,7 @@ class ShardingPlan:
         """Reads a plan written by :meth:`to_json`."""
         data = json.loads(text)
         tables = [
-            TablePlan(**{**t, "shards": [Shard(**s) for s in t["shards"]]})
-            for t in data["tables"]
+            TablePlan(**{**t, "shards": [Shard(**s) for s in t["shards"]]}) for t in data["tables"]
         ]
         return cls(world_size=data["world_size"], tables=tables)
 

@@ -86,9 +86,7 @@ def plan_sharding(
     for name, ranks in config.pinned_ranks.items():
         bad = [r for r in ranks if r >= world_size]
         if bad:
-            raise ValueError(
-                f"sharding.pinned_ranks.{name}: ranks {bad} not in [0, {world_size})"
-            )
+            raise ValueError(f"sharding.pinned_ranks.{name}: ranks {bad} not in [0, {world_size})")
 
     plans = {
         t.name: TablePlan(

@@ -1,0 +1,143 @@
+"""Sharding plans (JSON, validation, printing) and the greedy planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding import Shard, ShardingConfig, ShardingPlan, TablePlan, plan_sharding
+from raydlrm.sharding.planner import table_cost, table_memory_bytes
+from tests.sharding._fixtures import make_tables
+
+
+def _skewed_tables() -> list[EmbeddingBagConfig]:
+    """One heavy table, a few medium ones and many small ones."""
+    dims = [128, 64, 64, 32] + [8] * 12
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i:02d}",
+            num_embeddings=100 * (i + 1),
+            embedding_dim=d,
+            feature_names=(f"f{i:02d}",),
+        )
+        for i, d in enumerate(dims)
+    ]
+
+
+def test_plan_json_round_trip() -> None:
+    plan = plan_sharding(make_tables(), world_size=3, config=ShardingConfig())
+    restored = ShardingPlan.from_json(plan.to_json())
+    assert restored == plan
+    assert isinstance(restored.tables[0].shards[0], Shard)
+
+
+def test_plan_format_table_lists_every_rank() -> None:
+    plan = plan_sharding(make_tables(), world_size=3, config=ShardingConfig())
+    lines = plan.format_table().splitlines()
+    assert lines[0].split() == ["rank", "tables", "est.", "cost", "memory"]
+    assert len(lines) == 2 + 3
+    for rank in range(3):
+        names = plan.tables_on_rank(rank)
+        assert lines[2 + rank].startswith(str(rank))
+        assert all(n in lines[2 + rank] for n in names)
+
+
+def test_per_rank_cost_and_memory_sum_to_table_totals() -> None:
+    config = ShardingConfig(optimizer="adagrad")
+    tables = make_tables()
+    plan = plan_sharding(tables, world_size=2, config=config)
+    assert sum(plan.per_rank_cost()) == pytest.approx(sum(table_cost(t) for t in tables))
+    assert sum(plan.per_rank_memory()) == sum(
+        table_memory_bytes(t, optimizer="adagrad") for t in tables
+    )
+    # Adagrad keeps one state value per weight: twice the weights' bytes.
+    assert table_memory_bytes(tables[0], optimizer="adagrad") == 2 * 50 * 8 * 4
+    assert table_memory_bytes(tables[0], optimizer="rowwise_adagrad") == (50 * 8 + 50) * 4
+
+
+def _plan_with(tables: list[EmbeddingBagConfig], **changes) -> ShardingPlan:
+    plan = plan_sharding(tables, world_size=2, config=ShardingConfig())
+    first = plan.tables[0]
+    plan.tables[0] = dataclasses.replace(first, **changes)
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"shards": []}, "table 't0'.*exactly one shard"),
+        ({"shards": [Shard(0, 0, 50, 0, 8), Shard(1, 0, 50, 0, 8)]}, "table 't0'.*covered twice"),
+        ({"shards": [Shard(2, 0, 50, 0, 8)]}, "table 't0'.*rank 2"),
+        ({"shards": [Shard(0, 0, 40, 0, 8)]}, "table 't0'.*does not cover"),
+        ({"num_embeddings": 51}, "table 't0'.*shape"),
+    ],
+)
+def test_plan_validation_errors_name_the_table(changes: dict, message: str) -> None:
+    tables = make_tables()
+    with pytest.raises(ValueError, match=message):
+        _plan_with(tables, **changes).validate(tables)
+
+
+def test_plan_validation_missing_and_duplicate_tables() -> None:
+    tables = make_tables()
+    plan = plan_sharding(tables, world_size=2, config=ShardingConfig())
+    missing = ShardingPlan(world_size=2, tables=plan.tables[1:])
+    with pytest.raises(ValueError, match="table 't0' is not covered"):
+        missing.validate(tables)
+    twice = ShardingPlan(world_size=2, tables=[*plan.tables, plan.tables[0]])
+    with pytest.raises(ValueError, match="table 't0' is planned more than once"):
+        twice.validate(tables)
+    extra = TablePlan("tz", "table_wise", 4, 4, [Shard(0, 0, 4, 0, 4)])
+    with pytest.raises(ValueError, match=r"table 'tz'.*not a model table"):
+        ShardingPlan(world_size=2, tables=[*plan.tables, extra]).validate(tables)
+
+
+def test_planner_is_deterministic_and_order_independent() -> None:
+    tables = _skewed_tables()
+    shuffled = list(tables)
+    random.Random(0).shuffle(shuffled)
+    config = ShardingConfig()
+    first = plan_sharding(tables, world_size=4, config=config)
+    again = plan_sharding(tables, world_size=4, config=config)
+    other = plan_sharding(shuffled, world_size=4, config=config)
+    assert first.to_json() == again.to_json()
+    assert {t.name: t.ranks for t in first.tables} == {t.name: t.ranks for t in other.tables}
+
+
+def test_planner_balances_skewed_tables() -> None:
+    tables = _skewed_tables()
+    pooling = {"t00": 20.0}  # the heaviest table by far
+    plan = plan_sharding(tables, world_size=4, config=ShardingConfig(), pooling_factors=pooling)
+    costs = plan.per_rank_cost()
+    heavy_rank = plan.table("t00").ranks[0]
+    # The heavy table is alone on its rank; the others share the remaining three evenly
+    # (greedy placement is within one table's cost of the best balance).
+    assert plan.tables_on_rank(heavy_rank) == ["t00"]
+    rest = [c for r, c in enumerate(costs) if r != heavy_rank]
+    largest_other = max(t.cost for t in plan.tables if t.name != "t00")
+    assert max(rest) - min(rest) <= largest_other
+    assert all(plan.tables_on_rank(r) for r in range(4))
+
+
+def test_planner_honors_pinned_ranks() -> None:
+    tables = _skewed_tables()
+    config = ShardingConfig(pinned_ranks={"t00": [3], "t01": [3], "t05": [1, 2]})
+    plan = plan_sharding(tables, world_size=4, config=config)
+    assert plan.table("t00").ranks == [3]
+    assert plan.table("t01").ranks == [3]
+    assert plan.table("t05").ranks[0] in (1, 2)
+
+
+def test_planner_rejects_unknown_pinned_table_and_bad_rank() -> None:
+    tables = make_tables()
+    with pytest.raises(ValueError, match=r"pinned_ranks names unknown tables \['nope'\]"):
+        plan_sharding(tables, world_size=2, config=ShardingConfig(pinned_ranks={"nope": [0]}))
+    with pytest.raises(ValueError, match=r"pinned_types names unknown tables \['nope'\]"):
+        plan_sharding(
+            tables, world_size=2, config=ShardingConfig(pinned_types={"nope": "table_wise"})
+        )
+    with pytest.raises(ValueError, match=r"pinned_ranks\.t0: ranks \[5\]"):
+        plan_sharding(tables, world_size=2, config=ShardingConfig(pinned_ranks={"t0": [5]}))
