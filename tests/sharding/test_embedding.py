@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from raydlrm.sharding import (
     ShardedEmbeddingBagCollection,
@@ -57,9 +58,11 @@ def _train(model, *, weighted: bool, rows: slice, tables) -> dict:
         pooled = kt.values
         pooled.retain_grad()
         pred = model.dense(pooled).squeeze(1)
-        # Normalized by the global batch, so embedding gradients summed over ranks equal the
-        # reference's; DDP averages the dense gradients over ranks.
-        loss = ((pred - targets(step)[rows]) ** 2).sum() / GLOBAL_BATCH
+        # Each rank's loss is scaled by the world size over the global batch: DDP averages the
+        # dense gradients over ranks and the output all-to-all averages the embedding gradients,
+        # so both then equal the single-process reference's on the global batch.
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        loss = ((pred - targets(step)[rows]) ** 2).sum() * world_size / GLOBAL_BATCH
         loss.backward()
         # The sharded model's fused optimizer has already updated its rows in backward.
         optimizer_step = getattr(model, "reference_optimizer_step", None)
@@ -146,10 +149,10 @@ def _check_parity(results: list[list[dict]], references: list[dict], world_size:
             for step in range(NUM_STEPS):
                 torch.testing.assert_close(got["pooled"][step], ref["pooled"][step][rows], **TOL)
                 torch.testing.assert_close(
-                    got["pooled_grad"][step], ref["pooled_grad"][step][rows], **TOL
+                    got["pooled_grad"][step] / world_size, ref["pooled_grad"][step][rows], **TOL
                 )
                 for g, r in zip(got["dense_grad"][step], ref["dense_grad"][step], strict=True):
-                    torch.testing.assert_close(g * world_size, r, **TOL)
+                    torch.testing.assert_close(g, r, **TOL)
             merged_states.update(got["states"])
             if rank:
                 assert got["tables"] is None

@@ -144,6 +144,8 @@ class PooledAllToAll(torch.autograd.Function):
     Forward returns:
         ``(batch_sizes[rank], sum(dims))``: every rank's features for this rank's samples, the
         columns grouped by source rank.
+
+    Backward divides the gradient by the world size (gradients are averaged over ranks).
     """
 
     @staticmethod
@@ -170,8 +172,12 @@ class PooledAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rank, _ = rank_and_world_size(ctx.pg)
+        rank, world_size = rank_and_world_size(ctx.pg)
         local_dim = ctx.dims[rank]
+        # Gradient division (as DDP does for dense parameters): each rank's loss is the mean over
+        # its own samples, so the gradients of all ranks are averaged, not summed. The embedding
+        # update then equals that of one process training on the global batch.
+        grad = grad / world_size
         blocks = _exchange_blocks(
             list(grad.split(ctx.dims, dim=1)),
             recv_shapes=[(b, local_dim) for b in ctx.batch_sizes],
