@@ -1,0 +1,63 @@
+"""The Python API (what notebooks use): ``raydlrm.train`` on the session's local Ray cluster,
+and bad input stopping before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+import raydlrm
+from raydlrm.ingestion import DataValidationError
+
+
+def _config(tmp_path: Path) -> dict:
+    return {
+        "data": {
+            "train_path": str(tmp_path / "data" / "train"),
+            "eval_path": None,
+            "batch_size": 128,
+            "table_size": 500,
+            "synthetic": {"num_train_rows": 2048, "num_eval_rows": 0, "rows_per_file": 1024,
+                          "max_cardinality": 400},
+        },
+        "model": {"arch": "dcnv2", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16],
+                  "dcn_num_layers": 1, "dcn_low_rank": 4},
+        "training": {"max_steps": 4, "log_every_steps": 2},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "api-run"},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                     "experiment_name": "api", "registered_model_name": None},
+    }
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_train_from_python_returns_result(tmp_path: Path, ray_cluster) -> None:
+    result = raydlrm.train(_config(tmp_path))
+    assert isinstance(result, raydlrm.TrainResult)
+    assert result.metrics["step"] == 4
+    assert "eval/auc" not in result.metrics  # no eval path configured
+    assert Path(result.checkpoint_path, "model.pt").is_file()
+    assert result.registered_model_name is None and result.registered_model_version is None
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.arch"] == "dcnv2"
+    assert [m.step for m in client.get_metric_history(result.run_id, "train/loss")] == [2, 4]
+    assert result.plan.world_size == 2
+
+
+def test_bad_config_raises_before_running(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    config["training"]["max_stesp"] = 4
+    with pytest.raises(raydlrm.platform.ConfigError, match=r"training\.max_stesp: unknown key"):
+        raydlrm.train(config)
+
+
+def test_missing_data_raises_before_running(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    del config["data"]["synthetic"]
+    with pytest.raises(DataValidationError, match=str(tmp_path / "data" / "train")):
+        raydlrm.train(config)
+    assert not (tmp_path / "mlflow.db").exists()  # nothing was tracked
