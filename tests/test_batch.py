@@ -39,19 +39,25 @@ def test_index_rows_gathers_bags() -> None:
 
 def test_validation_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="lengths sum to 3 but values has 2"):
-        KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 2]),
-                          batch_size=2)
+        KeyedJaggedTensor(
+            keys=["a"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 2]), batch_size=2
+        )
     with pytest.raises(ValueError, match="expected F \\* B"):
-        KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1]), lengths=torch.tensor([1]),
-                          batch_size=1)
+        KeyedJaggedTensor(
+            keys=["a", "b"], values=torch.tensor([1]), lengths=torch.tensor([1]), batch_size=1
+        )
     with pytest.raises(ValueError, match="weights shape"):
-        KeyedJaggedTensor(keys=["a"], values=torch.tensor([1]), lengths=torch.tensor([1]),
-                          batch_size=1, weights=torch.ones(2))
+        KeyedJaggedTensor(
+            keys=["a"],
+            values=torch.tensor([1]),
+            lengths=torch.tensor([1]),
+            batch_size=1,
+            weights=torch.ones(2),
+        )
 
 
 def test_dedup_group_expands_to_full_batch() -> None:
-    unique = KeyedJaggedTensor.from_lengths(["u"], torch.tensor([10, 11, 12]),
-                                            torch.tensor([1, 2]))
+    unique = KeyedJaggedTensor.from_lengths(["u"], torch.tensor([10, 11, 12]), torch.tensor([1, 2]))
     group = DedupGroup(unique=unique, inverse=torch.tensor([0, 0, 1, 1, 0]))
     expanded = group.expand()
     assert expanded.batch_size == 5

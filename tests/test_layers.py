@@ -51,8 +51,10 @@ def test_imports_follow_layers(path: Path) -> None:
             assert parts[1] in ALLOWED[layer], f"{path.name} ({layer}) imports {name}"
         if parts[0] == "ray":
             ok = layer in ("ingestion", "platform") or path.name == "_ray.py"
-            assert ok, f"{path.relative_to(SRC)} imports ray; only ingestion, platform and " \
-                       "trainers/_ray.py may"
+            assert ok, (
+                f"{path.relative_to(SRC)} imports ray; only ingestion, platform and "
+                "trainers/_ray.py may"
+            )
 
 
 def test_every_layer_has_modules() -> None:

@@ -32,8 +32,9 @@ def installed_fbgemm() -> tuple[str, str] | None:
     return None
 
 
-def check_versions(*, torch_version: str | None = None,
-                   fbgemm: tuple[str, str] | None = None) -> None:
+def check_versions(
+    *, torch_version: str | None = None, fbgemm: tuple[str, str] | None = None
+) -> None:
     """Raises :class:`IncompatibleVersionsError` if torch and fbgemm-gpu do not match.
 
     Args:

@@ -87,7 +87,9 @@ class KeyedJaggedTensor:
         if self.values.dim() != 1 or self.lengths.dim() != 1:
             raise ValueError("KeyedJaggedTensor values and lengths must be 1-D")
         if self.values.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {self.values.dtype}")
+            raise ValueError(
+                f"KeyedJaggedTensor values must be integer ids, got {self.values.dtype}"
+            )
         if self.lengths.numel() != num_keys * self.batch_size:
             raise ValueError(
                 f"KeyedJaggedTensor lengths has {self.lengths.numel()} entries, expected "
@@ -182,8 +184,9 @@ class KeyedJaggedTensor:
         weights = (
             torch.cat([self.weights[s:e] for s, e in bounds]) if self.weights is not None else None
         )
-        return KeyedJaggedTensor(keys=list(keys), values=values, lengths=lengths, batch_size=b,
-                                 weights=weights)
+        return KeyedJaggedTensor(
+            keys=list(keys), values=values, lengths=lengths, batch_size=b, weights=weights
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
         """Moves all tensors to ``device``."""
@@ -205,7 +208,7 @@ class KeyedJaggedTensor:
             rows: int64 sample indices, shape ``(B',)``, each in ``[0, B)``.
         """
         num_keys, b = len(self.keys), self.batch_size
-        bag = (torch.arange(num_keys, device=rows.device).unsqueeze(1) * b + rows.unsqueeze(0))
+        bag = torch.arange(num_keys, device=rows.device).unsqueeze(1) * b + rows.unsqueeze(0)
         bag = bag.reshape(-1)
         lengths = self.lengths[bag]
         starts = self.offsets[bag]
@@ -370,8 +373,10 @@ class Batch:
             sparse=self.sparse.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             dedup_groups=[
-                DedupGroup(unique=g.unique.to(device, non_blocking=non_blocking),
-                           inverse=g.inverse.to(device, non_blocking=non_blocking))
+                DedupGroup(
+                    unique=g.unique.to(device, non_blocking=non_blocking),
+                    inverse=g.inverse.to(device, non_blocking=non_blocking),
+                )
                 for g in self.dedup_groups
             ],
             sample_ids=None if self.sample_ids is None else self.sample_ids.to(device),

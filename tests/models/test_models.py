@@ -25,7 +25,8 @@ def test_ebc_pools_rows_per_bag() -> None:
     ebc = EmbeddingBagCollection(_tables())
     # B=2: f0 = [1, 2], [3]; f1 = [], [4]; f2 = [5, 6], [0]
     kjt = KeyedJaggedTensor.from_lengths(
-        ["f2", "f0", "f1"], torch.tensor([5, 6, 0, 1, 2, 3, 4]),
+        ["f2", "f0", "f1"],
+        torch.tensor([5, 6, 0, 1, 2, 3, 4]),
         torch.tensor([2, 1, 2, 1, 0, 1]),
     )
     out = ebc(kjt)
@@ -39,8 +40,9 @@ def test_ebc_pools_rows_per_bag() -> None:
 
 def test_ebc_weighted_bags() -> None:
     ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 5, 4, ("f",))])
-    kjt = KeyedJaggedTensor.from_lengths(["f"], torch.tensor([1, 2]), torch.tensor([2]),
-                                         weights=torch.tensor([0.5, 2.0]))
+    kjt = KeyedJaggedTensor.from_lengths(
+        ["f"], torch.tensor([1, 2]), torch.tensor([2]), weights=torch.tensor([0.5, 2.0])
+    )
     w = ebc.weights["t"]
     torch.testing.assert_close(ebc(kjt).values[0], 0.5 * w[1] + 2.0 * w[2])
 
@@ -54,8 +56,9 @@ def test_ebc_rejects_out_of_range_ids_naming_table() -> None:
 
 def test_ebc_rejects_feature_in_two_tables() -> None:
     with pytest.raises(ValueError, match=r"\['f'\]"):
-        EmbeddingBagCollection([EmbeddingBagConfig("a", 5, 4, ("f",)),
-                                EmbeddingBagConfig("b", 5, 4, ("f",))])
+        EmbeddingBagCollection(
+            [EmbeddingBagConfig("a", 5, 4, ("f",)), EmbeddingBagConfig("b", 5, 4, ("f",))]
+        )
 
 
 def test_cross_layer_formula() -> None:
@@ -72,8 +75,14 @@ def test_model_learns_a_planted_signal(arch: str) -> None:
     """A few hundred steps on a planted problem must beat chance clearly; a model whose
     embeddings or dense path were disconnected would not."""
     torch.manual_seed(0)
-    config = ModelConfig(arch=arch, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16],
-                         dcn_num_layers=1, dcn_low_rank=4)
+    config = ModelConfig(
+        arch=arch,
+        embedding_dim=8,
+        bottom_mlp=[16, 8],
+        top_mlp=[16],
+        dcn_num_layers=1,
+        dcn_low_rank=4,
+    )
     tables = [EmbeddingBagConfig(f"t{i}", 20, 8, (f"f{i}",)) for i in range(3)]
     model = build_model(config, tables=tables, num_dense=2)
     effect = torch.randn(3, 20) * 2
@@ -85,21 +94,24 @@ def test_model_learns_a_planted_signal(arch: str) -> None:
         dense = torch.randn(b, 2)
         logit = effect.gather(1, ids).sum(0) + dense[:, 0]
         labels = torch.bernoulli(torch.sigmoid(logit))
-        kjt = KeyedJaggedTensor.from_lengths(["f0", "f1", "f2"], ids.reshape(-1),
-                                             torch.ones(3 * b, dtype=torch.int64))
+        kjt = KeyedJaggedTensor.from_lengths(
+            ["f0", "f1", "f2"], ids.reshape(-1), torch.ones(3 * b, dtype=torch.int64)
+        )
         return dense, kjt, labels
 
     for _ in range(150):
         dense, kjt, labels = sample()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            model.forward_features(dense, kjt), labels)
+            model.forward_features(dense, kjt), labels
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
     dense, kjt, labels = sample()
     with torch.no_grad():
         final = torch.nn.functional.binary_cross_entropy_with_logits(
-            model.forward_features(dense, kjt), labels)
+            model.forward_features(dense, kjt), labels
+        )
     assert final < 0.5  # chance level is ~0.69
 
 

@@ -19,15 +19,28 @@ def _config(tmp_path: Path) -> dict:
             "eval_path": None,
             "batch_size": 128,
             "table_size": 500,
-            "synthetic": {"num_train_rows": 2048, "num_eval_rows": 0, "rows_per_file": 1024,
-                          "max_cardinality": 400},
+            "synthetic": {
+                "num_train_rows": 2048,
+                "num_eval_rows": 0,
+                "rows_per_file": 1024,
+                "max_cardinality": 400,
+            },
         },
-        "model": {"arch": "dcnv2", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16],
-                  "dcn_num_layers": 1, "dcn_low_rank": 4},
+        "model": {
+            "arch": "dcnv2",
+            "embedding_dim": 8,
+            "bottom_mlp": [16, 8],
+            "top_mlp": [16],
+            "dcn_num_layers": 1,
+            "dcn_low_rank": 4,
+        },
         "training": {"max_steps": 4, "log_every_steps": 2},
         "run": {"storage_path": str(tmp_path / "runs"), "name": "api-run"},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                     "experiment_name": "api", "registered_model_name": None},
+        "tracking": {
+            "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "experiment_name": "api",
+            "registered_model_name": None,
+        },
     }
 
 

@@ -19,8 +19,12 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("data")
-    generate_synthetic(SyntheticConfig(num_train_rows=600, num_eval_rows=200, rows_per_file=300,
-                                       max_cardinality=500), out_dir=root)
+    generate_synthetic(
+        SyntheticConfig(
+            num_train_rows=600, num_eval_rows=200, rows_per_file=300, max_cardinality=500
+        ),
+        out_dir=root,
+    )
     return root
 
 
@@ -58,8 +62,13 @@ def test_empty_data_set(tmp_path: Path, tiny_data: Path) -> None:
     empty.mkdir()
     schema = pq.read_schema(next((tiny_data / "train").glob("*.parquet")))
     pq.write_table(schema.empty_table(), empty / "part-0.parquet")
-    result = _invoke("train", "--set", f"data.train_path={empty}",
-                     "--set", f"data.eval_path={tiny_data / 'eval'}")
+    result = _invoke(
+        "train",
+        "--set",
+        f"data.train_path={empty}",
+        "--set",
+        f"data.eval_path={tiny_data / 'eval'}",
+    )
     assert result.exit_code == 2
     assert "empty" in _error_line(result) and str(empty) in _error_line(result)
 
@@ -69,8 +78,9 @@ def test_missing_column(tmp_path: Path, tiny_data: Path) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
     pq.write_table(table, bad / "part-0.parquet")
-    result = _invoke("train", "--set", f"data.train_path={bad}",
-                     "--set", f"data.eval_path={tiny_data / 'eval'}")
+    result = _invoke(
+        "train", "--set", f"data.train_path={bad}", "--set", f"data.eval_path={tiny_data / 'eval'}"
+    )
     assert result.exit_code == 2
     assert "C7" in _error_line(result)
 
@@ -98,8 +108,15 @@ def test_config_show_and_validate() -> None:
 
 
 def test_data_generate(tmp_path: Path) -> None:
-    result = _invoke("data", "generate", "--out", str(tmp_path / "d"),
-                     "--set", "data.synthetic.num_train_rows=500",
-                     "--set", "data.synthetic.num_eval_rows=100")
+    result = _invoke(
+        "data",
+        "generate",
+        "--out",
+        str(tmp_path / "d"),
+        "--set",
+        "data.synthetic.num_train_rows=500",
+        "--set",
+        "data.synthetic.num_eval_rows=100",
+    )
     assert result.exit_code == 0, result.output
     assert pq.read_table(tmp_path / "d" / "train").num_rows == 500

@@ -17,11 +17,17 @@ def test_shipped_configs_load(path: Path) -> None:
 def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
     f = tmp_path / "run.toml"
     f.write_text('[training]\nlearning_rate = 0.1\n[model]\narch = "dlrm"\n')
-    job = load_config(f, overrides=[
-        "training.learning_rate=0.01", "model.arch=dcnv2", "model.top_mlp=[8, 4]",
-        "scaling.resources_per_worker={ CPU = 1.5 }", "data.table_sizes.C1=77",
-        "run.name=my run",
-    ])
+    job = load_config(
+        f,
+        overrides=[
+            "training.learning_rate=0.01",
+            "model.arch=dcnv2",
+            "model.top_mlp=[8, 4]",
+            "scaling.resources_per_worker={ CPU = 1.5 }",
+            "data.table_sizes.C1=77",
+            "run.name=my run",
+        ],
+    )
     assert job.training.learning_rate == 0.01
     assert job.model.arch == "dcnv2"
     assert job.model.top_mlp == [8, 4]
@@ -53,7 +59,7 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("[training\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(overrides=["training.learning_rate"])
 
 

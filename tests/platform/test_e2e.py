@@ -60,16 +60,29 @@ AUC_THRESHOLD = 0.68  # the planted model's ceiling is ~0.80; chance is 0.5
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+def finished_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess]:
     workdir = tmp_path_factory.mktemp("e2e")
     (workdir / "run.toml").write_text(CONFIG)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     env["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "raydlrm", "train", "--config", "run.toml",
-         "--set", "run.name=e2e-run"],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "raydlrm",
+            "train",
+            "--config",
+            "run.toml",
+            "--set",
+            "run.name=e2e-run",
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return workdir, proc
@@ -78,8 +91,15 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
 def test_summary_is_printed(finished_run) -> None:
     _, proc = finished_run
     out = proc.stdout
-    for needle in ("raydlrm training summary", "auc", "samples/s", "sharding plan",
-                   "MLflow run:", "mlflow ui --backend-store-uri", "registered model: e2e-model"):
+    for needle in (
+        "raydlrm training summary",
+        "auc",
+        "samples/s",
+        "sharding plan",
+        "MLflow run:",
+        "mlflow ui --backend-store-uri",
+        "registered model: e2e-model",
+    ):
         assert needle in out, out
 
 

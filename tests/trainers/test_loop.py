@@ -36,15 +36,20 @@ class _Stream:
 def _spec(data_dir: Path, batch_size: int, optimizer: str) -> WorkerSpec:
     return WorkerSpec(
         sharding={"optimizer": optimizer, "learning_rate": 0.5 if optimizer == "sgd" else 0.05},
-        data={"train_path": str(data_dir / "train"), "eval_path": str(data_dir / "eval"),
-              "table_size": 1000, "batch_size": batch_size},
+        data={
+            "train_path": str(data_dir / "train"),
+            "eval_path": str(data_dir / "eval"),
+            "table_size": 1000,
+            "batch_size": batch_size,
+        },
         model={"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
         training={"seed": 7, "log_every_steps": 2, "learning_rate": 0.01},
     )
 
 
-def _run(rank: int, world_size: int, data_dir: str,
-         optimizer: str = "rowwise_adagrad") -> dict[str, object]:
+def _run(
+    rank: int, world_size: int, data_dir: str, optimizer: str = "rowwise_adagrad"
+) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer)
     table = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "train"))
     # Rank r takes every world_size-th block of its batch size: the global batch of step i
@@ -61,7 +66,8 @@ def _run(rank: int, world_size: int, data_dir: str,
     def recording_step(batch):  # records the global loss of every step
         logits = original(batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, batch.labels, reduction="sum")
+            logits, batch.labels, reduction="sum"
+        )
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
         losses.append(float(loss) / 64)
@@ -73,7 +79,8 @@ def _run(rank: int, world_size: int, data_dir: str,
         train_data=_Stream(pa.concat_tables(blocks)),
         eval_data=_Stream(evaluation.slice(rank * half, half)),
         report=lambda metrics, checkpoint_dir: reports.append(
-            {**metrics, "has_checkpoint": checkpoint_dir is not None}),
+            {**metrics, "has_checkpoint": checkpoint_dir is not None}
+        ),
     )
     return {"losses": losses, "final": final, "reports": reports}
 
@@ -81,8 +88,12 @@ def _run(rank: int, world_size: int, data_dir: str,
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("loopdata")
-    generate_synthetic(SyntheticConfig(num_train_rows=640, num_eval_rows=256, rows_per_file=640,
-                                       max_cardinality=800, seed=3), out_dir=root)
+    generate_synthetic(
+        SyntheticConfig(
+            num_train_rows=640, num_eval_rows=256, rows_per_file=640, max_cardinality=800, seed=3
+        ),
+        out_dir=root,
+    )
     return root
 
 

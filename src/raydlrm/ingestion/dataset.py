@@ -10,6 +10,7 @@ it is iterated, e.g. by ``streaming_split`` or a Ray Train worker's ``get_datase
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import ray
@@ -59,19 +60,33 @@ def build_dataset(
     if SAMPLE_ID_COLUMN in summary.schema.names:
         columns.append(SAMPLE_ID_COLUMN)
     size = num_actors or config.num_preprocess_actors or default_num_actors()
+    # More actors than preprocessing batches would never get work (an 8k-row eval set is one
+    # batch); every pass over the data starts a fresh pool, so idle actors only cost start-up.
+    max_size = max(1, min(size, math.ceil(summary.num_rows / config.preprocess_batch_size)))
     logger.info(
-        "%s data %s: %d rows in %d files; preprocessing on %d actors",
+        "%s data %s: %d rows in %d files; preprocessing on 1 to %d actors",
         role,
         path,
         summary.num_rows,
         summary.num_files,
-        size,
+        max_size,
     )
     return ray.data.read_parquet(path, columns=columns).map_batches(
         Preprocessor,
         fn_constructor_kwargs={"config": config},
         batch_format="pyarrow",
         batch_size=config.preprocess_batch_size,
-        compute=ray.data.ActorPoolStrategy(size=size),
+        compute=_actor_pool(max_size),
         num_cpus=_ACTOR_NUM_CPUS,
     )
+
+
+def _actor_pool(max_size: int) -> ray.data.ActorPoolStrategy:
+    """The preprocessing pool of one pass: starts with one actor and grows to ``max_size``.
+
+    Ray Data starts a new pool on every execution, i.e. on every epoch and every evaluation pass,
+    and the first batch waits for the pool's initial actors (each a fresh worker process). One
+    initial actor is enough to start the stream; the pool's autoscaler adds actors while blocks
+    queue up, up to ``max_size``.
+    """
+    return ray.data.ActorPoolStrategy(min_size=1, max_size=max_size, initial_size=1)

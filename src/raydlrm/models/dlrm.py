@@ -15,6 +15,8 @@ and wraps ``dense`` in DDP. No parallelism lives here.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -29,7 +31,7 @@ def mlp(sizes: list[int], *, final_activation: bool) -> nn.Sequential:
     """Linear layers of ``sizes[i] -> sizes[i+1]`` with ReLU between them (and after the last
     one when ``final_activation``)."""
     layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(n_in, n_out))
         if final_activation or i < len(sizes) - 2:
             layers.append(nn.ReLU())
@@ -47,8 +49,15 @@ class DLRMDense(nn.Module):
         top_mlp: top MLP hidden sizes (a 1-unit logit layer is appended).
     """
 
-    def __init__(self, *, num_dense: int, num_sparse: int, embedding_dim: int,
-                 bottom_mlp: list[int], top_mlp: list[int]):
+    def __init__(
+        self,
+        *,
+        num_dense: int,
+        num_sparse: int,
+        embedding_dim: int,
+        bottom_mlp: list[int],
+        top_mlp: list[int],
+    ):
         super().__init__()
         if bottom_mlp[-1] != embedding_dim:
             raise ValueError(
@@ -101,8 +110,17 @@ class CrossNet(nn.Module):
 class DCNv2Dense(nn.Module):
     """The dense side of DCNv2 (MLPerf DLRMv2): bottom MLP, cross network, top MLP."""
 
-    def __init__(self, *, num_dense: int, num_sparse: int, embedding_dim: int,
-                 bottom_mlp: list[int], top_mlp: list[int], num_layers: int, low_rank: int):
+    def __init__(
+        self,
+        *,
+        num_dense: int,
+        num_sparse: int,
+        embedding_dim: int,
+        bottom_mlp: list[int],
+        top_mlp: list[int],
+        num_layers: int,
+        low_rank: int,
+    ):
         super().__init__()
         self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
         width = bottom_mlp[-1] + num_sparse * embedding_dim
@@ -138,8 +156,13 @@ class RecModel(nn.Module):
         return self.dense(dense, pooled.values)
 
 
-def build_model(config: ModelConfig, *, tables: list[EmbeddingBagConfig], num_dense: int,
-                device: torch.device | str = "cpu") -> RecModel:
+def build_model(
+    config: ModelConfig,
+    *,
+    tables: list[EmbeddingBagConfig],
+    num_dense: int,
+    device: torch.device | str = "cpu",
+) -> RecModel:
     """Builds the model ``config.arch`` over ``tables``.
 
     Args:
@@ -162,13 +185,20 @@ def build_model(config: ModelConfig, *, tables: list[EmbeddingBagConfig], num_de
     with torch.device(device):
         if config.arch == "dlrm":
             dense: nn.Module = DLRMDense(
-                num_dense=num_dense, num_sparse=num_sparse, embedding_dim=config.embedding_dim,
-                bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
+                num_dense=num_dense,
+                num_sparse=num_sparse,
+                embedding_dim=config.embedding_dim,
+                bottom_mlp=config.bottom_mlp,
+                top_mlp=config.top_mlp,
             )
         else:
             dense = DCNv2Dense(
-                num_dense=num_dense, num_sparse=num_sparse, embedding_dim=config.embedding_dim,
-                bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
-                num_layers=config.dcn_num_layers, low_rank=config.dcn_low_rank,
+                num_dense=num_dense,
+                num_sparse=num_sparse,
+                embedding_dim=config.embedding_dim,
+                bottom_mlp=config.bottom_mlp,
+                top_mlp=config.top_mlp,
+                num_layers=config.dcn_num_layers,
+                low_rank=config.dcn_low_rank,
             )
     return RecModel(embedding_bags, dense)

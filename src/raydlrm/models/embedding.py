@@ -83,9 +83,7 @@ class EmbeddingBagCollection(nn.Module):
         self.tables = list(tables)
         self.weights = nn.ParameterDict(
             {
-                t.name: nn.Parameter(
-                    torch.empty(t.num_embeddings, t.embedding_dim, device=device)
-                )
+                t.name: nn.Parameter(torch.empty(t.num_embeddings, t.embedding_dim, device=device))
                 for t in tables
             }
         )
@@ -110,9 +108,7 @@ class EmbeddingBagCollection(nn.Module):
         b = kjt.batch_size
         offsets = kjt.offset_per_key()
         pooled = []
-        for i, (table, _) in enumerate(
-            (t, f) for t in self.tables for f in t.feature_names
-        ):
+        for i, (table, _) in enumerate((t, f) for t in self.tables for f in t.feature_names):
             start, end = int(offsets[i]), int(offsets[i + 1])
             lengths = kjt.lengths[i * b : (i + 1) * b]
             bag_offsets = torch.zeros(b + 1, dtype=torch.int64, device=lengths.device)
@@ -130,9 +126,7 @@ class EmbeddingBagCollection(nn.Module):
                     weight,
                     bag_offsets[:-1],
                     mode=table.pooling,
-                    per_sample_weights=None
-                    if kjt.weights is None
-                    else kjt.weights[start:end],
+                    per_sample_weights=None if kjt.weights is None else kjt.weights[start:end],
                     include_last_offset=False,
                 )
             )

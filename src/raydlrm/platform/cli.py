@@ -23,8 +23,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 data_app = typer.Typer(help="Data sets: generate synthetic data.", no_args_is_help=True)
-config_app = typer.Typer(help="Run configs: show or validate the resolved config.",
-                         no_args_is_help=True)
+config_app = typer.Typer(
+    help="Run configs: show or validate the resolved config.", no_args_is_help=True
+)
 app.add_typer(data_app, name="data")
 app.add_typer(config_app, name="config")
 
@@ -41,8 +42,11 @@ SetOption = Annotated[
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("raydlrm").setLevel(logging.INFO)
 
 
@@ -72,9 +76,11 @@ def train(config: ConfigOption = None, set_: SetOption = None) -> None:
 
 
 @app.command()
-def plan(config: ConfigOption = None, set_: SetOption = None,
-         as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
-         ) -> None:
+def plan(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
     """Print the sharding plan of a config (a dry run: no Ray, no process group)."""
     from raydlrm.platform.launch import make_plan
 
@@ -89,8 +95,13 @@ def plan(config: ConfigOption = None, set_: SetOption = None,
 def data_generate(
     config: ConfigOption = None,
     set_: SetOption = None,
-    out: Annotated[Path | None, typer.Option(help="Output directory (train/ and eval/ inside). "
-                                             "Default: the parent of data.train_path.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output directory (train/ and eval/ inside). "
+            "Default: the parent of data.train_path."
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing data set.")] = False,
 ) -> None:
     """Generate the synthetic Criteo-shaped data set described by ``[data.synthetic]``."""
@@ -104,8 +115,10 @@ def data_generate(
     synthetic = job.data.synthetic or SyntheticConfig()
     target = out or Path(job.data.train_path).parent
     info = generate_synthetic(synthetic, out_dir=target, overwrite=overwrite)
-    typer.echo(f"wrote {info.num_train_rows} train and {info.num_eval_rows} eval rows to "
-               f"{target} (planted-model eval AUC {info.planted_auc:.4f})")
+    typer.echo(
+        f"wrote {info.num_train_rows} train and {info.num_eval_rows} eval rows to "
+        f"{target} (planted-model eval AUC {info.planted_auc:.4f})"
+    )
 
 
 @config_app.command("show")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import time
-import tomllib
 from dataclasses import asdict, field
 from pathlib import Path
 from typing import Any
 
 import pydantic
+import tomllib
 
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
@@ -114,8 +114,9 @@ class JobConfig:
 
     def worker_spec(self) -> WorkerSpec:
         """The part of the config the workers get."""
-        return WorkerSpec(data=self.data, model=self.model, sharding=self.sharding,
-                          training=self.training)
+        return WorkerSpec(
+            data=self.data, model=self.model, sharding=self.sharding, training=self.training
+        )
 
     def run_name(self) -> str:
         return self.run.name or time.strftime("raydlrm-%Y%m%d-%H%M%S")
@@ -168,13 +169,16 @@ def _format_error(error: pydantic.ValidationError) -> str:
         if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = "unknown key"
         elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+            msg = msg[len("Value error, ") :]
         lines.append(f"{key}: {msg}")
     return "invalid config: " + "; ".join(lines)
 
 
-def load_config(source: str | Path | dict[str, Any] | JobConfig | None = None, *,
-                overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+def load_config(
+    source: str | Path | dict[str, Any] | JobConfig | None = None,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> JobConfig:
     """Builds a validated :class:`JobConfig`.
 
     Args:
@@ -217,5 +221,5 @@ def default_tracking_uri(config: TrackingConfig) -> str:
     if not uri:
         return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return f"sqlite:///{Path(uri[len('sqlite:///'):]).resolve()}"
+        return f"sqlite:///{Path(uri[len('sqlite:///') :]).resolve()}"
     return uri

@@ -11,10 +11,9 @@ Ray nor a process group.
 from __future__ import annotations
 
 import logging
+from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-from importlib import metadata
 
 import mlflow
 import numpy as np
@@ -64,8 +63,13 @@ class _Context:
         self.artifacts = artifacts
 
 
-def log_model(*, run_id: str, checkpoint_dir: str | Path, example: pd.DataFrame,
-              registered_model_name: str | None) -> mlflow.models.model.ModelInfo:
+def log_model(
+    *,
+    run_id: str,
+    checkpoint_dir: str | Path,
+    example: pd.DataFrame,
+    registered_model_name: str | None,
+) -> mlflow.models.model.ModelInfo:
     """Logs the checkpoint as a pyfunc model on run ``run_id`` and registers it if a name is
     given.
 
@@ -96,7 +100,11 @@ def log_model(*, run_id: str, checkpoint_dir: str | Path, example: pd.DataFrame,
             code_paths=[str(Path(raydlrm.__file__).parent)],
             registered_model_name=registered_model_name,
         )
-    logger.info("logged model %s%s", info.model_uri,
-                f" as {registered_model_name} v{info.registered_model_version}"
-                if registered_model_name else "")
+    logger.info(
+        "logged model %s%s",
+        info.model_uri,
+        f" as {registered_model_name} v{info.registered_model_version}"
+        if registered_model_name
+        else "",
+    )
     return info

@@ -71,12 +71,22 @@ def make_plan(config: JobConfig) -> ShardingPlan:
                          config=config.sharding)
 
 
+# Environment of a local Ray cluster (its raylet and worker processes inherit the driver's).
+# Ray Data's Parquet reader starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (default 32) footer-reading
+# actors, each a fresh worker process, on every pass over a data set: on a small machine that is
+# most of the time before the first batch of every epoch and evaluation. Local files need one.
+# A value already in the environment wins.
+_LOCAL_RAY_ENV = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+
+
 def _init_ray(config: RayInitConfig) -> None:
     if ray.is_initialized():
         return
     address = config.address or os.environ.get("RAY_ADDRESS") or "local"
     kwargs: dict[str, Any] = {}
     if address == "local":
+        for name, value in _LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
         kwargs = {"num_cpus": config.num_cpus, "object_store_memory": config.object_store_memory}
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
 

@@ -28,20 +28,28 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
     table.add_column("eval", justify="right")
     for name in ("auc", "log_loss", "normalized_entropy"):
         table.add_row(name, _fmt(m.get(f"train/{name}")), _fmt(m.get(f"eval/{name}")))
-    table.add_row("samples", _fmt(m.get("samples_seen"), ".0f"),
-                  _fmt(m.get("eval/num_samples"), ".0f"))
+    table.add_row(
+        "samples", _fmt(m.get("samples_seen"), ".0f"), _fmt(m.get("eval/num_samples"), ".0f")
+    )
     console.print(table)
     if m.get("rows_not_trained"):
         console.print(f"rows not trained: {int(m['rows_not_trained'])} (see the log)")
-    console.print(f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
-                  f"over {int(m.get('step', 0))} steps")
+    console.print(
+        f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
+        f"over {int(m.get('step', 0))} steps"
+    )
     console.print("sharding plan:")
     # Plain print: the plan is a fixed-width table that must not be re-wrapped.
     print(result.plan.format_table(), file=console.file, flush=True)
     console.print(f"MLflow run: {result.run_id}  ({result.tracking_uri})")
     if result.registered_model_name:
-        console.print(f"registered model: {result.registered_model_name} "
-                      f"version {result.registered_model_version}")
+        console.print(
+            f"registered model: {result.registered_model_name} "
+            f"version {result.registered_model_version}"
+        )
     console.print(f"checkpoint: {result.checkpoint_path}")
-    console.print(f"open the MLflow UI: mlflow ui --backend-store-uri {result.tracking_uri}",
-                  markup=False, highlight=False)
+    console.print(
+        f"open the MLflow UI: mlflow ui --backend-store-uri {result.tracking_uri}",
+        markup=False,
+        highlight=False,
+    )

@@ -38,7 +38,9 @@ def _metrics_at(values: dict[str, Any], *, step: int) -> list[Metric]:
     return [
         Metric(key=k, value=float(v), timestamp=now, step=step)
         for k, v in values.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+        if isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and k != "step"
         and not math.isinf(float(v))
     ]
 
@@ -54,8 +56,14 @@ class TrackedRun:
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [
-            Param(k, (str(v) if len(str(v)) <= _MAX_PARAM_LENGTH
-                      else str(v)[: _MAX_PARAM_LENGTH - 3] + "..."))
+            Param(
+                k,
+                (
+                    str(v)
+                    if len(str(v)) <= _MAX_PARAM_LENGTH
+                    else str(v)[: _MAX_PARAM_LENGTH - 3] + "..."
+                ),
+            )
             for k, v in sorted(params.items())
         ]
         for i in range(0, len(items), _BATCH):
@@ -95,15 +103,18 @@ def start_run(config: JobConfig, *, run_name: str) -> TrackedRun:
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment(config.tracking.experiment_name)
     client = MlflowClient(uri)
-    run = client.create_run(experiment.experiment_id, run_name=run_name,
-                            tags={"raydlrm.run_name": run_name})
-    tracked = TrackedRun(tracking_uri=uri, run_id=run.info.run_id,
-                         experiment_id=experiment.experiment_id)
+    run = client.create_run(
+        experiment.experiment_id, run_name=run_name, tags={"raydlrm.run_name": run_name}
+    )
+    tracked = TrackedRun(
+        tracking_uri=uri, run_id=run.info.run_id, experiment_id=experiment.experiment_id
+    )
     resolved = config.to_dict()
     tracked.log_params(flatten(resolved))
     tracked.log_text(json.dumps(resolved, indent=2), artifact_file="config/resolved.json")
-    logger.info("MLflow run %s in experiment %r at %s", tracked.run_id,
-                config.tracking.experiment_name, uri)
+    logger.info(
+        "MLflow run %s in experiment %r at %s", tracked.run_id, config.tracking.experiment_name, uri
+    )
     return tracked
 
 
@@ -123,8 +134,9 @@ class MLflowReportCallback(UserCallback):
     def __getstate__(self) -> dict[str, Any]:
         return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None}
 
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
-                     checkpoint: Any) -> None:
+    def after_report(
+        self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
+    ) -> None:
         if self._client is None:
             self._client = MlflowClient(self.tracking_uri)
         values = metrics[0] if metrics else {}
@@ -134,4 +146,3 @@ class MLflowReportCallback(UserCallback):
             self._client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
         if checkpoint is not None:
             self._client.set_tag(self.run_id, "raydlrm.checkpoint", checkpoint.path)
-

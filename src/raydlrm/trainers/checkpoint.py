@@ -25,9 +25,14 @@ PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.json"
 
 
-def save_model_checkpoint(directory: str | Path, *, state_dict: dict[str, torch.Tensor],
-                          spec: WorkerSpec, plan: ShardingPlan,
-                          metrics: dict[str, float]) -> Path:
+def save_model_checkpoint(
+    directory: str | Path,
+    *,
+    state_dict: dict[str, torch.Tensor],
+    spec: WorkerSpec,
+    plan: ShardingPlan,
+    metrics: dict[str, float],
+) -> Path:
     """Writes a model checkpoint into ``directory`` (created if missing); returns it."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,6 @@ class TrainingConfig:
                 f"training.log_every_steps must be positive, got {self.log_every_steps}"
             )
         if self.eval_every_steps < 0:
-            raise ValueError(
-                f"training.eval_every_steps must be >= 0, got {self.eval_every_steps}"
-            )
+            raise ValueError(f"training.eval_every_steps must be >= 0, got {self.eval_every_steps}")
         if self.torch_threads <= 0:
             raise ValueError(f"training.torch_threads must be positive, got {self.torch_threads}")

@@ -118,7 +118,9 @@ class Trainer:
         while True:
             batch = next(iterator, None)
             if not _all_ranks_have(batch is not None, self.device):
-                left = 0 if batch is None else batch.batch_size + sum(b.batch_size for b in iterator)
+                left = (
+                    0 if batch is None else batch.batch_size + sum(b.batch_size for b in iterator)
+                )
                 dropped = int(_global_sum(float(left), self.device))
                 if dropped:
                     logger.warning(
@@ -140,8 +142,9 @@ class Trainer:
                 break
         return buffer.compute().to_dict("eval/")
 
-    def fit(self, *, train_data: Any, eval_data: Any | None,
-            report: Any = _ray.report) -> dict[str, float]:
+    def fit(
+        self, *, train_data: Any, eval_data: Any | None, report: Any = _ray.report
+    ) -> dict[str, float]:
         """Trains for the configured epochs or steps; returns the final metrics.
 
         Args:
@@ -183,8 +186,10 @@ class Trainer:
                         "train/samples_per_second": samples
                         / max(time.perf_counter() - window_start, 1e-9),
                     }
-                    if eval_data is not None and cfg.eval_every_steps and (
-                        self.step % cfg.eval_every_steps == 0
+                    if (
+                        eval_data is not None
+                        and cfg.eval_every_steps
+                        and (self.step % cfg.eval_every_steps == 0)
                     ):
                         metrics.update(self.evaluate(self._batches(eval_data)))
                     self._report(metrics, report=report)
@@ -204,8 +209,9 @@ class Trainer:
         if eval_data is not None:
             final.update(self.evaluate(self._batches(eval_data)))
         final["dropped_samples"] = float(self.dropped_samples)
-        final["data/first_batch_seconds"] = _global_max(self.first_batch_seconds or 0.0,
-                                                        self.device)
+        final["data/first_batch_seconds"] = _global_max(
+            self.first_batch_seconds or 0.0, self.device
+        )
         self._report(final, report=report, with_model=True)
         return final
 
@@ -213,11 +219,16 @@ class Trainer:
         return iter_train_batches(data, config=self.spec.data)
 
     def _report(self, metrics: dict[str, float], *, report: Any, with_model: bool = False) -> None:
-        metrics = {**metrics, "step": self.step, "epoch": self.epoch,
-                   "samples_seen": self.samples_seen}
+        metrics = {
+            **metrics,
+            "step": self.step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+        }
         if self.rank == 0:
             shown = ", ".join(
-                f"{k}={v:.4f}" for k, v in metrics.items()
+                f"{k}={v:.4f}"
+                for k, v in metrics.items()
                 if k in ("train/loss", "train/auc", "eval/auc", "eval/log_loss")
             )
             logger.info("step %d epoch %d: %s", self.step, self.epoch, shown)
