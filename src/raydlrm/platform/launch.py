@@ -10,6 +10,7 @@ run was opened marks the run failed.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raydlrm.ingestion import build_dataset, generate_synthetic, validate_data
-from raydlrm.platform.config import JobConfig, RayInitConfig, load_config
+from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan, plan_sharding
@@ -77,17 +78,33 @@ def make_plan(config: JobConfig) -> ShardingPlan:
 # most of the time before the first batch of every epoch and evaluation. Local files need one.
 # A value already in the environment wins.
 _LOCAL_RAY_ENV = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+# CPUs a local instance keeps beyond the training workers: a preprocessing actor, read tasks.
+_LOCAL_DATA_CPUS = 3
 
 
-def _init_ray(config: RayInitConfig) -> None:
+def _local_num_cpus(job: JobConfig) -> int:
+    """Logical CPUs of a new local Ray instance: at least the machine's, and enough that the
+    training workers, a preprocessing actor and Ray Data's read tasks (1 CPU each) can all be
+    scheduled at once. On a 2-core machine the default (2) leaves Ray Data no CPU for its read
+    tasks once two 0.5-CPU workers and an actor hold theirs, and the job waits forever."""
+    per_worker = job.scaling.resources_per_worker.get("CPU", 1.0)
+    training = job.scaling.num_workers * per_worker
+    return max(os.cpu_count() or 1, math.ceil(training) + _LOCAL_DATA_CPUS)
+
+
+def _init_ray(job: JobConfig) -> None:
     if ray.is_initialized():
         return
+    config = job.ray
     address = config.address or os.environ.get("RAY_ADDRESS") or "local"
     kwargs: dict[str, Any] = {}
     if address == "local":
         for name, value in _LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
-        kwargs = {"num_cpus": config.num_cpus, "object_store_memory": config.object_store_memory}
+        kwargs = {
+            "num_cpus": config.num_cpus or _local_num_cpus(job),
+            "object_store_memory": config.object_store_memory,
+        }
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
 
 
@@ -130,7 +147,7 @@ def train(config: str | Path | dict[str, Any] | JobConfig | None = None, *,
     plan = make_plan(job)
     logger.info("sharding plan:\n%s", plan.format_table())
 
-    _init_ray(job.ray)
+    _init_ray(job)
     run_name = run_config.name if run_config and run_config.name else job.run_name()
     tracked = start_run(job, run_name=run_name)
     try:

@@ -41,13 +41,13 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
     console.print("sharding plan:")
     # Plain print: the plan is a fixed-width table that must not be re-wrapped.
     print(result.plan.format_table(), file=console.file, flush=True)
-    console.print(f"MLflow run: {result.run_id}  ({result.tracking_uri})")
+    console.print(f"MLflow run: {result.run_id}  ({result.tracking_uri})", soft_wrap=True)
     if result.registered_model_name:
         console.print(
             f"registered model: {result.registered_model_name} "
             f"version {result.registered_model_version}"
         )
-    console.print(f"checkpoint: {result.checkpoint_path}")
+    console.print(f"checkpoint: {result.checkpoint_path}", soft_wrap=True)
     console.print(
         f"open the MLflow UI: mlflow ui --backend-store-uri {result.tracking_uri}",
         markup=False,

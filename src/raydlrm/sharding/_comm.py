@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "IdentityCodec",
+    "LocalRows",
     "PooledAllToAll",
     "PooledCodec",
     "all_gather_ints",
@@ -186,3 +187,45 @@ class PooledAllToAll(torch.autograd.Function):
             dtype=ctx.dtype,
         )
         return torch.cat(blocks, dim=0), None, None, None, None
+
+
+class LocalRows(torch.autograd.Function):
+    """This rank's rows of an output every rank computed for the global batch (data-parallel
+    tables), with an all-gather of the gradient rows in backward.
+
+    Every rank looks up its replicated tables for the whole global batch; the backward gives
+    every rank the gradient of the whole global batch, so every replica's fused optimizer makes
+    the same update and the replicas stay identical.
+
+    Forward args:
+        pooled: ``(sum(batch_sizes), D)``, identical on every rank.
+        batch_sizes: samples of each rank.
+        pg: process group.
+
+    Forward returns:
+        ``(batch_sizes[rank], D)``.
+
+    Backward divides the gradient by the world size (as :class:`PooledAllToAll`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, pooled: torch.Tensor, batch_sizes: list[int], pg: ProcessGroup | None
+    ) -> torch.Tensor:
+        rank, _ = rank_and_world_size(pg)
+        ctx.batch_sizes, ctx.pg = batch_sizes, pg
+        start = sum(batch_sizes[:rank])
+        return pooled[start : start + batch_sizes[rank]]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _, world_size = rank_and_world_size(ctx.pg)
+        dim = grad.shape[1]
+        payload = (grad / world_size).reshape(-1)
+        gathered = all_to_all(
+            payload.repeat(world_size),
+            input_splits=[payload.numel()] * world_size,
+            output_splits=[b * dim for b in ctx.batch_sizes],
+            pg=ctx.pg,
+        )
+        return gathered.view(-1, dim), None, None

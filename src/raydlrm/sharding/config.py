@@ -7,8 +7,17 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-ShardingType = Literal["table_wise"]
-"""How a table is placed: ``table_wise`` puts a whole table on one rank."""
+ShardingType = Literal["table_wise", "data_parallel", "row_wise", "column_wise", "table_row_wise"]
+"""How a table is placed.
+
+- ``table_wise``: the whole table on one rank.
+- ``data_parallel``: the table replicated on every rank; each rank looks up its own samples.
+- ``row_wise``: contiguous row ranges over all (or the pinned) ranks; partial sums reduced.
+- ``column_wise``: the embedding dim split into column shards (multiples of 4, possibly uneven),
+  each placed like a table-wise table; outputs concatenated.
+- ``table_row_wise``: row-wise inside one group of ``group_size`` consecutive ranks (a node),
+  table-wise across groups.
+"""
 
 EmbeddingOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd"]
 
@@ -23,6 +32,8 @@ class ShardingConfig:
     """Table name -> sharding type, overriding the planner."""
     pinned_ranks: dict[str, list[int]] = field(default_factory=dict)
     """Table name -> ranks the table must be placed on."""
+    group_size: int | None = None
+    """Ranks per group (node) for ``table_row_wise`` tables; None means all ranks are one group."""
     optimizer: EmbeddingOptimizer = "rowwise_adagrad"
     """fbgemm fused optimizer applied to embedding rows in the backward pass."""
     learning_rate: float = 0.05
@@ -35,6 +46,8 @@ class ShardingConfig:
             raise ValueError(f"sharding.learning_rate must be positive, got {self.learning_rate}")
         if self.eps <= 0:
             raise ValueError(f"sharding.eps must be positive, got {self.eps}")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"sharding.group_size must be positive, got {self.group_size}")
         for table, ranks in self.pinned_ranks.items():
             if not ranks or any(r < 0 for r in ranks):
                 raise ValueError(f"sharding.pinned_ranks.{table} must be non-negative ranks")

@@ -1,19 +1,39 @@
-"""Table-wise sharded embedding-bag collection on fbgemm's table-batched embedding kernels.
+"""Sharded embedding-bag collection on fbgemm's table-batched embedding kernels.
 
-Every rank owns whole tables (the :class:`~raydlrm.sharding.plan.ShardingPlan` says which) and
-looks them up, for the whole global batch, with one fbgemm ``SplitTableBatchedEmbeddingBags``
-(TBE) per pooling mode. A forward pass:
+Every table is sharded by the :class:`~raydlrm.sharding.plan.ShardingPlan` (table-wise,
+column-wise, row-wise, table-row-wise or data-parallel; types mix freely in one collection).
+The unit of work is one feature looked up in one shard (:mod:`raydlrm.sharding._layout`); each
+rank looks up its units for the whole global batch with one fbgemm TBE per (replicated, pooling
+mode). A forward pass:
 
-1. all-gathers the per-rank batch sizes (they may differ, e.g. the last batch);
-2. all-to-alls the lengths, then the ids (and per-id weights) of each feature to its owner; the
-   receiver derives the id counts from the lengths it received, so no separate count exchange;
-3. permutes the received bags from rank-major ``(source rank, feature, sample)`` to the
-   feature-major ``(feature, global sample)`` layout TBE reads, with fbgemm's
-   ``permute_1D_sparse_data`` (vectorized);
-4. looks up and pools with TBE;
-5. sends each rank the pooled rows of its samples (:class:`~raydlrm.sharding._comm.PooledAllToAll`,
-   whose backward is the reverse all-to-all) and reorders the columns to the unsharded
-   collection's feature order.
+1. sends every id to the units that own its row, with the row offset subtracted, and receives
+   this rank's units' bags for every rank's samples (:mod:`raydlrm.sharding._input_dist`);
+2. looks up and pools with TBE;
+3. sharded units: sends each rank the pooled rows of its samples
+   (:class:`~raydlrm.sharding._comm.PooledAllToAll`); data-parallel units: keeps this rank's
+   rows (:class:`~raydlrm.sharding._comm.LocalRows`);
+4. adds every received block into its feature's columns (``index_add``): column shards land
+   side by side, row shards' partial sums add up (a reduce-scatter done as all-to-all plus sum);
+   row-split mean tables, pooled as sums, are divided by the bag's true length here.
+
+Design choices:
+
+- *Data-parallel update.* fbgemm's fused optimizers update rows inside the TBE backward, so the
+  weight gradient can never be all-reduced before the update. Instead every replica looks up
+  the *global* batch (its ids reach every rank through the same input all-to-all) and the
+  backward of :class:`~raydlrm.sharding._comm.LocalRows` all-gathers the pooled-output gradient
+  rows (divided by the world size, as for every other type). Every replica then runs the same
+  TBE backward on the same ids and gradients: the update equals the single-process one on the
+  global batch, replicas stay bit-identical, and the communication is ``B x D`` per table
+  rather than a dense ``rows x D`` all-reduce.
+- *Column-wise row-wise Adagrad.* Row-wise Adagrad keeps one momentum per row, the mean of the
+  row's squared gradients. A column shard only sees its columns, so each shard keeps the
+  momentum of its own row segment (as TorchRec does): the column-wise update is exactly
+  row-wise Adagrad with each shard's row segment as the "row". It equals the unsharded update
+  only when the table has a single column shard. Adagrad and SGD are per element and exact.
+  :meth:`ShardedEmbeddingBagCollection.gather_full_optimizer_states` reports the width-weighted
+  mean of the segments' momenta, which is the unsharded definition (mean over the whole row) of
+  the accumulated squared gradients.
 
 The TBE's fused optimizer updates the rows in the backward pass: embeddings need no separate
 optimizer step. Ids are checked against their table's size on the rank that sends them, so the
@@ -22,7 +42,11 @@ error names the table and shows up where the bad batch is.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -31,14 +55,16 @@ from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_table_
 from raydlrm.sharding._comm import (
     IdentityCodec,
+    LocalRows,
     PooledAllToAll,
     PooledCodec,
-    all_gather_ints,
     all_to_all,
     rank_and_world_size,
 )
+from raydlrm.sharding._input_dist import InputDistributor, LocalBags, offsets_of
+from raydlrm.sharding._layout import TbeGroup, rank_units, tbe_groups
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.plan import ShardingPlan
+from raydlrm.sharding.plan import Shard, ShardingPlan
 
 import_fbgemm()
 
@@ -60,16 +86,12 @@ _OPTIMIZERS = {
     "sgd": EmbOptimType.EXACT_SGD,
 }
 _POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}
-
-
-def _offsets(lengths: torch.Tensor) -> torch.Tensor:
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths, dim=0, out=offsets[1:])
-    return offsets
+_Piece = tuple[EmbeddingBagConfig, Shard]
+_ROW_SPLIT = ("row_wise", "table_row_wise")
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
-    """An :class:`EmbeddingBagCollection` sharded table-wise across the ranks of ``pg``.
+    """An :class:`EmbeddingBagCollection` sharded across the ranks of ``pg`` by a plan.
 
     Input and output are those of the unsharded collection: a KJT of shape ``(F, B, L[f][b])``
     holding this rank's ``B`` samples (``B`` may differ across ranks), and a
@@ -78,7 +100,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     Args:
         ebc: the unsharded collection; its tables' weights initialize the shards (every rank
             must build it with the same seed). On the meta device, shards are freshly
-            initialized instead.
+            initialized instead (data-parallel replicas are then broadcast from rank 0).
         plan: where each table lives; its world size must be the size of ``pg``.
         config: the fused optimizer and its hyper-parameters.
         device: ``cpu`` (host TBE, gloo) or a CUDA device (device TBE, NCCL).
@@ -111,61 +133,59 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         self._device = torch.device(device)
         self._codec = codec or IdentityCodec()
+        self._optimizer = config.optimizer
         self.tables = list(ebc.tables)
         self.feature_names = ebc.feature_names
         self.feature_dims = ebc.feature_dims
         self.plan = plan
 
-        # Tables of each rank, grouped by pooling mode (one TBE per mode), so that each rank's
-        # features are in TBE output order: mode by mode, table by table.
-        self._rank_tables: list[list[EmbeddingBagConfig]] = [
-            sorted(
-                (t for t in self.tables if plan.table(t.name).shards[0].rank == r),
-                key=lambda t: t.pooling != "sum",
-            )
-            for r in range(self._world_size)
+        units = rank_units(self.tables, plan)
+        self._input = InputDistributor(
+            units,
+            num_features=len(self.feature_names),
+            rank=self._rank,
+            device=self._device,
+            pg=pg,
+        )
+        self._rank_pieces: list[list[_Piece]] = [
+            [p for g in tbe_groups(us) for p in g.shards] for us in units
         ]
-        rank_features = [[f for t in ts for f in t.feature_names] for ts in self._rank_tables]
-        self._num_rank_features = [len(fs) for fs in rank_features]
-        self._rank_dims = [
-            sum(t.embedding_dim * len(t.feature_names) for t in ts) for ts in self._rank_tables
+        self._sharded_dims = [sum(u.dim for u in us if not u.replicated) for us in units]
+        local = units[self._rank]
+        self._replicated_dim = sum(u.dim for u in local if u.replicated)
+        # Output column of every column of the blocks received (sharded units of every rank,
+        # in rank order) followed by this rank's replicated units.
+        received = [u for us in units for u in us if not u.replicated]
+        received += [u for u in local if u.replicated]
+        feature_start = offsets_of(torch.tensor(self.feature_dims)).tolist()
+        target = [
+            torch.arange(u.shard.col_start, u.shard.col_end) + feature_start[u.feature_index]
+            for u in received
         ]
-        # Features in send order (rank-major), and what the output all-to-all returns.
-        self._send_keys = [f for fs in rank_features for f in fs]
+        self._register("_target_columns", torch.cat(target))
         table_of = {f: t for t in self.tables for f in t.feature_names}
-        self._send_tables = [table_of[f].name for f in self._send_keys]
-        self.register_buffer(
-            "_send_limits",
-            torch.tensor(
-                [table_of[f].num_embeddings for f in self._send_keys],
-                dtype=torch.int64,
-                device=self._device,
-            ),
-            persistent=False,
+        self._register(
+            "_limits", torch.tensor([table_of[f].num_embeddings for f in self.feature_names])
         )
-        column_start, start = {}, 0
-        for f in self._send_keys:
-            column_start[f] = start
-            start += table_of[f].embedding_dim
-        self.register_buffer(
-            "_column_index",
-            torch.cat(
-                [
-                    torch.arange(column_start[f], column_start[f] + table_of[f].embedding_dim)
-                    for f in self.feature_names
-                ]
-            ).to(self._device),
-            persistent=False,
-        )
+        row_split = {t.name for t in plan.tables if t.sharding_type in _ROW_SPLIT}
+        mean_features = [
+            table_of[f].pooling == "mean" and table_of[f].name in row_split
+            for f in self.feature_names
+        ]
+        self._has_row_split_mean = any(mean_features)
+        self._register("_row_split_mean", torch.tensor(mean_features, dtype=torch.bool))
+        self._register("_feature_dims", torch.tensor(self.feature_dims))
 
-        self.local_table_configs = self._rank_tables[self._rank]
-        by_mode = [[t for t in self.local_table_configs if t.pooling == m] for m in ("sum", "mean")]
-        self._groups = [g for g in by_mode if g]
+        self._groups = tbe_groups(local)
+        self.local_table_configs = [t for t, _ in self._rank_pieces[self._rank]]
         self.tbes = nn.ModuleList(self._build_tbe(g, config) for g in self._groups)
         self._init_weights(ebc)
 
+    def _register(self, name: str, value: torch.Tensor) -> None:
+        self.register_buffer(name, value.to(self._device), persistent=False)
+
     def _build_tbe(
-        self, tables: list[EmbeddingBagConfig], config: ShardingConfig
+        self, group: TbeGroup, config: ShardingConfig
     ) -> SplitTableBatchedEmbeddingBagsCodegen:
         if self._device.type == "cuda":
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
@@ -173,45 +193,104 @@ class ShardedEmbeddingBagCollection(nn.Module):
             location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
         return SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[
-                (t.num_embeddings, t.embedding_dim, location, compute) for t in tables
+                (s.row_end - s.row_start, s.col_end - s.col_start, location, compute)
+                for _, s in group.shards
             ],
-            feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
+            feature_table_map=group.feature_table_map,
             optimizer=_OPTIMIZERS[config.optimizer],
             learning_rate=config.learning_rate,
             eps=config.eps,
-            pooling_mode=_POOLING[tables[0].pooling],
+            pooling_mode=_POOLING[group.pooling],
             device=self._device,
         )
 
     @torch.no_grad()
     def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
+        shards = self.local_shards()
+        on_meta = False
         for name, weight in self.local_tables().items():
-            source = ebc.weights[name]
+            source, s = ebc.weights[name], shards[name]
             if source.device.type == "meta":
-                init_table_(weight, num_embeddings=weight.shape[0])
+                on_meta = True
+                init_table_(weight, num_embeddings=source.shape[0])
             else:
-                weight.copy_(source.detach())
+                weight.copy_(source.detach()[s.row_start : s.row_end, s.col_start : s.col_end])
+        if on_meta and self._world_size > 1:
+            for t in self.plan.tables:
+                if t.sharding_type == "data_parallel":
+                    dist.broadcast(self.local_tables()[t.name], src=0, group=self._pg)
 
     def local_tables(self) -> dict[str, torch.Tensor]:
-        """Views of the weights of this rank's tables, shape ``(num_embeddings, dim)`` each."""
+        """Views of this rank's shard of each of its tables (one shard per table per rank).
+
+        Returns:
+            Table name -> ``(row_end - row_start, col_end - col_start)`` weights of the shard
+            (see :meth:`local_shards`); a data-parallel table's full replica.
+        """
         return {
             t.name: w
             for group, tbe in zip(self._groups, self.tbes, strict=True)
-            for t, w in zip(group, tbe.split_embedding_weights(), strict=True)
+            for (t, _), w in zip(group.shards, tbe.split_embedding_weights(), strict=True)
         }
 
+    def local_shards(self) -> dict[str, Shard]:
+        """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
+        return {t.name: s for t, s in self._rank_pieces[self._rank]}
+
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
-        """Fused optimizer state of this rank's tables (views).
+        """Fused optimizer state of this rank's shards (views).
 
         Returns:
-            Table name -> state tensors: row-wise Adagrad one ``(num_embeddings,)`` tensor,
-            Adagrad one ``(num_embeddings, dim)`` tensor, SGD none.
+            Table name -> state tensors of the local shard: row-wise Adagrad one ``(rows,)``
+            tensor (the momentum of the shard's row segments), Adagrad one ``(rows, cols)``
+            tensor, SGD none.
         """
         states: dict[str, list[torch.Tensor]] = {}
         for group, tbe in zip(self._groups, self.tbes, strict=True):
-            split = tbe.split_optimizer_states() or [[] for _ in group]
-            states.update({t.name: list(s) for t, s in zip(group, split, strict=True)})
+            split = tbe.split_optimizer_states() or [[] for _ in group.shards]
+            states.update({t.name: list(s) for (t, _), s in zip(group.shards, split, strict=True)})
         return states
+
+    def _gather_pieces(
+        self,
+        local: dict[str, torch.Tensor],
+        *,
+        dst: int,
+        shape: Callable[[Shard], tuple[int, ...]],
+    ) -> dict[str, list[tuple[Shard, torch.Tensor]]] | None:
+        """Every rank's ``local[table]`` of shape ``shape(shard)`` on ``dst``, per table.
+
+        A data-parallel table contributes only the replica of its first shard's rank.
+        """
+        sent = [
+            [
+                (t, s)
+                for t, s in pieces
+                if s == self.plan.table(t.name).shards[0]
+                or self.plan.table(t.name).sharding_type != "data_parallel"
+            ]
+            for pieces in self._rank_pieces
+        ]
+        numel = [[int(torch.Size(shape(s)).numel()) for _, s in pieces] for pieces in sent]
+        mine = [local[t.name].reshape(-1) for t, _ in sent[self._rank]]
+        payload = torch.cat(mine) if mine else torch.empty(0, device=self._device)
+        is_dst = self._rank == dst
+        if self._world_size == 1:
+            received = payload
+        else:
+            received = all_to_all(
+                payload,
+                input_splits=[payload.numel() if r == dst else 0 for r in range(self._world_size)],
+                output_splits=[sum(n) if is_dst else 0 for n in numel],
+                pg=self._pg,
+            )
+        if not is_dst:
+            return None
+        chunks = received.split([n for ns in numel for n in ns])
+        pieces = defaultdict(list)
+        for (t, s), chunk in zip([p for ps in sent for p in ps], chunks, strict=True):
+            pieces[t.name].append((s, chunk.view(shape(s))))
+        return pieces
 
     @torch.no_grad()
     def gather_full_tables(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
@@ -224,143 +303,119 @@ class ShardedEmbeddingBagCollection(nn.Module):
             On ``dst``: table name -> ``(num_embeddings, dim)`` tensor (a copy), in the
             collection's table order. ``None`` on other ranks.
         """
-        local = self.local_tables()
-        if self._world_size == 1:
-            return {t.name: local[t.name].clone() for t in self.tables}
-        # Flattened in the order of self._rank_tables[rank] (local_tables() follows it).
-        flat = [w.reshape(-1) for w in local.values()]
-        payload = torch.cat(flat) if flat else torch.empty(0, device=self._device)
-        sizes = [sum(t.num_embeddings * t.embedding_dim for t in ts) for ts in self._rank_tables]
-        is_dst = self._rank == dst
-        received = all_to_all(
-            payload,
-            input_splits=[payload.numel() if r == dst else 0 for r in range(self._world_size)],
-            output_splits=sizes if is_dst else [0] * self._world_size,
-            pg=self._pg,
+        pieces = self._gather_pieces(
+            self.local_tables(),
+            dst=dst,
+            shape=lambda s: (s.row_end - s.row_start, s.col_end - s.col_start),
         )
-        if not is_dst:
+        if pieces is None:
             return None
-        flat_tables = [t for ts in self._rank_tables for t in ts]
-        chunks = received.split([t.num_embeddings * t.embedding_dim for t in flat_tables])
-        by_name = {
-            t.name: c.view(t.num_embeddings, t.embedding_dim)
-            for t, c in zip(flat_tables, chunks, strict=True)
-        }
-        return {t.name: by_name[t.name] for t in self.tables}
+        full = {}
+        for t in self.tables:
+            weight = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
+            for s, chunk in pieces[t.name]:
+                weight[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
+            full[t.name] = weight
+        return full
+
+    @torch.no_grad()
+    def gather_full_optimizer_states(self, dst: int = 0) -> dict[str, list[torch.Tensor]] | None:
+        """The fused optimizer state of the full tables on rank ``dst``; every rank must call it.
+
+        Row-wise Adagrad's momentum of a column-sharded table is the width-weighted mean of its
+        column shards' momenta (see the module docstring): the accumulated mean over the whole
+        row of the squared gradients, as the unsharded optimizer defines it.
+
+        Returns:
+            On ``dst``: table name -> state tensors as :meth:`optimizer_states` returns them, of
+            the full table (``(num_embeddings,)`` or ``(num_embeddings, dim)``; none for SGD).
+            ``None`` on other ranks.
+        """
+        if self._optimizer == "sgd":
+            return {t.name: [] for t in self.tables} if self._rank == dst else None
+        rowwise = self._optimizer == "rowwise_adagrad"
+        pieces = self._gather_pieces(
+            {name: states[0] for name, states in self.optimizer_states().items()},
+            dst=dst,
+            shape=lambda s: (
+                (s.row_end - s.row_start,) + (() if rowwise else (s.col_end - s.col_start,))
+            ),
+        )
+        if pieces is None:
+            return None
+        full = {}
+        for t in self.tables:
+            if rowwise:
+                state = torch.zeros(t.num_embeddings, device=self._device)
+                for s, chunk in pieces[t.name]:
+                    width = (s.col_end - s.col_start) / t.embedding_dim
+                    state[s.row_start : s.row_end] += chunk * width
+            else:
+                state = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
+                for s, chunk in pieces[t.name]:
+                    state[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
+            full[t.name] = [state]
+        return full
 
     @torch.no_grad()
     def load_full_tables(self, tables: dict[str, torch.Tensor]) -> None:
-        """Copies the rows this rank owns from full, unsharded tables.
+        """Copies this rank's shards out of full, unsharded tables.
 
         Args:
             tables: table name -> ``(num_embeddings, dim)`` tensor; must hold every table this
-                rank owns.
+                rank holds a shard of.
 
         Raises:
             ValueError: naming a missing table or one of the wrong shape.
         """
+        shards = self.local_shards()
+        configs = {t.name: t for t in self.tables}
         for name, weight in self.local_tables().items():
             if name not in tables:
                 raise ValueError(f"load_full_tables: table {name!r} is missing")
-            source = tables[name]
-            if tuple(source.shape) != tuple(weight.shape):
+            source, s, cfg = tables[name], shards[name], configs[name]
+            if tuple(source.shape) != (cfg.num_embeddings, cfg.embedding_dim):
                 raise ValueError(
                     f"load_full_tables: table {name!r} has shape {tuple(source.shape)}, "
-                    f"expected {tuple(weight.shape)}"
+                    f"expected {(cfg.num_embeddings, cfg.embedding_dim)}"
                 )
-            weight.copy_(source)
+            weight.copy_(source[s.row_start : s.row_end, s.col_start : s.col_end])
 
     def _check_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
         limits = torch.repeat_interleave(
-            self._send_limits, kjt.length_per_key(), output_size=kjt.values.numel()
+            self._limits, kjt.length_per_key(), output_size=kjt.values.numel()
         )
         bad = (kjt.values < 0) | (kjt.values >= limits)
         if not bool(bad.any()):
             return
         pos = int(torch.nonzero(bad)[0, 0])
         feature = int(torch.searchsorted(kjt.offset_per_key(), pos, right=True)) - 1
-        name = self._send_tables[feature]
+        name = next(t.name for t in self.tables if kjt.keys[feature] in t.feature_names)
         raise ValueError(
-            f"table {name!r} (feature {self._send_keys[feature]!r}): id {int(kjt.values[pos])} "
-            f"not in [0, {int(self._send_limits[feature])})"
+            f"table {name!r} (feature {kjt.keys[feature]!r}): id {int(kjt.values[pos])} "
+            f"not in [0, {int(self._limits[feature])})"
         )
 
-    def _bag_permutation(self, batch_sizes: list[int]) -> torch.Tensor:
-        """Bag index mapping ``(feature, global sample)`` order to the received
-        ``(source rank, feature, sample)`` order, int32, shape ``(F_local * sum(B),)``."""
-        device = self._device
-        num_features = self._num_rank_features[self._rank]
-        sizes = torch.tensor(batch_sizes, dtype=torch.int64, device=device)
-        total = int(sum(batch_sizes))
-        starts = _offsets(sizes)[:-1]
-        source = torch.repeat_interleave(
-            torch.arange(len(batch_sizes), device=device), sizes, output_size=total
-        )
-        sample = torch.arange(total, device=device) - starts[source]
-        base = num_features * starts[source] + sample
-        feature = torch.arange(num_features, device=device).unsqueeze(1)
-        return (base.unsqueeze(0) + feature * sizes[source].unsqueeze(0)).reshape(-1).int()
-
-    def _distribute_input(
-        self, kjt: KeyedJaggedTensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
-        """Sends each feature's bags to its owner; returns this rank's features over the global
-        batch, feature-major: lengths ``(F_local * sum(B),)``, ids, weights, batch sizes."""
-        if self._world_size == 1:
-            return kjt.lengths, kjt.values, kjt.weights, [kjt.batch_size]
-        pg = self._pg
-        batch_sizes = all_gather_ints(kjt.batch_size, device=self._device, pg=pg)
-        lengths = all_to_all(
-            kjt.lengths,
-            input_splits=[n * kjt.batch_size for n in self._num_rank_features],
-            output_splits=[self._num_rank_features[self._rank] * b for b in batch_sizes],
-            pg=pg,
-        )
-        recv_splits = [self._num_rank_features[self._rank] * b for b in batch_sizes]
-        send_ids = [
-            int(s)
-            for s in torch.stack(
-                [x.sum() for x in kjt.length_per_key().split(self._num_rank_features)]
-            ).tolist()
-        ]
-        recv_ids = [
-            int(s) for s in torch.stack([x.sum() for x in lengths.split(recv_splits)]).tolist()
-        ]
-        values = all_to_all(kjt.values, input_splits=send_ids, output_splits=recv_ids, pg=pg)
-        weights = None
-        if kjt.weights is not None:
-            weights = all_to_all(kjt.weights, input_splits=send_ids, output_splits=recv_ids, pg=pg)
-        lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-            self._bag_permutation(batch_sizes), lengths, values, weights, values.numel()
-        )
-        return lengths, values, weights, batch_sizes
-
-    def _lookup(
-        self,
-        lengths: torch.Tensor,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        total_batch: int,
-    ) -> torch.Tensor:
-        """Pooled vectors of this rank's features, shape ``(total_batch, D_local)``."""
+    def _lookup(self, bags: LocalBags, total_batch: int) -> torch.Tensor:
+        """Pooled vectors of this rank's units, shape ``(total_batch, D_units)``."""
         if not self._groups:
             # Requires grad so that backward still reaches the output all-to-all on this rank.
             return torch.zeros(total_batch, 0, device=self._device, requires_grad=True)
-        offsets = _offsets(lengths)
-        pooled, first_feature = [], 0
+        offsets = offsets_of(bags.lengths)
+        pooled, first = [], 0
         for group, tbe in zip(self._groups, self.tbes, strict=True):
-            last_feature = first_feature + sum(len(t.feature_names) for t in group)
-            lo, hi = first_feature * total_batch, last_feature * total_batch
+            lo, hi = first * total_batch, (first + group.num_units) * total_batch
             id_lo, id_hi = int(offsets[lo]), int(offsets[hi])
+            weights = bags.weights
             pooled.append(
                 tbe(
-                    values[id_lo:id_hi].to(torch.int64),
+                    bags.values[id_lo:id_hi].to(torch.int64),
                     offsets[lo : hi + 1] - id_lo,
                     per_sample_weights=None if weights is None else weights[id_lo:id_hi],
                 )
             )
-            first_feature = last_feature
+            first += group.num_units
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -376,16 +431,38 @@ class ShardedEmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: naming the table of an id outside ``[0, num_embeddings)``.
         """
-        kjt = features.select(self._send_keys)
+        kjt = features.select(self.feature_names)
         self._check_ids(kjt)
-        lengths, values, weights, batch_sizes = self._distribute_input(kjt)
-        pooled = self._lookup(lengths, values, weights, sum(batch_sizes))
-        if self._world_size > 1:
-            pooled = PooledAllToAll.apply(
-                pooled, batch_sizes, self._rank_dims, self._pg, self._codec
+        bags = self._input(kjt)
+        pooled = self._lookup(bags, sum(bags.batch_sizes))
+        sharded_dim = self._sharded_dims[self._rank]
+        parts = []
+        if any(self._sharded_dims):
+            sharded = pooled[:, :sharded_dim]
+            if self._world_size > 1:
+                sharded = PooledAllToAll.apply(
+                    sharded, bags.batch_sizes, self._sharded_dims, self._pg, self._codec
+                )
+            parts.append(sharded)
+        if self._replicated_dim:
+            replicated = pooled[:, sharded_dim:]
+            if self._world_size > 1:
+                replicated = LocalRows.apply(replicated, bags.batch_sizes, self._pg)
+            parts.append(replicated)
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        values = blocks.new_zeros(kjt.batch_size, sum(self.feature_dims)).index_add(
+            1, self._target_columns, blocks
+        )
+        if self._has_row_split_mean:
+            lengths = kjt.lengths.view(len(self.feature_names), kjt.batch_size)
+            scale = torch.where(
+                self._row_split_mean.unsqueeze(1),
+                1.0 / lengths.clamp(min=1).to(values.dtype),
+                torch.ones((), dtype=values.dtype, device=values.device),
+            )
+            values = values * scale.t().repeat_interleave(
+                self._feature_dims, dim=1, output_size=values.shape[1]
             )
         return KeyedTensor(
-            keys=list(self.feature_names),
-            dims=list(self.feature_dims),
-            values=pooled.index_select(1, self._column_index),
+            keys=list(self.feature_names), dims=list(self.feature_dims), values=values
         )

@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import get_args
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingType
 
 __all__ = ["Shard", "ShardingPlan", "TablePlan"]
 
-_SHARDING_TYPES: tuple[str, ...] = ("table_wise",)
+_SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
+_ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,11 @@ class TablePlan:
 
     Attributes:
         name: table name.
-        sharding_type: how the table is split (``table_wise``: one shard holding the whole table).
+        sharding_type: how the table is split (see :data:`~raydlrm.sharding.config.ShardingType`).
         num_embeddings: rows of the table.
         embedding_dim: columns of the table.
-        shards: the pieces of the table and their ranks.
+        shards: the pieces of the table and their ranks, at most one per rank; for
+            ``data_parallel`` one full-table replica per rank.
         cost: estimated per-sample cost of the table's lookups and output communication (bytes).
         memory_bytes: weights plus fused optimizer state, in bytes.
     """
@@ -142,7 +145,7 @@ class ShardingPlan:
                     raise ValueError(
                         f"table {t.name!r}: shard rank {s.rank} not in [0, {self.world_size})"
                     )
-            _check_coverage(t)
+            _check_coverage(t, self.world_size)
 
     def to_json(self) -> str:
         """The plan as a JSON string (see :meth:`from_json`)."""
@@ -178,17 +181,76 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
-def _check_coverage(t: TablePlan) -> None:
-    """Table-wise: exactly one shard spanning the whole table."""
+def _check_coverage(t: TablePlan, world_size: int) -> None:
+    """Every cell of the table is owned by exactly one shard (or, for data-parallel, every rank
+    holds a full replica), in the shape the sharding type implies."""
     full = (0, t.num_embeddings, 0, t.embedding_dim)
-    if len(t.shards) != 1:
+    rects = [(s.row_start, s.row_end, s.col_start, s.col_end) for s in t.shards]
+    ranks = [s.rank for s in t.shards]
+    if t.sharding_type == "data_parallel":
+        if sorted(ranks) != list(range(world_size)) or any(r != full for r in rects):
+            raise ValueError(
+                f"table {t.name!r}: data_parallel needs one full-table shard on every rank "
+                f"0..{world_size - 1}, got shards {t.shards}"
+            )
+        return
+    if t.sharding_type == "table_wise" and len(t.shards) != 1:
         raise ValueError(
             f"table {t.name!r}: table_wise needs exactly one shard, got {len(t.shards)} "
             "(covered twice or not at all)"
         )
-    s = t.shards[0]
-    if (s.row_start, s.row_end, s.col_start, s.col_end) != full:
+    if not t.shards:
+        raise ValueError(f"table {t.name!r}: {t.sharding_type} has no shards (not covered)")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"table {t.name!r}: more than one shard on one rank: {ranks}")
+    for s in t.shards:
+        if not (0 <= s.row_start < s.row_end <= t.num_embeddings) or not (
+            0 <= s.col_start < s.col_end <= t.embedding_dim
+        ):
+            raise ValueError(
+                f"table {t.name!r}: shard rows [{s.row_start}, {s.row_end}) x cols "
+                f"[{s.col_start}, {s.col_end}) is empty or outside the table {full}"
+            )
+        if (s.col_end - s.col_start) % 4:
+            raise ValueError(
+                f"table {t.name!r}: shard columns [{s.col_start}, {s.col_end}) are not a "
+                "multiple of 4 wide"
+            )
+    if t.sharding_type != "column_wise" and any(
+        (s.col_start, s.col_end) != (0, t.embedding_dim) for s in t.shards
+    ):
         raise ValueError(
-            f"table {t.name!r}: shard rows [{s.row_start}, {s.row_end}) x cols "
-            f"[{s.col_start}, {s.col_end}) does not cover the table {full}"
+            f"table {t.name!r}: {t.sharding_type} shards must span all columns "
+            "(so the shards do not cover the table as the type requires)"
+        )
+    if t.sharding_type not in _ROW_SPLIT_TYPES and any(
+        (s.row_start, s.row_end) != (0, t.num_embeddings) for s in t.shards
+    ):
+        raise ValueError(
+            f"table {t.name!r}: {t.sharding_type} shards must span all rows "
+            "(so the shards do not cover the table as the type requires)"
+        )
+    # Column ranges tile [0, D); inside each, row ranges tile [0, N).
+    columns = sorted({(s.col_start, s.col_end) for s in t.shards})
+    _check_tiling(t.name, "columns", columns, t.embedding_dim)
+    for lo, hi in columns:
+        rows = sorted(
+            (s.row_start, s.row_end) for s in t.shards if (s.col_start, s.col_end) == (lo, hi)
+        )
+        _check_tiling(t.name, f"rows of columns [{lo}, {hi})", rows, t.num_embeddings)
+
+
+def _check_tiling(name: str, what: str, ranges: list[tuple[int, int]], size: int) -> None:
+    end = 0
+    for lo, hi in ranges:
+        if lo != end:
+            problem = "covered twice" if lo < end else "not covered"
+            raise ValueError(
+                f"table {name!r}: {what} [{min(lo, end)}, {max(lo, end)}) {problem}; "
+                f"the shards do not cover the table exactly"
+            )
+        end = hi
+    if end != size:
+        raise ValueError(
+            f"table {name!r}: {what} [{end}, {size}) not covered; the shards do not cover the table"
         )

@@ -1,0 +1,132 @@
+"""Static layout of a sharded collection: which rank looks up which feature in which shard.
+
+The unit of routing is a :class:`LookupUnit`: one feature looked up in one shard of its table.
+A table-wise table gives one unit per feature, a column-wise table one per feature and column
+shard, a row-wise table one per feature and row shard, a data-parallel table one per feature and
+rank. Every rank derives the same layout from the plan, so senders and receivers agree on the
+order of what they exchange without talking.
+
+On each rank, units are ordered by (replicated, kernel pooling mode, table, feature): the
+sharded units come first (their pooled output goes through the output all-to-all) and the
+data-parallel ones last (their output stays local), and units looked up by the same fbgemm TBE
+are contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Literal
+
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding.plan import Shard, ShardingPlan
+
+__all__ = ["LookupUnit", "TbeGroup", "rank_units", "tbe_groups"]
+
+ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
+
+
+@dataclass(frozen=True)
+class LookupUnit:
+    """One feature looked up in one shard of its table.
+
+    Attributes:
+        feature: feature name.
+        feature_index: position of the feature in the collection's ``feature_names``.
+        table: the feature's table.
+        table_index: position of the table in the collection.
+        shard: the shard looked up (its rank is where the lookup runs).
+        sharding_type: the table's sharding type.
+    """
+
+    feature: str
+    feature_index: int
+    table: EmbeddingBagConfig
+    table_index: int
+    shard: Shard
+    sharding_type: str
+
+    @property
+    def replicated(self) -> bool:
+        """Data-parallel: the rank looks up its own samples and keeps the result."""
+        return self.sharding_type == "data_parallel"
+
+    @property
+    def row_split(self) -> bool:
+        """The unit pools a partial sum over its rows; partial sums are added on the receiver."""
+        return self.sharding_type in ROW_SPLIT_TYPES
+
+    @property
+    def kernel_pooling(self) -> Literal["sum", "mean"]:
+        """Pooling mode of the TBE kernel. A row-split mean table pools sums: the mean is taken
+        on the receiver, with the bag's true length, after adding the partial sums."""
+        return "sum" if self.row_split else self.table.pooling
+
+    @property
+    def dim(self) -> int:
+        return self.shard.col_end - self.shard.col_start
+
+
+@dataclass(frozen=True)
+class TbeGroup:
+    """Contiguous units of one rank looked up by one TBE.
+
+    Attributes:
+        pooling: the TBE's pooling mode.
+        shards: ``(table, shard)`` of each TBE table, in TBE order.
+        feature_table_map: TBE table of each unit.
+        num_units: units (TBE features) of the group.
+    """
+
+    pooling: Literal["sum", "mean"]
+    shards: list[tuple[EmbeddingBagConfig, Shard]]
+    feature_table_map: list[int]
+
+    @property
+    def num_units(self) -> int:
+        return len(self.feature_table_map)
+
+
+def rank_units(tables: list[EmbeddingBagConfig], plan: ShardingPlan) -> list[list[LookupUnit]]:
+    """The units of every rank, in that rank's lookup order (see the module docstring)."""
+    units: list[list[LookupUnit]] = [[] for _ in range(plan.world_size)]
+    feature_index = 0
+    for table_index, table in enumerate(tables):
+        table_plan = plan.table(table.name)
+        for feature in table.feature_names:
+            for shard in table_plan.shards:
+                units[shard.rank].append(
+                    LookupUnit(
+                        feature=feature,
+                        feature_index=feature_index,
+                        table=table,
+                        table_index=table_index,
+                        shard=shard,
+                        sharding_type=table_plan.sharding_type,
+                    )
+                )
+            feature_index += 1
+    return [
+        sorted(
+            us,
+            key=lambda u: (u.replicated, u.kernel_pooling != "sum", u.table_index, u.feature_index),
+        )
+        for us in units
+    ]
+
+
+def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
+    """Splits one rank's units into TBEs: one per (replicated, kernel pooling) run."""
+    groups = []
+    for (_, pooling), run in groupby(units, key=lambda u: (u.replicated, u.kernel_pooling)):
+        run = list(run)
+        names = list(dict.fromkeys(u.table.name for u in run))
+        shards = {u.table.name: (u.table, u.shard) for u in run}
+        groups.append(
+            TbeGroup(
+                pooling=pooling,
+                shards=[shards[n] for n in names],
+                feature_table_map=[names.index(u.table.name) for u in run],
+            )
+        )
+    return groups
