@@ -71,7 +71,7 @@ def _plan_with(tables: list[EmbeddingBagConfig], **changes) -> ShardingPlan:
         ({"shards": []}, "table 't0'.*exactly one shard"),
         ({"shards": [Shard(0, 0, 50, 0, 8), Shard(1, 0, 50, 0, 8)]}, "table 't0'.*covered twice"),
         ({"shards": [Shard(2, 0, 50, 0, 8)]}, "table 't0'.*rank 2"),
-        ({"shards": [Shard(0, 0, 40, 0, 8)]}, "table 't0'.*does not cover"),
+        ({"shards": [Shard(0, 0, 40, 0, 8)]}, "table 't0'.*do not cover"),
         ({"num_embeddings": 51}, "table 't0'.*shape"),
     ],
 )

@@ -52,4 +52,5 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
         f"open the MLflow UI: mlflow ui --backend-store-uri {result.tracking_uri}",
         markup=False,
         highlight=False,
+        soft_wrap=True,
     )
