@@ -29,6 +29,7 @@ __all__ = [
     "KeyedJaggedTensor",
     "KeyedTensor",
     "is_debug",
+    "lengths_to_offsets",
     "set_debug",
 ]
 
@@ -46,7 +47,8 @@ def is_debug() -> bool:
     return _DEBUG
 
 
-def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` lengths -> ``(n + 1,)`` int64 offsets (exclusive cumulative sum)."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
     return offsets
@@ -152,7 +154,7 @@ class KeyedJaggedTensor:
     def offsets(self) -> torch.Tensor:
         """Exclusive cumulative sum of ``lengths``, shape ``(F * B + 1,)``, int64."""
         if self._offsets is None:
-            self._offsets = _lengths_to_offsets(self.lengths)
+            self._offsets = lengths_to_offsets(self.lengths)
         return self._offsets
 
     def length_per_key(self) -> torch.Tensor:
@@ -161,7 +163,7 @@ class KeyedJaggedTensor:
 
     def offset_per_key(self) -> torch.Tensor:
         """Start of each feature's values, shape ``(F + 1,)``."""
-        return _lengths_to_offsets(self.length_per_key())
+        return lengths_to_offsets(self.length_per_key())
 
     def select(self, keys: list[str]) -> KeyedJaggedTensor:
         """A KJT holding only ``keys``, in that order (copies values).
@@ -214,7 +216,7 @@ class KeyedJaggedTensor:
         starts = self.offsets[bag]
         # For every output id, its position in `values`: the start of its bag plus its rank
         # inside the bag. Vectorized: no Python loop over bags.
-        out_offsets = _lengths_to_offsets(lengths)
+        out_offsets = lengths_to_offsets(lengths)
         total = int(out_offsets[-1])
         within = torch.arange(total, device=rows.device) - torch.repeat_interleave(
             out_offsets[:-1], lengths, output_size=total
