@@ -2,7 +2,7 @@
 
 Models carry no parallelism (the torchtitan convention): ``model.embedding_bags`` is an
 :class:`~raydlrm.models.embedding.EmbeddingBagCollection` and ``model.dense`` holds every dense
-parameter. :func:`shard_model` swaps the collection for its table-wise sharded form and wraps
+parameter. :func:`shard_model` swaps the collection for its sharded form and wraps
 the dense part in DistributedDataParallel. The TBE weights stay out of DDP: their gradients are
 applied by the fused optimizer in the backward pass, and each rank owns different tables.
 """
