@@ -48,7 +48,11 @@ def _spec(data_dir: Path, batch_size: int, optimizer: str) -> WorkerSpec:
 
 
 def _run(
-    rank: int, world_size: int, data_dir: str, optimizer: str = "rowwise_adagrad"
+    rank: int,
+    world_size: int,
+    data_dir: str,
+    optimizer: str = "rowwise_adagrad",
+    device: str = "cpu",
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer)
     table = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "train"))

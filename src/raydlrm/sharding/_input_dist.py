@@ -23,18 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from raydlrm.batch import KeyedJaggedTensor
+from raydlrm.batch import KeyedJaggedTensor, lengths_to_offsets
 from raydlrm.sharding._comm import all_gather_ints, all_to_all
 from raydlrm.sharding._layout import LookupUnit
 
 __all__ = ["InputDistributor", "LocalBags"]
-
-
-def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
-    """``(n,)`` lengths -> ``(n + 1,)`` int64 offsets."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths, dim=0, out=offsets[1:])
-    return offsets
 
 
 @dataclass
@@ -127,7 +120,7 @@ class InputDistributor:
             torch.arange(num_ids, device=device), fanout, output_size=num_copies
         )
         first_copy = torch.repeat_interleave(
-            offsets_of(fanout)[:-1], fanout, output_size=num_copies
+            lengths_to_offsets(fanout)[:-1], fanout, output_size=num_copies
         )
         group = self._group_base[feature[source]] + (
             torch.arange(num_copies, device=device) - first_copy
@@ -150,7 +143,7 @@ class InputDistributor:
         num_units = self._num_units[self._rank]
         sizes = torch.tensor(batch_sizes, dtype=torch.int64, device=device)
         total = int(sum(batch_sizes))
-        starts = offsets_of(sizes)[:-1]
+        starts = lengths_to_offsets(sizes)[:-1]
         source = torch.repeat_interleave(
             torch.arange(len(batch_sizes), device=device), sizes, output_size=total
         )

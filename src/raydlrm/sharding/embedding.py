@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from raydlrm._versions import import_fbgemm
-from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
+from raydlrm.batch import KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_table_
 from raydlrm.sharding._comm import (
     IdentityCodec,
@@ -61,7 +61,7 @@ from raydlrm.sharding._comm import (
     all_to_all,
     rank_and_world_size,
 )
-from raydlrm.sharding._input_dist import InputDistributor, LocalBags, offsets_of
+from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import TbeGroup, rank_units, tbe_groups
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
@@ -157,7 +157,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # in rank order) followed by this rank's replicated units.
         received = [u for us in units for u in us if not u.replicated]
         received += [u for u in local if u.replicated]
-        feature_start = offsets_of(torch.tensor(self.feature_dims)).tolist()
+        feature_start = lengths_to_offsets(torch.tensor(self.feature_dims)).tolist()
         target = [
             torch.arange(u.shard.col_start, u.shard.col_end) + feature_start[u.feature_index]
             for u in received
@@ -402,7 +402,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if not self._groups:
             # Requires grad so that backward still reaches the output all-to-all on this rank.
             return torch.zeros(total_batch, 0, device=self._device, requires_grad=True)
-        offsets = offsets_of(bags.lengths)
+        offsets = lengths_to_offsets(bags.lengths)
         pooled, first = [], 0
         for group, tbe in zip(self._groups, self.tbes, strict=True):
             lo, hi = first * total_batch, (first + group.num_units) * total_batch
