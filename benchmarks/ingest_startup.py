@@ -41,8 +41,13 @@ def _make_data(root: Path, train_rows: int, eval_rows: int) -> None:
     from raydlrm.ingestion import SyntheticConfig, generate_synthetic
 
     generate_synthetic(
-        SyntheticConfig(num_train_rows=train_rows, num_eval_rows=eval_rows,
-                        rows_per_file=10_000, max_cardinality=3000, seed=11),
+        SyntheticConfig(
+            num_train_rows=train_rows,
+            num_eval_rows=eval_rows,
+            rows_per_file=10_000,
+            max_cardinality=3000,
+            seed=11,
+        ),
         out_dir=root,
     )
 
@@ -60,8 +65,13 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
 
     from raydlrm.ingestion.config import DataConfig
 
-    ray.init(address="local", num_cpus=num_cpus, object_store_memory=400_000_000,
-             include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        object_store_memory=400_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     config = DataConfig(batch_size=BATCH_SIZE, table_size=TABLE_SIZE)
 
     if variant == "before":
@@ -84,9 +94,13 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
             if "sample_id" in summary.schema.names:
                 columns.append("sample_id")
             return ray.data.read_parquet(path, columns=columns).map_batches(
-                EagerPreprocessor, fn_constructor_kwargs={"config": config},
-                batch_format="pyarrow", batch_size=config.preprocess_batch_size,
-                compute=ray.data.ActorPoolStrategy(size=default_num_actors()), num_cpus=0.5)
+                EagerPreprocessor,
+                fn_constructor_kwargs={"config": config},
+                batch_format="pyarrow",
+                batch_size=config.preprocess_batch_size,
+                compute=ray.data.ActorPoolStrategy(size=default_num_actors()),
+                num_cpus=0.5,
+            )
     else:
         from raydlrm.ingestion import build_dataset
 
@@ -102,8 +116,11 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
             start = time.perf_counter()
             first = None
             rows = 0
-            for table in iterator.iter_batches(batch_size=BATCH_SIZE, batch_format="pyarrow",
-                                               prefetch_batches=config.prefetch_batches):
+            for table in iterator.iter_batches(
+                batch_size=BATCH_SIZE,
+                batch_format="pyarrow",
+                prefetch_batches=config.prefetch_batches,
+            ):
                 if first is None:
                     first = time.perf_counter()
                 rows += table.num_rows
@@ -114,16 +131,22 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
     consumers = [Consumer.remote() for _ in range(2)]
     ray.get([c.ready.remote() for c in consumers])
     passes = []
-    for name, path, count in (("train", f"{data}/train", epochs),
-                              ("eval", f"{data}/eval", eval_passes)):
+    for name, path, count in (
+        ("train", f"{data}/train", epochs),
+        ("eval", f"{data}/eval", eval_passes),
+    ):
         splits = build(path).streaming_split(2, equal=True)
         for i in range(count):
-            results = ray.get([c.consume.remote(s)
-                               for c, s in zip(consumers, splits, strict=True)])
+            results = ray.get([c.consume.remote(s) for c, s in zip(consumers, splits, strict=True)])
             rest = max(r["rest"] for r in results)
             rows = sum(r["rows"] for r in results)
-            passes.append({"pass": f"{name}{i}", "ttfb": max(r["ttfb"] for r in results),
-                           "rows_per_s": rows / rest if rest > 0 else float("nan")})
+            passes.append(
+                {
+                    "pass": f"{name}{i}",
+                    "ttfb": max(r["ttfb"] for r in results),
+                    "rows_per_s": rows / rest if rest > 0 else float("nan"),
+                }
+            )
     ray.shutdown()
     return {"variant": variant, "passes": passes}
 
@@ -156,17 +179,30 @@ def main() -> None:
         for repeat in range(args.repeats):
             for variant in args.variants.split(","):
                 proc = subprocess.run(
-                    [sys.executable, __file__, "--child", variant, "--data", str(data),
-                     "--num-cpus", str(args.num_cpus), "--epochs", str(args.epochs),
-                     "--eval-passes", str(args.eval_passes)],
-                    env=env, capture_output=True, text=True, check=False,
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        variant,
+                        "--data",
+                        str(data),
+                        "--num-cpus",
+                        str(args.num_cpus),
+                        "--epochs",
+                        str(args.epochs),
+                        "--eval-passes",
+                        str(args.eval_passes),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
                 )
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")),
-                            None)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
                     print(f"{variant} run {repeat} failed:\n{proc.stderr[-3000:]}")
                     continue
-                result = json.loads(line[len("RESULT "):])
+                result = json.loads(line[len("RESULT ") :])
                 runs.setdefault(variant, []).append(result)
                 shown = " ".join(f"{p['pass']}={p['ttfb']:.1f}s" for p in result["passes"])
                 print(f"[{variant} run {repeat}] time to first batch: {shown}", flush=True)

@@ -68,8 +68,9 @@ def prepare_data(config: JobConfig) -> None:
 def make_plan(config: JobConfig) -> ShardingPlan:
     """The sharding plan of the job's tables over ``scaling.num_workers`` ranks."""
     spec = config.worker_spec()
-    return plan_sharding(spec.tables(), world_size=config.scaling.num_workers,
-                         config=config.sharding)
+    return plan_sharding(
+        spec.tables(), world_size=config.scaling.num_workers, config=config.sharding
+    )
 
 
 # Environment of a local Ray cluster (its raylet and worker processes inherit the driver's).
@@ -116,10 +117,13 @@ def _example_rows(path: str, config: JobConfig) -> Any:
     return table.to_pandas()
 
 
-def train(config: str | Path | dict[str, Any] | JobConfig | None = None, *,
-          overrides: list[str] | tuple[str, ...] = (),
-          scaling_config: ScalingConfig | None = None,
-          run_config: RunConfig | None = None) -> TrainResult:
+def train(
+    config: str | Path | dict[str, Any] | JobConfig | None = None,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    scaling_config: ScalingConfig | None = None,
+    run_config: RunConfig | None = None,
+) -> TrainResult:
     """Runs a training job end to end.
 
     Args:
@@ -152,13 +156,21 @@ def train(config: str | Path | dict[str, Any] | JobConfig | None = None, *,
     tracked = start_run(job, run_name=run_name)
     try:
         tracked.log_plan(plan)
-        tracked.log_params({
-            "data.train_rows": train_summary.num_rows,
-            "data.eval_rows": eval_summary.num_rows if eval_summary else 0,
-        })
-        result = _fit(job, plan=plan, tracked=tracked, run_name=run_name,
-                      scaling_config=scaling_config, run_config=run_config,
-                      has_eval=eval_summary is not None)
+        tracked.log_params(
+            {
+                "data.train_rows": train_summary.num_rows,
+                "data.eval_rows": eval_summary.num_rows if eval_summary else 0,
+            }
+        )
+        result = _fit(
+            job,
+            plan=plan,
+            tracked=tracked,
+            run_name=run_name,
+            scaling_config=scaling_config,
+            run_config=run_config,
+            has_eval=eval_summary is not None,
+        )
         _account_rows(result, job=job, train_rows=train_summary.num_rows, tracked=tracked)
     except BaseException:
         tracked.finish(failed=True)
@@ -167,8 +179,9 @@ def train(config: str | Path | dict[str, Any] | JobConfig | None = None, *,
     return result
 
 
-def _account_rows(result: TrainResult, *, job: JobConfig, train_rows: int,
-                  tracked: TrackedRun) -> None:
+def _account_rows(
+    result: TrainResult, *, job: JobConfig, train_rows: int, tracked: TrackedRun
+) -> None:
     """Counts training rows that were read but not trained on (an uneven split across workers
     leaves at most ``num_workers - 1`` rows per epoch out); logs the count, never hides it."""
     if job.training.max_steps is not None:
@@ -178,14 +191,26 @@ def _account_rows(result: TrainResult, *, job: JobConfig, train_rows: int,
     result.metrics["rows_not_trained"] = float(missing)
     tracked.log_metrics({"rows_not_trained": missing}, step=int(result.metrics.get("step", 0)))
     if missing:
-        logger.warning("%d of %d training rows (over %d epochs) were not trained on: the data "
-                       "did not split evenly over %d workers", missing, expected,
-                       job.training.num_epochs, job.scaling.num_workers)
+        logger.warning(
+            "%d of %d training rows (over %d epochs) were not trained on: the data "
+            "did not split evenly over %d workers",
+            missing,
+            expected,
+            job.training.num_epochs,
+            job.scaling.num_workers,
+        )
 
 
-def _fit(job: JobConfig, *, plan: ShardingPlan, tracked: TrackedRun, run_name: str,
-         scaling_config: ScalingConfig | None, run_config: RunConfig | None,
-         has_eval: bool) -> TrainResult:
+def _fit(
+    job: JobConfig,
+    *,
+    plan: ShardingPlan,
+    tracked: TrackedRun,
+    run_name: str,
+    scaling_config: ScalingConfig | None,
+    run_config: RunConfig | None,
+    has_eval: bool,
+) -> TrainResult:
     datasets = {"train": build_dataset(job.data.train_path, job.data)}
     if has_eval:
         datasets["eval"] = build_dataset(job.data.eval_path, job.data)
