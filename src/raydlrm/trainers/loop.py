@@ -276,6 +276,7 @@ def _configure_logging() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
         package.addHandler(handler)
+        package.propagate = False  # Ray's root handler would print every line a second time
     package.setLevel(logging.INFO)
 
 
