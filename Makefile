@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install demo test test-fast lint format clean
+.PHONY: install demo test test-fast lint format clean bench-deps bench-sharded
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,12 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs mlflow.db mlartifacts data/synthetic
+
+# Benchmark-only dependencies: TorchRec, the baseline of benchmarks/sharded_step.py (src/ never
+# imports it). --no-deps keeps pip from replacing the pinned torch / fbgemm-gpu-cpu pair.
+bench-deps: $(STAMP)
+	$(BIN)/pip install --no-deps torchrec==1.8.0
+	$(BIN)/pip install tensordict torchmetrics==1.0.3 pyre-extensions
+
+bench-sharded: bench-deps
+	$(BIN)/python benchmarks/sharded_step.py

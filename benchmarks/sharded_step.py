@@ -1,0 +1,364 @@
+"""Training-step throughput of sharded embeddings: raydlrm against TorchRec and the no-comm limit.
+
+Every variant trains the same tables on the same batches, side by side in one run: 2 gloo ranks
+(spawned processes, one thread each), each variant built once per rank, then timed in
+interleaved repeats (the variant order rotates each repeat) so that the noise of a shared machine
+falls on all of them alike. A step is the forward lookups, a trivial dense loss on the pooled
+output (``mean(pooled ** 2)``), the backward with the fused row-wise Adagrad update inside it,
+and all the communication the sharding needs.
+
+Variants:
+
+- ``raydlrm-tw`` / ``raydlrm-cw``: :class:`raydlrm.sharding.ShardedEmbeddingBagCollection` with
+  every table pinned ``table_wise`` / ``column_wise`` (:func:`raydlrm.sharding.plan_sharding`).
+- ``torchrec-tw`` / ``torchrec-cw``: TorchRec's ``DistributedModelParallel`` over an
+  ``EmbeddingBagCollection``, its planner constrained to the same sharding type (column-wise with
+  ``min_partition = dim / 2``, so two column shards per table as raydlrm makes), the ``FUSED``
+  kernel with the same row-wise Adagrad through the sharder's fused params.
+- ``limit``: one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` over all tables in each
+  process, on that rank's batch, with no communication: the same work per rank as the sharded
+  variants, minus the communication (the upper bound on their throughput).
+
+Ids follow a power law (log-uniform, Zipf's law with exponent 1: id ``k`` has probability about
+``1 / (k + 1)``); bag lengths are uniform in ``[1, 2 * pooling - 1]``. Each rank cycles through a
+few pre-built batches of its own. TorchRec is only needed here (``make bench-deps``); a failure
+to import or run it is reported and the other variants still run.
+
+Usage::
+
+    python benchmarks/sharded_step.py [--batch-size 2048] [--rows 100000] [--steps 10]
+        [--repeats 5] [--variants raydlrm-tw,raydlrm-cw,torchrec-tw,torchrec-cw,limit]
+        [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import socket
+import statistics
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+WORLD_SIZE = 2
+NUM_TABLES = 26
+DIMS = (64, 128)  # alternating: tables 0, 2, ... are 64 wide, 1, 3, ... are 128 wide
+LEARNING_RATE = 0.05
+EPS = 1e-8
+NUM_BATCHES = 4  # distinct batches per rank, cycled
+ALL_VARIANTS = "raydlrm-tw,raydlrm-cw,torchrec-tw,torchrec-cw,limit"
+
+
+def _tables(rows: int) -> list[tuple[str, int, int]]:
+    """(name, rows, dim) of every table; table ``t`` is looked up by feature ``f{t}``."""
+    return [(f"t{t}", rows, DIMS[t % len(DIMS)]) for t in range(NUM_TABLES)]
+
+
+def _batches(rank: int, *, rows: int, batch_size: int, pooling: int) -> list[dict]:
+    """``NUM_BATCHES`` batches of this rank: feature-major ids and lengths, shape (F, B, L)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = []
+    for _ in range(NUM_BATCHES):
+        lengths = torch.randint(1, 2 * pooling, (NUM_TABLES * batch_size,), generator=gen)
+        u = torch.rand(int(lengths.sum()), generator=gen, dtype=torch.float64)
+        ids = (torch.exp(u * math.log(rows)) - 1).long().clamp_(0, rows - 1)
+        batches.append({"values": ids, "lengths": lengths})
+    return batches
+
+
+def _loss(pooled: torch.Tensor) -> torch.Tensor:
+    return pooled.pow(2).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants: each builder returns a step function of one batch (dict of values and lengths).
+
+
+def _raydlrm(sharding_type: str, *, rows: int, pooling: int):
+    from raydlrm.batch import KeyedJaggedTensor
+    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+    from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
+
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=(f"f{n[1:]}",))
+        for n, r, d in _tables(rows)
+    ]
+    config = ShardingConfig(
+        pinned_types={t.name: sharding_type for t in tables},
+        optimizer="rowwise_adagrad",
+        learning_rate=LEARNING_RATE,
+        eps=EPS,
+    )
+    plan = plan_sharding(
+        tables,
+        world_size=WORLD_SIZE,
+        config=config,
+        pooling_factors={t.name: float(pooling) for t in tables},
+    )
+    ebc = EmbeddingBagCollection(tables, device="meta")
+    sebc = ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
+    keys = ebc.feature_names
+
+    def step(batch: dict) -> None:
+        kjt = KeyedJaggedTensor.from_lengths(keys, batch["values"], batch["lengths"])
+        _loss(sebc(kjt).values).backward()
+
+    return step, plan.format_table()
+
+
+def _torchrec(sharding_type: str, *, rows: int, pooling: int):
+    import torchrec
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    specs = _tables(rows)
+    ebc = torchrec.EmbeddingBagCollection(
+        tables=[
+            torchrec.EmbeddingBagConfig(
+                name=n,
+                embedding_dim=d,
+                num_embeddings=r,
+                feature_names=[f"f{n[1:]}"],
+                pooling=torchrec.PoolingType.SUM,
+            )
+            for n, r, d in specs
+        ],
+        device=torch.device("meta"),
+    )
+    constraints = {
+        n: ParameterConstraints(
+            sharding_types=[sharding_type],
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+            min_partition=d // 2 if sharding_type == "column_wise" else None,
+            pooling_factors=[float(pooling)],
+        )
+        for n, _, d in specs
+    }
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": LEARNING_RATE,
+            "eps": EPS,
+        }
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=WORLD_SIZE, local_world_size=WORLD_SIZE, compute_device="cpu"),
+        constraints=constraints,
+    )
+    pg = dist.GroupMember.WORLD
+    plan = planner.collective_plan(ebc, [sharder], pg)
+    model = DistributedModelParallel(
+        ebc,
+        env=ShardingEnv.from_process_group(pg),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=[sharder],
+    )
+    keys = [f"f{n[1:]}" for n, _, _ in specs]
+
+    def step(batch: dict) -> None:
+        kjt = KeyedJaggedTensor(keys=keys, values=batch["values"], lengths=batch["lengths"])
+        _loss(model(kjt).values()).backward()
+
+    return step, str(plan)
+
+
+def _limit(*, rows: int, pooling: int):
+    from raydlrm._versions import import_fbgemm
+
+    import_fbgemm()
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    specs = _tables(rows)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in specs],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LEARNING_RATE,
+        eps=EPS,
+        device=torch.device("cpu"),
+    )
+    with torch.no_grad():
+        for (_, r, _), w in zip(specs, tbe.split_embedding_weights(), strict=True):
+            w.uniform_(-math.sqrt(1.0 / r), math.sqrt(1.0 / r))
+
+    def step(batch: dict) -> None:
+        offsets = torch.zeros(batch["lengths"].numel() + 1, dtype=torch.int64)
+        torch.cumsum(batch["lengths"], 0, out=offsets[1:])
+        _loss(tbe(batch["values"], offsets)).backward()
+
+    return step, f"{NUM_TABLES} tables in one TBE on every rank"
+
+
+def _build(variant: str, *, rows: int, pooling: int):
+    if variant == "limit":
+        return _limit(rows=rows, pooling=pooling)
+    library, kind = variant.split("-")
+    sharding_type = {"tw": "table_wise", "cw": "column_wise"}[kind]
+    builder = _raydlrm if library == "raydlrm" else _torchrec
+    return builder(sharding_type, rows=rows, pooling=pooling)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    try:
+        results.put((rank, *_run_rank(rank, port, args)))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+        raise
+
+
+def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dict]:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    batches = _batches(rank, rows=args.rows, batch_size=args.batch_size, pooling=args.pooling)
+    steps, errors = {}, {}
+    for variant in args.variants.split(","):
+        start = time.perf_counter()
+        try:
+            steps[variant], plan = _build(variant, rows=args.rows, pooling=args.pooling)
+            for i in range(args.warmup):
+                steps[variant](batches[i % NUM_BATCHES])
+        except Exception as e:  # a variant that fails (TorchRec on CPU) is reported, not fatal
+            errors[variant] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+            steps.pop(variant, None)
+            plan = None
+        # Every rank must agree on which variants run, or the collectives of the next one hang.
+        ok = torch.tensor([variant in steps], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not bool(ok) and variant in steps:
+            steps.pop(variant)
+            errors.setdefault(variant, "failed on another rank")
+        if rank == 0:
+            took = time.perf_counter() - start
+            status = "ok" if variant in steps else "FAILED"
+            print(f"[build] {variant}: {status} ({took:.1f}s build + warm-up)", flush=True)
+            if args.show_plans and plan:
+                print(plan, flush=True)
+
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    names = list(steps)
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names) :] + names[: repeat % len(names)] if names else []
+        for variant in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for i in range(args.steps):
+                steps[variant](batches[i % NUM_BATCHES])
+            dist.barrier()
+            times[variant].append(time.perf_counter() - start)
+        if rank == 0:
+            shown = " ".join(
+                f"{v}={args.batch_size * args.steps / times[v][-1]:,.0f}" for v in names
+            )
+            print(f"[repeat {repeat}] samples/s per rank: {shown}", flush=True)
+
+    if args.profile and rank == 0:
+        _profile(steps, batches, args)
+    elif args.profile:
+        for variant in steps:
+            if variant.startswith("raydlrm"):
+                for i in range(args.steps):
+                    steps[variant](batches[i % NUM_BATCHES])
+    dist.barrier()
+    dist.destroy_process_group()
+    return times, errors
+
+
+def _profile(steps: dict, batches: list[dict], args: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for variant in steps:
+        if not variant.startswith("raydlrm"):
+            continue
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(args.steps):
+                steps[variant](batches[i % NUM_BATCHES])
+        print(f"\n[profile rank 0] {variant}, {args.steps} steps, by self CPU time", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=ALL_VARIANTS)
+    parser.add_argument("--batch-size", type=int, default=2048, help="samples per rank")
+    parser.add_argument("--rows", type=int, default=100_000, help="rows per table")
+    parser.add_argument("--pooling", type=int, default=2, help="mean ids per bag")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed segment")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--show-plans", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--profile", action="store_true", help="profile raydlrm on rank 0")
+    args = parser.parse_args()
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, port, args, results))
+        for rank in range(WORLD_SIZE)
+    ]
+    for p in procs:
+        p.start()
+    per_rank = {}
+    for _ in procs:
+        rank, times, errors = results.get(timeout=args.timeout_s)
+        if times is None:
+            raise RuntimeError(f"rank {rank} failed:\n{errors}")
+        per_rank[rank] = (times, errors)
+    for p in procs:
+        p.join()
+
+    times, errors = per_rank[0]
+    for variant, error in errors.items():
+        print(f"\n{variant} FAILED:\n{error}")
+    print(
+        f"\n{WORLD_SIZE} gloo ranks x 1 thread, {NUM_TABLES} tables of {args.rows:,} rows "
+        f"(dims {'/'.join(map(str, DIMS))}), batch {args.batch_size} per rank, pooling "
+        f"~{args.pooling}, {args.steps} steps x {args.repeats} interleaved repeats (medians)"
+    )
+    rate = {v: args.batch_size * args.steps / statistics.median(ts) for v, ts in times.items()}
+    step_ms = {v: 1000 * statistics.median(ts) / args.steps for v, ts in times.items()}
+    print("| variant | samples/s per rank | ms/step | vs limit |")
+    print("|---|---|---|---|")
+    for v in rate:
+        vs = f"{rate[v] / rate['limit']:.2f}" if "limit" in rate else "-"
+        print(f"| {v} | {rate[v]:,.0f} | {step_ms[v]:.1f} | {vs} |")
+    # Ratios of throughputs measured in the same repeat (time of the other / time of raydlrm),
+    # then the median: the load of a shared machine changes between repeats, less within one.
+    print("\nsamples/s ratios, median of per-repeat ratios (>= 1 means raydlrm is faster)")
+    for kind in ("tw", "cw"):
+        ours = times.get(f"raydlrm-{kind}")
+        for other in (f"torchrec-{kind}", "limit"):
+            if ours and other in times:
+                paired = [o / r for r, o in zip(ours, times[other], strict=True)]
+                print(f"raydlrm-{kind} / {other}: {statistics.median(paired):.2f}")
+
+
+if __name__ == "__main__":
+    main()
