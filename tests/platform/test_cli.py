@@ -99,6 +99,27 @@ def test_plan_prints_per_rank_table() -> None:
     assert as_json["world_size"] == 3
 
 
+def test_plan_uses_calibrated_constants_summary_and_capacity(tmp_path: Path) -> None:
+    from raydlrm.sharding import CostConstants, save_constants
+
+    def total_cost(*args: str) -> float:
+        result = _invoke("plan", "--json", *args)
+        assert result.exit_code == 0, result.output
+        return sum(t["cost"] for t in json.loads(result.stdout)["tables"])
+
+    path = save_constants(
+        CostConstants(lookup_bytes_per_s=1.0, comm_bytes_per_s=1.0), tmp_path / "c.json"
+    )
+    missing = f"sharding.cost_constants_path={tmp_path / 'none.json'}"
+    slow = total_cost("--set", f"sharding.cost_constants_path={path}")
+    assert slow > 1000 * total_cost("--set", missing)
+    many = _invoke("plan", "--set", "scaling.num_workers=64", "--set", missing)
+    assert many.exit_code == 0, many.output
+    assert "26 tables on 64 ranks" in many.stdout and "max/mean" in many.stdout
+    full = _invoke("plan", "--set", "sharding.device_memory_bytes=1000", "--set", missing)
+    assert full.exit_code == 2 and "cannot fit anywhere" in _error_line(full)
+
+
 def test_config_show_and_validate() -> None:
     shown = json.loads(_invoke("config", "show", "--set", "model.arch=dcnv2").stdout)
     assert shown["model"]["arch"] == "dcnv2"

@@ -31,6 +31,8 @@ app.add_typer(config_app, name="config")
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+# `plan` prints one line per rank up to this many ranks, a summary beyond.
+_MAX_RANK_LINES = 32
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML run file (defaults if omitted).")
@@ -80,15 +82,42 @@ def plan(
     config: ConfigOption = None,
     set_: SetOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="First measure the cost-model constants on this machine (TBE lookups, gloo "
+            "all-to-all) and store them at sharding.cost_constants_path.",
+        ),
+    ] = False,
 ) -> None:
     """Print the sharding plan of a config (a dry run: no Ray, no process group)."""
     from raydlrm.platform.launch import make_plan
 
     try:
-        sharding_plan = make_plan(load_config(config, overrides=set_ or []))
+        job = load_config(config, overrides=set_ or [])
+        if calibrate:
+            from raydlrm.sharding import calibrate as measure
+            from raydlrm.sharding import save_constants
+
+            constants = measure()
+            path = save_constants(constants, job.sharding.cost_constants_path)
+            typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
+            typer.echo(
+                f"  lookups {constants.lookup_bytes_per_s:.3g} B/s, comm "
+                f"{constants.comm_bytes_per_s:.3g} B/s, latency "
+                f"{constants.collective_latency_s:.3g} s",
+                err=True,
+            )
+        sharding_plan = make_plan(job)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
-    typer.echo(sharding_plan.to_json() if as_json else sharding_plan.format_table())
+    if as_json:
+        typer.echo(sharding_plan.to_json())
+    elif sharding_plan.world_size > _MAX_RANK_LINES:
+        typer.echo(sharding_plan.format_summary())
+    else:
+        typer.echo(sharding_plan.format_table())
 
 
 @data_app.command("generate")

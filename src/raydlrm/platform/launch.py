@@ -25,7 +25,7 @@ from raydlrm.ingestion import build_dataset, generate_synthetic, validate_data
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
-from raydlrm.sharding import ShardingPlan, plan_sharding
+from raydlrm.sharding import ShardingPlan, load_constants, plan_sharding
 from raydlrm.trainers.loop import train_loop_per_worker
 
 __all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
@@ -66,10 +66,17 @@ def prepare_data(config: JobConfig) -> None:
 
 
 def make_plan(config: JobConfig) -> ShardingPlan:
-    """The sharding plan of the job's tables over ``scaling.num_workers`` ranks."""
+    """The sharding plan of the job's tables over ``scaling.num_workers`` ranks, costed with the
+    calibrated constants at ``sharding.cost_constants_path`` when that file exists."""
     spec = config.worker_spec()
+    constants_path = Path(config.sharding.cost_constants_path).expanduser()
+    constants = load_constants(constants_path) if constants_path.exists() else None
     return plan_sharding(
-        spec.tables(), world_size=config.scaling.num_workers, config=config.sharding
+        spec.tables(),
+        world_size=config.scaling.num_workers,
+        config=config.sharding,
+        batch_size=config.data.batch_size,
+        constants=constants,
     )
 
 

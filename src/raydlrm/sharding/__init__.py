@@ -6,17 +6,22 @@ with fbgemm's table-batched embedding kernels and fused optimizers by
 """
 
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.cost import CostConstants, calibrate, load_constants, save_constants
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.parallelize import shard_model
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.planner import plan_sharding
 
 __all__ = [
+    "CostConstants",
     "Shard",
     "ShardedEmbeddingBagCollection",
     "ShardingConfig",
     "ShardingPlan",
     "TablePlan",
+    "calibrate",
+    "load_constants",
     "plan_sharding",
+    "save_constants",
     "shard_model",
 ]

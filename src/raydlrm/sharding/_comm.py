@@ -2,26 +2,29 @@
 
 Plain all-to-alls move the sparse input (lengths, ids, per-id weights), which needs no gradient.
 The pooled output travels through :class:`PooledAllToAll`, an autograd function whose backward
-is the reverse all-to-all of the gradients. Every block it sends passes through a
-:class:`PooledCodec`, so compressing the payload (fp16, bf16, int8 with scales) is a matter of
-passing another codec; the default :class:`IdentityCodec` sends fp32 unchanged.
+is the reverse all-to-all of the gradients. Every block it sends, forward and backward, is
+encoded to bytes by the :class:`~raydlrm.sharding.codecs.ColumnBlockCodec` of the rank whose
+columns it holds (compressed communication, :mod:`raydlrm.sharding.codecs`). :class:`CommBytes`
+counts the bytes sent to other ranks from the shapes alone (no extra synchronization).
 
 All functions take an optional process group; ``None`` means torch.distributed's default group.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from raydlrm.sharding.codecs import ColumnBlockCodec
+
 __all__ = [
-    "IdentityCodec",
+    "CommBytes",
     "LocalRows",
     "PooledAllToAll",
-    "PooledCodec",
     "all_gather_ints",
     "all_to_all",
     "rank_and_world_size",
@@ -67,64 +70,54 @@ def all_gather_ints(value: int, *, device: torch.device, pg: ProcessGroup | None
     return torch.cat(gathered).tolist()
 
 
-class PooledCodec(Protocol):
-    """Encodes a block of pooled embeddings (or their gradients) into a 1-D payload.
+class CommBytes:
+    """Cumulative bytes this rank sent to other ranks, by direction and kind.
 
-    The payload's size must follow from the block's shape alone, so receivers know their
-    all-to-all splits without an extra exchange; all blocks share the payload dtype.
+    Directions: ``"input"`` (kinds ``lengths``, ``ids``, ``weights`` of the sparse input),
+    ``"forward"`` and ``"backward"`` (kinds: the codec names of the pooled output and its
+    gradient; the data-parallel gradient all-gather counts as ``fp32`` backward bytes).
     """
 
-    def payload_numel(self, rows: int, cols: int) -> int:
-        """Elements of the payload of a ``(rows, cols)`` block."""
-        ...
+    def __init__(self) -> None:
+        self._bytes: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
 
-    def encode(self, block: torch.Tensor) -> torch.Tensor:
-        """``(rows, cols)`` float block -> 1-D payload of ``payload_numel(rows, cols)``."""
-        ...
+    def add(self, direction: str, kind: str, num_bytes: int) -> None:
+        self._bytes[direction][kind] += num_bytes
 
-    def decode(
-        self, payload: torch.Tensor, *, rows: int, cols: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """1-D payload -> ``(rows, cols)`` block of ``dtype``."""
-        ...
-
-
-class IdentityCodec:
-    """Sends blocks unchanged (no compression)."""
-
-    def payload_numel(self, rows: int, cols: int) -> int:
-        return rows * cols
-
-    def encode(self, block: torch.Tensor) -> torch.Tensor:
-        return block.reshape(-1)
-
-    def decode(
-        self, payload: torch.Tensor, *, rows: int, cols: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        return payload.view(rows, cols).to(dtype)
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """A copy: direction -> kind -> bytes."""
+        return {d: dict(kinds) for d, kinds in self._bytes.items()}
 
 
 def _exchange_blocks(
     blocks: list[torch.Tensor],
     *,
-    recv_shapes: list[tuple[int, int]],
-    codec: PooledCodec,
+    send_codecs: list[ColumnBlockCodec],
+    recv_codecs: list[ColumnBlockCodec],
+    recv_rows: list[int],
     pg: ProcessGroup | None,
     dtype: torch.dtype,
+    counter: tuple[CommBytes, str],
 ) -> list[torch.Tensor]:
-    """Sends ``blocks[r]`` to rank ``r``; returns the block of shape ``recv_shapes[s]`` from
-    each rank ``s``."""
-    payloads = [codec.encode(b) for b in blocks]
+    """Sends ``blocks[r]``, encoded by ``send_codecs[r]``, to rank ``r``; returns the
+    ``recv_rows[s]``-row block from each rank ``s``, decoded by ``recv_codecs[s]``."""
+    rank, _ = rank_and_world_size(pg)
+    payloads = [c.encode(b) for c, b in zip(send_codecs, blocks, strict=True)]
+    comm_bytes, direction = counter
+    for r, (codec, block) in enumerate(zip(send_codecs, blocks, strict=True)):
+        if r != rank:
+            for name, num_bytes in codec.bytes_by_codec(block.shape[0]).items():
+                comm_bytes.add(direction, name, num_bytes)
+    recv_bytes = [c.payload_bytes(n) for c, n in zip(recv_codecs, recv_rows, strict=True)]
     received = all_to_all(
         torch.cat(payloads),
         input_splits=[p.numel() for p in payloads],
-        output_splits=[codec.payload_numel(r, c) for r, c in recv_shapes],
+        output_splits=recv_bytes,
         pg=pg,
     )
-    chunks = received.split([codec.payload_numel(r, c) for r, c in recv_shapes])
     return [
-        codec.decode(chunk, rows=r, cols=c, dtype=dtype)
-        for chunk, (r, c) in zip(chunks, recv_shapes, strict=True)
+        codec.decode(chunk, rows=n, dtype=dtype)
+        for codec, chunk, n in zip(recv_codecs, received.split(recv_bytes), recv_rows, strict=True)
     ]
 
 
@@ -138,12 +131,13 @@ class PooledAllToAll(torch.autograd.Function):
     Forward args:
         pooled: ``(sum(batch_sizes), D_local)``, this rank's features over the global batch.
         batch_sizes: samples of each rank (rows sent to each rank).
-        dims: ``D_s`` of every rank ``s`` (columns received from each rank).
+        codecs: the codec of the columns of every rank ``s`` (``D_s = codecs[s].cols``
+            columns); it encodes ``s``'s blocks, forward and backward.
         pg: process group.
-        codec: encodes each block sent, forward and backward.
+        comm_bytes: counts the bytes sent.
 
     Forward returns:
-        ``(batch_sizes[rank], sum(dims))``: every rank's features for this rank's samples, the
+        ``(batch_sizes[rank], sum(D_s))``: every rank's features for this rank's samples, the
         columns grouped by source rank.
 
     Backward divides the gradient by the world size (gradients are averaged over ranks).
@@ -154,37 +148,39 @@ class PooledAllToAll(torch.autograd.Function):
         ctx: Any,
         pooled: torch.Tensor,
         batch_sizes: list[int],
-        dims: list[int],
+        codecs: list[ColumnBlockCodec],
         pg: ProcessGroup | None,
-        codec: PooledCodec,
+        comm_bytes: CommBytes,
     ) -> torch.Tensor:
-        rank, _ = rank_and_world_size(pg)
-        ctx.batch_sizes, ctx.dims, ctx.pg, ctx.codec = batch_sizes, dims, pg, codec
+        rank, world_size = rank_and_world_size(pg)
+        ctx.batch_sizes, ctx.codecs, ctx.pg, ctx.comm_bytes = batch_sizes, codecs, pg, comm_bytes
         ctx.dtype = pooled.dtype
-        batch = batch_sizes[rank]
         blocks = _exchange_blocks(
             list(pooled.split(batch_sizes, dim=0)),
-            recv_shapes=[(batch, d) for d in dims],
-            codec=codec,
+            send_codecs=[codecs[rank]] * world_size,
+            recv_codecs=codecs,
+            recv_rows=[batch_sizes[rank]] * world_size,
             pg=pg,
             dtype=pooled.dtype,
+            counter=(comm_bytes, "forward"),
         )
         return torch.cat(blocks, dim=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rank, world_size = rank_and_world_size(ctx.pg)
-        local_dim = ctx.dims[rank]
         # Gradient division (as DDP does for dense parameters): each rank's loss is the mean over
         # its own samples, so the gradients of all ranks are averaged, not summed. The embedding
         # update then equals that of one process training on the global batch.
         grad = grad / world_size
         blocks = _exchange_blocks(
-            list(grad.split(ctx.dims, dim=1)),
-            recv_shapes=[(b, local_dim) for b in ctx.batch_sizes],
-            codec=ctx.codec,
+            list(grad.split([c.cols for c in ctx.codecs], dim=1)),
+            send_codecs=ctx.codecs,
+            recv_codecs=[ctx.codecs[rank]] * world_size,
+            recv_rows=ctx.batch_sizes,
             pg=ctx.pg,
             dtype=ctx.dtype,
+            counter=(ctx.comm_bytes, "backward"),
         )
         return torch.cat(blocks, dim=0), None, None, None, None
 
@@ -201,6 +197,7 @@ class LocalRows(torch.autograd.Function):
         pooled: ``(sum(batch_sizes), D)``, identical on every rank.
         batch_sizes: samples of each rank.
         pg: process group.
+        comm_bytes: counts the (fp32, backward) bytes sent.
 
     Forward returns:
         ``(batch_sizes[rank], D)``.
@@ -210,10 +207,14 @@ class LocalRows(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, pooled: torch.Tensor, batch_sizes: list[int], pg: ProcessGroup | None
+        ctx: Any,
+        pooled: torch.Tensor,
+        batch_sizes: list[int],
+        pg: ProcessGroup | None,
+        comm_bytes: CommBytes,
     ) -> torch.Tensor:
         rank, _ = rank_and_world_size(pg)
-        ctx.batch_sizes, ctx.pg = batch_sizes, pg
+        ctx.batch_sizes, ctx.pg, ctx.comm_bytes = batch_sizes, pg, comm_bytes
         start = sum(batch_sizes[:rank])
         return pooled[start : start + batch_sizes[rank]]
 
@@ -222,10 +223,11 @@ class LocalRows(torch.autograd.Function):
         _, world_size = rank_and_world_size(ctx.pg)
         dim = grad.shape[1]
         payload = (grad / world_size).reshape(-1)
+        ctx.comm_bytes.add("backward", "fp32", payload.nbytes * (world_size - 1))
         gathered = all_to_all(
             payload.repeat(world_size),
             input_splits=[payload.numel()] * world_size,
             output_splits=[b * dim for b in ctx.batch_sizes],
             pg=ctx.pg,
         )
-        return gathered.view(-1, dim), None, None
+        return gathered.view(-1, dim), None, None, None

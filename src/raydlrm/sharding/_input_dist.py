@@ -24,7 +24,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from raydlrm.batch import KeyedJaggedTensor, lengths_to_offsets
-from raydlrm.sharding._comm import all_gather_ints, all_to_all
+from raydlrm.sharding._comm import CommBytes, all_gather_ints, all_to_all
 from raydlrm.sharding._layout import LookupUnit
 
 __all__ = ["InputDistributor", "LocalBags"]
@@ -57,6 +57,7 @@ class InputDistributor:
         rank: this rank.
         device: where the routing tensors live.
         pg: process group.
+        comm_bytes: counts the ``input`` bytes sent to other ranks.
     """
 
     def __init__(
@@ -67,8 +68,10 @@ class InputDistributor:
         rank: int,
         device: torch.device,
         pg: ProcessGroup | None,
+        comm_bytes: CommBytes,
     ):
         self._pg, self._rank, self._device = pg, rank, device
+        self._comm_bytes = comm_bytes
         self._num_units = [len(us) for us in units]
         flat = [u for us in units for u in us]
         index = {id(u): i for i, u in enumerate(flat)}
@@ -166,12 +169,15 @@ class InputDistributor:
         pg, local_units = self._pg, self._num_units[self._rank]
         batch_sizes = all_gather_ints(kjt.batch_size, device=self._device, pg=pg)
         recv_bags = [local_units * b for b in batch_sizes]
-        lengths = all_to_all(
-            lengths,
-            input_splits=[n * kjt.batch_size for n in self._num_units],
-            output_splits=recv_bags,
-            pg=pg,
+        send_bags = [n * kjt.batch_size for n in self._num_units]
+        sent_ids = sum(send_ids) - send_ids[self._rank]
+        self._comm_bytes.add(
+            "input", "lengths", (sum(send_bags) - send_bags[self._rank]) * lengths.element_size()
         )
+        self._comm_bytes.add("input", "ids", sent_ids * values.element_size())
+        if weights is not None:
+            self._comm_bytes.add("input", "weights", sent_ids * weights.element_size())
+        lengths = all_to_all(lengths, input_splits=send_bags, output_splits=recv_bags, pg=pg)
         recv_ids = torch.stack([x.sum() for x in lengths.split(recv_bags)]).tolist()
         values = all_to_all(values, input_splits=send_ids, output_splits=recv_ids, pg=pg)
         if weights is not None:

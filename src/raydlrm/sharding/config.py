@@ -21,25 +21,38 @@ ShardingType = Literal["table_wise", "data_parallel", "row_wise", "column_wise",
 
 EmbeddingOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd"]
 
+CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
+"""Precision of the pooled embeddings and their gradients on the wire (see
+:mod:`raydlrm.sharding.codecs`): ``fp32`` is uncompressed."""
+
 
 @config_dataclass
 class ShardingConfig:
     """Sharding plan inputs and the fused sparse optimizer."""
 
-    default_type: ShardingType = "table_wise"
-    """Sharding type of every table not pinned in ``pinned_types``."""
+    default_type: ShardingType | Literal["auto"] = "table_wise"
+    """Sharding type of every table not pinned in ``pinned_types``; ``auto`` starts table-wise and
+    lets the planner split hot or large tables row-wise or column-wise."""
     pinned_types: dict[str, ShardingType] = field(default_factory=dict)
     """Table name -> sharding type, overriding the planner."""
     pinned_ranks: dict[str, list[int]] = field(default_factory=dict)
     """Table name -> ranks the table must be placed on."""
     group_size: int | None = None
     """Ranks per group (node) for ``table_row_wise`` tables; None means all ranks are one group."""
+    device_memory_bytes: int | None = None
+    """Bytes of weights plus optimizer state one rank may hold; None means unlimited."""
+    cost_constants_path: str = "~/.cache/raydlrm/cost_constants.json"
+    """Cost-model constants written by ``raydlrm plan --calibrate``; used when the file exists."""
     optimizer: EmbeddingOptimizer = "rowwise_adagrad"
     """fbgemm fused optimizer applied to embedding rows in the backward pass."""
     learning_rate: float = 0.05
     """Learning rate of the fused embedding optimizer."""
     eps: float = 1e-8
     """Epsilon of the (row-wise) Adagrad update."""
+    comm_precision: CommPrecision = "fp32"
+    """Codec of the pooled-output all-to-all, forward and backward, of every table."""
+    comm_precision_per_table: dict[str, CommPrecision] = field(default_factory=dict)
+    """Table name -> codec, overriding ``comm_precision`` for that table."""
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
@@ -48,6 +61,10 @@ class ShardingConfig:
             raise ValueError(f"sharding.eps must be positive, got {self.eps}")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"sharding.group_size must be positive, got {self.group_size}")
+        if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
+            raise ValueError(
+                f"sharding.device_memory_bytes must be positive, got {self.device_memory_bytes}"
+            )
         for table, ranks in self.pinned_ranks.items():
             if not ranks or any(r < 0 for r in ranks):
                 raise ValueError(f"sharding.pinned_ranks.{table} must be non-negative ranks")

@@ -42,6 +42,7 @@ error names the table and shows up where the bad batch is.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -54,15 +55,15 @@ from raydlrm._versions import import_fbgemm
 from raydlrm.batch import KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_table_
 from raydlrm.sharding._comm import (
-    IdentityCodec,
+    CommBytes,
     LocalRows,
     PooledAllToAll,
-    PooledCodec,
     all_to_all,
     rank_and_world_size,
 )
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
-from raydlrm.sharding._layout import TbeGroup, rank_units, tbe_groups
+from raydlrm.sharding._layout import LookupUnit, TbeGroup, rank_units, tbe_groups
+from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
 
@@ -70,6 +71,7 @@ import_fbgemm()
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: E402
+    BoundsCheckMode,
     EmbeddingLocation,
     PoolingMode,
 )
@@ -90,6 +92,36 @@ _Piece = tuple[EmbeddingBagConfig, Shard]
 _ROW_SPLIT = ("row_wise", "table_row_wise")
 
 
+def _output_codecs(units: list[list[LookupUnit]], config: ShardingConfig) -> list[ColumnBlockCodec]:
+    """The codec of the columns of every rank's sharded units (per-table precision).
+
+    Raises:
+        ValueError: if ``config.comm_precision_per_table`` names a table with no units.
+    """
+    per_table = config.comm_precision_per_table
+    names = {u.table.name for us in units for u in us}
+    unknown = sorted(set(per_table) - names)
+    if unknown:
+        raise ValueError(f"sharding.comm_precision_per_table names unknown tables {unknown}")
+    replicated = sorted({u.table.name for us in units for u in us if u.replicated} & set(per_table))
+    if replicated:
+        warnings.warn(
+            f"sharding.comm_precision_per_table: data_parallel tables {replicated} have no "
+            "output all-to-all; their gradient all-gather stays fp32",
+            stacklevel=3,
+        )
+    return [
+        ColumnBlockCodec.from_columns(
+            [
+                (per_table.get(u.table.name, config.comm_precision), u.dim)
+                for u in us
+                if not u.replicated
+            ]
+        )
+        for us in units
+    ]
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """An :class:`EmbeddingBagCollection` sharded across the ranks of ``pg`` by a plan.
 
@@ -102,14 +134,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
             must build it with the same seed). On the meta device, shards are freshly
             initialized instead (data-parallel replicas are then broadcast from rank 0).
         plan: where each table lives; its world size must be the size of ``pg``.
-        config: the fused optimizer and its hyper-parameters.
+        config: the fused optimizer, its hyper-parameters, and the codecs of the pooled output
+            all-to-all (``comm_precision``, ``comm_precision_per_table``).
         device: ``cpu`` (host TBE, gloo) or a CUDA device (device TBE, NCCL).
         pg: process group (default: torch.distributed's default group; none initialized or a
             world size of 1 means no communication).
-        codec: encodes the pooled output all-to-all payload (default: uncompressed fp32).
 
     Raises:
-        ValueError: if the plan does not match the tables or the process group's size.
+        ValueError: if the plan does not match the tables or the process group's size, or
+            ``comm_precision_per_table`` names an unknown table.
     """
 
     def __init__(
@@ -120,7 +153,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         config: ShardingConfig,
         device: torch.device | str,
         pg: ProcessGroup | None = None,
-        codec: PooledCodec | None = None,
     ):
         super().__init__()
         plan.validate(ebc.tables)
@@ -132,7 +164,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 f"{self._world_size} ranks"
             )
         self._device = torch.device(device)
-        self._codec = codec or IdentityCodec()
+        self._comm_bytes = CommBytes()
         self._optimizer = config.optimizer
         self.tables = list(ebc.tables)
         self.feature_names = ebc.feature_names
@@ -146,11 +178,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             rank=self._rank,
             device=self._device,
             pg=pg,
+            comm_bytes=self._comm_bytes,
         )
         self._rank_pieces: list[list[_Piece]] = [
             [p for g in tbe_groups(us) for p in g.shards] for us in units
         ]
         self._sharded_dims = [sum(u.dim for u in us if not u.replicated) for us in units]
+        self._codecs = _output_codecs(units, config)
         local = units[self._rank]
         self._replicated_dim = sum(u.dim for u in local if u.replicated)
         # Output column of every column of the blocks received (sharded units of every rank,
@@ -162,7 +196,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
             torch.arange(u.shard.col_start, u.shard.col_end) + feature_start[u.feature_index]
             for u in received
         ]
-        self._register("_target_columns", torch.cat(target))
+        target_columns = torch.cat(target)
+        self._register("_target_columns", target_columns)
+        # Without row-split shards every output column comes from exactly one received column:
+        # a gather (or nothing, if already in order) replaces the zero-fill and scatter-add.
+        self._column_gather: torch.Tensor | None = None
+        self._columns_in_order = False
+        if target_columns.numel() == sum(self.feature_dims) and torch.equal(
+            torch.sort(target_columns).values, torch.arange(target_columns.numel())
+        ):
+            self._columns_in_order = torch.equal(
+                target_columns, torch.arange(target_columns.numel())
+            )
+            self._column_gather = torch.argsort(target_columns).to(self._device)
         table_of = {f: t for t in self.tables for f in t.feature_names}
         self._register(
             "_limits", torch.tensor([table_of[f].num_embeddings for f in self.feature_names])
@@ -201,6 +247,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             learning_rate=config.learning_rate,
             eps=config.eps,
             pooling_mode=_POOLING[group.pooling],
+            # Ids are checked (and errors name the table) before the input all-to-all, so
+            # fbgemm's own per-step bounds check would only repeat the work.
+            bounds_check_mode=BoundsCheckMode.NONE,
             device=self._device,
         )
 
@@ -219,6 +268,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for t in self.plan.tables:
                 if t.sharding_type == "data_parallel":
                     dist.broadcast(self.local_tables()[t.name], src=0, group=self._pg)
+
+    def comm_bytes(self) -> dict[str, dict[str, int]]:
+        """Cumulative bytes this rank sent to other ranks (counted from shapes, no sync).
+
+        Returns:
+            ``{"input": {"lengths"|"ids"|"weights": n}, "forward": {codec: n},
+            "backward": {codec: n}}``; ``forward``/``backward`` are the pooled output and its
+            gradient by codec name (the data-parallel gradient all-gather is ``fp32``
+            backward bytes). Empty with a world size of 1.
+        """
+        return self._comm_bytes.as_dict()
 
     def local_tables(self) -> dict[str, torch.Tensor]:
         """Views of this rank's shard of each of its tables (one shard per table per rank).
@@ -441,18 +501,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
             sharded = pooled[:, :sharded_dim]
             if self._world_size > 1:
                 sharded = PooledAllToAll.apply(
-                    sharded, bags.batch_sizes, self._sharded_dims, self._pg, self._codec
+                    sharded, bags.batch_sizes, self._codecs, self._pg, self._comm_bytes
                 )
             parts.append(sharded)
         if self._replicated_dim:
             replicated = pooled[:, sharded_dim:]
             if self._world_size > 1:
-                replicated = LocalRows.apply(replicated, bags.batch_sizes, self._pg)
+                replicated = LocalRows.apply(
+                    replicated, bags.batch_sizes, self._pg, self._comm_bytes
+                )
             parts.append(replicated)
         blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        values = blocks.new_zeros(kjt.batch_size, sum(self.feature_dims)).index_add(
-            1, self._target_columns, blocks
-        )
+        if self._columns_in_order:
+            values = blocks
+        elif self._column_gather is not None:
+            values = blocks.index_select(1, self._column_gather)
+        else:  # row-split shards: partial sums of one column add up
+            values = blocks.new_zeros(kjt.batch_size, sum(self.feature_dims)).index_add(
+                1, self._target_columns, blocks
+            )
         if self._has_row_split_mean:
             lengths = kjt.lengths.view(len(self.feature_names), kjt.batch_size)
             scale = torch.where(

@@ -43,7 +43,8 @@ class TablePlan:
         embedding_dim: columns of the table.
         shards: the pieces of the table and their ranks, at most one per rank; for
             ``data_parallel`` one full-table replica per rank.
-        cost: estimated per-sample cost of the table's lookups and output communication (bytes).
+        cost: estimated seconds per step of the table's lookups and communication, all shards
+            together (see :mod:`raydlrm.sharding.cost`).
         memory_bytes: weights plus fused optimizer state, in bytes.
     """
 
@@ -175,6 +176,30 @@ class ShardingPlan:
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+    def format_summary(self) -> str:
+        """A compact summary for many ranks: cost and memory spread, sharding types."""
+        costs, memory = self.per_rank_cost(), self.per_rank_memory()
+        mean = sum(costs) / len(costs)
+        types: dict[str, int] = {}
+        for t in self.tables:
+            types[t.sharding_type] = types.get(t.sharding_type, 0) + 1
+        return "\n".join(
+            [
+                f"{len(self.tables)} tables on {self.world_size} ranks",
+                f"est. cost per rank: max {max(costs):.4g}, mean {mean:.4g}, min {min(costs):.4g}"
+                f" (max/mean {max(costs) / mean if mean else 1.0:.3f})",
+                f"memory per rank: max {_gib(max(memory))}, mean "
+                f"{_gib(sum(memory) // len(memory))}, min {_gib(min(memory))}",
+                "tables by sharding type: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
+                f"shards: {sum(len(t.shards) for t in self.tables)}",
+            ]
+        )
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 def _mib(num_bytes: int) -> str:

@@ -1,62 +1,78 @@
-"""A greedy planner for every sharding type.
+"""The planner: greedy placement, then refinement moves, swaps and splits.
 
-Each table gets a cost (estimated bytes touched per sample: the lookup reads ``pooling factor x
-dim`` floats per feature, the output all-to-all sends ``dim`` floats per feature) and a memory
-size (weights plus fused optimizer state). Tables are placed largest cost first on the
-least-loaded rank (ties broken by memory, then by rank), which is deterministic and within one
-table's cost of the best balance. Pinned tables are placed first, on the least-loaded of their
-allowed ranks. A table's sharding type (``config.default_type`` unless pinned) decides its shards:
+Each table gets a cost (estimated seconds per step from :mod:`raydlrm.sharding.cost`) and a
+memory size (weights plus fused optimizer state); a shard is charged ``1 / k`` of its table's
+cost. The search, deterministic for the same inputs (tables are ordered by cost, then name):
 
-- ``table_wise``: one shard on the least-loaded allowed rank;
-- ``data_parallel``: a full replica on every rank (pinning its ranks is an error);
-- ``column_wise``: ``min(allowed ranks, dim / 4)`` column shards, widths multiples of 4 as even as
-  possible (so uneven when they cannot be equal), on the least-loaded allowed ranks;
-- ``row_wise``: contiguous, near-equal row ranges over the allowed ranks in rank order;
-- ``table_row_wise``: row-wise over the least-loaded group of ``group_size`` consecutive ranks
-  whose ranks are all allowed.
+1. **Greedy**: tables largest cost first (pinned-rank tables before the rest) on the least-loaded
+   allowed rank(s) with room in ``device_memory_bytes``. A table's sharding type
+   (``config.default_type`` unless pinned) decides its shards:
 
-A table's cost is split evenly over its shards.
+   - ``table_wise``: one shard on the least-loaded allowed rank;
+   - ``data_parallel``: a full replica on every rank (pinning its ranks is an error);
+   - ``column_wise``: ``min(allowed ranks, dim / 4)`` column shards, widths multiples of 4 as
+     even as possible, on the least-loaded allowed ranks;
+   - ``row_wise``: contiguous, near-equal row ranges over the allowed ranks in rank order;
+   - ``table_row_wise``: row-wise over the least-loaded group of ``group_size`` consecutive
+     ranks whose ranks are all allowed.
+
+   With ``default_type = "auto"`` an unpinned table starts table-wise; one too large for any
+   rank is split row-wise over the fewest ranks that hold it.
+2. **Refinement** (``search="refine"``): while the most-loaded rank has a table-wise table
+   (without pinned ranks) whose move to another rank, or swap with a cheaper table there,
+   lowers the pair's maximum below the current maximum, do the best such move. Candidates are
+   scored with numpy over all ranks and tables at once.
+3. **Splitting** (``default_type = "auto"`` only): the unpinned table-wise tables on the
+   most-loaded rank are tried row-wise and column-wise over 2, 4, 8, ... of the least-loaded
+   ranks; the split that lowers the maximum of the ranks it touches the most (below the
+   current maximum) is kept, then refinement runs again.
+
+The maximum per-rank cost never increases after the greedy placement.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.cost import CostConstants, estimate_table_cost, table_memory_bytes
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 
-__all__ = ["plan_sharding", "table_cost", "table_memory_bytes"]
+__all__ = ["DEFAULT_BATCH_SIZE", "plan_sharding", "table_cost", "table_memory_bytes"]
 
-_FP32_BYTES = 4
+DEFAULT_BATCH_SIZE = 512
+"""Global samples per step the planner's costs assume unless told."""
+_SPLIT_TYPES = ("row_wise", "column_wise")
 
 
-def table_cost(table: EmbeddingBagConfig, *, pooling_factor: float = 1.0) -> float:
-    """Estimated bytes moved per sample for ``table``: lookups plus pooled output communication.
+def table_cost(
+    table: EmbeddingBagConfig,
+    *,
+    pooling_factor: float = 1.0,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    constants: CostConstants | None = None,
+) -> float:
+    """Estimated seconds per step of ``table`` placed table-wise (see :mod:`.cost`).
 
     Args:
         table: the table.
         pooling_factor: average ids per bag of each of the table's features.
+        batch_size: global samples per step.
+        constants: cost-model constants (defaults if None).
     """
-    per_feature = (pooling_factor + 1.0) * table.embedding_dim * _FP32_BYTES
-    return per_feature * len(table.feature_names)
-
-
-def table_memory_bytes(table: EmbeddingBagConfig, *, optimizer: str) -> int:
-    """Bytes of the table's fp32 weights plus its fused optimizer state.
-
-    Args:
-        table: the table.
-        optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
-            ``sgd`` (no state).
-    """
-    weights = table.num_embeddings * table.embedding_dim * _FP32_BYTES
-    state = {
-        "rowwise_adagrad": table.num_embeddings * _FP32_BYTES,
-        "adagrad": weights,
-        "sgd": 0,
-    }[optimizer]
-    return weights + state
+    return estimate_table_cost(
+        table,
+        sharding_type="table_wise",
+        num_shards=1,
+        world_size=1,
+        batch_size=batch_size,
+        pooling_factor=pooling_factor,
+        constants=constants,
+    ).seconds
 
 
 def plan_sharding(
@@ -65,24 +81,33 @@ def plan_sharding(
     world_size: int,
     config: ShardingConfig,
     pooling_factors: dict[str, float] | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    constants: CostConstants | None = None,
+    search: Literal["greedy", "refine"] = "refine",
 ) -> ShardingPlan:
-    """Places every table on a rank.
+    """Places every table on ranks, balancing the per-rank cost within the memory capacity.
 
     Args:
         tables: the model's tables.
         world_size: number of ranks.
-        config: sharding types, pinned ranks and the optimizer (for memory estimates).
+        config: sharding types, pinned ranks, capacity, comm precision and the optimizer.
         pooling_factors: table name -> average ids per bag (default 1.0 for every table).
+        batch_size: global samples per step the costs assume.
+        constants: cost-model constants (defaults if None).
+        search: ``greedy`` placement only, or ``refine`` it (moves, swaps, splits).
 
     Returns:
         A validated plan for ``tables`` on ``world_size`` ranks.
 
     Raises:
         ValueError: for a non-positive world size, or naming a pinned or pooling-factor table
-            that is not among ``tables``, or a pinned rank ``>= world_size``.
+            that is not among ``tables``, a pinned rank ``>= world_size``, or the tables that
+            cannot fit in ``config.device_memory_bytes`` (with their sizes).
     """
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    if search not in ("greedy", "refine"):
+        raise ValueError(f"search must be 'greedy' or 'refine', got {search!r}")
     pooling_factors = pooling_factors or {}
     names = {t.name for t in tables}
     for what, keys in (
@@ -109,40 +134,279 @@ def plan_sharding(
         raise ValueError(
             f"sharding.group_size {group_size} does not divide the world size {world_size}"
         )
-
-    plans = {
-        t.name: TablePlan(
-            name=t.name,
-            sharding_type=config.pinned_types.get(t.name, config.default_type),
-            num_embeddings=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            shards=[],
-            cost=table_cost(t, pooling_factor=pooling_factors.get(t.name, 1.0)),
-            memory_bytes=table_memory_bytes(t, optimizer=config.optimizer),
-        )
-        for t in tables
-    }
-    load = [0.0] * world_size
-    memory = [0] * world_size
-    # Pinned tables first (they are constrained), then the rest; largest cost first, name breaks
-    # ties so the result does not depend on the input order.
-    order = sorted(
+    planner = _Planner(
         tables,
-        key=lambda t: (t.name not in config.pinned_ranks, -plans[t.name].cost, t.name),
+        world_size=world_size,
+        config=config,
+        pooling_factors=pooling_factors,
+        batch_size=batch_size,
+        constants=constants or CostConstants(),
+        group_size=group_size,
     )
-    for t in order:
-        p = plans[t.name]
-        allowed = sorted(set(config.pinned_ranks.get(t.name, range(world_size))))
-        by_load = sorted(allowed, key=lambda r: (load[r], memory[r], r))
-        p.shards = _shards(p, by_load=by_load, world_size=world_size, group_size=group_size)
-        area = t.num_embeddings * t.embedding_dim
-        for shard in p.shards:
-            load[shard.rank] += p.cost / len(p.shards)
-            shard_area = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start)
-            memory[shard.rank] += p.memory_bytes * shard_area // area
-    plan = ShardingPlan(world_size=world_size, tables=[plans[t.name] for t in tables])
+    planner.greedy()
+    if search == "refine":
+        planner.refine()
+        if config.default_type == "auto":
+            planner.split()
+    plan = ShardingPlan(world_size=world_size, tables=[planner.plans[t.name] for t in tables])
     plan.validate(tables)
     return plan
+
+
+def _shard_memory(p: TablePlan, shard: Shard) -> int:
+    """The memory a shard holds, as :meth:`ShardingPlan.per_rank_memory` counts it."""
+    area = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start)
+    return p.memory_bytes * area // (p.num_embeddings * p.embedding_dim)
+
+
+class _Planner:
+    """Per-rank cost and memory while tables are placed, moved and split."""
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        *,
+        world_size: int,
+        config: ShardingConfig,
+        pooling_factors: dict[str, float],
+        batch_size: int,
+        constants: CostConstants,
+        group_size: int,
+    ) -> None:
+        self.world_size, self.config, self.group_size = world_size, config, group_size
+        self.batch_size, self.constants = batch_size, constants
+        self.pooling_factors = pooling_factors
+        self.capacity = config.device_memory_bytes
+        self.configs = {t.name: t for t in tables}
+        self.load = np.zeros(world_size)
+        self.memory = np.zeros(world_size, dtype=np.int64)
+        self.plans: dict[str, TablePlan] = {}
+        for t in tables:
+            kind = config.pinned_types.get(t.name, config.default_type)
+            self.plans[t.name] = TablePlan(
+                name=t.name,
+                sharding_type="table_wise" if kind == "auto" else kind,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                shards=[],
+                memory_bytes=table_memory_bytes(t, optimizer=config.optimizer),
+            )
+        for p in self.plans.values():
+            p.cost = self._cost(p, "table_wise", 1)
+        # Pinned tables first (they are constrained), then the rest; largest cost first, name
+        # breaks ties so the result does not depend on the input order.
+        self.order = sorted(
+            self.plans.values(),
+            key=lambda p: (p.name not in config.pinned_ranks, -p.cost, -p.memory_bytes, p.name),
+        )
+        self.auto = {
+            p.name
+            for p in self.plans.values()
+            if config.default_type == "auto"
+            and p.name not in config.pinned_types
+            and p.name not in config.pinned_ranks
+        }
+
+    def _cost(self, p: TablePlan, sharding_type: str, num_shards: int) -> float:
+        precision = self.config.comm_precision_per_table.get(p.name, self.config.comm_precision)
+        return estimate_table_cost(
+            self.configs[p.name],
+            sharding_type=sharding_type,
+            num_shards=num_shards,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            pooling_factor=self.pooling_factors.get(p.name, 1.0),
+            optimizer=self.config.optimizer,
+            comm_precision=precision,
+            constants=self.constants,
+        ).seconds
+
+    def _room(self) -> np.ndarray:
+        if self.capacity is None:
+            return np.full(self.world_size, np.iinfo(np.int64).max // 2, dtype=np.int64)
+        return self.capacity - self.memory
+
+    def _apply(self, p: TablePlan, sign: int) -> None:
+        for s in p.shards:
+            self.load[s.rank] += sign * p.cost / len(p.shards)
+            self.memory[s.rank] += sign * _shard_memory(p, s)
+
+    def _too_large(self, p: TablePlan, shards: list[Shard]) -> ValueError:
+        worst = max(shards, key=lambda s: _shard_memory(p, s))
+        return ValueError(
+            f"table {p.name!r} ({p.sharding_type}, {p.memory_bytes} bytes of weights and "
+            f"optimizer state, largest shard {_shard_memory(p, worst)} bytes on rank "
+            f"{worst.rank}) does not fit: sharding.device_memory_bytes={self.capacity}, "
+            f"free on that rank {int(self._room()[worst.rank])} bytes"
+        )
+
+    def _check_fits_somewhere(self) -> None:
+        """Names every table whose smallest possible shard exceeds the capacity."""
+        if self.capacity is None:
+            return
+        misfits = []
+        for p in self.order:
+            ranks = len(self.config.pinned_ranks.get(p.name, range(self.world_size)))
+            if p.name in self.auto or p.sharding_type == "row_wise":
+                parts = min(ranks, p.num_embeddings)
+            elif p.sharding_type == "table_row_wise":
+                parts = min(self.group_size, p.num_embeddings)
+            elif p.sharding_type == "column_wise":
+                parts = min(ranks, p.embedding_dim // 4)
+            else:
+                parts = 1
+            if -(-p.memory_bytes // parts) > self.capacity:
+                misfits.append(f"{p.name!r} ({p.memory_bytes} bytes, {parts} shard(s) at most)")
+        if misfits:
+            raise ValueError(
+                f"tables {', '.join(misfits)} cannot fit anywhere: "
+                f"sharding.device_memory_bytes={self.capacity} per rank"
+            )
+
+    def greedy(self) -> None:
+        self._check_fits_somewhere()
+        for p in self.order:
+            allowed = sorted(set(self.config.pinned_ranks.get(p.name, range(self.world_size))))
+            room = self._room()
+            by_load = sorted(allowed, key=lambda r: (self.load[r], self.memory[r], r))
+            if p.sharding_type in ("table_wise", "column_wise"):
+                parts = 1 if p.sharding_type == "table_wise" else p.embedding_dim // 4
+                need = -(-p.memory_bytes // min(parts, len(allowed)))
+                fitting = [r for r in by_load if room[r] >= need]
+                if p.name in self.auto and not fitting:
+                    p.sharding_type, p.shards = "row_wise", self._rows_by_memory(p, by_load)
+                    p.cost = self._cost(p, "row_wise", len(p.shards))
+                    self._apply(p, +1)
+                    continue
+                by_load = fitting or by_load
+            p.shards = _shards(
+                p, by_load=by_load, world_size=self.world_size, group_size=self.group_size
+            )
+            if p.sharding_type != "table_wise" or len(p.shards) > 1:
+                p.cost = self._cost(p, p.sharding_type, len(p.shards))
+            if any(_shard_memory(p, s) > room[s.rank] for s in p.shards):
+                raise self._too_large(p, p.shards)
+            self._apply(p, +1)
+
+    def _rows_by_memory(self, p: TablePlan, by_load: list[int]) -> list[Shard]:
+        """Row-wise over the fewest ranks (most free memory first) that can hold ``p``."""
+        room = self._room()
+        freest = sorted(by_load, key=lambda r: (-room[r], r))
+        for parts in range(2, min(len(freest), p.num_embeddings) + 1):
+            shards = _row_shards(p, freest[:parts])
+            if all(_shard_memory(p, s) <= room[s.rank] for s in shards):
+                return shards
+        raise self._too_large(p, _row_shards(p, freest[: min(len(freest), p.num_embeddings)]))
+
+    def _movable(self) -> list[TablePlan]:
+        return [
+            p
+            for p in self.order
+            if p.sharding_type == "table_wise" and p.name not in self.config.pinned_ranks
+        ]
+
+    def refine(self) -> None:
+        """Moves and swaps of table-wise tables off the most-loaded rank while it gets lighter."""
+        movable = self._movable()
+        if not movable or self.world_size == 1:
+            return
+        cost = np.array([p.cost for p in movable])
+        mem = np.array([p.memory_bytes for p in movable], dtype=np.int64)
+        owner = np.array([p.shards[0].rank for p in movable])
+        ranks = np.arange(self.world_size)
+        for _ in range(20 * len(movable)):
+            top = int(np.argmax(self.load))
+            peak = self.load[top]
+            tol = 1e-12 * peak
+            mine = np.flatnonzero(owner == top)
+            if mine.size == 0:
+                break
+            room = self._room()
+            # Moves: table i of the top rank to rank r.
+            moved = np.maximum(peak - cost[mine, None], self.load[None, :] + cost[mine, None])
+            moved[(mem[mine, None] > room[None, :]) | (ranks[None, :] == top)] = np.inf
+            i_move, r_move = np.unravel_index(int(np.argmin(moved)), moved.shape)
+            best_move = moved[i_move, r_move]
+            # Swaps: table i of the top rank with a cheaper table j elsewhere.
+            others = np.flatnonzero(owner != top)
+            best_swap = np.inf
+            if others.size:
+                delta = cost[mine, None] - cost[None, others]
+                dmem = mem[mine, None] - mem[None, others]
+                swapped = np.maximum(peak - delta, self.load[owner[others]][None, :] + delta)
+                bad = (delta <= 0) | (dmem > room[owner[others]][None, :]) | (-dmem > room[top])
+                swapped[bad] = np.inf
+                i_swap, j_swap = np.unravel_index(int(np.argmin(swapped)), swapped.shape)
+                best_swap = swapped[i_swap, j_swap]
+            if min(best_move, best_swap) >= peak - tol:
+                break
+            if best_move <= best_swap:
+                self._move(movable[mine[i_move]], int(r_move))
+                owner[mine[i_move]] = r_move
+            else:
+                a, b = mine[i_swap], others[j_swap]
+                rank_b = int(owner[b])
+                self._move(movable[a], rank_b)
+                self._move(movable[b], top)
+                owner[a], owner[b] = rank_b, top
+
+    def _move(self, p: TablePlan, rank: int) -> None:
+        self._apply(p, -1)
+        p.shards = [Shard(rank, 0, p.num_embeddings, 0, p.embedding_dim)]
+        self._apply(p, +1)
+
+    def split(self) -> None:
+        """Splits unpinned table-wise tables of the most-loaded rank while that lowers the max."""
+        for _ in range(len(self.auto)):
+            top = int(np.argmax(self.load))
+            peak = self.load[top]
+            candidates = [
+                p for p in self._movable() if p.name in self.auto and p.shards[0].rank == top
+            ]
+            best: tuple[float, int, int, str, TablePlan, list[Shard], float] | None = None
+            for p in candidates:
+                for kind in _SPLIT_TYPES:
+                    limit = p.num_embeddings if kind == "row_wise" else p.embedding_dim // 4
+                    parts = 2
+                    while parts <= min(limit, self.world_size):
+                        trial = self._try_split(p, kind, parts)
+                        if trial is not None:
+                            new_max, shards, cost = trial
+                            key = (new_max, parts, _SPLIT_TYPES.index(kind))
+                            if best is None or key < best[:3]:
+                                best = (*key, kind, p, shards, cost)
+                        parts *= 2
+            if best is None or best[0] >= peak * (1 - 1e-12):
+                return
+            _, _, _, kind, p, shards, cost = best
+            self._apply(p, -1)
+            p.sharding_type, p.shards, p.cost = kind, shards, cost
+            self._apply(p, +1)
+            self.refine()
+
+    def _try_split(
+        self, p: TablePlan, kind: str, parts: int
+    ) -> tuple[float, list[Shard], float] | None:
+        """(max cost of the ranks it touches, shards, table cost) of ``p`` split ``kind`` over
+        ``parts`` ranks, or None if they have no room."""
+        load, room = self.load.copy(), self._room()
+        rank = p.shards[0].rank
+        load[rank] -= p.cost
+        room = room.copy()
+        room[rank] += p.memory_bytes
+        order = np.lexsort((np.arange(self.world_size), load))
+        need = -(-p.memory_bytes // parts)
+        ranks = [int(r) for r in order if room[r] >= need][:parts]
+        if len(ranks) < parts:
+            return None
+        trial = TablePlan(p.name, kind, p.num_embeddings, p.embedding_dim, [], 0.0, p.memory_bytes)
+        trial.shards = _shards(trial, by_load=ranks, world_size=self.world_size, group_size=1)
+        cost = self._cost(p, kind, len(trial.shards))
+        for s in trial.shards:
+            load[s.rank] += cost / len(trial.shards)
+        # The ranks the split changes (other ranks may tie the max and are split next).
+        touched = [rank, *(s.rank for s in trial.shards)]
+        return float(load[touched].max()), trial.shards, cost
 
 
 def _even_split(total: int, parts: int) -> list[int]:

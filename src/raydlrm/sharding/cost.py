@@ -1,0 +1,367 @@
+"""A cost model of one embedding table under one sharding type, and its calibration.
+
+Per training step of ``B`` samples, a table of ``N`` rows and ``D`` columns looked up by ``F``
+features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on ``W`` ranks:
+
+- lookup compute: ``F * B * L * D * 4`` bytes of fp32 rows read (the backward pass touches the
+  same rows; the calibrated throughput covers forward plus backward);
+- input communication (the ids, 8 bytes each, plus one 4-byte length per bag and shard):
+  table-wise sends each id to its one owner, row-wise and table-row-wise to the one row owner
+  (lengths go to every shard), column-wise one copy of every id per column shard, data-parallel
+  none (each rank looks up its own samples);
+- output communication (pooled vectors, each of ``D`` values, at the comm precision, counted
+  once: the backward gradients are the same size): table-wise and column-wise ``F * B`` vectors,
+  row-wise and table-row-wise ``k`` partial sums of each, data-parallel none but an all-reduce of
+  the table's gradient (``2 (W - 1) N D 4`` bytes);
+- memory: ``N * D * 4`` bytes of weights plus the optimizer state (row-wise Adagrad one float per
+  row, Adagrad one per weight, SGD none).
+
+Its estimated time is ``compute / lookup_bytes_per_s + comm / comm_bytes_per_s + k *
+collective_latency_s`` (each shard takes part in the collectives). The constants come from
+:class:`CostConstants`: defaults, or :func:`calibrate` on this machine (saved as JSON).
+The planner charges each shard ``1 / k`` of the table's time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from raydlrm.models.embedding import EmbeddingBagConfig
+
+__all__ = [
+    "CostConstants",
+    "TableCost",
+    "calibrate",
+    "estimate_table_cost",
+    "load_constants",
+    "save_constants",
+    "table_memory_bytes",
+    "wire_bytes_per_vector",
+]
+
+logger = logging.getLogger(__name__)
+
+_FP32_BYTES = 4
+_ID_BYTES = 8
+_LENGTH_BYTES = 4
+# (bytes per value, bytes per row) on the wire of each codec in :mod:`raydlrm.sharding.codecs`;
+# kept here so a dry-run plan does not import torch.
+_WIRE = {"fp32": (4, 0), "fp16": (2, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 8)}
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """Throughputs and latency that turn bytes into seconds.
+
+    Attributes:
+        lookup_bytes_per_s: fp32 embedding bytes read per second by a fused lookup, forward
+            plus backward with the optimizer update.
+        comm_bytes_per_s: bytes per second of an all-to-all between ranks.
+        collective_latency_s: fixed seconds per collective a shard takes part in.
+        source: where the numbers come from (``default`` or a calibration note).
+    """
+
+    lookup_bytes_per_s: float = 8e8
+    comm_bytes_per_s: float = 5e8
+    collective_latency_s: float = 1e-4
+    source: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in ("lookup_bytes_per_s", "comm_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"CostConstants.{name} must be positive, got {getattr(self, name)}"
+                )
+        if self.collective_latency_s < 0:
+            raise ValueError(
+                f"CostConstants.collective_latency_s must be >= 0, got {self.collective_latency_s}"
+            )
+
+
+@dataclass(frozen=True)
+class TableCost:
+    """Estimated work of one table under one sharding type, per training step (all shards)."""
+
+    compute_bytes: float
+    """Embedding bytes read by the lookups."""
+    input_comm_bytes: float
+    """Ids and lengths sent to the shards' owners."""
+    output_comm_bytes: float
+    """Pooled vectors (or, for data-parallel, the gradient all-reduce) on the wire."""
+    memory_bytes: int
+    """Weights plus optimizer state of one copy of the table."""
+    seconds: float
+    """Estimated step time of the table, summed over its shards."""
+
+
+def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
+    """Bytes of one pooled ``dim``-vector on the wire with codec ``precision``."""
+    per_value, per_row = _WIRE[precision]
+    return dim * per_value + per_row
+
+
+def table_memory_bytes(table: EmbeddingBagConfig, *, optimizer: str) -> int:
+    """Bytes of the table's fp32 weights plus its fused optimizer state.
+
+    Args:
+        table: the table.
+        optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
+            ``sgd`` (no state).
+    """
+    weights = table.num_embeddings * table.embedding_dim * _FP32_BYTES
+    state = {
+        "rowwise_adagrad": table.num_embeddings * _FP32_BYTES,
+        "adagrad": weights,
+        "sgd": 0,
+    }[optimizer]
+    return weights + state
+
+
+def estimate_table_cost(
+    table: EmbeddingBagConfig,
+    *,
+    sharding_type: str,
+    num_shards: int,
+    world_size: int,
+    batch_size: int,
+    pooling_factor: float = 1.0,
+    optimizer: str = "rowwise_adagrad",
+    comm_precision: str = "fp32",
+    constants: CostConstants | None = None,
+) -> TableCost:
+    """The cost of ``table`` sharded as ``sharding_type`` in ``num_shards`` shards.
+
+    Args:
+        table: the table.
+        sharding_type: one of :data:`~raydlrm.sharding.config.ShardingType`.
+        num_shards: shards of the table (``world_size`` for data-parallel).
+        world_size: ranks in the job.
+        batch_size: global samples per step.
+        pooling_factor: average ids per bag of each of the table's features.
+        optimizer: the fused optimizer (for the state's memory).
+        comm_precision: codec of the pooled vectors on the wire.
+        constants: throughputs and latency (defaults if None).
+
+    Returns:
+        The table's compute, communication, memory and estimated seconds per step.
+    """
+    constants = constants or CostConstants()
+    bags = len(table.feature_names) * batch_size
+    ids = bags * pooling_factor
+    dim = table.embedding_dim
+    compute = ids * dim * _FP32_BYTES
+    vectors = bags * wire_bytes_per_vector(dim, precision=comm_precision)
+    if sharding_type == "data_parallel":
+        inputs = 0.0
+        outputs = 2.0 * (world_size - 1) * table.num_embeddings * dim * _FP32_BYTES
+    elif sharding_type == "column_wise":
+        inputs = num_shards * (ids * _ID_BYTES + bags * _LENGTH_BYTES)
+        # Each column shard sends its slice; the slices add up to one vector (plus per-row
+        # scales for the row-wise codecs, once per shard).
+        per_row = _WIRE[comm_precision][1]
+        outputs = vectors + (num_shards - 1) * bags * per_row
+    elif sharding_type in ("row_wise", "table_row_wise"):
+        inputs = ids * _ID_BYTES + num_shards * bags * _LENGTH_BYTES
+        outputs = num_shards * vectors
+    else:
+        assert sharding_type == "table_wise", sharding_type
+        inputs = ids * _ID_BYTES + bags * _LENGTH_BYTES
+        outputs = vectors
+    seconds = (
+        compute / constants.lookup_bytes_per_s
+        + (inputs + outputs) / constants.comm_bytes_per_s
+        + num_shards * constants.collective_latency_s
+    )
+    return TableCost(
+        compute_bytes=compute,
+        input_comm_bytes=inputs,
+        output_comm_bytes=outputs,
+        memory_bytes=table_memory_bytes(table, optimizer=optimizer),
+        seconds=seconds,
+    )
+
+
+def save_constants(constants: CostConstants, path: str | Path) -> Path:
+    """Writes ``constants`` as JSON to ``path`` (``~`` expanded, parents created)."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(asdict(constants), indent=2) + "\n")
+    return target
+
+
+def load_constants(path: str | Path) -> CostConstants:
+    """Reads constants written by :func:`save_constants`.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ValueError: if the file is not a constants JSON object.
+    """
+    target = Path(path).expanduser()
+    data = json.loads(target.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{target}: cost constants must be a JSON object, got {data!r}")
+    try:
+        return CostConstants(**data)
+    except TypeError as e:
+        raise ValueError(f"{target}: not a cost constants file ({e})") from e
+
+
+def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares ``seconds = intercept + size / rate``: returns ``(rate, intercept >= 0)``."""
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var
+    if slope <= 0:  # noise swamped the size dependence: fall back to the largest size's rate
+        return sizes[-1] / seconds[-1], 0.0
+    return 1.0 / slope, max(mean_y - slope * mean_x, 0.0)
+
+
+def _best_of(fn, *, repeats: int) -> float:
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _lookup_rate(sizes: list[tuple[int, int, int]], *, repeats: int) -> float:
+    """fp32 bytes per second of a CPU fbgemm TBE forward + backward (row-wise Adagrad)."""
+    import torch
+
+    from raydlrm._versions import import_fbgemm
+
+    import_fbgemm()
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    volumes, seconds = [], []
+    for rows, dim, ids_per_step in sizes:
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=0.01,
+        )
+        bags = max(ids_per_step // 8, 1)
+        indices = torch.randint(0, rows, (bags * 8,), generator=gen)
+        offsets = torch.arange(0, bags * 8 + 1, 8)
+
+        def step(tbe=tbe, indices=indices, offsets=offsets) -> None:
+            tbe(indices, offsets).sum().backward()
+
+        volumes.append(float(bags * 8 * dim * _FP32_BYTES))
+        seconds.append(_best_of(step, repeats=repeats))
+    return _fit(volumes, seconds)[0]
+
+
+def _all_to_all_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out: str):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        result = []
+        for size in sizes:
+            send = torch.zeros(2 * (size // 8), dtype=torch.float64)  # ``size`` bytes per peer
+            recv = torch.empty_like(send)
+
+            def exchange(send=send, recv=recv) -> None:
+                dist.all_to_all_single(recv, send)
+                dist.barrier()
+
+            result.append(_best_of(exchange, repeats=repeats))
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _comm_constants(sizes: list[int], *, repeats: int) -> tuple[float, float]:
+    """(bytes per second, latency) of a 2-process gloo all-to-all on this machine."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.start_processes(
+            _all_to_all_worker,
+            args=(os.path.join(tmp, "init"), sizes, repeats, out),
+            nprocs=2,
+            start_method="spawn",
+        )
+        seconds = json.loads(Path(out).read_text())
+    # Each rank sends ``size`` bytes to its peer: ``size`` bytes cross the link each way.
+    return _fit([float(s) for s in sizes], seconds)
+
+
+@dataclass(frozen=True)
+class CalibrationSizes:
+    """Micro-benchmark sizes of :func:`calibrate`."""
+
+    lookups: tuple[tuple[int, int, int], ...] = (
+        (100_000, 64, 16_384),
+        (100_000, 128, 65_536),
+        (100_000, 128, 262_144),
+    )
+    """(rows, dim, ids per step) of each TBE forward + backward measured."""
+    comm_bytes: tuple[int, ...] = (1 << 10, 1 << 20, 1 << 23)
+    """Bytes each rank sends its peer in each measured all-to-all."""
+    repeats: int = 5
+    """Timed repetitions of each size (the fastest is kept)."""
+
+
+def calibrate(*, sizes: CalibrationSizes | None = None, comm: bool = True) -> CostConstants:
+    """Measures the cost constants on this machine.
+
+    Fits the lookup throughput from fbgemm TBE forward + backward passes of a few sizes, and the
+    comm bandwidth and latency from a 2-process gloo all-to-all of a few sizes. When no process
+    group can be made (or ``comm`` is False) the comm constants keep their defaults and
+    ``source`` says so.
+
+    Args:
+        sizes: the micro-benchmark sizes (defaults: a few seconds in all).
+        comm: measure the all-to-all too.
+
+    Returns:
+        The measured constants.
+    """
+    sizes = sizes or CalibrationSizes()
+    defaults = CostConstants()
+    lookup = _lookup_rate(list(sizes.lookups), repeats=sizes.repeats)
+    note = f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"
+    if not comm:
+        return CostConstants(
+            lookup_bytes_per_s=lookup,
+            comm_bytes_per_s=defaults.comm_bytes_per_s,
+            collective_latency_s=defaults.collective_latency_s,
+            source=f"{note}; comm constants are defaults (comm calibration skipped)",
+        )
+    try:
+        bandwidth, latency = _comm_constants(list(sizes.comm_bytes), repeats=sizes.repeats)
+    except Exception as e:  # any failure to make a process group means: skip the comm part
+        logger.warning("comm calibration skipped, no gloo process group: %s", e)
+        return CostConstants(
+            lookup_bytes_per_s=lookup,
+            comm_bytes_per_s=defaults.comm_bytes_per_s,
+            collective_latency_s=defaults.collective_latency_s,
+            source=f"{note}; comm constants are defaults (no process group: {e})",
+        )
+    return CostConstants(
+        lookup_bytes_per_s=lookup,
+        comm_bytes_per_s=bandwidth,
+        collective_latency_s=latency,
+        source=f"{note}; lookups: fbgemm TBE fwd+bwd, comm: 2-process gloo all_to_all",
+    )

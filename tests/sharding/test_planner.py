@@ -1,0 +1,203 @@
+"""The planner's search and cost model: balance, capacity, determinism, scale, calibration."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding import ShardingConfig, plan_sharding
+from raydlrm.sharding.cost import (
+    CalibrationSizes,
+    CostConstants,
+    calibrate,
+    estimate_table_cost,
+    load_constants,
+    save_constants,
+)
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _skewed(num_tables: int, *, seed: int = 0) -> tuple[list[EmbeddingBagConfig], dict]:
+    """Power-law pooling factors and sizes: a few hot tables, many cold ones."""
+    rng = random.Random(seed)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i:03d}",
+            num_embeddings=rng.randint(1_000, 1_000_000),
+            embedding_dim=rng.choice([16, 32, 64, 128]),
+            feature_names=(f"f{i:03d}",),
+        )
+        for i in range(num_tables)
+    ]
+    pooling = {t.name: 100.0 / (i + 1) ** 1.2 + 1.0 for i, t in enumerate(tables)}
+    return tables, pooling
+
+
+def _ratio(plan) -> float:
+    costs = plan.per_rank_cost()
+    return max(costs) / (sum(costs) / len(costs))
+
+
+def test_refinement_balances_skewed_tables_better_than_greedy() -> None:
+    tables, pooling = _skewed(100)
+    kwargs = {"world_size": 8, "pooling_factors": pooling}
+    greedy = plan_sharding(tables, config=ShardingConfig(), search="greedy", **kwargs)
+    refined = plan_sharding(tables, config=ShardingConfig(), **kwargs)
+    auto = plan_sharding(tables, config=ShardingConfig(default_type="auto"), **kwargs)
+    assert max(refined.per_rank_cost()) <= max(greedy.per_rank_cost())
+    # The hottest table alone outweighs a fair share; only splitting it balances the ranks.
+    assert _ratio(greedy) > 1.5
+    assert _ratio(auto) < 1.1
+    assert _ratio(auto) < _ratio(greedy)
+    assert any(t.sharding_type != "table_wise" for t in auto.tables)
+
+
+def test_refinement_never_increases_the_max() -> None:
+    for seed in range(8):
+        rng = random.Random(seed)
+        tables, pooling = _skewed(rng.randint(5, 60), seed=seed)
+        world_size = rng.choice([2, 3, 5, 8])
+        for default_type in ("table_wise", "auto"):
+            config = ShardingConfig(default_type=default_type)
+            kwargs = {"world_size": world_size, "config": config, "pooling_factors": pooling}
+            greedy = plan_sharding(tables, search="greedy", **kwargs)
+            refined = plan_sharding(tables, **kwargs)
+            assert max(refined.per_rank_cost()) <= max(greedy.per_rank_cost()) * (1 + 1e-9)
+
+
+def test_capacity_is_respected_and_violations_name_the_table() -> None:
+    tables, pooling = _skewed(40)
+    capacity = 1 + max(
+        estimate_table_cost(
+            t, sharding_type="table_wise", num_shards=1, world_size=4, batch_size=512
+        ).memory_bytes
+        for t in tables
+    )
+    total = sum(
+        estimate_table_cost(
+            t, sharding_type="table_wise", num_shards=1, world_size=4, batch_size=512
+        ).memory_bytes
+        for t in tables
+    )
+    capacity = max(capacity, total // 3)
+    config = ShardingConfig(device_memory_bytes=capacity)
+    plan = plan_sharding(tables, world_size=4, config=config, pooling_factors=pooling)
+    assert max(plan.per_rank_memory()) <= capacity
+    big = EmbeddingBagConfig(
+        name="huge", num_embeddings=10_000_000, embedding_dim=128, feature_names=("fh",)
+    )
+    small = ShardingConfig(device_memory_bytes=10**9)
+    with pytest.raises(ValueError, match=r"'huge' \(5160000000 bytes.*cannot fit anywhere"):
+        plan_sharding([*tables, big], world_size=4, config=small)
+    # auto splits it row-wise when the pieces fit, and still respects the capacity.
+    auto = ShardingConfig(default_type="auto", device_memory_bytes=2 * 10**9)
+    plan = plan_sharding([big], world_size=4, config=auto)
+    assert plan.table("huge").sharding_type == "row_wise"
+    assert max(plan.per_rank_memory()) <= 2 * 10**9
+    with pytest.raises(ValueError, match="'huge'"):
+        plan_sharding([big], world_size=2, config=auto)
+
+
+def test_planner_is_deterministic_and_input_order_free() -> None:
+    tables, pooling = _skewed(60)
+    shuffled = list(tables)
+    random.Random(1).shuffle(shuffled)
+    config = ShardingConfig(default_type="auto", device_memory_bytes=4 * 10**9)
+    first = plan_sharding(tables, world_size=7, config=config, pooling_factors=pooling)
+    again = plan_sharding(tables, world_size=7, config=config, pooling_factors=pooling)
+    other = plan_sharding(shuffled, world_size=7, config=config, pooling_factors=pooling)
+    assert first.to_json() == again.to_json()
+    other.tables.sort(key=lambda t: t.name)
+    first.tables.sort(key=lambda t: t.name)
+    assert first.to_json() == other.to_json()
+
+
+def test_pins_are_kept_by_the_search() -> None:
+    tables, pooling = _skewed(20)
+    config = ShardingConfig(
+        default_type="auto",
+        pinned_types={"t000": "table_wise", "t001": "column_wise"},
+        pinned_ranks={"t002": [3]},
+    )
+    plan = plan_sharding(tables, world_size=4, config=config, pooling_factors=pooling)
+    assert plan.table("t000").sharding_type == "table_wise"
+    assert plan.table("t001").sharding_type == "column_wise"
+    assert plan.table("t002").ranks == [3]
+
+
+def test_scale_500_tables_on_256_ranks() -> None:
+    tables, pooling = _skewed(500)
+    start = time.perf_counter()
+    plan = plan_sharding(
+        tables, world_size=256, config=ShardingConfig(default_type="auto"), pooling_factors=pooling
+    )
+    assert time.perf_counter() - start < 10.0
+    assert len(plan.tables) == 500
+
+
+def test_paper_scale_dry_run() -> None:
+    raw = tomllib.loads((_ROOT / "configs" / "paper_scale.toml").read_text())
+    dim = raw["model"]["embedding_dim"]
+    sizes = raw["data"]["table_sizes"]
+    tables = [
+        EmbeddingBagConfig(name=c, num_embeddings=n, embedding_dim=dim, feature_names=(c,))
+        for c, n in sizes.items()
+    ]
+    assert sum(t.num_embeddings for t in tables) * dim == pytest.approx(1.2e13, rel=0.01)
+    config = ShardingConfig(**raw["sharding"])
+    start = time.perf_counter()
+    plan = plan_sharding(
+        tables, world_size=raw["scaling"]["num_workers"], config=config, batch_size=65536
+    )
+    assert time.perf_counter() - start < 20.0
+    assert max(plan.per_rank_memory()) <= config.device_memory_bytes
+    assert "row_wise" in plan.format_summary()
+
+
+def test_constants_round_trip_and_tiny_calibration(tmp_path: Path) -> None:
+    constants = CostConstants(lookup_bytes_per_s=1.5e9, comm_bytes_per_s=2e8, source="test")
+    path = save_constants(constants, tmp_path / "sub" / "c.json")
+    assert load_constants(path) == constants
+    (tmp_path / "bad.json").write_text('{"nope": 1}')
+    with pytest.raises(ValueError, match="not a cost constants file"):
+        load_constants(tmp_path / "bad.json")
+    measured = calibrate(
+        sizes=CalibrationSizes(lookups=((1000, 16, 1024), (1000, 32, 4096)), repeats=1),
+        comm=False,
+    )
+    assert measured.lookup_bytes_per_s > 0
+    assert "comm calibration skipped" in measured.source
+    assert load_constants(save_constants(measured, tmp_path / "m.json")) == measured
+
+
+def test_cost_formulas() -> None:
+    t = EmbeddingBagConfig(name="t", num_embeddings=100, embedding_dim=8, feature_names=("a",))
+    free = CostConstants(lookup_bytes_per_s=1.0, comm_bytes_per_s=1.0, collective_latency_s=0.0)
+
+    def cost(kind: str, k: int, precision: str = "fp32"):
+        return estimate_table_cost(
+            t,
+            sharding_type=kind,
+            num_shards=k,
+            world_size=4,
+            batch_size=10,
+            pooling_factor=2.0,
+            comm_precision=precision,
+            constants=free,
+        )
+
+    tw = cost("table_wise", 1)
+    assert tw.compute_bytes == 10 * 2 * 8 * 4
+    assert tw.input_comm_bytes == 10 * 2 * 8 + 10 * 4
+    assert tw.output_comm_bytes == 10 * 8 * 4
+    assert cost("table_wise", 1, "fp16").output_comm_bytes == 10 * 8 * 2
+    assert cost("row_wise", 4).output_comm_bytes == 4 * 10 * 8 * 4
+    assert cost("column_wise", 2).input_comm_bytes == 2 * tw.input_comm_bytes
+    assert cost("data_parallel", 4).output_comm_bytes == 2 * 3 * 100 * 8 * 4
+    assert tw.seconds == tw.compute_bytes + tw.input_comm_bytes + tw.output_comm_bytes
