@@ -133,6 +133,12 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
     assert results[0]["reports"][-1]["has_checkpoint"]
     assert not results[1]["reports"][-1]["has_checkpoint"]
     assert len(results[0]["reports"]) == len(results[1]["reports"])
+    # Wire bytes are reported, summed over ranks: ids went out, pooled vectors came back.
+    final = results[0]["final"]
+    assert final["comm/input_ids_bytes"] > 0
+    # Evaluation sends pooled vectors forward only, so forward exceeds backward.
+    assert final["comm/forward_fp32_bytes"] > final["comm/backward_fp32_bytes"] > 0
+    assert results[1]["final"]["comm/forward_fp32_bytes"] == final["comm/forward_fp32_bytes"]
 
 
 @pytest.mark.gpu

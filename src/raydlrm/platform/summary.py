@@ -38,6 +38,13 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
         f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
         f"over {int(m.get('step', 0))} steps"
     )
+    wire = {k: v for k, v in m.items() if k.startswith("comm/")}
+    if wire:
+        total = sum(wire.values()) / 2**20
+        console.print(
+            f"embedding all-to-all traffic: {total:,.1f} MiB "
+            f"(by direction and codec in the MLflow run, comm/*)"
+        )
     console.print("sharding plan:")
     # Plain print: the plan is a fixed-width table that must not be re-wrapped.
     print(result.plan.format_table(), file=console.file, flush=True)

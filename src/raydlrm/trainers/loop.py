@@ -209,11 +209,32 @@ class Trainer:
         if eval_data is not None:
             final.update(self.evaluate(self._batches(eval_data)))
         final["dropped_samples"] = float(self.dropped_samples)
+        final.update(self._comm_metrics())
         final["data/first_batch_seconds"] = _global_max(
             self.first_batch_seconds or 0.0, self.device
         )
         self._report(final, report=report, with_model=True)
         return final
+
+    def _comm_metrics(self) -> dict[str, float]:
+        """Bytes all ranks sent each other through the embedding all-to-alls, by direction and
+        codec (``comm/<direction>_<kind>_bytes``); a collective."""
+        counts = self.model.embedding_bags.comm_bytes()
+        names = sorted(
+            f"comm/{direction}_{kind}_bytes"
+            for direction in ("input", "forward", "backward")
+            for kind in counts.get(direction, {})
+        )
+        if _distributed():  # every rank must reduce the same keys, in the same order
+            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, names)
+            names = sorted({n for g in gathered for n in g})
+        local = {
+            f"comm/{direction}_{kind}_bytes": float(n)
+            for direction, by_kind in counts.items()
+            for kind, n in by_kind.items()
+        }
+        return {name: _global_sum(local.get(name, 0.0), self.device) for name in names}
 
     def _batches(self, data: Any) -> Iterator[Batch]:
         return iter_train_batches(data, config=self.spec.data)
