@@ -74,3 +74,17 @@ def targets(step: int) -> torch.Tensor:
 
 def feature_rows(tables: list[EmbeddingBagConfig]) -> dict[str, int]:
     return {f: t.num_embeddings for t in tables for f in t.feature_names}
+
+
+def assert_steps_match(
+    got: dict, ref: dict, *, rows: slice, world_size: int, num_steps: int, tol: dict
+) -> None:
+    """One rank's recorded steps equal the single-process reference on its rows: pooled output,
+    gradient reaching the pooled output (scaled by the world size, see ``_train``), dense grads."""
+    for step in range(num_steps):
+        torch.testing.assert_close(got["pooled"][step], ref["pooled"][step][rows], **tol)
+        torch.testing.assert_close(
+            got["pooled_grad"][step] / world_size, ref["pooled_grad"][step][rows], **tol
+        )
+        for g, r in zip(got["dense_grad"][step], ref["dense_grad"][step], strict=True):
+            torch.testing.assert_close(g, r, **tol)

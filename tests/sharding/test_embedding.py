@@ -22,6 +22,7 @@ from tests.sharding._fixtures import (
     GLOBAL_BATCH,
     SPLITS,
     TinyModel,
+    assert_steps_match,
     feature_rows,
     global_batch,
     make_tables,
@@ -146,13 +147,9 @@ def _check_parity(results: list[list[dict]], references: list[dict], world_size:
             start = rows.stop
             assert got["keys"] == ref["keys"]
             assert got["ddp"] == ("DistributedDataParallel" if world_size > 1 else "Linear")
-            for step in range(NUM_STEPS):
-                torch.testing.assert_close(got["pooled"][step], ref["pooled"][step][rows], **TOL)
-                torch.testing.assert_close(
-                    got["pooled_grad"][step] / world_size, ref["pooled_grad"][step][rows], **TOL
-                )
-                for g, r in zip(got["dense_grad"][step], ref["dense_grad"][step], strict=True):
-                    torch.testing.assert_close(g, r, **TOL)
+            assert_steps_match(
+                got, ref, rows=rows, world_size=world_size, num_steps=NUM_STEPS, tol=TOL
+            )
             merged_states.update(got["states"])
             if rank:
                 assert got["tables"] is None

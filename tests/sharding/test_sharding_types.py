@@ -21,7 +21,7 @@ from raydlrm.sharding import (
     shard_model,
 )
 from tests._multiprocess import run_distributed
-from tests.sharding._fixtures import SPLITS, TinyModel, make_tables
+from tests.sharding._fixtures import SPLITS, TinyModel, assert_steps_match, make_tables
 from tests.sharding.test_embedding import EPS, LR, NUM_STEPS, TOL, _train
 
 TYPES = ["data_parallel", "row_wise", "column_wise", "table_row_wise"]
@@ -157,13 +157,9 @@ def _check(results: list[list[dict]], scenarios: list[dict], world_size: int) ->
             rows = slice(start, start + SPLITS[world_size][rank])
             start = rows.stop
             assert got["keys"] == ref["keys"], sc["name"]
-            for step in range(NUM_STEPS):
-                torch.testing.assert_close(got["pooled"][step], ref["pooled"][step][rows], **TOL)
-                torch.testing.assert_close(
-                    got["pooled_grad"][step] / world_size, ref["pooled_grad"][step][rows], **TOL
-                )
-                for g, r in zip(got["dense_grad"][step], ref["dense_grad"][step], strict=True):
-                    torch.testing.assert_close(g, r, **TOL)
+            assert_steps_match(
+                got, ref, rows=rows, world_size=world_size, num_steps=NUM_STEPS, tol=TOL
+            )
             # Data-parallel replicas stay bit-identical on every rank.
             for name, replica in got["replicas"].items():
                 assert torch.equal(replica, results[0][i]["replicas"][name]), (sc["name"], name)

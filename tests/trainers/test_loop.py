@@ -71,14 +71,14 @@ def _run(
     original = trainer.train_step
 
     def recording_step(batch):  # records the global loss of every step
-        logits = original(batch)
+        result = original(batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, batch.labels, reduction="sum"
+            result.logits, batch.labels, reduction="sum"
         )
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
         losses.append(float(loss) / 64)
-        return logits
+        return result
 
     trainer.train_step = recording_step
     reports: list[dict] = []

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -45,6 +44,15 @@ def _metrics_at(values: dict[str, Any], *, step: int) -> list[Metric]:
     ]
 
 
+def _log_batch(
+    client: MlflowClient, run_id: str, *, metrics: list[Metric] = (), params: list[Param] = ()
+) -> None:
+    """Writes metrics and params in chunks of ``_BATCH`` (MLflow limits a batch's size)."""
+    for items, key in ((list(metrics), "metrics"), (list(params), "params")):
+        for i in range(0, len(items), _BATCH):
+            client.log_batch(run_id, **{key: items[i : i + _BATCH]})
+
+
 class TrackedRun:
     """A handle on the job's MLflow run (driver side)."""
 
@@ -66,13 +74,10 @@ class TrackedRun:
             )
             for k, v in sorted(params.items())
         ]
-        for i in range(0, len(items), _BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + _BATCH])
+        _log_batch(self.client, self.run_id, params=items)
 
     def log_metrics(self, metrics: dict[str, Any], *, step: int) -> None:
-        batch = _metrics_at(metrics, step=step)
-        for i in range(0, len(batch), _BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
+        _log_batch(self.client, self.run_id, metrics=_metrics_at(metrics, step=step))
 
     def log_text(self, text: str, *, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
@@ -85,9 +90,6 @@ class TrackedRun:
         """The plan as ``sharding/plan.json`` and a readable ``sharding/plan.txt``."""
         self.log_text(plan.to_json(), artifact_file="sharding/plan.json")
         self.log_text(plan.format_table(), artifact_file="sharding/plan.txt")
-
-    def log_dir(self, directory: str | Path, *, artifact_path: str) -> None:
-        self.client.log_artifacts(self.run_id, str(directory), artifact_path)
 
     def finish(self, *, failed: bool = False) -> None:
         status = RunStatus.to_string(RunStatus.FAILED if failed else RunStatus.FINISHED)
@@ -141,8 +143,6 @@ class MLflowReportCallback(UserCallback):
             self._client = MlflowClient(self.tracking_uri)
         values = metrics[0] if metrics else {}
         step = int(values.get("step", 0))
-        batch = _metrics_at(values, step=step)
-        for i in range(0, len(batch), _BATCH):
-            self._client.log_batch(self.run_id, metrics=batch[i : i + _BATCH])
+        _log_batch(self._client, self.run_id, metrics=_metrics_at(values, step=step))
         if checkpoint is not None:
             self._client.set_tag(self.run_id, "raydlrm.checkpoint", checkpoint.path)

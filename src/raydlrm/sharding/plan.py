@@ -177,6 +177,13 @@ class ShardingPlan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
+    def imbalance(self) -> float:
+        """Max over mean of the per-rank cost (1.0 is perfectly balanced; the slowest rank sets
+        the step time)."""
+        costs = self.per_rank_cost()
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean else 1.0
+
     def format_summary(self) -> str:
         """A compact summary for many ranks: cost and memory spread, sharding types."""
         costs, memory = self.per_rank_cost(), self.per_rank_memory()
@@ -188,7 +195,7 @@ class ShardingPlan:
             [
                 f"{len(self.tables)} tables on {self.world_size} ranks",
                 f"est. cost per rank: max {max(costs):.4g}, mean {mean:.4g}, min {min(costs):.4g}"
-                f" (max/mean {max(costs) / mean if mean else 1.0:.3f})",
+                f" (max/mean {self.imbalance():.3f})",
                 f"memory per rank: max {_gib(max(memory))}, mean "
                 f"{_gib(sum(memory) // len(memory))}, min {_gib(min(memory))}",
                 "tables by sharding type: "

@@ -19,6 +19,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from raydlrm.trainers.checkpoint import save_model_checkpoint
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
 
-__all__ = ["Trainer", "train_loop_per_worker"]
+__all__ = ["StepResult", "Trainer", "train_loop_per_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,25 @@ def _all_ranks_have(has_batch: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _global_sum(value: float, device: torch.device) -> float:
+def _all_reduce_scalar(
+    value: float, device: torch.device, *, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> float:
+    """``value`` reduced over all ranks (``value`` itself without a process group)."""
     if not _distributed():
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+@dataclass
+class StepResult:
+    """What one training step produced."""
+
+    logits: torch.Tensor
+    """Detached logits, shape ``(B,)``."""
+    loss: float
+    """This rank's mean loss over the batch."""
 
 
 class Trainer:
@@ -101,8 +115,8 @@ class Trainer:
         self.train_seconds = 0.0  # steady-state training wall time (excludes first batch)
         self.first_batch_seconds: float | None = None
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """One optimization step on ``batch``; returns the logits, shape ``(B,)``."""
+    def train_step(self, batch: Batch) -> StepResult:
+        """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
         logits = self.model(batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -110,7 +124,7 @@ class Trainer:
         loss.backward()  # also applies the fused embedding optimizer
         self.optimizer.step()
         self.step += 1
-        return logits.detach()
+        return StepResult(logits=logits.detach(), loss=float(loss))
 
     def _lockstep(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """Yields batches while every rank has one; counts the samples left over."""
@@ -121,7 +135,7 @@ class Trainer:
                 left = (
                     0 if batch is None else batch.batch_size + sum(b.batch_size for b in iterator)
                 )
-                dropped = int(_global_sum(float(left), self.device))
+                dropped = int(_all_reduce_scalar(float(left), self.device))
                 if dropped:
                     logger.warning(
                         "ranks ran out of data unevenly: %d samples not used this pass", dropped
@@ -167,18 +181,16 @@ class Trainer:
                     # Start-up of the data pipeline is reported apart from the steady state.
                     self.first_batch_seconds = time.perf_counter() - last
                     last = time.perf_counter()
-                logits = self.train_step(batch)
+                result = self.train_step(batch)
                 # Wall time of the step including waiting for its batch (not eval or reports).
                 self.train_seconds += time.perf_counter() - last
-                window.add(logits, batch.labels)
-                epoch_buffer.add(logits, batch.labels)
-                window_loss += float(
-                    torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-                )
+                window.add(result.logits, batch.labels)
+                epoch_buffer.add(result.logits, batch.labels)
+                window_loss += result.loss
                 window_steps += 1
                 window_samples += batch.batch_size
                 if self.step % cfg.log_every_steps == 0:
-                    samples = _global_sum(float(window_samples), self.device)
+                    samples = _all_reduce_scalar(float(window_samples), self.device)
                     self.samples_seen += int(samples)
                     metrics = {
                         **window.compute().to_dict("train/"),
@@ -200,18 +212,18 @@ class Trainer:
                     break
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 break
-        self.samples_seen += int(_global_sum(float(window_samples), self.device))
+        self.samples_seen += int(_all_reduce_scalar(float(window_samples), self.device))
         # Final metrics: training metrics over the last epoch, throughput over the whole run.
         final = epoch_buffer.compute().to_dict("train/")
         final["train/samples_per_second"] = self.samples_seen / max(
-            _global_max(self.train_seconds, self.device), 1e-9
+            _all_reduce_scalar(self.train_seconds, self.device, op=dist.ReduceOp.MAX), 1e-9
         )
         if eval_data is not None:
             final.update(self.evaluate(self._batches(eval_data)))
         final["dropped_samples"] = float(self.dropped_samples)
         final.update(self._comm_metrics())
-        final["data/first_batch_seconds"] = _global_max(
-            self.first_batch_seconds or 0.0, self.device
+        final["data/first_batch_seconds"] = _all_reduce_scalar(
+            self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
         )
         self._report(final, report=report, with_model=True)
         return final
@@ -234,7 +246,7 @@ class Trainer:
             for direction, by_kind in counts.items()
             for kind, n in by_kind.items()
         }
-        return {name: _global_sum(local.get(name, 0.0), self.device) for name in names}
+        return {name: _all_reduce_scalar(local.get(name, 0.0), self.device) for name in names}
 
     def _batches(self, data: Any) -> Iterator[Batch]:
         return iter_train_batches(data, config=self.spec.data)
@@ -280,14 +292,6 @@ class Trainer:
         state = {f"embedding_bags.weights.{name}": t.cpu() for name, t in tables.items()}
         state.update({f"dense.{k}": v.detach().cpu() for k, v in dense.state_dict().items()})
         return state
-
-
-def _global_max(value: float, device: torch.device) -> float:
-    if not _distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _configure_logging() -> None:
