@@ -15,6 +15,8 @@ Variants:
   ``EmbeddingBagCollection``, its planner constrained to the same sharding type (column-wise with
   ``min_partition = dim / 2``, so two column shards per table as raydlrm makes), the ``FUSED``
   kernel with the same row-wise Adagrad through the sharder's fused params.
+- ``raydlrm-tw-fp16`` (any codec name after the type): the same with compressed all-to-all
+  (``sharding.comm_precision``); not in the default set.
 - ``limit``: one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` over all tables in each
   process, on that rank's batch, with no communication: the same work per rank as the sharded
   variants, minus the communication (the upper bound on their throughput).
@@ -78,7 +80,7 @@ def _loss(pooled: torch.Tensor) -> torch.Tensor:
 # Variants: each builder returns a step function of one batch (dict of values and lengths).
 
 
-def _raydlrm(sharding_type: str, *, rows: int, pooling: int):
+def _raydlrm(sharding_type: str, *, rows: int, pooling: int, comm_precision: str = "fp32"):
     from raydlrm.batch import KeyedJaggedTensor
     from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
     from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
@@ -92,6 +94,7 @@ def _raydlrm(sharding_type: str, *, rows: int, pooling: int):
         optimizer="rowwise_adagrad",
         learning_rate=LEARNING_RATE,
         eps=EPS,
+        comm_precision=comm_precision,
     )
     plan = plan_sharding(
         tables,
@@ -207,10 +210,12 @@ def _limit(*, rows: int, pooling: int):
 def _build(variant: str, *, rows: int, pooling: int):
     if variant == "limit":
         return _limit(rows=rows, pooling=pooling)
-    library, kind = variant.split("-")
+    library, kind, *codec = variant.split("-")
     sharding_type = {"tw": "table_wise", "cw": "column_wise"}[kind]
-    builder = _raydlrm if library == "raydlrm" else _torchrec
-    return builder(sharding_type, rows=rows, pooling=pooling)
+    if library == "raydlrm":
+        precision = codec[0] if codec else "fp32"
+        return _raydlrm(sharding_type, rows=rows, pooling=pooling, comm_precision=precision)
+    return _torchrec(sharding_type, rows=rows, pooling=pooling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,11 +358,11 @@ def main() -> None:
     # then the median: the load of a shared machine changes between repeats, less within one.
     print("\nsamples/s ratios, median of per-repeat ratios (>= 1 means raydlrm is faster)")
     for kind in ("tw", "cw"):
-        ours = times.get(f"raydlrm-{kind}")
-        for other in (f"torchrec-{kind}", "limit"):
-            if ours and other in times:
-                paired = [o / r for r, o in zip(ours, times[other], strict=True)]
-                print(f"raydlrm-{kind} / {other}: {statistics.median(paired):.2f}")
+        for ours in [v for v in times if v.startswith(f"raydlrm-{kind}")]:
+            for other in (f"torchrec-{kind}", "limit"):
+                if other in times:
+                    paired = [o / r for r, o in zip(times[ours], times[other], strict=True)]
+                    print(f"{ours} / {other}: {statistics.median(paired):.2f}")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def _run(rank: int, world_size: int, sc: dict) -> dict:
         "pooled": pooled,
         "tables": ebc.gather_full_tables(dst=0),
         "bytes": ebc.comm_bytes(),
-        "codec_cols": [c.cols for c in ebc._codecs],
+        "codec_cols": [c.cols for c in ebc._output.codecs],
     }
 
 

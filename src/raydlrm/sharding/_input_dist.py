@@ -6,6 +6,9 @@ replica (one per rank for data-parallel tables). Inside a column group the rows 
 contiguous ranges, one per unit; the id goes to the unit owning its row, with that unit's first
 row subtracted (bucketization). All of this is vectorized over the batch:
 
+Plans without row-split shards skip steps 1-3: every unit reads all its feature's bags, so one
+fbgemm ``permute_2D_sparse_data`` repeats and orders them unit by unit.
+
 1. repeat each id once per column group of its feature (``fanout``);
 2. find each copy's unit with one ``searchsorted`` over the keys ``group * stride + row_start``
    of all units (``stride`` exceeds every table's size, so groups never overlap);
@@ -105,11 +108,32 @@ class InputDistributor:
         self._seg_keys, self._seg_units = tensor(seg_keys), tensor(seg_units)
         self._unit_row_start = tensor([u.shard.row_start for u in flat])
         self._unit_rank = tensor([u.shard.rank for u in flat])
+        # Without row-split shards every unit reads all the ids of its feature: the send buffer
+        # is the features' bags repeated and reordered unit by unit, one fbgemm permute.
+        self._whole_rows = all(
+            u.shard.row_start == 0 and u.shard.row_end == u.table.num_embeddings for u in flat
+        )
+        self._unit_feature = torch.tensor(
+            [u.feature_index for u in flat], dtype=torch.int32, device=device
+        )
 
     def _bucketize(
         self, kjt: KeyedJaggedTensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
         """Send buffers: lengths ``(U_total * B,)`` rank-major, ids, weights, ids per rank."""
+        if self._whole_rows:
+            lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                self._unit_feature,
+                kjt.lengths.view(-1, kjt.batch_size),
+                kjt.values,
+                kjt.weights,
+                None,
+            )
+            ids_per_unit = lengths.sum(dim=1)
+            ids_per_rank = torch.zeros(
+                len(self._num_units), dtype=ids_per_unit.dtype, device=self._device
+            ).index_add_(0, self._unit_rank, ids_per_unit)
+            return lengths.reshape(-1), values, weights, ids_per_rank.tolist()
         device, batch = self._device, kjt.batch_size
         num_ids = kjt.values.numel()
         num_bags = kjt.lengths.numel()

@@ -1,10 +1,11 @@
 """Codecs of the pooled-embedding output all-to-all: compressed communication.
 
 The pooled output of every sharded table, and in backward its gradient, crosses the network
-through :class:`~raydlrm.sharding._comm.PooledAllToAll`. Each ``(rows, cols)`` block it sends is
-encoded by a codec into a 1-D ``uint8`` payload: one all-to-all moves one dtype, so every codec
-speaks bytes and codecs of different precisions can share one exchange. A payload's size follows
-from the block's shape alone, so receivers know their splits without an extra exchange.
+through the output all-to-all (:mod:`raydlrm.sharding._output_dist`). Each ``(rows, cols)``
+block it sends is encoded by a codec into a 1-D ``uint8`` payload: one all-to-all moves one
+dtype, so every codec speaks bytes and codecs of different precisions can share one exchange.
+A payload's size follows from the block's shape alone, so receivers know their splits without
+an extra exchange.
 
 Codecs (``CommPrecision`` names them) and the bound on their round-trip error per value ``x`` of
 a row with absolute maximum ``m`` (min ``lo``, max ``hi``):

@@ -9,21 +9,20 @@ mode). A forward pass:
 1. sends every id to the units that own its row, with the row offset subtracted, and receives
    this rank's units' bags for every rank's samples (:mod:`raydlrm.sharding._input_dist`);
 2. looks up and pools with TBE;
-3. sharded units: sends each rank the pooled rows of its samples
-   (:class:`~raydlrm.sharding._comm.PooledAllToAll`); data-parallel units: keeps this rank's
-   rows (:class:`~raydlrm.sharding._comm.LocalRows`);
-4. adds every received block into its feature's columns (``index_add``): column shards land
-   side by side, row shards' partial sums add up (a reduce-scatter done as all-to-all plus sum);
-   row-split mean tables, pooled as sums, are divided by the bag's true length here.
+3. sharded units: sends each rank the pooled rows of its samples; data-parallel units: keeps
+   this rank's rows; and copies every received block's columns into its features' output
+   columns: column shards land side by side, row shards' partial sums add up (a reduce-scatter
+   done as all-to-all plus sum) (:mod:`raydlrm.sharding._output_dist`);
+4. row-split mean tables, pooled as sums, are divided by the bag's true length.
 
 Design choices:
 
 - *Data-parallel update.* fbgemm's fused optimizers update rows inside the TBE backward, so the
   weight gradient can never be all-reduced before the update. Instead every replica looks up
   the *global* batch (its ids reach every rank through the same input all-to-all) and the
-  backward of :class:`~raydlrm.sharding._comm.LocalRows` all-gathers the pooled-output gradient
-  rows (divided by the world size, as for every other type). Every replica then runs the same
-  TBE backward on the same ids and gradients: the update equals the single-process one on the
+  backward of the output distribution all-gathers their pooled-output gradient rows
+  (divided by the world size, as for every other type). Every replica then runs the same TBE
+  backward on the same ids and gradients: the update equals the single-process one on the
   global batch, replicas stay bit-identical, and the communication is ``B x D`` per table
   rather than a dense ``rows x D`` all-reduce.
 - *Column-wise row-wise Adagrad.* Row-wise Adagrad keeps one momentum per row, the mean of the
@@ -54,15 +53,10 @@ from torch.distributed import ProcessGroup
 from raydlrm._versions import import_fbgemm
 from raydlrm.batch import KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_table_
-from raydlrm.sharding._comm import (
-    CommBytes,
-    LocalRows,
-    PooledAllToAll,
-    all_to_all,
-    rank_and_world_size,
-)
+from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, TbeGroup, rank_units, tbe_groups
+from raydlrm.sharding._output_dist import OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
@@ -183,32 +177,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._rank_pieces: list[list[_Piece]] = [
             [p for g in tbe_groups(us) for p in g.shards] for us in units
         ]
-        self._sharded_dims = [sum(u.dim for u in us if not u.replicated) for us in units]
-        self._codecs = _output_codecs(units, config)
         local = units[self._rank]
-        self._replicated_dim = sum(u.dim for u in local if u.replicated)
         # Output column of every column of the blocks received (sharded units of every rank,
-        # in rank order) followed by this rank's replicated units.
-        received = [u for us in units for u in us if not u.replicated]
-        received += [u for u in local if u.replicated]
+        # in rank order), then of this rank's replicated units.
         feature_start = lengths_to_offsets(torch.tensor(self.feature_dims)).tolist()
-        target = [
-            torch.arange(u.shard.col_start, u.shard.col_end) + feature_start[u.feature_index]
-            for u in received
-        ]
-        target_columns = torch.cat(target)
-        self._register("_target_columns", target_columns)
-        # Without row-split shards every output column comes from exactly one received column:
-        # a gather (or nothing, if already in order) replaces the zero-fill and scatter-add.
-        self._column_gather: torch.Tensor | None = None
-        self._columns_in_order = False
-        if target_columns.numel() == sum(self.feature_dims) and torch.equal(
-            torch.sort(target_columns).values, torch.arange(target_columns.numel())
-        ):
-            self._columns_in_order = torch.equal(
-                target_columns, torch.arange(target_columns.numel())
-            )
-            self._column_gather = torch.argsort(target_columns).to(self._device)
+
+        def targets(us: list[LookupUnit]) -> list[int]:
+            return [
+                feature_start[u.feature_index] + c
+                for u in us
+                for c in range(u.shard.col_start, u.shard.col_end)
+            ]
+
+        self._output = OutputDist(
+            runs=column_runs(
+                [targets([u for u in us if not u.replicated]) for us in units]
+                + [targets([u for u in local if u.replicated])]
+            ),
+            num_columns=sum(self.feature_dims),
+            codecs=_output_codecs(units, config),
+            pg=pg,
+            comm_bytes=self._comm_bytes,
+        )
         table_of = {f: t for t in self.tables for f in t.feature_names}
         self._register(
             "_limits", torch.tensor([table_of[f].num_embeddings for f in self.feature_names])
@@ -495,31 +485,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._check_ids(kjt)
         bags = self._input(kjt)
         pooled = self._lookup(bags, sum(bags.batch_sizes))
-        sharded_dim = self._sharded_dims[self._rank]
-        parts = []
-        if any(self._sharded_dims):
-            sharded = pooled[:, :sharded_dim]
-            if self._world_size > 1:
-                sharded = PooledAllToAll.apply(
-                    sharded, bags.batch_sizes, self._codecs, self._pg, self._comm_bytes
-                )
-            parts.append(sharded)
-        if self._replicated_dim:
-            replicated = pooled[:, sharded_dim:]
-            if self._world_size > 1:
-                replicated = LocalRows.apply(
-                    replicated, bags.batch_sizes, self._pg, self._comm_bytes
-                )
-            parts.append(replicated)
-        blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        if self._columns_in_order:
-            values = blocks
-        elif self._column_gather is not None:
-            values = blocks.index_select(1, self._column_gather)
-        else:  # row-split shards: partial sums of one column add up
-            values = blocks.new_zeros(kjt.batch_size, sum(self.feature_dims)).index_add(
-                1, self._target_columns, blocks
-            )
+        values = self._output(pooled, bags.batch_sizes)
         if self._has_row_split_mean:
             lengths = kjt.lengths.view(len(self.feature_names), kjt.batch_size)
             scale = torch.where(
