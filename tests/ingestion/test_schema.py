@@ -63,7 +63,7 @@ def test_missing_column_names_column_and_file(tmp_path):
 @pytest.mark.parametrize(
     ("column", "array", "message"),
     [
-        ("C1", pa.array(["x"] * 3), "sparse column 'C1'.*string"),
+        ("C1", pa.array([1.5] * 3), "sparse column 'C1'.*double"),
         ("C2", pa.array([[1.0]] * 3, pa.list_(pa.float64())), "sparse column 'C2'"),
         ("I1", pa.array(["1"] * 3), "dense column 'I1'"),
         ("label", pa.array(["yes"] * 3), "label column 'label'"),

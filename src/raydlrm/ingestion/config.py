@@ -90,6 +90,52 @@ class SyntheticConfig:
             )
 
 
+DenseTransform = Literal["log1p", "standardize", "none"]
+
+
+@config_dataclass
+class DenseSpec:
+    """How one dense column becomes a model input (``[data.dense_specs.<column>]``).
+
+    Missing values are filled with 0, then clipped, then transformed.
+    """
+
+    transform: DenseTransform | None = None
+    """``log1p`` (``log1p(max(x, 0))``), ``standardize`` (``(x - mean) / std`` with the
+    statistics of the training data, :attr:`DataConfig.dense_stats`) or ``none``; default:
+    ``data.dense_transform``."""
+    clip: tuple[float, float] | None = None
+    """``[lo, hi]``: values are clipped into this range before the transform."""
+
+    def __post_init__(self) -> None:
+        if self.clip is not None and not self.clip[0] <= self.clip[1]:
+            raise ValueError(f"clip must be [lo, hi] with lo <= hi, got {list(self.clip)}")
+
+
+@config_dataclass
+class SparseSpec:
+    """How one sparse column becomes a feature (``[data.sparse_specs.<column>]``).
+
+    A sparse column holds an integer id, a string id, or a list of either; strings are hashed
+    (stable across runs and machines) and so are integers, into the rows of the column's table.
+    """
+
+    table: str | None = None
+    """Embedding table of the column; columns naming the same table share it. Default:
+    ``t_<column>``, a table of its own."""
+    weight_column: str | None = None
+    """Column of per-id weights (float, or a list of floats as long as the id list) for
+    weighted sum pooling; default: every id weighs 1."""
+    max_length: int | None = None
+    """Longest id list accepted; a longer list is bad input (``data.bad_input``)."""
+
+    def __post_init__(self) -> None:
+        if self.table is not None and not self.table:
+            raise ValueError("table must be a non-empty name")
+        if self.max_length is not None and self.max_length <= 0:
+            raise ValueError(f"max_length must be positive, got {self.max_length}")
+
+
 @config_dataclass
 class DataConfig:
     """Where the data is and how it becomes batches."""
@@ -106,13 +152,27 @@ class DataConfig:
     dense_columns: list[str] = field(default_factory=lambda: list(DEFAULT_DENSE_COLUMNS))
     """Dense float columns, in model input order."""
     sparse_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SPARSE_COLUMNS))
-    """Categorical columns (int64 ids or lists of int64 ids); each gets its own embedding table."""
+    """Categorical columns: integer or string ids, or lists of either (see :class:`SparseSpec`);
+    each is one feature, looked up in its table (by default a table of its own)."""
+    sparse_specs: dict[str, SparseSpec] = field(default_factory=dict)
+    """Per sparse column: its table (several columns may share one), per-id weight column and
+    longest list."""
     table_size: int = 100_000
     """Rows of each embedding table unless ``table_sizes`` names it; raw ids are hashed into it."""
     table_sizes: dict[str, int] = field(default_factory=dict)
-    """Per-column table sizes, overriding ``table_size``."""
-    dense_transform: Literal["log1p", "none"] = "log1p"
-    """Transform of dense values after missing values are filled with 0: log1p(max(x, 0))."""
+    """Table sizes by table name or by sparse column (the column's table), overriding
+    ``table_size``."""
+    dense_transform: DenseTransform = "log1p"
+    """Transform of dense values after missing values are filled with 0 (see
+    :class:`DenseSpec`), unless ``dense_specs`` names the column."""
+    dense_specs: dict[str, DenseSpec] = field(default_factory=dict)
+    """Per dense column: transform and clipping."""
+    dense_stats: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """``(mean, std)`` of each standardized dense column (after null fill and clipping). Computed
+    once over the training data before training when missing, then stored with the model."""
+    dedup_groups: list[list[str]] = field(default_factory=list)
+    """Groups of sparse columns deduplicated together (RecD), e.g. the user features that repeat
+    over a session: inside a batch, identical rows of a group are looked up once."""
     batch_size: int = 1024
     """Samples per batch on each worker."""
     num_preprocess_actors: int = 0
@@ -131,13 +191,11 @@ class DataConfig:
             )
         if self.table_size <= 0:
             raise ValueError(f"data.table_size must be positive, got {self.table_size}")
-        for col, size in self.table_sizes.items():
-            if col not in self.sparse_columns:
-                raise ValueError(f"data.table_sizes.{col}: not one of data.sparse_columns")
-            if size <= 0:
-                raise ValueError(f"data.table_sizes.{col} must be positive, got {size}")
         if not self.sparse_columns:
             raise ValueError("data.sparse_columns must name at least one column")
+        self._check_specs()
+        self._check_tables()
+        self._check_dedup_groups()
         columns = [self.label_column, *self.dense_columns, *self.sparse_columns]
         dupes = sorted({c for c in columns if columns.count(c) > 1})
         if dupes:
@@ -147,6 +205,110 @@ class DataConfig:
                 f"data.num_preprocess_actors must be >= 0, got {self.num_preprocess_actors}"
             )
 
+    def _check_specs(self) -> None:
+        for col in self.dense_specs:
+            if col not in self.dense_columns:
+                raise ValueError(f"data.dense_specs.{col}: not one of data.dense_columns")
+        for col, spec in self.sparse_specs.items():
+            if col not in self.sparse_columns:
+                raise ValueError(f"data.sparse_specs.{col}: not one of data.sparse_columns")
+            weight = spec.weight_column
+            if weight is not None and weight in (
+                self.label_column,
+                *self.dense_columns,
+                *self.sparse_columns,
+            ):
+                raise ValueError(
+                    f"data.sparse_specs.{col}.weight_column: {weight!r} is already a label, "
+                    "dense or sparse column"
+                )
+        standardized = set(self.standardized_columns())
+        for col, stats in self.dense_stats.items():
+            if col not in standardized:
+                raise ValueError(f"data.dense_stats.{col}: not a standardized dense column")
+            if not stats[1] > 0:
+                raise ValueError(f"data.dense_stats.{col}: std must be positive, got {stats[1]}")
+
+    def _check_tables(self) -> None:
+        tables = self.table_columns()
+        for key, size in self.table_sizes.items():
+            if key not in tables and key not in self.sparse_columns:
+                raise ValueError(
+                    f"data.table_sizes.{key}: not a table ({sorted(tables)}) or sparse column"
+                )
+            if size <= 0:
+                raise ValueError(f"data.table_sizes.{key} must be positive, got {size}")
+        for table, columns in tables.items():
+            sizes = {self.table_sizes[k] for k in (table, *columns) if k in self.table_sizes}
+            if len(sizes) > 1:
+                raise ValueError(
+                    f"data.table_sizes: table {table!r} (columns {columns}) is given sizes "
+                    f"{sorted(sizes)}"
+                )
+
+    def _check_dedup_groups(self) -> None:
+        seen: dict[str, int] = {}
+        for i, group in enumerate(self.dedup_groups):
+            if not group:
+                raise ValueError(f"data.dedup_groups[{i}] is empty")
+            for col in group:
+                if col not in self.sparse_columns:
+                    raise ValueError(f"data.dedup_groups[{i}]: {col!r} is not a sparse column")
+                if col in seen:
+                    raise ValueError(f"data.dedup_groups: {col!r} is in groups {seen[col]} and {i}")
+                seen[col] = i
+        for table, columns in self.table_columns().items():
+            groups = {seen.get(c) for c in columns}
+            if len(groups) > 1:
+                raise ValueError(
+                    f"data.dedup_groups: table {table!r} is shared by columns {columns} that are "
+                    "not all in the same dedup group"
+                )
+
+    def table_of(self, column: str) -> str:
+        """Name of the embedding table of sparse ``column``."""
+        spec = self.sparse_specs.get(column)
+        return spec.table if spec is not None and spec.table else f"t_{column}"
+
+    def table_columns(self) -> dict[str, list[str]]:
+        """Table name -> its sparse columns, tables in order of their first column."""
+        tables: dict[str, list[str]] = {}
+        for column in self.sparse_columns:
+            tables.setdefault(self.table_of(column), []).append(column)
+        return tables
+
     def table_size_of(self, column: str) -> int:
         """Rows of the embedding table of sparse ``column``."""
-        return self.table_sizes.get(column, self.table_size)
+        table = self.table_of(column)
+        for key in (table, *self.table_columns()[table]):
+            if key in self.table_sizes:
+                return self.table_sizes[key]
+        return self.table_size
+
+    def dense_transform_of(self, column: str) -> DenseTransform:
+        """The transform of dense ``column``."""
+        spec = self.dense_specs.get(column)
+        return spec.transform if spec is not None and spec.transform else self.dense_transform
+
+    def standardized_columns(self) -> list[str]:
+        """Dense columns whose transform is ``standardize``."""
+        return [c for c in self.dense_columns if self.dense_transform_of(c) == "standardize"]
+
+    def weight_column_of(self, column: str) -> str | None:
+        """The per-id weight column of sparse ``column``, if any."""
+        spec = self.sparse_specs.get(column)
+        return spec.weight_column if spec is not None else None
+
+    def input_columns(self) -> list[str]:
+        """The raw columns training reads: label, dense, sparse and weight columns."""
+        weights = [self.weight_column_of(c) for c in self.sparse_columns]
+        return [
+            self.label_column,
+            *self.dense_columns,
+            *self.sparse_columns,
+            *(w for w in weights if w is not None),
+        ]
+
+    def dedup_group_of(self, column: str) -> int | None:
+        """Index of the dedup group of sparse ``column``, or None."""
+        return next((i for i, g in enumerate(self.dedup_groups) if column in g), None)

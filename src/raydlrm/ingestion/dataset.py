@@ -56,7 +56,7 @@ def build_dataset(
         DataValidationError: the path, its files or its columns do not match ``config``.
     """
     summary = validate_data(path, config, role=role)
-    columns = [config.label_column, *config.dense_columns, *config.sparse_columns]
+    columns = config.input_columns()
     if SAMPLE_ID_COLUMN in summary.schema.names:
         columns.append(SAMPLE_ID_COLUMN)
     size = num_actors or config.num_preprocess_actors or default_num_actors()

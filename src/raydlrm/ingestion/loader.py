@@ -3,9 +3,16 @@
 The conversion copies as little as it can. Dense features, labels and sample ids are NumPy views
 of the Arrow buffers wrapped by ``torch.from_numpy`` (no copy); the sparse ids of all features
 are concatenated once into the feature-major ``values`` array the embedding kernels read, and
-lengths come from the Arrow list offsets (ones for single-id columns). Because tensors may share
-the Arrow batch's read-only memory, consumers must not modify a batch's tensors in place; moving
-a batch to a device (or ``.clone()``) gives writable tensors.
+lengths come from the Arrow list offsets (ones for single-id columns).
+
+Deduplication (RecD): the preprocessor gives every row a key per dedup group (a hash of the
+group's ids); here, per training batch, ``np.unique`` over the keys gives the unique rows and the
+inverse index of a :class:`~raydlrm.batch.DedupGroup`, after checking that rows sharing a key
+really hold the same ids. Dedup only pays inside a batch, so the batch is where it is done: the
+preprocessing batches of the actor pool are re-sliced into training batches on the way.
+
+Because tensors may share the Arrow batch's read-only memory, consumers must not modify a
+batch's tensors in place; moving a batch to a device (or ``.clone()``) gives writable tensors.
 
 The loader receives the Ray ``DataIterator`` (what ``ray.train.get_dataset_shard`` returns) from
 its caller; it does not talk to Ray Train itself.
@@ -21,8 +28,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from raydlrm.batch import Batch, KeyedJaggedTensor
+from raydlrm.batch import Batch, DedupGroup, KeyedJaggedTensor
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.preprocess import DEDUP_PREFIX, WEIGHT_PREFIX
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
 
 if TYPE_CHECKING:
@@ -53,19 +61,102 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
+def _jagged(
+    table: pa.Table, column: str, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Lengths, ids and weights (or None) of sparse ``column``, of ``rows`` (default: all)."""
+    ids = _array(table, column)
+    weight_name = WEIGHT_PREFIX + column
+    weights = _array(table, weight_name) if weight_name in table.column_names else None
+    if rows is not None:
+        ids = ids.take(pa.array(rows))
+        weights = None if weights is None else weights.take(pa.array(rows))
+    if pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type):
+        lengths = _numpy(ids.value_lengths()).astype(np.int64, copy=False)
+        values = _numpy(ids.flatten())
+        flat_weights = None if weights is None else _numpy(weights.flatten())
+    else:
+        lengths = np.ones(len(ids), dtype=np.int64)
+        values = _numpy(ids)
+        flat_weights = None if weights is None else _numpy(weights)
+    return lengths, values, flat_weights
+
+
+def _kjt(
+    table: pa.Table, keys: list[str], rows: np.ndarray | None = None, *, weighted: bool = False
+) -> KeyedJaggedTensor:
+    """A KJT over ``keys`` of ``rows`` of ``table``; with ``weighted``, weights of 1 for the
+    unweighted features (every KJT of a batch is weighted when any feature is, so that they
+    concatenate)."""
+    parts = [_jagged(table, column, rows) for column in keys]
+    batch = table.num_rows if rows is None else len(rows)
+    lengths = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
+    values = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
+    weights = None
+    if weighted or any(p[2] is not None for p in parts):
+        weights = np.concatenate(
+            [
+                p[2].astype(np.float32, copy=False)
+                if p[2] is not None
+                else np.ones(p[1].size, np.float32)
+                for p in parts
+            ]
+        )
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=torch.from_numpy(values.astype(np.int64, copy=False)),
+        lengths=torch.from_numpy(lengths),
+        weights=None if weights is None else _tensor(weights),
+        batch_size=batch,
+    )
+
+
+def _dedup_group(
+    table: pa.Table, keys: list[str], row_keys: np.ndarray, *, weighted: bool
+) -> DedupGroup:
+    """The unique rows of the group's features and the inverse index, from the row keys.
+
+    Rows with equal keys are checked to hold equal ids; if a hash collision made two
+    different rows share a key, the group is not deduplicated in this batch (every row is its
+    own unique row), so a collision can cost speed but never change results.
+    """
+    _, first, inverse = np.unique(row_keys, return_index=True, return_inverse=True)
+    representative = first[inverse]
+    for column in keys:
+        lengths, values, weights = _jagged(table, column)
+        rep_lengths, rep_values, rep_weights = _jagged(table, column, representative)
+        same = np.array_equal(lengths, rep_lengths) and np.array_equal(values, rep_values)
+        if weights is not None:
+            same = same and np.array_equal(weights, rep_weights)
+        if not same:
+            warnings.warn(
+                f"dedup group {keys}: row-key collision in a batch; not deduplicated",
+                stacklevel=2,
+            )
+            first, inverse = np.arange(table.num_rows), np.arange(table.num_rows)
+            break
+    return DedupGroup(
+        unique=_kjt(table, keys, first, weighted=weighted),
+        inverse=torch.from_numpy(inverse.astype(np.int64, copy=False)),
+    )
+
+
 def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     """Converts one preprocessed Arrow batch (output of ``Preprocessor``) to a ``Batch``.
 
     Args:
         table: ``B`` rows with ``label`` (float32), ``dense`` (``FixedSizeList<float32>[D]``),
-            each of ``config.sparse_columns`` (int64 or ``list<int64>``, already hashed) and
+            each of ``config.sparse_columns`` (int64 or ``list<int64>``, already hashed), their
+            ``weight:<column>`` columns, the ``dedup:<i>`` row keys of the dedup groups and
             optionally ``sample_id`` (int64). May be sliced or chunked.
         config: the data config; its ``sparse_columns`` give the KJT keys, in order.
 
     Returns:
-        A ``Batch`` with dense ``(B, D)`` float32, labels ``(B,)`` float32, a KJT over
-        ``config.sparse_columns`` with lengths ``(F * B,)`` and values ``(sum L,)`` int64, and
-        ``sample_ids`` ``(B,)`` when the table has them.
+        A ``Batch`` with dense ``(B, D)`` float32, labels ``(B,)`` float32, a KJT over the
+        sparse columns outside dedup groups (lengths ``(F * B,)``, values ``(sum L,)`` int64,
+        float32 weights when any feature is weighted), one :class:`DedupGroup` per dedup group
+        (its unique rows in this batch and the inverse index), and ``sample_ids`` ``(B,)`` when
+        the table has them.
     """
     b = table.num_rows
     labels = _numpy(_array(table, config.label_column).cast(pa.float32()))
@@ -73,32 +164,23 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     num_dense = dense_array.type.list_size
     dense = _numpy(dense_array.flatten()).reshape(b, num_dense)
 
-    keys = list(config.sparse_columns)
-    lengths = np.empty(len(keys) * b, dtype=np.int64)
-    feature_values: list[np.ndarray] = []
-    for f, column in enumerate(keys):
-        ids = _array(table, column)
-        if pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type):
-            lengths[f * b : (f + 1) * b] = _numpy(ids.value_lengths())
-            feature_values.append(_numpy(ids.flatten()))
-        else:
-            lengths[f * b : (f + 1) * b] = 1
-            feature_values.append(_numpy(ids))
-    values = np.concatenate(feature_values) if feature_values else np.empty(0, np.int64)
-
+    grouped = {c for g in config.dedup_groups for c in g}
+    weighted = any(config.weight_column_of(c) is not None for c in config.sparse_columns)
+    sparse = _kjt(table, [c for c in config.sparse_columns if c not in grouped], weighted=weighted)
+    dedup_groups = [
+        _dedup_group(
+            table, list(group), _numpy(_array(table, f"{DEDUP_PREFIX}{i}")), weighted=weighted
+        )
+        for i, group in enumerate(config.dedup_groups)
+    ]
     sample_ids = None
     if SAMPLE_ID_COLUMN in table.column_names:
         sample_ids = _tensor(_numpy(_array(table, SAMPLE_ID_COLUMN)))
-    sparse = KeyedJaggedTensor(
-        keys=keys,
-        values=torch.from_numpy(values.astype(np.int64, copy=False)),
-        lengths=torch.from_numpy(lengths),
-        batch_size=b,
-    )
     return Batch(
         dense=_tensor(dense),
         sparse=sparse,
         labels=_tensor(labels),
+        dedup_groups=dedup_groups,
         sample_ids=sample_ids,
     )
 

@@ -52,10 +52,23 @@ def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(path)
 
 
-def _is_int_list(type_: pa.DataType) -> bool:
-    return (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and pa.types.is_integer(
-        type_.value_type
+def _is_list(type_: pa.DataType) -> bool:
+    return pa.types.is_list(type_) or pa.types.is_large_list(type_)
+
+
+def _is_id(type_: pa.DataType) -> bool:
+    """Integer or string (binary) ids."""
+    return (
+        pa.types.is_integer(type_)
+        or pa.types.is_string(type_)
+        or pa.types.is_large_string(type_)
+        or pa.types.is_binary(type_)
+        or pa.types.is_large_binary(type_)
     )
+
+
+def _is_number(type_: pa.DataType) -> bool:
+    return pa.types.is_integer(type_) or pa.types.is_floating(type_)
 
 
 def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> None:
@@ -63,11 +76,14 @@ def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> Non
         ok = pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_)
         expected = "integer, float or bool"
     elif kind == "dense":
-        ok = pa.types.is_integer(type_) or pa.types.is_floating(type_)
+        ok = _is_number(type_)
         expected = "integer or float"
+    elif kind == "weight":
+        ok = _is_number(type_) or (_is_list(type_) and _is_number(type_.value_type))
+        expected = "float or list of floats"
     else:
-        ok = pa.types.is_integer(type_) or _is_int_list(type_)
-        expected = "integer or list of integers"
+        ok = _is_id(type_) or (_is_list(type_) and _is_id(type_.value_type))
+        expected = "integer or string ids, or a list of either"
     if not ok:
         raise DataValidationError(
             f"{kind} column {column!r} in {file} has type {type_}, expected {expected}"
@@ -108,6 +124,11 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
         (config.label_column, "label"),
         *((c, "dense") for c in config.dense_columns),
         *((c, "sparse") for c in config.sparse_columns),
+        *(
+            (w, "weight")
+            for w in (config.weight_column_of(c) for c in config.sparse_columns)
+            if w is not None
+        ),
     ]
     num_rows = 0
     first_schema: pa.Schema | None = None
@@ -132,7 +153,17 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     if num_rows == 0:
         raise DataValidationError(f"{role} data set at {path!r} is empty (0 rows)")
     assert first_schema is not None
-    list_columns = [c for c in config.sparse_columns if _is_int_list(first_schema.field(c).type)]
+    for column in config.sparse_columns:
+        weight = config.weight_column_of(column)
+        if weight is not None and _is_list(first_schema.field(column).type) != _is_list(
+            first_schema.field(weight).type
+        ):
+            raise DataValidationError(
+                f"{role} data: weight column {weight!r} ({first_schema.field(weight).type}) does "
+                f"not match sparse column {column!r} ({first_schema.field(column).type}): id "
+                "lists need lists of weights, single ids single weights"
+            )
+    list_columns = [c for c in config.sparse_columns if _is_list(first_schema.field(c).type)]
     return DataSummary(
         path=path,
         num_rows=num_rows,

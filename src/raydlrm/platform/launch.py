@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raydlrm.ingestion import build_dataset, generate_synthetic, validate_data
+from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
@@ -119,7 +121,7 @@ def _init_ray(job: JobConfig) -> None:
 def _example_rows(path: str, config: JobConfig) -> Any:
     """A few raw input rows (no label) for the model signature."""
     data = config.data
-    columns = [*data.dense_columns, *data.sparse_columns]
+    columns = [c for c in data.input_columns() if c != data.label_column]
     table = pads.dataset(path, format="parquet").head(_EXAMPLE_ROWS, columns=columns)
     return table.to_pandas()
 
@@ -155,6 +157,7 @@ def train(
     eval_summary = (
         validate_data(job.data.eval_path, job.data, role="eval") if job.data.eval_path else None
     )
+    _fill_dense_stats(job)
     plan = make_plan(job)
     logger.info("sharding plan:\n%s", plan.format_table())
 
@@ -184,6 +187,26 @@ def train(
         raise
     tracked.finish()
     return result
+
+
+def _fill_dense_stats(job: JobConfig) -> None:
+    """Computes the statistics of standardized dense columns over the training data, once,
+    when the config does not already hold them; they travel in the config to the workers, the
+    checkpoint and the logged model."""
+    data = job.data
+    missing = [c for c in data.standardized_columns() if c not in data.dense_stats]
+    if not missing:
+        return
+    started = time.perf_counter()
+    stats = dense_stats_of(data.train_path, data)
+    data.dense_stats = {**stats, **data.dense_stats}
+    logger.info(
+        "dense statistics of %s over %s in %.1fs: %s",
+        missing,
+        data.train_path,
+        time.perf_counter() - started,
+        {c: (round(m, 4), round(s, 4)) for c, (m, s) in stats.items()},
+    )
 
 
 def _account_rows(

@@ -18,15 +18,17 @@ __all__ = ["WorkerSpec", "tables_for"]
 
 
 def tables_for(data: DataConfig, model: ModelConfig) -> list[EmbeddingBagConfig]:
-    """One embedding table per sparse column, named ``t_<column>``, sized from the data config."""
+    """The embedding tables of the data config's sparse columns (``t_<column>`` unless a
+    ``sparse_specs`` entry names a shared table), each looked up by its columns, sized from the
+    data config, in order of their first column."""
     return [
         EmbeddingBagConfig(
-            name=f"t_{col}",
-            num_embeddings=data.table_size_of(col),
+            name=table,
+            num_embeddings=data.table_size_of(columns[0]),
             embedding_dim=model.embedding_dim,
-            feature_names=(col,),
+            feature_names=tuple(columns),
         )
-        for col in data.sparse_columns
+        for table, columns in data.table_columns().items()
     ]
 
 

@@ -1,0 +1,33 @@
+"""Statistics computed once over a data set before training (dense standardization)."""
+
+from __future__ import annotations
+
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+
+from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.preprocess import compute_dense_stats
+
+__all__ = ["dense_stats_of"]
+
+
+def dense_stats_of(path: str, config: DataConfig) -> dict[str, tuple[float, float]]:
+    """Mean and standard deviation of every standardized dense column of the data at ``path``.
+
+    Reads only those columns, streaming record batches (one pass, constant memory).
+
+    Args:
+        path: Parquet file or directory, local or a URI.
+        config: the data config (which columns are standardized, their clipping).
+
+    Returns:
+        Column -> ``(mean, std)``, as :func:`~raydlrm.ingestion.preprocess.compute_dense_stats`.
+    """
+    columns = config.standardized_columns()
+    if not columns:
+        return {}
+    filesystem, resolved = (
+        pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+    )
+    dataset = pads.dataset(resolved, format="parquet", filesystem=filesystem)
+    return compute_dense_stats(dataset.to_batches(columns=columns), config)

@@ -1,0 +1,250 @@
+"""Tests of the feature spec: string ids, shared tables, per-id weights, dense clipping and
+standardization, dedup groups from the preprocessor to the loader's DedupGroups."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raydlrm.ingestion import DataConfig, DataValidationError, Preprocessor, validate_data
+from raydlrm.ingestion.loader import arrow_to_batch
+from raydlrm.ingestion.preprocess import compute_dense_stats, hash_strings, mix64
+from raydlrm.ingestion.stats import dense_stats_of
+from raydlrm.models import ModelConfig
+from raydlrm.trainers.spec import tables_for
+
+
+def _config(**overrides) -> DataConfig:
+    fields = {
+        "dense_columns": ["I1", "I2"],
+        "sparse_columns": ["user", "item", "tags"],
+        "table_size": 1009,
+    }
+    return DataConfig(**{**fields, **overrides})
+
+
+def _table(sessions: list[int] | None = None) -> pa.Table:
+    """Rows of ``sessions[i]`` samples per session: the user (a string) and the tags (a list of
+    strings) repeat inside a session; items are ints."""
+    sessions = sessions or [3, 1, 2, 4]
+    users, tags, items, tag_weights = [], [], [], []
+    for s, n in enumerate(sessions):
+        for _ in range(n):
+            users.append(f"user-{s}")
+            tags.append([f"tag-{s}", f"tag-{s + 1}"][: 1 + s % 2])
+            tag_weights.append([0.5, 2.0][: 1 + s % 2])
+            items.append(len(items) * 7)
+    n = len(users)
+    rng = np.random.default_rng(0)
+    return pa.table(
+        {
+            "label": pa.array(rng.integers(0, 2, n)),
+            "I1": pa.array(rng.uniform(-5, 50, n)),
+            "I2": pa.array(rng.integers(0, 100, n)),
+            "user": pa.array(users),
+            "item": pa.array(items, pa.int64()),
+            "tags": pa.array(tags, pa.list_(pa.string())),
+            "tag_weight": pa.array(tag_weights, pa.list_(pa.float32())),
+            "sample_id": pa.array(np.arange(n, dtype=np.int64)),
+        }
+    )
+
+
+def test_string_hash_is_pinned_and_stable_across_processes() -> None:
+    strings = pa.array(["", "a", "user-1", "ünïcode", "a much longer string id " * 4])
+    here = hash_strings(strings)
+    code = (
+        "import pyarrow as pa; from raydlrm.ingestion.preprocess import hash_strings; "
+        f"print([int(h) for h in hash_strings(pa.array({strings.to_pylist()!r}))])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert [int(x) for x in out.strip("[]\n").split(",")] == [int(x) for x in here]
+    # FNV-1a of the empty string is the offset basis; then the splitmix64 finalizer.
+    assert int(here[0]) == int(mix64(np.array([0xCBF29CE484222325], dtype=np.uint64))[0])
+    assert len(set(here.tolist())) == len(here)
+    # Slices hash like the strings they hold (offsets honoured).
+    assert hash_strings(strings.slice(2, 2)).tolist() == here[2:4].tolist()
+    large = hash_strings(strings.cast(pa.large_string()))
+    assert large.tolist() == here.tolist()
+
+
+def test_string_and_list_of_string_ids_hash_into_their_tables() -> None:
+    config = _config()
+    out = Preprocessor(config)(_table())
+    users = out.column("user").to_numpy()
+    assert users.dtype == np.int64 and ((users >= 0) & (users < 1009)).all()
+    raw = _table().column("user").to_pylist()
+    # Equal strings, equal rows; different users (here) different rows.
+    for i in range(len(raw)):
+        for j in range(len(raw)):
+            assert (users[i] == users[j]) == (raw[i] == raw[j])
+    tags = out.column("tags").combine_chunks()
+    assert pa.types.is_list(tags.type) and tags.type.value_type == pa.int64()
+    assert tags.value_lengths().to_pylist() == [len(t) for t in _table().column("tags").to_pylist()]
+
+
+def test_shared_tables_and_sizes() -> None:
+    config = _config(
+        sparse_columns=["user", "item", "tags", "item2"],
+        sparse_specs={"item2": {"table": "items"}, "item": {"table": "items"}},
+        table_sizes={"items": 50, "user": 7},
+    )
+    tables = tables_for(config, ModelConfig(embedding_dim=8, bottom_mlp=[16, 8]))
+    assert [(t.name, t.num_embeddings, t.feature_names) for t in tables] == [
+        ("t_user", 7, ("user",)),
+        ("items", 50, ("item", "item2")),
+        ("t_tags", 1009, ("tags",)),
+    ]
+    # The same raw id in two columns of one table lands on the same row.
+    table = _table().append_column("item2", _table().column("item"))
+    out = Preprocessor(config)(table)
+    assert out.column("item").to_pylist() == out.column("item2").to_pylist()
+    assert max(out.column("item").to_pylist()) < 50
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"sparse_specs": {"item": {"table": "t_user"}}, "table_sizes": {"item": 5, "user": 6}},
+            "table 't_user'.*sizes",
+        ),
+        ({"sparse_specs": {"nope": {"table": "x"}}}, "sparse_specs.nope"),
+        ({"dense_specs": {"I9": {"clip": [0, 1]}}}, "dense_specs.I9"),
+        ({"dense_specs": {"I1": {"clip": [2, 1]}}}, "lo <= hi"),
+        ({"sparse_specs": {"item": {"weight_column": "I1"}}}, "weight_column"),
+        ({"dedup_groups": [["user", "nope"]]}, r"dedup_groups\[0\].*nope"),
+        ({"dedup_groups": [["user"], ["user", "tags"]]}, "'user' is in groups 0 and 1"),
+        (
+            {"dedup_groups": [["user"]], "sparse_specs": {"item": {"table": "t_user"}}},
+            "table 't_user' is shared",
+        ),
+        ({"table_sizes": {"t_nope": 3}}, "table_sizes.t_nope"),
+        ({"dense_stats": {"I1": [0.0, 1.0]}}, "not a standardized"),
+    ],
+)
+def test_bad_feature_specs_name_the_key(overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(**overrides)
+
+
+def test_dense_clip_and_standardize_with_stats_computed_once() -> None:
+    config = _config(
+        dense_specs={
+            "I1": {"transform": "standardize", "clip": [0.0, 40.0]},
+            "I2": {"clip": [0, 9]},
+        }
+    )
+    raw = _table()
+    with pytest.raises(ValueError, match=r"\['I1'\] have no data.dense_stats"):
+        Preprocessor(config)
+    batches = [raw.slice(0, 4), raw.slice(4)]
+    stats = compute_dense_stats(batches, config)
+    x = np.clip(raw.column("I1").to_numpy(), 0, 40)
+    assert stats["I1"] == pytest.approx((x.mean(), x.std()))
+    config = _config(
+        dense_specs={
+            "I1": {"transform": "standardize", "clip": [0.0, 40.0]},
+            "I2": {"clip": [0, 9]},
+        },
+        dense_stats=stats,
+    )
+    dense = Preprocessor(config)(raw).column("dense").combine_chunks().flatten()
+    dense = dense.to_numpy().reshape(-1, 2)
+    np.testing.assert_allclose(dense[:, 0], (x - x.mean()) / x.std(), rtol=1e-5, atol=1e-6)
+    i2 = np.clip(raw.column("I2").to_numpy(), 0, 9)
+    np.testing.assert_allclose(dense[:, 1], np.log1p(i2), rtol=1e-6)
+
+
+def test_dense_stats_of_a_parquet_directory(tmp_path) -> None:
+    pq.write_table(_table(), tmp_path / "a.parquet")
+    pq.write_table(_table([5, 5]), tmp_path / "b.parquet")
+    config = _config(dense_transform="standardize")
+    stats = dense_stats_of(str(tmp_path), config)
+    both = np.concatenate(
+        [_table().column("I1").to_numpy(), _table([5, 5]).column("I1").to_numpy()]
+    )
+    assert stats["I1"] == pytest.approx((both.mean(), both.std()))
+    assert set(stats) == {"I1", "I2"}
+
+
+def test_weights_travel_aligned_with_their_ids() -> None:
+    config = _config(sparse_specs={"tags": {"weight_column": "tag_weight"}})
+    out = Preprocessor(config)(_table())
+    batch = arrow_to_batch(out, config=config)
+    kjt = batch.sparse
+    assert kjt.weights is not None and kjt.weights.dtype == torch.float32
+    assert kjt.weights.numel() == kjt.values.numel()
+    # user and item are unweighted (weight 1); tags carry their column's weights, in order.
+    num_single = 2 * batch.batch_size
+    assert torch.all(kjt.weights[:num_single] == 1)
+    expected = [w for ws in _table().column("tag_weight").to_pylist() for w in ws]
+    assert kjt.weights[num_single:].tolist() == expected
+
+
+def test_misaligned_weights_are_an_error_naming_both_columns(tmp_path) -> None:
+    config = _config(sparse_specs={"item": {"weight_column": "tag_weight"}})
+    with pytest.raises(ValueError, match="'tag_weight' is not aligned with sparse column 'item'"):
+        Preprocessor(config)(_table())
+    pq.write_table(_table(), tmp_path / "a.parquet")
+    with pytest.raises(DataValidationError, match=r"'tag_weight'.*does not match.*'item'"):
+        validate_data(str(tmp_path), config)
+
+
+def test_schema_accepts_string_ids_and_names_bad_weight_types(tmp_path) -> None:
+    pq.write_table(_table(), tmp_path / "a.parquet")
+    summary = validate_data(str(tmp_path), _config())
+    assert summary.list_columns == ["tags"]
+    bad = _table().set_column(6, "tag_weight", pa.array([["x"]] * _table().num_rows))
+    pq.write_table(bad, tmp_path / "a.parquet")
+    config = _config(sparse_specs={"tags": {"weight_column": "tag_weight"}})
+    with pytest.raises(DataValidationError, match=r"'tag_weight'.*list<element: string>"):
+        validate_data(str(tmp_path), config)
+
+
+def test_dedup_groups_hold_unique_rows_and_expand_to_the_plain_features() -> None:
+    sessions = [3, 1, 2, 4]
+    plain_config = _config(sparse_specs={"tags": {"weight_column": "tag_weight"}})
+    config = _config(
+        sparse_specs={"tags": {"weight_column": "tag_weight"}}, dedup_groups=[["user", "tags"]]
+    )
+    plain = arrow_to_batch(Preprocessor(plain_config)(_table(sessions)), config=plain_config)
+    batch = arrow_to_batch(Preprocessor(config)(_table(sessions)), config=config)
+    assert batch.sparse.keys == ["item"]
+    (group,) = batch.dedup_groups
+    assert group.keys == ["user", "tags"]
+    assert group.unique.batch_size == len(sessions) < batch.batch_size
+    expanded = group.expand()
+    reference = plain.sparse.select(["user", "tags"])
+    assert torch.equal(expanded.lengths, reference.lengths)
+    assert torch.equal(expanded.values, reference.values)
+    assert torch.equal(expanded.weights, reference.weights)
+    everything = batch.all_sparse().select(plain.sparse.keys)
+    assert torch.equal(everything.values, plain.sparse.values)
+    # A slice (as Ray Data re-batches) deduplicates within the slice.
+    part = arrow_to_batch(Preprocessor(config)(_table(sessions)).slice(2, 5), config=config)
+    assert part.dedup_groups[0].unique.batch_size == 4  # rows 2-6: sessions 0, 1, 2, 2, 3
+
+
+def test_dedup_key_collision_falls_back_to_no_dedup() -> None:
+    config = _config(dedup_groups=[["user"]])
+    out = Preprocessor(config)(_table())
+    collided = out.set_column(
+        out.schema.get_field_index("dedup:0"), "dedup:0", pa.array(np.zeros(out.num_rows, np.int64))
+    )
+    with pytest.warns(UserWarning, match="collision"):
+        batch = arrow_to_batch(collided, config=config)
+    group = batch.dedup_groups[0]
+    assert group.unique.batch_size == batch.batch_size
+    assert torch.equal(
+        group.expand().values,
+        arrow_to_batch(out, config=config).all_sparse().select(["user"]).values,
+    )
