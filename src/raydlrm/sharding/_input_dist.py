@@ -124,7 +124,7 @@ class InputDistributor:
         if self._whole_rows:
             lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
                 self._unit_feature,
-                kjt.lengths.view(-1, kjt.batch_size),
+                kjt.lengths.view(len(kjt.keys), kjt.batch_size),
                 kjt.values,
                 kjt.weights,
                 None,
