@@ -119,7 +119,10 @@ def test_one_mlflow_run_with_params_metrics_and_model(finished_run) -> None:
     metrics = run.data.metrics
     assert metrics["eval/auc"] > AUC_THRESHOLD
     assert metrics["train/auc"] > 0.6
-    assert metrics["rows_not_trained"] == 0
+    # Every row of every epoch trained exactly once (no quarantine, nothing unaccounted).
+    assert metrics["rows_unaccounted"] == 0
+    assert metrics["data/rows_trained"] == metrics["data/rows_read"] == 2 * 40000
+    assert metrics["data/rows_quarantined"] == 0
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert len(history) >= 5
     assert [m.step for m in history] == sorted(m.step for m in history)

@@ -115,7 +115,7 @@ def test_single_process_run_pins_first_losses(data_dir: Path) -> None:
     assert reports[-1]["has_checkpoint"] and not any(r["has_checkpoint"] for r in reports[:-1])
     final = out["final"]
     assert final["eval/num_samples"] == 256
-    assert final["dropped_samples"] == 0
+    assert "dropped_samples" not in final
 
 
 @pytest.mark.distributed

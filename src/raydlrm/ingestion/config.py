@@ -128,12 +128,22 @@ class SparseSpec:
     weighted sum pooling; default: every id weighs 1."""
     max_length: int | None = None
     """Longest id list accepted; a longer list is bad input (``data.bad_input``)."""
+    min_length: int = 1
+    """Shortest id list accepted (default: an empty list is bad input); 0 accepts empty lists,
+    which pool to zeros."""
+    hash: bool = True
+    """Hash the ids into the table (default). ``false``: the ids are already row numbers
+    (integers); a negative id or one not below the table size is bad input."""
 
     def __post_init__(self) -> None:
         if self.table is not None and not self.table:
             raise ValueError("table must be a non-empty name")
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be positive, got {self.max_length}")
+        if self.min_length < 0:
+            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
+        if self.max_length is not None and self.min_length > self.max_length:
+            raise ValueError(f"min_length {self.min_length} is above max_length {self.max_length}")
 
 
 @config_dataclass
@@ -173,6 +183,17 @@ class DataConfig:
     dedup_groups: list[list[str]] = field(default_factory=list)
     """Groups of sparse columns deduplicated together (RecD), e.g. the user features that repeat
     over a session: inside a batch, identical rows of a group are looked up once."""
+    session_column: str | None = "session_id"
+    """Column whose equal, adjacent values form a session (e.g. a user's visit); shuffling moves
+    whole sessions, so a session's samples stay in one batch (deduplication pays inside a
+    batch). Ignored when the data has no such column."""
+    bad_input: Literal["fail", "quarantine"] = "fail"
+    """What a bad row (null or negative id, NaN dense value, ...) or an unreadable file does:
+    ``fail`` stops the job naming file, row group, row and column; ``quarantine`` sets it aside
+    under ``quarantine_path`` with the reason, counts it and continues."""
+    quarantine_path: str | None = None
+    """Where quarantined rows go (local or a URI). Default for a job: ``quarantine/`` in the
+    job's run directory (``run.storage_path``/run name)."""
     batch_size: int = 1024
     """Samples per batch on each worker."""
     num_preprocess_actors: int = 0

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raydlrm.ingestion.badinput import apply_policy, drop_tagging_columns
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
 
@@ -202,11 +203,16 @@ class Preprocessor:
             ``weight:<column>`` columns, the ``dedup:<i>`` keys and, if the input has it,
             ``sample_id``.
 
+        Bad rows (:mod:`raydlrm.ingestion.badinput`) are first set aside or raise, by
+        ``data.bad_input``.
+
         Raises:
-            ValueError: naming a column with null labels, null ids or misaligned weights.
+            BadInputError: a bad row under the ``fail`` policy, named.
+            ValueError: naming a weight column misaligned with its ids.
             KeyError: naming a configured column that the table lacks.
         """
         cfg = self.config
+        table = drop_tagging_columns(apply_policy(table, cfg))
         names: list[str] = [cfg.label_column, "dense"]
         arrays: list[pa.Array] = [self._label(table), self._dense(table)]
         row_keys: dict[str, np.ndarray] = {}
@@ -256,7 +262,11 @@ class Preprocessor:
         values, offsets = _flat(ids)
         if values.null_count:
             raise ValueError(f"sparse column {column!r} has {values.null_count} null ids")
-        hashed = (_raw_hash(values) % np.uint64(size)).view(np.int64)
+        spec = self.config.sparse_specs.get(column)
+        if spec is not None and not spec.hash:
+            hashed = values.cast(pa.int64()).to_numpy(zero_copy_only=False)
+        else:
+            hashed = (_raw_hash(values) % np.uint64(size)).view(np.int64)
         if offsets is None:
             return pa.array(hashed), hashed.view(np.uint64)
         # Row key of a list: its length and its ids in order (position-salted sum).

@@ -9,15 +9,24 @@ file and the column, so a wrong data set stops the job at submission, not hours 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
+from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
 
-__all__ = ["SAMPLE_ID_COLUMN", "DataSummary", "DataValidationError", "validate_data"]
+__all__ = [
+    "SAMPLE_ID_COLUMN",
+    "DataSummary",
+    "DataValidationError",
+    "RowGroup",
+    "validate_data",
+]
 
 SAMPLE_ID_COLUMN = "sample_id"
 """Optional int64 column of globally unique sample ids; carried into batches when present."""
@@ -25,6 +34,24 @@ SAMPLE_ID_COLUMN = "sample_id"
 
 class DataValidationError(ValueError):
     """A data set does not match the data config (missing path, file, rows or column)."""
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """One row group of one Parquet file: the unit the readers are given.
+
+    Attributes:
+        file: the file's path as its filesystem names it (``bucket/key`` for S3).
+        index: the row group's index in the file.
+        num_rows: its rows (from the footer).
+    """
+
+    file: str
+    index: int
+    num_rows: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -37,6 +64,8 @@ class DataSummary:
         num_files: number of Parquet files.
         schema: the Arrow schema of the first file.
         list_columns: the sparse columns that hold id lists (the others hold one id per row).
+        row_groups: every row group of the files that passed (the unit of reading).
+        quarantined_files: files set aside under ``data.bad_input = "quarantine"``.
     """
 
     path: str
@@ -44,6 +73,8 @@ class DataSummary:
     num_files: int
     schema: pa.Schema
     list_columns: list[str]
+    row_groups: list[RowGroup] = field(default_factory=list)
+    quarantined_files: list[str] = field(default_factory=list)
 
 
 def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -132,24 +163,34 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     ]
     num_rows = 0
     first_schema: pa.Schema | None = None
+    row_groups: list[RowGroup] = []
+    quarantined: list[str] = []
     for fragment in fragments:
         try:
-            metadata = fragment.metadata
-            schema = fragment.physical_schema
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataValidationError(
-                f"{role} data file {fragment.path} is not readable Parquet: {exc}"
-            ) from exc
+            metadata, schema = _check_file(fragment, expected, role=role)
+        except DataValidationError as exc:
+            if config.bad_input == "fail":
+                raise
+            # Quarantine: the file is set aside whole and recorded with its rows (when its
+            # footer could be read), and the rest of the data set goes on.
+            quarantine_source(
+                config,
+                file=fragment.path,
+                reason=str(exc),
+                num_rows=_footer_rows(fragment),
+            )
+            quarantined.append(fragment.path)
+            continue
         first_schema = first_schema or schema
         num_rows += metadata.num_rows
-        for column, kind in expected:
-            index = schema.get_field_index(column)
-            if index < 0:
-                raise DataValidationError(
-                    f"{role} data file {fragment.path} has no {kind} column {column!r} "
-                    f"(has {schema.names})"
-                )
-            _check_type(column, schema.field(index).type, kind=kind, file=fragment.path)
+        row_groups.extend(
+            RowGroup(fragment.path, i, metadata.row_group(i).num_rows)
+            for i in range(metadata.num_row_groups)
+        )
+    if first_schema is None:
+        raise DataValidationError(
+            f"{role} data at {path!r}: every file was quarantined ({len(quarantined)} files)"
+        )
     if num_rows == 0:
         raise DataValidationError(f"{role} data set at {path!r} is empty (0 rows)")
     assert first_schema is not None
@@ -163,11 +204,56 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
                 f"not match sparse column {column!r} ({first_schema.field(column).type}): id "
                 "lists need lists of weights, single ids single weights"
             )
+    for column, spec in config.sparse_specs.items():
+        type_ = first_schema.field(column).type
+        value_type = type_.value_type if _is_list(type_) else type_
+        if not spec.hash and not pa.types.is_integer(value_type):
+            raise DataValidationError(
+                f"{role} data: sparse column {column!r} has type {type_}, but "
+                f"data.sparse_specs.{column}.hash = false needs integer row numbers"
+            )
     list_columns = [c for c in config.sparse_columns if _is_list(first_schema.field(c).type)]
     return DataSummary(
         path=path,
         num_rows=num_rows,
-        num_files=len(fragments),
+        num_files=len(fragments) - len(quarantined),
         schema=first_schema,
         list_columns=list_columns,
+        row_groups=row_groups,
+        quarantined_files=quarantined,
     )
+
+
+def _check_file(
+    fragment: pads.ParquetFileFragment, expected: list[tuple[str, str]], *, role: str
+) -> tuple[pq.FileMetaData, pa.Schema]:
+    """The footer and schema of one file, after checking its columns.
+
+    Raises:
+        DataValidationError: naming the file (unreadable, truncated) or the column (missing,
+            wrong type).
+    """
+    try:
+        metadata = fragment.metadata
+        schema = fragment.physical_schema
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataValidationError(
+            f"{role} data file {fragment.path} is not readable Parquet: {exc}"
+        ) from exc
+    for column, kind in expected:
+        index = schema.get_field_index(column)
+        if index < 0:
+            raise DataValidationError(
+                f"{role} data file {fragment.path} has no {kind} column {column!r} "
+                f"(has {schema.names})"
+            )
+        _check_type(column, schema.field(index).type, kind=kind, file=fragment.path)
+    return metadata, schema
+
+
+def _footer_rows(fragment: pads.ParquetFileFragment) -> int:
+    """Rows of a file by its footer; 0 when the footer cannot be read."""
+    try:
+        return fragment.metadata.num_rows
+    except (pa.ArrowInvalid, OSError):
+        return 0

@@ -22,7 +22,13 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raydlrm.ingestion import build_dataset, generate_synthetic, validate_data
+from raydlrm.ingestion import (
+    DataSummary,
+    default_num_actors,
+    generate_synthetic,
+    validate_data,
+)
+from raydlrm.ingestion.badinput import quarantine_counts
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
@@ -152,6 +158,10 @@ def train(
     job = load_config(config, overrides=overrides)
     if scaling_config is not None:
         job.scaling.num_workers = scaling_config.num_workers
+    run_name = run_config.name if run_config and run_config.name else job.run_name()
+    if job.data.bad_input == "quarantine" and job.data.quarantine_path is None:
+        job.data.quarantine_path = _join(job.run.storage_path, run_name, "quarantine")
+    quarantined_before = quarantine_counts(job.data)
     prepare_data(job)
     train_summary = validate_data(job.data.train_path, job.data, role="train")
     eval_summary = (
@@ -162,7 +172,6 @@ def train(
     logger.info("sharding plan:\n%s", plan.format_table())
 
     _init_ray(job)
-    run_name = run_config.name if run_config and run_config.name else job.run_name()
     tracked = start_run(job, run_name=run_name)
     try:
         tracked.log_plan(plan)
@@ -179,14 +188,42 @@ def train(
             run_name=run_name,
             scaling_config=scaling_config,
             run_config=run_config,
-            has_eval=eval_summary is not None,
+            train=train_summary,
+            evaluation=eval_summary,
         )
-        _account_rows(result, job=job, train_rows=train_summary.num_rows, tracked=tracked)
+        _account_rows(
+            result,
+            job=job,
+            train=train_summary,
+            quarantined_before=quarantined_before,
+            tracked=tracked,
+        )
     except BaseException:
         tracked.finish(failed=True)
         raise
     tracked.finish()
     return result
+
+
+def _source(
+    summary: DataSummary, job: JobConfig, *, shuffle: bool, num_workers: int
+) -> dict[str, Any]:
+    """What the workers need to read a validated data set (see ``raydlrm.ingestion.reader``)."""
+    actors = job.data.num_preprocess_actors or default_num_actors()
+    return {
+        "path": summary.path,
+        "row_groups": [g.to_dict() for g in summary.row_groups],
+        "schema": summary.schema,
+        "shuffle": shuffle,
+        "num_actors": max(1, actors // num_workers),
+    }
+
+
+def _join(root: str, *parts: str) -> str:
+    """``root/parts...`` for a local path or a URI."""
+    if "://" in root:
+        return "/".join([root.rstrip("/"), *parts])
+    return str(Path(root, *parts).resolve())
 
 
 def _fill_dense_stats(job: JobConfig) -> None:
@@ -210,24 +247,50 @@ def _fill_dense_stats(job: JobConfig) -> None:
 
 
 def _account_rows(
-    result: TrainResult, *, job: JobConfig, train_rows: int, tracked: TrackedRun
+    result: TrainResult,
+    *,
+    job: JobConfig,
+    train: DataSummary,
+    quarantined_before: dict[str, int],
+    tracked: TrackedRun,
 ) -> None:
-    """Counts training rows that were read but not trained on (an uneven split across workers
-    leaves at most ``num_workers - 1`` rows per epoch out); logs the count, never hides it."""
-    if job.training.max_steps is not None:
-        return
-    expected = train_rows * job.training.num_epochs
-    missing = expected - int(result.metrics.get("samples_seen", expected))
-    result.metrics["rows_not_trained"] = float(missing)
-    tracked.log_metrics({"rows_not_trained": missing}, step=int(result.metrics.get("step", 0)))
-    if missing:
+    """Checks and logs where every training row went: rows read (every epoch, from the files
+    that passed validation) = rows trained + rows quarantined while reading (bad rows,
+    unreadable row groups). Files set aside at validation are counted apart, with their rows
+    when their footers could be read."""
+    now = quarantine_counts(job.data)
+    q = {k: now[k] - quarantined_before.get(k, 0) for k in now}
+    metrics = {
+        "data/files_quarantined": q["files"],
+        "data/rows_in_quarantined_files": q["file_rows"],
+        "data/rows_quarantined": q["bad_rows"] + q["row_group_rows"],
+        "data/row_groups_unreadable": q["row_groups"],
+    }
+    if job.training.max_steps is None:
+        read = train.num_rows * job.training.num_epochs
+        trained = int(result.metrics.get("samples_seen", 0))
+        unaccounted = read - trained - metrics["data/rows_quarantined"]
+        metrics.update(
+            {"data/rows_read": read, "data/rows_trained": trained, "rows_unaccounted": unaccounted}
+        )
+        if unaccounted:
+            logger.error(
+                "%d training rows are unaccounted for: %d read (over %d epochs), %d trained, "
+                "%d quarantined",
+                unaccounted,
+                read,
+                job.training.num_epochs,
+                trained,
+                metrics["data/rows_quarantined"],
+            )
+    result.metrics.update({k: float(v) for k, v in metrics.items()})
+    tracked.log_metrics(metrics, step=int(result.metrics.get("step", 0)))
+    if q["rows"] or q["files"]:
         logger.warning(
-            "%d of %d training rows (over %d epochs) were not trained on: the data "
-            "did not split evenly over %d workers",
-            missing,
-            expected,
-            job.training.num_epochs,
-            job.scaling.num_workers,
+            "quarantined %d rows and %d files under %s",
+            q["rows"],
+            q["files"],
+            job.data.quarantine_path,
         )
 
 
@@ -239,11 +302,9 @@ def _fit(
     run_name: str,
     scaling_config: ScalingConfig | None,
     run_config: RunConfig | None,
-    has_eval: bool,
+    train: DataSummary,
+    evaluation: DataSummary | None,
 ) -> TrainResult:
-    datasets = {"train": build_dataset(job.data.train_path, job.data)}
-    if has_eval:
-        datasets["eval"] = build_dataset(job.data.eval_path, job.data)
     scaling = scaling_config or ScalingConfig(
         num_workers=job.scaling.num_workers,
         use_gpu=job.scaling.use_gpu,
@@ -265,11 +326,13 @@ def _fit(
         train_loop_config={
             "spec": job.worker_spec().to_dict(),
             "plan": plan.to_json(),
-            "has_eval": has_eval,
+            "train_source": _source(train, job, shuffle=True, num_workers=scaling.num_workers),
+            "eval_source": None
+            if evaluation is None
+            else _source(evaluation, job, shuffle=False, num_workers=scaling.num_workers),
         },
         scaling_config=scaling,
         run_config=run_config,
-        datasets=datasets,
     )
     result = trainer.fit()
     if result.checkpoint is None:

@@ -32,8 +32,14 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
         "samples", _fmt(m.get("samples_seen"), ".0f"), _fmt(m.get("eval/num_samples"), ".0f")
     )
     console.print(table)
-    if m.get("rows_not_trained"):
-        console.print(f"rows not trained: {int(m['rows_not_trained'])} (see the log)")
+    if m.get("rows_unaccounted"):
+        console.print(f"rows unaccounted for: {int(m['rows_unaccounted'])} (see the log)")
+    if m.get("data/rows_quarantined") or m.get("data/files_quarantined"):
+        console.print(
+            f"quarantined: {int(m.get('data/rows_quarantined', 0))} rows while reading, "
+            f"{int(m.get('data/files_quarantined', 0))} files "
+            f"({int(m.get('data/rows_in_quarantined_files', 0))} rows) at validation"
+        )
     console.print(
         f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
         f"over {int(m.get('step', 0))} steps"

@@ -1,7 +1,7 @@
 """The one seam between the training loop and Ray Train.
 
-Everything the worker needs from Ray (its rank and device, its stream of the data set, reporting
-metrics and checkpoints) goes through here, so the rest of ``raydlrm.trainers`` runs in plain
+Everything the worker needs from Ray Train (its rank and device, reporting metrics and
+checkpoints) goes through here, so the rest of ``raydlrm.trainers`` runs in plain
 processes and tests.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import ray.train
 import ray.train.torch
 
-__all__ = ["WorkerContext", "dataset_iterator", "report", "worker_context"]
+__all__ = ["WorkerContext", "report", "worker_context"]
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,6 @@ def worker_context() -> WorkerContext:
         local_rank=ctx.get_local_rank(),
         device=ray.train.torch.get_device(),
     )
-
-
-def dataset_iterator(name: str) -> Any | None:
-    """This worker's stream of dataset ``name`` (a Ray ``DataIterator``), or None if the job
-    has no such dataset."""
-    try:
-        return ray.train.get_dataset_shard(name)
-    except KeyError:
-        return None
 
 
 def report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> None:

@@ -8,9 +8,10 @@ workers and reported every ``log_every_steps``; the held-out set is evaluated ev
 ``eval_every_steps`` and at the end; the last report carries the final model as a checkpoint.
 
 Sharded embeddings make every forward pass a collective (all-to-all), so all ranks must run the
-same number of steps. Ray Data's equal split gives every worker the same number of rows; the loop
-still checks, before each step, that every rank has a batch, and stops the epoch on all ranks
-when one runs dry, counting the samples the others could not use (``dropped_samples``).
+same number of steps. Workers read whole row groups (``raydlrm.ingestion.reader``), so their
+row counts differ a little; before each step the loop checks whether any rank still has a
+batch, and a rank that ran dry steps with an empty batch (its loss and gradients are zero) until
+every rank is done. Every row of the epoch is trained on; none is dropped.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raydlrm.batch import Batch
-from raydlrm.ingestion.loader import iter_train_batches
+from raydlrm.batch import Batch, DedupGroup
+from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
+from raydlrm.ingestion.reader import WorkerSource
+from raydlrm.ingestion.schema import RowGroup
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.trainers import _ray
@@ -43,13 +46,27 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _all_ranks_have(has_batch: bool, device: torch.device) -> bool:
-    """True only if every rank has a batch (a MIN all-reduce of a flag)."""
+def _any_rank_has(has_batch: bool, device: torch.device) -> bool:
+    """True if any rank has a batch (a MAX all-reduce of a flag)."""
     if not _distributed():
         return has_batch
     flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def _emptied(batch: Batch) -> Batch:
+    """A batch of 0 samples with the structure (features, dedup groups) of ``batch``."""
+    none = torch.zeros(0, dtype=torch.int64)
+    return Batch(
+        dense=batch.dense[:0],
+        sparse=batch.sparse.index_rows(none),
+        labels=batch.labels[:0],
+        dedup_groups=[
+            DedupGroup(unique=g.unique.index_rows(none), inverse=none) for g in batch.dedup_groups
+        ],
+        sample_ids=None if batch.sample_ids is None else batch.sample_ids[:0],
+    )
 
 
 def _all_reduce_scalar(
@@ -111,7 +128,6 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.samples_seen = 0  # global, all ranks
-        self.dropped_samples = 0  # global
         self.train_seconds = 0.0  # steady-state training wall time (excludes first batch)
         self.first_batch_seconds: float | None = None
 
@@ -119,38 +135,50 @@ class Trainer:
         """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
         logits = self.model(batch)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        # The mean over this rank's samples, written so that an empty batch (a rank that ran
+        # dry while others still train) has loss 0 and zero gradients rather than NaN.
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="sum"
+        ) / max(batch.batch_size, 1)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # also applies the fused embedding optimizer
         self.optimizer.step()
         self.step += 1
         return StepResult(logits=logits.detach(), loss=float(loss))
 
-    def _lockstep(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        """Yields batches while every rank has one; counts the samples left over."""
+    def _lockstep(self, batches: Iterable[Batch], empty: Batch | None = None) -> Iterator[Batch]:
+        """Yields batches while any rank has one; a rank that ran dry yields empty batches.
+
+        Args:
+            batches: this rank's batches.
+            empty: an empty batch of the right structure, for a rank with no batch at all
+                (otherwise the rank's first batch, emptied, is used).
+        """
         iterator = iter(batches)
+        template = empty
         while True:
             batch = next(iterator, None)
-            if not _all_ranks_have(batch is not None, self.device):
-                left = (
-                    0 if batch is None else batch.batch_size + sum(b.batch_size for b in iterator)
-                )
-                dropped = int(_all_reduce_scalar(float(left), self.device))
-                if dropped:
-                    logger.warning(
-                        "ranks ran out of data unevenly: %d samples not used this pass", dropped
-                    )
-                self.dropped_samples += dropped
+            if not _any_rank_has(batch is not None, self.device):
                 return
+            if batch is None:
+                if template is None:
+                    raise RuntimeError(
+                        f"rank {self.rank} has no data at all while other ranks do, and no "
+                        "empty batch to step with"
+                    )
+                batch = template
+            elif template is None:
+                template = _emptied(batch)
             yield batch.to(self.device)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
-        """Metrics of the model on ``batches`` over all ranks (prefix ``eval/``)."""
+    def evaluate(self, batches: Iterable[Batch], empty: Batch | None = None) -> dict[str, float]:
+        """Metrics of the model on ``batches`` over all ranks (prefix ``eval/``); ``empty`` is
+        an empty batch for a rank without data (see :meth:`_lockstep`)."""
         self.model.eval()
         buffer = PredictionBuffer()
         limit = self.spec.training.max_eval_batches
-        for i, batch in enumerate(self._lockstep(batches)):
+        for i, batch in enumerate(self._lockstep(batches, empty)):
             buffer.add(self.model(batch), batch.labels)
             if limit is not None and i + 1 >= limit:
                 break
@@ -176,7 +204,8 @@ class Trainer:
             self.epoch = epoch
             epoch_buffer = PredictionBuffer()
             last = time.perf_counter()
-            for batch in self._lockstep(self._batches(train_data)):
+            batches = self._batches(train_data)
+            for batch in self._lockstep(batches, self._empty_batch(train_data)):
                 if self.first_batch_seconds is None:
                     # Start-up of the data pipeline is reported apart from the steady state.
                     self.first_batch_seconds = time.perf_counter() - last
@@ -203,7 +232,7 @@ class Trainer:
                         and cfg.eval_every_steps
                         and (self.step % cfg.eval_every_steps == 0)
                     ):
-                        metrics.update(self.evaluate(self._batches(eval_data)))
+                        metrics.update(self._evaluate_data(eval_data))
                     self._report(metrics, report=report)
                     window_loss, window_steps, window_samples = 0.0, 0, 0
                     window_start = time.perf_counter()
@@ -219,8 +248,7 @@ class Trainer:
             _all_reduce_scalar(self.train_seconds, self.device, op=dist.ReduceOp.MAX), 1e-9
         )
         if eval_data is not None:
-            final.update(self.evaluate(self._batches(eval_data)))
-        final["dropped_samples"] = float(self.dropped_samples)
+            final.update(self._evaluate_data(eval_data))
         final.update(self._comm_metrics())
         final["data/first_batch_seconds"] = _all_reduce_scalar(
             self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
@@ -250,6 +278,15 @@ class Trainer:
 
     def _batches(self, data: Any) -> Iterator[Batch]:
         return iter_train_batches(data, config=self.spec.data)
+
+    def _evaluate_data(self, data: Any) -> dict[str, float]:
+        return self.evaluate(self._batches(data), self._empty_batch(data))
+
+    def _empty_batch(self, data: Any) -> Batch | None:
+        """An empty batch of ``data``'s structure, if the source can make one."""
+        if not hasattr(data, "empty_table"):
+            return None
+        return arrow_to_batch(data.empty_table(), config=self.spec.data)
 
     def _report(self, metrics: dict[str, float], *, report: Any, with_model: bool = False) -> None:
         metrics = {
@@ -307,7 +344,9 @@ def _configure_logging() -> None:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: ``config`` holds ``spec`` (a :class:`WorkerSpec` as a dict),
-    ``plan`` (the plan's JSON) and ``has_eval``."""
+    ``plan`` (the plan's JSON), ``train_source`` and ``eval_source`` (the validated data sets:
+    path, row groups, schema, shuffle, actors; see ``raydlrm.ingestion.reader``; eval may be
+    None)."""
     _configure_logging()
     spec = WorkerSpec(**config["spec"])
     plan = ShardingPlan.from_json(config["plan"])
@@ -317,8 +356,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"the sharding plan is for {plan.world_size} workers but the job has {ctx.world_size}"
         )
     trainer = Trainer(spec, plan=plan, rank=ctx.rank, device=ctx.device)
+
+    def source(description: dict[str, Any] | None) -> WorkerSource | None:
+        if description is None:
+            return None
+        return WorkerSource(
+            [RowGroup(**g) for g in description["row_groups"]],
+            spec.data,
+            source_path=description["path"],
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            seed=spec.training.seed,
+            shuffle=description["shuffle"],
+            num_actors=description["num_actors"],
+            schema=description["schema"],
+        )
+
     trainer.fit(
-        train_data=_ray.dataset_iterator("train"),
-        eval_data=_ray.dataset_iterator("eval") if config.get("has_eval") else None,
+        train_data=source(config["train_source"]),
+        eval_data=source(config.get("eval_source")),
     )
     logger.info("worker %d finished after %d steps", ctx.rank, trainer.step)

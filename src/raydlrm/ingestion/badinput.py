@@ -1,0 +1,281 @@
+"""Bad input: finding broken rows, and the ``fail`` / ``quarantine`` policy for them.
+
+Training data written by a logging pipeline is occasionally broken. Row-level problems are found
+by :func:`find_bad_rows`, vectorized over the raw Arrow columns of a batch (no per-row Python):
+
+- a null or non-finite label, or a label outside ``[0, 1]``;
+- a NaN or infinite dense value (a null dense value is *missing*, filled with 0, not bad);
+- a null id (a null row or a null element of an id list);
+- for a column read without hashing (``sparse_specs.<col>.hash = false``): a negative id or an
+  id not below its table's size;
+- an id list shorter than ``min_length`` (by default: an empty list) or longer than
+  ``max_length``;
+- a null or non-finite per-id weight.
+
+File-level problems (an unreadable or truncated file, a column of the wrong type) are found when
+the footers are checked (:func:`~raydlrm.ingestion.schema.validate_data`) or when a row group is
+read.
+
+Policy (``data.bad_input``): ``fail`` stops with a :class:`BadInputError` naming the file, row
+group, row, column and reason; ``quarantine`` removes the bad rows from training and writes them,
+with the reason, file, row group and row, as Parquet under ``data.quarantine_path`` (for an
+unreadable file or row group, one record naming it and its row count). The driver counts what
+was quarantined there (:func:`quarantine_counts`), so rows read = rows trained + rows
+quarantined (+ rows an uneven split left out, counted separately), and logs the counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raydlrm.ingestion.config import DataConfig
+
+__all__ = [
+    "FILE_COLUMN",
+    "ROW_COLUMN",
+    "ROW_GROUP_COLUMN",
+    "BadInputError",
+    "apply_policy",
+    "drop_tagging_columns",
+    "find_bad_rows",
+    "quarantine_counts",
+    "quarantine_rows",
+    "quarantine_source",
+]
+
+FILE_COLUMN = "__file"
+"""Column the reader adds: the file a row came from."""
+ROW_GROUP_COLUMN = "__row_group"
+"""Column the reader adds: the row group of the file a row came from."""
+ROW_COLUMN = "__row"
+"""Column the reader adds: the row's position in its row group."""
+_REASON_COLUMN = "_reason"
+_SOURCES = "sources"  # sub-directory of unreadable files and row groups (JSON records)
+
+
+class BadInputError(ValueError):
+    """Bad input under the ``fail`` policy; the message names file, row group, column, row."""
+
+
+def _flat(array: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        offsets = array.offsets.to_numpy().astype(np.int64)
+        return array.flatten(), offsets - offsets[0]
+    return array, None
+
+
+def _row_of_element(offsets: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Rows (of a list column with ``offsets``) holding at least one element where ``mask``."""
+    rows = np.zeros(offsets.size - 1, dtype=bool)
+    hits = np.flatnonzero(mask)
+    if hits.size:
+        rows[np.searchsorted(offsets, hits, side="right") - 1] = True
+    return rows
+
+
+def _not_finite(array: pa.Array) -> np.ndarray:
+    """Non-null values that are NaN or infinite (False for nulls and integers)."""
+    if not pa.types.is_floating(array.type):
+        return np.zeros(len(array), dtype=bool)
+    values = array.to_numpy(zero_copy_only=False)
+    bad = ~np.isfinite(values)
+    if array.null_count:
+        bad &= ~np.asarray(array.is_null())
+    return bad
+
+
+def _array(table: pa.Table, column: str) -> pa.Array:
+    chunked = table.column(column)
+    return chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
+
+
+def find_bad_rows(table: pa.Table, config: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a raw batch that training cannot use, and why.
+
+    Args:
+        table: raw columns (label, dense, sparse, weight columns).
+        config: the data config (column roles, hashing, list lengths, table sizes).
+
+    Returns:
+        ``bad``: bool array, one per row; ``reasons``: object array of the same length, the
+        first problem of each bad row (``"<kind> column '<name>': <problem>"``), None elsewhere.
+    """
+    n = table.num_rows
+    reasons = np.full(n, None, dtype=object)
+
+    def flag(mask: np.ndarray, reason: str) -> None:
+        new = mask & (reasons == None)  # noqa: E711 (element-wise comparison)
+        reasons[new] = reason
+
+    label = _array(table, config.label_column)
+    if label.null_count:
+        flag(np.asarray(label.is_null()), f"label column {config.label_column!r}: null label")
+    if pa.types.is_floating(label.type) or pa.types.is_integer(label.type):
+        flag(_not_finite(label), f"label column {config.label_column!r}: NaN or infinite label")
+        values = label.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        flag(
+            (values < 0) | (values > 1),
+            f"label column {config.label_column!r}: label outside [0, 1]",
+        )
+    for column in config.dense_columns:
+        flag(_not_finite(_array(table, column)), f"dense column {column!r}: NaN or infinite value")
+    for column in config.sparse_columns:
+        _check_sparse(table, column, config, flag)
+    bad = reasons != None  # noqa: E711
+    return bad, reasons
+
+
+def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> None:
+    spec = config.sparse_specs.get(column)
+    ids = _array(table, column)
+    where = f"sparse column {column!r}"
+    if ids.null_count:
+        flag(np.asarray(ids.is_null()), f"{where}: null id")
+    values, offsets = _flat(ids)
+
+    def rows(mask: np.ndarray) -> np.ndarray:
+        return mask if offsets is None else _row_of_element(offsets, mask)
+
+    if values.null_count:
+        flag(rows(np.asarray(values.is_null())), f"{where}: null id")
+    if spec is not None and not spec.hash and pa.types.is_integer(values.type):
+        raw = values.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        flag(rows(raw < 0), f"{where}: negative id")
+        size = config.table_size_of(column)
+        flag(rows(raw >= size), f"{where}: id not below the table size {size}")
+    if offsets is not None:
+        lengths = np.diff(offsets)
+        valid = ~np.asarray(ids.is_null()) if ids.null_count else np.ones(lengths.size, bool)
+        min_length = spec.min_length if spec is not None else 1
+        if min_length:
+            flag(valid & (lengths < min_length), f"{where}: id list shorter than {min_length}")
+        if spec is not None and spec.max_length is not None:
+            flag(lengths > spec.max_length, f"{where}: id list longer than {spec.max_length}")
+    weight = config.weight_column_of(column)
+    if weight is not None:
+        weights = _array(table, weight)
+        if weights.null_count:
+            flag(np.asarray(weights.is_null()), f"weight column {weight!r}: null weight")
+        flat, weight_offsets = _flat(weights)
+        bad = np.asarray(flat.is_null()) if flat.null_count else np.zeros(len(flat), bool)
+        bad |= _not_finite(flat)
+        if weight_offsets is not None:
+            bad = _row_of_element(weight_offsets, bad)
+        flag(bad, f"weight column {weight!r}: null, NaN or infinite weight")
+
+
+def _stem(path: str) -> str:
+    return os.path.basename(path).removesuffix(".parquet")
+
+
+def _quarantine_fs(config: DataConfig) -> tuple[pafs.FileSystem, str]:
+    path = config.quarantine_path
+    if path is None:
+        raise ValueError("data.quarantine_path must be set with data.bad_input = 'quarantine'")
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def quarantine_rows(table: pa.Table, reasons: np.ndarray, config: DataConfig) -> None:
+    """Writes bad rows (all their columns, plus ``_reason``) as one Parquet file under
+    ``data.quarantine_path``, named after their source file and row group."""
+    filesystem, root = _quarantine_fs(config)
+    filesystem.create_dir(root, recursive=True)
+    source = "batch"
+    if FILE_COLUMN in table.column_names and table.num_rows:
+        file = table.column(FILE_COLUMN)[0].as_py()
+        group = table.column(ROW_GROUP_COLUMN)[0].as_py()
+        source = f"{_stem(file)}.rg{group}"
+    out = table.append_column(_REASON_COLUMN, pa.array(list(reasons), pa.string()))
+    # Unique per write: a row group is quarantined once per pass (epoch); the counts are per
+    # pass, so each pass's records are kept apart.
+    name = f"{source}.{uuid.uuid4().hex[:12]}.parquet"
+    with filesystem.open_output_stream(f"{root}/{name}") as stream:
+        pq.write_table(out, stream)
+
+
+def quarantine_source(
+    config: DataConfig, *, file: str, reason: str, num_rows: int, row_group: int | None = None
+) -> None:
+    """Records an unreadable file (or row group) and its row count under the quarantine path."""
+    filesystem, root = _quarantine_fs(config)
+    filesystem.create_dir(f"{root}/{_SOURCES}", recursive=True)
+    record = {"file": file, "row_group": row_group, "num_rows": num_rows, "reason": reason}
+    name = f"{_stem(file)}.{'file' if row_group is None else f'rg{row_group}'}"
+    with filesystem.open_output_stream(
+        f"{root}/{_SOURCES}/{name}.{uuid.uuid4().hex[:12]}.json"
+    ) as stream:
+        stream.write(json.dumps(record).encode())
+
+
+def quarantine_counts(config: DataConfig) -> dict[str, int]:
+    """What the quarantine path holds.
+
+    Returns:
+        ``bad_rows`` (bad rows written), ``row_groups`` and ``row_group_rows`` (unreadable row
+        groups met while reading, and their rows), ``files`` and ``file_rows`` (files set aside
+        when the footers were checked, and their rows when known), and ``rows`` (all of those
+        rows); zeros when nothing was quarantined.
+    """
+    keys = ("rows", "bad_rows", "row_groups", "row_group_rows", "files", "file_rows")
+    counts = dict.fromkeys(keys, 0)
+    if config.quarantine_path is None:
+        return counts
+    filesystem, root = _quarantine_fs(config)
+    if filesystem.get_file_info(root).type == pafs.FileType.NotFound:
+        return counts
+    for info in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        if info.path.endswith(".parquet"):
+            with filesystem.open_input_file(info.path) as f:
+                counts["bad_rows"] += pq.ParquetFile(f).metadata.num_rows
+        elif info.path.endswith(".json"):
+            with filesystem.open_input_stream(info.path) as f:
+                record = json.loads(f.read())
+            kind = "files" if record["row_group"] is None else "row_groups"
+            counts[kind] += 1
+            counts[f"{kind.rstrip('s')}_rows"] += int(record["num_rows"])
+    counts["rows"] = counts["bad_rows"] + counts["row_group_rows"] + counts["file_rows"]
+    return counts
+
+
+def drop_tagging_columns(table: pa.Table) -> pa.Table:
+    """The table without the reader's file, row group and row columns."""
+    keep = [c for c in table.column_names if c not in (FILE_COLUMN, ROW_GROUP_COLUMN, ROW_COLUMN)]
+    return table.select(keep)
+
+
+def apply_policy(table: pa.Table, config: DataConfig) -> pa.Table:
+    """Applies ``data.bad_input`` to a raw batch: returns the good rows (all of them when there
+    are none bad), after writing the bad ones to the quarantine, or raises.
+
+    Raises:
+        BadInputError: under ``fail``, naming the file, row group, row, column and reason of
+            the first bad row and how many rows are bad.
+    """
+    bad, reasons = find_bad_rows(table, config)
+    if not bad.any():
+        return table
+    if config.bad_input == "fail":
+        first = int(np.flatnonzero(bad)[0])
+        where = "a batch"
+        if FILE_COLUMN in table.column_names:
+            file = table.column(FILE_COLUMN)[first].as_py()
+            group = table.column(ROW_GROUP_COLUMN)[first].as_py()
+            row = table.column(ROW_COLUMN)[first].as_py()
+            where = f"{file}, row group {group}, row {row}"
+        raise BadInputError(
+            f"bad input in {where}: {reasons[first]} ({int(bad.sum())} bad rows in this batch; "
+            "set data.bad_input = 'quarantine' to set them aside and continue)"
+        )
+    quarantine_rows(table.filter(pa.array(bad)), reasons[bad], config)
+    return table.filter(pa.array(~bad))

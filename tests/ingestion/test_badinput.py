@@ -1,0 +1,250 @@
+"""Bad input under both policies: every case is named under ``fail`` and set aside and counted
+under ``quarantine``; a quarantining training job accounts for every row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+import raydlrm
+from raydlrm.ingestion import DataConfig, DataValidationError, Preprocessor, validate_data
+from raydlrm.ingestion.badinput import (
+    FILE_COLUMN,
+    ROW_COLUMN,
+    ROW_GROUP_COLUMN,
+    BadInputError,
+    quarantine_counts,
+)
+from raydlrm.ingestion.reader import RowGroupReader, read_columns
+
+N = 6
+
+
+def _config(tmp_path: Path, policy: str) -> DataConfig:
+    return DataConfig(
+        dense_columns=["I1"],
+        sparse_columns=["C1", "C2", "C3"],
+        table_size=100,
+        sparse_specs={
+            "C2": {"hash": False},
+            "C3": {"max_length": 3, "weight_column": "W3"},
+        },
+        bad_input=policy,
+        quarantine_path=str(tmp_path / "quarantine"),
+    )
+
+
+def _table(**changes) -> pa.Table:
+    """A valid raw table of N rows, tagged as the reader tags them; ``changes`` replace
+    columns."""
+    columns = {
+        "label": pa.array([0, 1, 0, 1, 1, 0]),
+        "I1": pa.array([1.0, None, 3.0, 4.0, 5.0, 6.0]),
+        "C1": pa.array([f"u{i}" for i in range(N)]),
+        "C2": pa.array([0, 5, 99, 7, 8, 9]),
+        "C3": pa.array([[1], [2, 3], [4, 5, 6], [7], [8], [9]], pa.list_(pa.int64())),
+        "W3": pa.array([[1.0], [1.0, 2.0], [1.0, 1.0, 1.0], [2.0], [3.0], [4.0]]),
+    }
+    columns.update(changes)
+    table = pa.table(columns)
+    table = table.append_column(FILE_COLUMN, pa.array(["data/part-7.parquet"] * N))
+    table = table.append_column(ROW_GROUP_COLUMN, pa.array([3] * N))
+    return table.append_column(ROW_COLUMN, pa.array(np.arange(N)))
+
+
+ROW_CASES = {
+    "null label": ({"label": pa.array([0, 1, None, 1, 1, 0])}, "label column 'label': null"),
+    "label outside [0, 1]": ({"label": pa.array([0, 1, 2, 1, 1, 0])}, "outside"),
+    "NaN dense": ({"I1": pa.array([1.0, 2.0, float("nan"), 4.0, 5.0, 6.0])}, "'I1': NaN"),
+    "inf dense": ({"I1": pa.array([1.0, 2.0, float("inf"), 4.0, 5.0, 6.0])}, "'I1': NaN or inf"),
+    "null id": ({"C1": pa.array(["a", "b", None, "d", "e", "f"])}, "'C1': null id"),
+    "null id in a list": (
+        {"C3": pa.array([[1], [2, 3], [4, None], [7], [8], [9]], pa.list_(pa.int64()))},
+        "'C3': null id",
+    ),
+    "negative id": ({"C2": pa.array([0, 5, -1, 7, 8, 9])}, "'C2': negative id"),
+    "id out of range": ({"C2": pa.array([0, 5, 100, 7, 8, 9])}, "'C2': id not below"),
+    "empty list": (
+        {
+            "C3": pa.array([[1], [2, 3], [], [7], [8], [9]], pa.list_(pa.int64())),
+            "W3": pa.array([[1.0], [1.0, 2.0], [], [2.0], [3.0], [4.0]]),
+        },
+        "'C3': id list shorter than 1",
+    ),
+    "oversized list": (
+        {
+            "C3": pa.array([[1], [2, 3], [4, 5, 6, 7], [7], [8], [9]], pa.list_(pa.int64())),
+            "W3": pa.array([[1.0], [1.0, 2.0], [1.0] * 4, [2.0], [3.0], [4.0]]),
+        },
+        "'C3': id list longer than 3",
+    ),
+    "null weight": (
+        {"W3": pa.array([[1.0], [1.0, 2.0], [1.0, None, 1.0], [2.0], [3.0], [4.0]])},
+        "weight column 'W3'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_bad_row_fails_naming_file_row_group_row_and_column(tmp_path: Path, case: str) -> None:
+    changes, reason = ROW_CASES[case]
+    with pytest.raises(BadInputError, match=r"part-7\.parquet, row group 3, row 2: .*") as info:
+        Preprocessor(_config(tmp_path, "fail"))(_table(**changes))
+    assert reason in str(info.value)
+    assert "1 bad rows" in str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_bad_row_is_quarantined_with_its_reason_and_counted(tmp_path: Path, case: str) -> None:
+    changes, reason = ROW_CASES[case]
+    config = _config(tmp_path, "quarantine")
+    out = Preprocessor(config)(_table(**changes))
+    assert out.num_rows == N - 1  # the other rows go on
+    (written,) = (tmp_path / "quarantine").glob("*.parquet")
+    assert written.name.startswith("part-7.rg3.")
+    bad = pq.read_table(written)
+    assert bad.num_rows == 1
+    assert bad.column(ROW_COLUMN).to_pylist() == [2]
+    assert reason in bad.column("_reason")[0].as_py()
+    counts = quarantine_counts(config)
+    assert counts["bad_rows"] == counts["rows"] == 1
+
+
+def test_valid_rows_pass_and_empty_lists_can_be_allowed(tmp_path: Path) -> None:
+    assert Preprocessor(_config(tmp_path, "fail"))(_table()).num_rows == N
+    config = DataConfig(
+        dense_columns=["I1"],
+        sparse_columns=["C1", "C2", "C3"],
+        table_size=100,
+        sparse_specs={"C3": {"min_length": 0}},
+    )
+    changes, _ = ROW_CASES["empty list"]
+    assert Preprocessor(config)(_table(**changes)).num_rows == N
+
+
+def _write_files(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    good = _table().drop_columns([FILE_COLUMN, ROW_GROUP_COLUMN, ROW_COLUMN])
+    pq.write_table(good, root / "a.parquet")
+    pq.write_table(good, root / "b.parquet")
+    return root
+
+
+def test_truncated_file_fails_or_is_quarantined_whole(tmp_path: Path) -> None:
+    root = _write_files(tmp_path / "data")
+    blob = (root / "b.parquet").read_bytes()
+    (root / "b.parquet").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(DataValidationError, match=r"b\.parquet is not readable Parquet"):
+        validate_data(str(root), _config(tmp_path, "fail"))
+    config = _config(tmp_path, "quarantine")
+    summary = validate_data(str(root), config)
+    assert summary.num_rows == N and summary.num_files == 1
+    assert [Path(f).name for f in summary.quarantined_files] == ["b.parquet"]
+    counts = quarantine_counts(config)
+    assert counts["files"] == 1 and counts["file_rows"] == 0  # footer lost: rows unknown
+
+
+def test_wrong_column_type_fails_or_quarantines_the_file_with_its_rows(tmp_path: Path) -> None:
+    root = _write_files(tmp_path / "data")
+    broken = _table(I1=pa.array(["x"] * N)).drop_columns(
+        [FILE_COLUMN, ROW_GROUP_COLUMN, ROW_COLUMN]
+    )
+    pq.write_table(broken, root / "b.parquet")
+    with pytest.raises(DataValidationError, match=r"dense column 'I1' in .*b\.parquet"):
+        validate_data(str(root), _config(tmp_path, "fail"))
+    config = _config(tmp_path, "quarantine")
+    summary = validate_data(str(root), config)
+    assert summary.num_rows == N
+    counts = quarantine_counts(config)
+    assert counts["files"] == 1 and counts["file_rows"] == N
+
+
+def test_unreadable_row_group_fails_or_is_quarantined(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    good = _table().drop_columns([FILE_COLUMN, ROW_GROUP_COLUMN, ROW_COLUMN])
+    path = root / "a.parquet"
+    pq.write_table(pa.concat_tables([good] * 50), path, row_group_size=100, compression="none")
+    # Corrupt the pages of row group 1 (the footer, at the end, stays intact).
+    meta = pq.ParquetFile(path).metadata.row_group(1)
+    start = meta.column(0).data_page_offset
+    blob = bytearray(path.read_bytes())
+    blob[start : start + 64] = b"\xff" * 64
+    path.write_bytes(bytes(blob))
+    for policy in ("fail", "quarantine"):
+        config = _config(tmp_path, policy)
+        summary = validate_data(str(root), config)
+        reader = RowGroupReader(
+            config,
+            source_path=str(root),
+            columns=read_columns(config, summary.schema),
+            schema=summary.schema,
+            seed=0,
+            epoch=0,
+            shuffle=False,
+        )
+        refs = pa.Table.from_pylist([g.to_dict() for g in summary.row_groups])
+        if policy == "fail":
+            with pytest.raises(BadInputError, match=r"row group 1 of .*a\.parquet"):
+                reader(refs)
+            continue
+        out = reader(refs)
+        assert out.num_rows == 300 - 100
+        counts = quarantine_counts(config)
+        assert counts["row_groups"] == 1 and counts["row_group_rows"] == 100
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_quarantining_job_accounts_for_every_row(tmp_path: Path, ray_cluster) -> None:
+    root = tmp_path / "data" / "train"
+    raydlrm.ingestion.generate_synthetic(
+        raydlrm.ingestion.SyntheticConfig(
+            num_train_rows=1200, num_eval_rows=0, rows_per_file=400, max_cardinality=300, seed=2
+        ),
+        out_dir=tmp_path / "data",
+    )
+    # Three bad rows in one file, and one truncated file.
+    path = root / "part-00001.parquet"
+    table = pq.read_table(path)
+    # (to_numpy would turn the column's nulls, which are legitimate missing values, into NaN)
+    dense = table.column("I2").fill_null(0.0).to_numpy().copy()
+    dense[[5, 17, 300]] = np.nan
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("I2"), "I2", pa.array(dense)), path
+    )
+    blob = (root / "part-00002.parquet").read_bytes()
+    (root / "part-00002.parquet").write_bytes(blob[:100])
+    config = {
+        "data": {
+            "train_path": str(root),
+            "eval_path": None,
+            "batch_size": 100,
+            "table_size": 300,
+            "bad_input": "quarantine",
+        },
+        "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+        "training": {"num_epochs": 2, "log_every_steps": 2},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "bad-run"},
+        "tracking": {
+            "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "experiment_name": "bad",
+            "registered_model_name": None,
+        },
+    }
+    result = raydlrm.train(config)
+    m = result.metrics
+    assert m["data/files_quarantined"] == 1
+    assert m["data/rows_read"] == 2 * 800  # two epochs of the two readable files
+    assert m["data/rows_quarantined"] == 2 * 3  # the NaN rows, once per epoch
+    assert m["data/rows_trained"] == 2 * 797
+    assert m["rows_unaccounted"] == 0
+    quarantine = tmp_path / "runs" / "bad-run" / "quarantine"
+    assert len(list(quarantine.glob("*.parquet"))) == 2
+    logged = MlflowClient(config["tracking"]["tracking_uri"]).get_run(result.run_id).data.metrics
+    assert logged["data/rows_quarantined"] == 6 and logged["data/files_quarantined"] == 1
