@@ -36,6 +36,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.storage import filesystem_for
 
 __all__ = [
     "FILE_COLUMN",
@@ -179,9 +180,7 @@ def _quarantine_fs(config: DataConfig) -> tuple[pafs.FileSystem, str]:
     path = config.quarantine_path
     if path is None:
         raise ValueError("data.quarantine_path must be set with data.bad_input = 'quarantine'")
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), os.path.abspath(path)
+    return filesystem_for(path, config.storage)
 
 
 def quarantine_rows(table: pa.Table, reasons: np.ndarray, config: DataConfig) -> None:

@@ -6,6 +6,7 @@ from dataclasses import field
 from typing import Literal
 
 from raydlrm._config import config_dataclass
+from raydlrm.ingestion.storage import PartitionSelector, StorageConfig
 
 DEFAULT_DENSE_COLUMNS = [f"I{i}" for i in range(1, 14)]
 DEFAULT_SPARSE_COLUMNS = [f"C{i}" for i in range(1, 27)]
@@ -194,6 +195,11 @@ class DataConfig:
     quarantine_path: str | None = None
     """Where quarantined rows go (local or a URI). Default for a job: ``quarantine/`` in the
     job's run directory (``run.storage_path``/run name)."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Object-store access for ``s3://`` paths (endpoint, region, credentials)."""
+    partitions: dict[str, PartitionSelector] = field(default_factory=dict)
+    """Hive partitions to read (``key = { values = [...] }`` or ``{ min = ..., max = ... }``);
+    applies to ``train_path`` and ``eval_path``."""
     batch_size: int = 1024
     """Samples per batch on each worker."""
     num_preprocess_actors: int = 0

@@ -19,6 +19,7 @@ import ray.data
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import Preprocessor
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, validate_data
+from raydlrm.ingestion.storage import list_files
 
 __all__ = ["build_dataset", "default_num_actors"]
 
@@ -71,7 +72,8 @@ def build_dataset(
         summary.num_files,
         max_size,
     )
-    return ray.data.read_parquet(path, columns=columns).map_batches(
+    filesystem, files = list_files(path, config.storage, config.partitions, role=role)
+    return ray.data.read_parquet(files, filesystem=filesystem, columns=columns).map_batches(
         Preprocessor,
         fn_constructor_kwargs={"config": config},
         batch_format="pyarrow",

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydlrm.ingestion.badinput import (
@@ -39,6 +38,7 @@ from raydlrm.ingestion.badinput import (
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import Preprocessor
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, RowGroup
+from raydlrm.ingestion.storage import filesystem_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -90,12 +90,6 @@ def assign_row_groups(
     return assigned
 
 
-def _filesystem(path: str) -> pafs.FileSystem:
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)[0]
-    return pafs.LocalFileSystem()
-
-
 def _session_order(table: pa.Table, column: str, rng: np.random.Generator) -> np.ndarray:
     """Row order with the sessions (runs of equal ``column`` values) permuted, each kept whole."""
     sessions = table.column(column).to_numpy()
@@ -140,7 +134,7 @@ class RowGroupReader:
         self.columns = columns
         self.schema = schema
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
-        self.filesystem = _filesystem(source_path)
+        self.filesystem = filesystem_for(source_path, config.storage)[0]
         self.preprocess = Preprocessor(config)
 
     def __call__(self, refs: pa.Table) -> pa.Table:

@@ -8,17 +8,16 @@ file and the column, so a wrong data set stops the job at submission, not hours 
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.storage import StorageError, list_files
 
 __all__ = [
     "SAMPLE_ID_COLUMN",
@@ -77,12 +76,6 @@ class DataSummary:
     quarantined_files: list[str] = field(default_factory=list)
 
 
-def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in path:
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), os.path.abspath(path)
-
-
 def _is_list(type_: pa.DataType) -> bool:
     return pa.types.is_list(type_) or pa.types.is_large_list(type_)
 
@@ -135,21 +128,13 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     Raises:
         DataValidationError: naming the path, file and column of the first problem found.
     """
-    filesystem, resolved = _resolve(path)
-    info = filesystem.get_file_info(resolved)
-    if info.type == pafs.FileType.NotFound:
-        raise DataValidationError(f"{role} data path {path!r} does not exist")
     try:
-        dataset = pads.dataset(
-            resolved, format="parquet", filesystem=filesystem, exclude_invalid_files=False
-        )
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataValidationError(
-            f"{role} data at {path!r} is not readable Parquet: {exc}"
-        ) from exc
-    fragments = list(dataset.get_fragments())
-    if not fragments:
-        raise DataValidationError(f"{role} data path {path!r} contains no Parquet files")
+        filesystem, files = list_files(path, config.storage, config.partitions, role=role)
+    except StorageError as exc:
+        raise DataValidationError(str(exc)) from exc
+    parquet = pads.ParquetFileFormat()
+    # Fragments read nothing until asked: an unreadable file is reported (or quarantined) below.
+    fragments = [parquet.make_fragment(f, filesystem=filesystem) for f in files]
 
     expected = [
         (config.label_column, "label"),

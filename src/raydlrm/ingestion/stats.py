@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import compute_dense_stats
+from raydlrm.ingestion.storage import list_files
 
 __all__ = ["dense_stats_of"]
 
@@ -26,8 +26,6 @@ def dense_stats_of(path: str, config: DataConfig) -> dict[str, tuple[float, floa
     columns = config.standardized_columns()
     if not columns:
         return {}
-    filesystem, resolved = (
-        pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
-    )
-    dataset = pads.dataset(resolved, format="parquet", filesystem=filesystem)
+    filesystem, files = list_files(path, config.storage, config.partitions)
+    dataset = pads.dataset(files, format="parquet", filesystem=filesystem)
     return compute_dense_stats(dataset.to_batches(columns=columns), config)

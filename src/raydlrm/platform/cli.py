@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import ConfigError, load_config
 
 app = typer.Typer(
@@ -157,7 +158,7 @@ def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
         job = load_config(config, overrides=set_ or [])
     except ConfigError as e:
         _fail(str(e))
-    typer.echo(json.dumps(job.to_dict(), indent=2))
+    typer.echo(json.dumps(redact(job.to_dict()), indent=2))
 
 
 @config_app.command("validate")

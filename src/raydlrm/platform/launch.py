@@ -30,6 +30,7 @@ from raydlrm.ingestion import (
 )
 from raydlrm.ingestion.badinput import quarantine_counts
 from raydlrm.ingestion.stats import dense_stats_of
+from raydlrm.ingestion.storage import list_files
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
@@ -128,7 +129,10 @@ def _example_rows(path: str, config: JobConfig) -> Any:
     """A few raw input rows (no label) for the model signature."""
     data = config.data
     columns = [c for c in data.input_columns() if c != data.label_column]
-    table = pads.dataset(path, format="parquet").head(_EXAMPLE_ROWS, columns=columns)
+    filesystem, files = list_files(path, data.storage, data.partitions)
+    table = pads.dataset(files, format="parquet", filesystem=filesystem).head(
+        _EXAMPLE_ROWS, columns=columns
+    )
     return table.to_pandas()
 
 

@@ -20,6 +20,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
+from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import JobConfig, default_tracking_uri, flatten
 from raydlrm.sharding import ShardingPlan
 
@@ -111,7 +112,7 @@ def start_run(config: JobConfig, *, run_name: str) -> TrackedRun:
     tracked = TrackedRun(
         tracking_uri=uri, run_id=run.info.run_id, experiment_id=experiment.experiment_id
     )
-    resolved = config.to_dict()
+    resolved = redact(config.to_dict())  # credentials never reach MLflow
     tracked.log_params(flatten(resolved))
     tracked.log_text(json.dumps(resolved, indent=2), artifact_file="config/resolved.json")
     logger.info(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from raydlrm.ingestion.storage import redact
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
 from raydlrm.trainers.spec import WorkerSpec
@@ -37,7 +38,8 @@ def save_model_checkpoint(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(state_dict, path / MODEL_FILE)
-    (path / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2))
+    # Credentials are not stored with the model.
+    (path / SPEC_FILE).write_text(json.dumps(redact(spec.to_dict()), indent=2))
     (path / PLAN_FILE).write_text(plan.to_json())
     (path / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
     return path

@@ -1,0 +1,227 @@
+"""Where the data lives: local paths or ``s3://`` (any S3-compatible store), hive partitions.
+
+:func:`filesystem_for` gives the pyarrow filesystem of a path: the local one, or S3 through
+``s3fs`` with the endpoint, region and credentials of :class:`StorageConfig` (pyarrow itself
+ignores ``AWS_ENDPOINT_URL``, so the endpoint is always passed explicitly). Credentials come from
+the config or the standard AWS environment variables; they never appear in logs, reprs, errors
+or the MLflow params (:func:`redact`).
+
+:func:`list_files` lists a data set's Parquet files: one file, or every file under a directory
+(except names starting with ``.`` or ``_``, as pyarrow does), in sorted order. In a
+hive-partitioned layout (``date=2026-11-20/part-0.parquet``) ``data.partitions`` selects
+partitions by value list or inclusive range, e.g. the last seven days for a scheduled
+retraining job::
+
+    [data.partitions]
+    date = { min = "2026-11-14", max = "2026-11-20" }
+    region = { values = ["eu", "us"] }
+
+Values compare as integers when both sides are integers, else as strings (ISO dates sort
+correctly as strings).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import field
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from raydlrm._config import config_dataclass
+
+__all__ = [
+    "SECRET_KEYS",
+    "PartitionSelector",
+    "StorageConfig",
+    "StorageError",
+    "filesystem_for",
+    "list_files",
+    "redact",
+]
+
+SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token")
+"""Config keys whose values are never logged."""
+
+
+class StorageError(ValueError):
+    """A path, bucket or partition selection that does not lead to data."""
+
+
+@config_dataclass
+class StorageConfig:
+    """Object-store access (``[data.storage]``); unset fields fall back to the standard AWS
+    environment variables and s3fs's default credential chain."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, Ceph, a local test server). Default:
+    ``$AWS_ENDPOINT_URL_S3`` or ``$AWS_ENDPOINT_URL``."""
+    region: str | None = None
+    """Region. Default: ``$AWS_REGION`` or ``$AWS_DEFAULT_REGION``."""
+    access_key_id: str | None = field(default=None, repr=False)
+    """Access key. Default: ``$AWS_ACCESS_KEY_ID`` (or the credential chain)."""
+    secret_access_key: str | None = field(default=None, repr=False)
+    """Secret key. Default: ``$AWS_SECRET_ACCESS_KEY`` (or the credential chain)."""
+    session_token: str | None = field(default=None, repr=False)
+    """Session token. Default: ``$AWS_SESSION_TOKEN``."""
+    anonymous: bool = False
+    """Unsigned requests (public buckets)."""
+
+    def s3fs_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``s3fs.S3FileSystem``."""
+        endpoint = (
+            self.endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        kwargs: dict[str, Any] = {"anon": self.anonymous}
+        if self.access_key_id:
+            kwargs["key"] = self.access_key_id
+        if self.secret_access_key:
+            kwargs["secret"] = self.secret_access_key
+        if self.session_token:
+            kwargs["token"] = self.session_token
+        client: dict[str, Any] = {}
+        if endpoint:
+            kwargs["endpoint_url"] = endpoint
+        if region:
+            client["region_name"] = region
+        if client:
+            kwargs["client_kwargs"] = client
+        return kwargs
+
+
+@config_dataclass
+class PartitionSelector:
+    """Which values of one hive partition key to read: a list, a range, or both."""
+
+    values: list[str | int] | None = None
+    """Exact values to keep."""
+    min: str | int | None = None
+    """Smallest value to keep (inclusive)."""
+    max: str | int | None = None
+    """Largest value to keep (inclusive)."""
+
+    def __post_init__(self) -> None:
+        if self.values is None and self.min is None and self.max is None:
+            raise ValueError("a partition selector needs values, min or max")
+
+    def keeps(self, value: str) -> bool:
+        """Whether the partition value ``value`` (a directory name's text) is selected."""
+        if self.values is not None and not any(_equal(value, v) for v in self.values):
+            return False
+        if self.min is not None and _less(value, self.min):
+            return False
+        return not (self.max is not None and _less(self.max, value))
+
+
+def _as_int(x: str | int) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _equal(a: str, b: str | int) -> bool:
+    ia, ib = _as_int(a), _as_int(b)
+    return ia == ib if ia is not None and ib is not None else str(a) == str(b)
+
+
+def _less(a: str | int, b: str | int) -> bool:
+    ia, ib = _as_int(a), _as_int(b)
+    return ia < ib if ia is not None and ib is not None else str(a) < str(b)
+
+
+def filesystem_for(path: str, storage: StorageConfig) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of ``path`` and the path as that filesystem names it.
+
+    Raises:
+        StorageError: for a URI scheme other than ``s3://`` and local paths.
+    """
+    if path.startswith("s3://") or path.startswith("s3a://"):
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.split("://", 1)[1].rstrip("/")
+    if "://" in path and not path.startswith("file://"):
+        raise StorageError(f"unsupported storage scheme in {path!r} (use a local path or s3://)")
+    return pafs.LocalFileSystem(), os.path.abspath(path.removeprefix("file://"))
+
+
+def _partitions(relative: str) -> dict[str, str]:
+    """``key=value`` directory names of a file's path relative to the data set root."""
+    parts = relative.split("/")[:-1]
+    return dict(p.split("=", 1) for p in parts if "=" in p)
+
+
+def list_files(
+    path: str,
+    storage: StorageConfig,
+    partitions: dict[str, PartitionSelector],
+    *,
+    role: str = "train",
+) -> tuple[pafs.FileSystem, list[str]]:
+    """The filesystem and the selected Parquet files of a data set, sorted.
+
+    Raises:
+        StorageError: naming the path when it does not exist or holds no Parquet files, the
+            partition key when the layout has no such key, and the partitions that exist when
+            a selection matches none.
+    """
+    filesystem, resolved = filesystem_for(path, storage)
+    try:
+        info = filesystem.get_file_info(resolved)
+    except OSError as exc:
+        raise StorageError(f"{role} data path {path!r} cannot be read: {exc}") from exc
+    if info.type == pafs.FileType.NotFound:
+        raise StorageError(f"{role} data path {path!r} does not exist")
+    if info.type == pafs.FileType.File:
+        if partitions:
+            raise StorageError(f"data.partitions: {role} data path {path!r} is a single file")
+        return filesystem, [resolved]
+    entries = filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
+    files = sorted(
+        e.path
+        for e in entries
+        # pyarrow's convention: files whose names start with "." or "_" are not data.
+        if e.type == pafs.FileType.File
+        and not any(part.startswith((".", "_")) for part in e.path[len(resolved) :].split("/"))
+    )
+    if not files:
+        raise StorageError(f"{role} data path {path!r} contains no Parquet files")
+    if not partitions:
+        return filesystem, files
+    found = {f: _partitions(f[len(resolved) :].lstrip("/")) for f in files}
+    keys = {k for parts in found.values() for k in parts}
+    unknown = sorted(set(partitions) - keys)
+    if unknown:
+        raise StorageError(
+            f"data.partitions: {role} data at {path!r} has no partition key {unknown} "
+            f"(its keys: {sorted(keys) or 'none, not a hive layout'})"
+        )
+    selected = [
+        f
+        for f, parts in found.items()
+        if all(k in parts and sel.keeps(parts[k]) for k, sel in partitions.items())
+    ]
+    if not selected:
+        existing = {k: sorted({p[k] for p in found.values() if k in p}) for k in partitions}
+        raise StorageError(
+            f"data.partitions selects no files of {role} data at {path!r}; partitions: {existing}"
+        )
+    return filesystem, selected
+
+
+def redact(tree: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a (nested or flattened) config dict with every secret value replaced by
+    ``***``: what may be logged, stored with a checkpoint or printed."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out[key] = redact(value)
+        elif str(key).rsplit(".", 1)[-1] in SECRET_KEYS and value is not None:
+            out[key] = "***"
+        else:
+            out[key] = value
+    return out
