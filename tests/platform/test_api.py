@@ -74,3 +74,19 @@ def test_missing_data_raises_before_running(tmp_path: Path) -> None:
     with pytest.raises(DataValidationError, match=str(tmp_path / "data" / "train")):
         raydlrm.train(config)
     assert not (tmp_path / "mlflow.db").exists()  # nothing was tracked
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_training_with_dedup_groups_reports_savings(tmp_path: Path, ray_cluster) -> None:
+    config = _config(tmp_path)
+    # The synthetic user features C1-C8 repeat over a session (about 4 samples).
+    config["data"]["dedup_groups"] = [[f"C{i}" for i in range(1, 9)]]
+    config["run"]["name"] = "dedup-run"
+    result = raydlrm.train(config)
+    m = result.metrics
+    assert m["dedup/t_C1/ratio"] > 1.5
+    assert m["dedup/t_C1/lookups_saved"] > 0 and m["dedup/t_C8/a2a_bytes_saved"] > 0
+    assert "dedup/t_C9/ratio" not in m  # C9 is not deduplicated
+    logged = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.run_id)
+    assert logged.data.metrics["dedup/t_C1/ratio"] == pytest.approx(m["dedup/t_C1/ratio"])

@@ -148,7 +148,8 @@ class RecModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits of shape ``(B,)``."""
-        return self.forward_features(batch.dense, batch.all_sparse())
+        pooled = self.embedding_bags(batch.sparse, batch.dedup_groups)
+        return self.dense(batch.dense, pooled.values)
 
     def forward_features(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Click logits of shape ``(B,)`` from dense ``B x num_dense`` and a KJT of batch ``B``."""

@@ -9,13 +9,14 @@ module can be built on the meta device when the tables are too large for one hos
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
+from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig"]
 
@@ -103,12 +104,46 @@ class EmbeddingBagCollection(nn.Module):
     def feature_dims(self) -> list[int]:
         return [t.embedding_dim for t in self.tables for _ in t.feature_names]
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        kjt = features.select(self.feature_names)
+    def forward(
+        self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
+    ) -> KeyedTensor:
+        """Pooled embeddings of every feature.
+
+        Args:
+            features: KJT of batch size ``B`` holding every feature not in ``dedup_groups``.
+            dedup_groups: deduplicated features (RecD): each group's unique rows are looked up
+                once and the pooled rows expanded to the batch with the inverse index.
+
+        Returns:
+            ``B x sum(D_f)``, features in :attr:`feature_names` order.
+        """
+        table_of = {f: t for t in self.tables for f in t.feature_names}
+        pooled: dict[str, torch.Tensor] = {}
+        sources = [(features, None)] + [(g.unique, g.inverse) for g in dedup_groups]
+        for kjt, inverse in sources:
+            names = [f for f in kjt.keys if f in table_of and f not in pooled]
+            if not names:
+                continue
+            for name, vectors in self._pool(kjt.select(names), table_of).items():
+                pooled[name] = vectors if inverse is None else vectors.index_select(0, inverse)
+        missing = [f for f in self.feature_names if f not in pooled]
+        if missing:
+            raise KeyError(f"features {missing} are missing from the batch")
+        return KeyedTensor(
+            keys=self.feature_names,
+            dims=self.feature_dims,
+            values=torch.cat([pooled[f] for f in self.feature_names], dim=1),
+        )
+
+    def _pool(
+        self, kjt: KeyedJaggedTensor, table_of: dict[str, EmbeddingBagConfig]
+    ) -> dict[str, torch.Tensor]:
+        """Feature -> ``(batch, D)`` pooled vectors of every feature of ``kjt``."""
         b = kjt.batch_size
         offsets = kjt.offset_per_key()
-        pooled = []
-        for i, (table, _) in enumerate((t, f) for t in self.tables for f in t.feature_names):
+        pooled = {}
+        for i, feature in enumerate(kjt.keys):
+            table = table_of[feature]
             start, end = int(offsets[i]), int(offsets[i + 1])
             lengths = kjt.lengths[i * b : (i + 1) * b]
             bag_offsets = torch.zeros(b + 1, dtype=torch.int64, device=lengths.device)
@@ -120,16 +155,12 @@ class EmbeddingBagCollection(nn.Module):
                     f"table {table.name}: ids must be in [0, {table.num_embeddings}), got range "
                     f"[{int(ids.min())}, {int(ids.max())}]"
                 )
-            pooled.append(
-                nn.functional.embedding_bag(
-                    ids,
-                    weight,
-                    bag_offsets[:-1],
-                    mode=table.pooling,
-                    per_sample_weights=None if kjt.weights is None else kjt.weights[start:end],
-                    include_last_offset=False,
-                )
+            pooled[feature] = nn.functional.embedding_bag(
+                ids,
+                weight,
+                bag_offsets[:-1],
+                mode=table.pooling,
+                per_sample_weights=None if kjt.weights is None else kjt.weights[start:end],
+                include_last_offset=False,
             )
-        return KeyedTensor(
-            keys=self.feature_names, dims=self.feature_dims, values=torch.cat(pooled, dim=1)
-        )
+        return pooled

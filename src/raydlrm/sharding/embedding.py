@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from raydlrm._versions import import_fbgemm
-from raydlrm.batch import KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
+from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_table_
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
@@ -468,12 +468,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
             first += group.num_units
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    def forward(
+        self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
+    ) -> KeyedTensor:
         """Pooled embeddings of this rank's samples.
 
         Args:
             features: KJT of shape ``(F, B, L[f][b])`` holding at least every feature of the
-                collection; ``weights`` (if present) weight each id.
+                collection (those not in ``dedup_groups``); ``weights`` (if present) weight each
+                id.
+            dedup_groups: deduplicated features; this collection expands them to the batch
+                (:class:`~raydlrm.sharding.dedup.DedupShardedEmbeddingBagCollection` looks them
+                up on their unique rows).
 
         Returns:
             KeyedTensor of shape ``B x sum(D_f)``, features in ``feature_names`` order.
@@ -481,6 +487,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: naming the table of an id outside ``[0, num_embeddings)``.
         """
+        if dedup_groups:
+            features = KeyedJaggedTensor.concat([features] + [g.expand() for g in dedup_groups])
         kjt = features.select(self.feature_names)
         self._check_ids(kjt)
         bags = self._input(kjt)

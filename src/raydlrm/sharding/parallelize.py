@@ -9,6 +9,8 @@ applied by the fused optimizer in the backward pass, and each rank owns differen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -17,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raydlrm.models.embedding import EmbeddingBagCollection
 from raydlrm.sharding._comm import rank_and_world_size
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import ShardingPlan
 
@@ -30,6 +33,7 @@ def shard_model(
     config: ShardingConfig,
     device: torch.device | str,
     pg: ProcessGroup | None = None,
+    dedup_groups: Sequence[Sequence[str]] = (),
 ) -> nn.Module:
     """Shards ``model.embedding_bags`` by ``plan`` and wraps ``model.dense`` in DDP, in place.
 
@@ -40,6 +44,8 @@ def shard_model(
         config: the fused embedding optimizer.
         device: ``cpu`` or a CUDA device.
         pg: process group (default: torch.distributed's default group).
+        dedup_groups: feature names of each dedup group (RecD); when given, each group is
+            looked up on its unique rows (:mod:`raydlrm.sharding.dedup`).
 
     Returns:
         ``model``, modified.
@@ -55,9 +61,14 @@ def shard_model(
             "`dense` nn.Module to be sharded"
         )
     device = torch.device(device)
-    model.embedding_bags = ShardedEmbeddingBagCollection(
-        ebc, plan=plan, config=config, device=device, pg=pg
-    )
+    if dedup_groups:
+        model.embedding_bags = DedupShardedEmbeddingBagCollection(
+            ebc, plan=plan, config=config, device=device, pg=pg, dedup_groups=dedup_groups
+        )
+    else:
+        model.embedding_bags = ShardedEmbeddingBagCollection(
+            ebc, plan=plan, config=config, device=device, pg=pg
+        )
     dense = dense.to(device)
     _, world_size = rank_and_world_size(pg)
     if world_size > 1 and any(p.requires_grad for p in dense.parameters()):

@@ -114,7 +114,12 @@ class Trainer:
             spec.model, tables=spec.tables(), num_dense=len(spec.data.dense_columns)
         )
         self.model: RecModel = shard_model(
-            model, plan=plan, config=spec.sharding, device=self.device
+            model,
+            plan=plan,
+            config=spec.sharding,
+            device=self.device,
+            # Columns are features: the data's dedup groups are the model's.
+            dedup_groups=spec.data.dedup_groups,
         )
         dense_params = list(self.model.dense.parameters())
         if cfg.dense_optimizer == "adam":
@@ -250,6 +255,7 @@ class Trainer:
         if eval_data is not None:
             final.update(self._evaluate_data(eval_data))
         final.update(self._comm_metrics())
+        final.update(self._dedup_metrics())
         final["data/first_batch_seconds"] = _all_reduce_scalar(
             self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
         )
@@ -275,6 +281,22 @@ class Trainer:
             for kind, n in by_kind.items()
         }
         return {name: _all_reduce_scalar(local.get(name, 0.0), self.device) for name in names}
+
+    def _dedup_metrics(self) -> dict[str, float]:
+        """Per deduplicated table: ``dedup/<table>/ratio`` (samples per unique row, over all
+        ranks), ``lookups_saved`` and ``a2a_bytes_saved`` (summed over ranks); a collective."""
+        stats_of = getattr(self.model.embedding_bags, "dedup_stats", None)
+        if stats_of is None:
+            return {}
+        metrics = {}
+        for table, stats in sorted(stats_of().items()):
+            for name in ("lookups_saved", "a2a_bytes_saved"):
+                metrics[f"dedup/{table}/{name}"] = _all_reduce_scalar(stats[name], self.device)
+            # The global ratio: the mean of the ranks' ratios (their batches are alike).
+            world = dist.get_world_size() if _distributed() else 1
+            ratio = _all_reduce_scalar(stats["ratio"], self.device) / world
+            metrics[f"dedup/{table}/ratio"] = ratio
+        return metrics
 
     def _batches(self, data: Any) -> Iterator[Batch]:
         return iter_train_batches(data, config=self.spec.data)

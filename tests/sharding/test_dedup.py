@@ -1,0 +1,183 @@
+"""RecD parity: looking dedup groups up on their unique rows gives the plain path's outputs,
+gradients, updated tables and optimizer state, for every sharding type and world size; the
+unsharded collection too. Plus the group-boundary error and the statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydlrm.batch import DedupGroup, KeyedJaggedTensor
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection, feature_sets
+from tests._multiprocess import run_distributed
+from tests.sharding._fixtures import TinyModel, make_tables
+
+GROUPS = [["f0", "f1"], ["f3"]]  # t0 (two features) and t2 deduplicated; t1, t3 plain
+TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "mixed"]
+MIXED = {"t0": "row_wise", "t1": "data_parallel", "t2": "column_wise", "t3": "table_wise"}
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # float summation order differs (duplicates summed first)
+STEPS = 2
+
+
+def _kjt(keys: list[str], rows: int, gen: torch.Generator, *, weighted: bool) -> KeyedJaggedTensor:
+    sizes = {"f0": 50, "f1": 50, "f2": 30, "f3": 40, "f4": 20}
+    lengths = torch.randint(0, 4, (len(keys) * rows,), generator=gen)
+    per_key = lengths.view(len(keys), rows).sum(1).tolist() if rows else [0] * len(keys)
+    values = torch.cat(
+        [
+            torch.randint(0, sizes[k], (n,), generator=gen)
+            for k, n in zip(keys, per_key, strict=True)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor.from_lengths(keys, values, lengths, weights=weights)
+
+
+def _batch(rank: int, step: int, *, weighted: bool):
+    """This rank's batch: plain features of B rows, and each group as U unique rows + inverse
+    (U differs across ranks)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    batch = 6 + rank
+    plain = _kjt(["f2", "f4"], batch, gen, weighted=weighted)
+    groups = []
+    for g, keys in enumerate(GROUPS):
+        unique = 2 + (rank + g) % 3
+        inverse = torch.cat([torch.arange(unique), torch.randint(0, unique, (batch - unique,))])
+        inverse = inverse[torch.randperm(batch, generator=gen)]
+        groups.append(DedupGroup(_kjt(keys, unique, gen, weighted=weighted), inverse))
+    return plain, groups
+
+
+def _run(rank: int, world_size: int, kind: str, *, optimizer: str, weighted: bool) -> dict:
+    tables = make_tables(mean_pooling=not weighted)
+    config = ShardingConfig(
+        optimizer=optimizer,
+        learning_rate=0.1,
+        default_type="table_wise" if kind == "mixed" else kind,
+        pinned_types=MIXED if kind == "mixed" else {},
+    )
+    plan = plan_sharding(tables, world_size=world_size, config=config)
+    plain_model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
+    dedup_model = shard_model(
+        TinyModel(tables), plan=plan, config=config, device="cpu", dedup_groups=GROUPS
+    )
+    assert isinstance(dedup_model.embedding_bags, DedupShardedEmbeddingBagCollection)
+    out = {"plain": [], "dedup": []}
+    for step in range(STEPS):
+        plain, groups = _batch(rank, step, weighted=weighted)
+        expanded = KeyedJaggedTensor.concat([plain] + [g.expand() for g in groups])
+        for name, model, args in (
+            ("plain", plain_model, (expanded,)),
+            ("dedup", dedup_model, (plain, groups)),
+        ):
+            pooled = model.embedding_bags(*args).values
+            loss = model.dense(pooled).pow(2).mean()
+            model.dense.zero_grad()
+            loss.backward()
+            dense = getattr(model.dense, "module", model.dense)
+            out[name].append(
+                {"pooled": pooled.detach(), "grad": [p.grad.clone() for p in dense.parameters()]}
+            )
+    for name, model in (("plain", plain_model), ("dedup", dedup_model)):
+        out[f"{name}_tables"] = model.embedding_bags.gather_full_tables(dst=0)
+        out[f"{name}_states"] = model.embedding_bags.gather_full_optimizer_states(dst=0)
+    out["stats"] = dedup_model.embedding_bags.dedup_stats()
+    out["bytes"] = (
+        plain_model.embedding_bags.comm_bytes(),
+        dedup_model.embedding_bags.comm_bytes(),
+    )
+    return out
+
+
+def _worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]]) -> list[dict]:
+    return [_run(rank, world_size, k, optimizer=o, weighted=w) for k, o, w in cases]
+
+
+def _assert_parity(result: dict, rank: int) -> None:
+    for p, d in zip(result["plain"], result["dedup"], strict=True):
+        torch.testing.assert_close(d["pooled"], p["pooled"], **TOL)
+        for gd, gp in zip(d["grad"], p["grad"], strict=True):
+            torch.testing.assert_close(gd, gp, **TOL)
+    if rank == 0:
+        for name, table in result["plain_tables"].items():
+            torch.testing.assert_close(result["dedup_tables"][name], table, **TOL)
+            for sd, sp in zip(
+                result["dedup_states"][name], result["plain_states"][name], strict=True
+            ):
+                torch.testing.assert_close(sd, sp, **TOL)
+
+
+CASES = [(kind, "rowwise_adagrad", False) for kind in TYPES] + [
+    ("mixed", "adagrad", True),
+    ("table_wise", "sgd", True),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dedup_matches_the_plain_path(world_size: int) -> None:
+    results = run_distributed(_worker, world_size=world_size, args=(CASES,), timeout_s=240)
+    for rank, per_case in enumerate(results):
+        for case, result in zip(CASES, per_case, strict=True):
+            try:
+                _assert_parity(result, rank)
+            except AssertionError as e:
+                raise AssertionError(f"case {case}, rank {rank}/{world_size}: {e}") from e
+    # Only unique rows crossed the network: fewer output bytes than the plain path.
+    plain_bytes, dedup_bytes = results[0][0]["bytes"]
+    if world_size > 1:
+        assert sum(dedup_bytes["forward"].values()) < sum(plain_bytes["forward"].values())
+
+
+@pytest.mark.distributed
+def test_dedup_matches_the_plain_path_on_three_ranks() -> None:
+    cases = [("mixed", "rowwise_adagrad", True)]
+    for rank, per_case in enumerate(run_distributed(_worker, world_size=3, args=(cases,))):
+        _assert_parity(per_case[0], rank)
+
+
+def test_unsharded_collection_dedup_parity() -> None:
+    model = TinyModel(make_tables())
+    plain, groups = _batch(0, 0, weighted=False)
+    expanded = KeyedJaggedTensor.concat([plain] + [g.expand() for g in groups])
+    reference = model.embedding_bags(expanded).values
+    reference.sum().backward()
+    grads = {k: w.grad.clone() for k, w in model.embedding_bags.weights.items()}
+    model.zero_grad()
+    got = model.embedding_bags(plain, groups).values
+    got.sum().backward()
+    torch.testing.assert_close(got, reference, **TOL)
+    for k, w in model.embedding_bags.weights.items():
+        torch.testing.assert_close(w.grad, grads[k], **TOL)
+
+
+def test_a_table_across_a_group_boundary_is_an_error() -> None:
+    tables = make_tables()  # t0 is looked up by f0 and f1
+    with pytest.raises(ValueError, match=r"table 't0'.*not all in the same dedup group"):
+        feature_sets(tables, [["f0"]])
+    with pytest.raises(ValueError, match=r"features \['nope'\]"):
+        feature_sets(tables, [["nope"]])
+    assert [t.name for t in feature_sets(tables, GROUPS)[1]] == ["t0"]
+
+
+def test_dedup_stats_count_rows_and_lookups_saved() -> None:
+    tables = [
+        EmbeddingBagConfig(name="u", num_embeddings=10, embedding_dim=4, feature_names=("f",))
+    ]
+    config = ShardingConfig()
+    plan = plan_sharding(tables, world_size=1, config=config)
+    model = shard_model(
+        TinyModel(tables), plan=plan, config=config, device="cpu", dedup_groups=[["f"]]
+    )
+    unique = KeyedJaggedTensor.from_lengths(["f"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]))
+    group = DedupGroup(unique, torch.tensor([0, 1, 1, 1, 0, 1]))  # 6 samples, 2 unique rows
+    other = KeyedJaggedTensor.from_lengths(  # no table reads it: the group is all there is
+        ["other"], torch.zeros(0, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)
+    )
+    model.embedding_bags(other, [group])
+    stats = model.embedding_bags.dedup_stats()["u"]
+    assert stats["ratio"] == 3.0
+    # Expanded: 2 samples x 1 id + 4 samples x 2 ids = 10 ids; looked up: 3.
+    assert stats["lookups_saved"] == 7.0
