@@ -107,7 +107,12 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
         self.dedup_groups = [list(g) for g in dedup_groups]
         self._set_ids: list[int] = []
         parts = []
-        for set_id, tables in feature_sets(self.tables, self.dedup_groups).items():
+        sets = feature_sets(self.tables, self.dedup_groups)
+        position = {t.name: i for i, t in enumerate(self.tables)}
+        # Parts in the order of their first table: when each set's tables are contiguous (e.g.
+        # the user features first), the parts' columns are already in feature order and no
+        # column permutation pass is needed.
+        for set_id, tables in sorted(sets.items(), key=lambda kv: position[kv[1][0].name]):
             names = {t.name for t in tables}
             part_config = dataclasses.replace(
                 config,
@@ -156,7 +161,7 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
                 f"the batch has dedup groups {given}, the collection was built for {declared}"
             )
         values = []
-        for set_id, part in zip(self._set_ids, self.parts, strict=True):
+        for set_id, part in zip(self._set_ids, self.parts, strict=True):  # every rank, in order
             if set_id == 0:
                 values.append(part(features).values)
                 continue
