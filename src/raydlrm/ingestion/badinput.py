@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raydlrm.ingestion._arrow import is_list
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.storage import filesystem_for
 
@@ -66,7 +67,7 @@ class BadInputError(ValueError):
 
 
 def _flat(array: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
-    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+    if is_list(array.type):
         offsets = array.offsets.to_numpy().astype(np.int64)
         return array.flatten(), offsets - offsets[0]
     return array, None

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raydlrm.ingestion._arrow import is_list, is_string
 from raydlrm.ingestion.badinput import apply_policy, drop_tagging_columns
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
@@ -123,30 +124,17 @@ def hash_strings(array: pa.Array) -> np.ndarray:
     return mix64(hashes)
 
 
-def _is_string(type_: pa.DataType) -> bool:
-    return (
-        pa.types.is_string(type_)
-        or pa.types.is_large_string(type_)
-        or pa.types.is_binary(type_)
-        or pa.types.is_large_binary(type_)
-    )
-
-
 def _raw_hash(values: pa.Array) -> np.ndarray:
     """uint64 hash of every id (integer or string) of a flat array."""
-    if _is_string(values.type):
+    if is_string(values.type):
         return hash_strings(values)
     return mix64(values.cast(pa.int64()).to_numpy())
-
-
-def _is_list(type_: pa.DataType) -> bool:
-    return pa.types.is_list(type_) or pa.types.is_large_list(type_)
 
 
 def _flat(ids: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
     """The flat values of a (possibly sliced) column and, for a list column, its offsets
     relative to the first row (int64, ``(B + 1,)``); None for a single-id column."""
-    if not _is_list(ids.type):
+    if not is_list(ids.type):
         return ids, None
     offsets = ids.offsets.to_numpy().astype(np.int64)
     return ids.flatten(), offsets - offsets[0]

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from raydlrm.ingestion._arrow import is_list, is_string
 from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.storage import StorageError, list_files
@@ -76,19 +77,9 @@ class DataSummary:
     quarantined_files: list[str] = field(default_factory=list)
 
 
-def _is_list(type_: pa.DataType) -> bool:
-    return pa.types.is_list(type_) or pa.types.is_large_list(type_)
-
-
 def _is_id(type_: pa.DataType) -> bool:
     """Integer or string (binary) ids."""
-    return (
-        pa.types.is_integer(type_)
-        or pa.types.is_string(type_)
-        or pa.types.is_large_string(type_)
-        or pa.types.is_binary(type_)
-        or pa.types.is_large_binary(type_)
-    )
+    return pa.types.is_integer(type_) or is_string(type_)
 
 
 def _is_number(type_: pa.DataType) -> bool:
@@ -103,10 +94,10 @@ def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> Non
         ok = _is_number(type_)
         expected = "integer or float"
     elif kind == "weight":
-        ok = _is_number(type_) or (_is_list(type_) and _is_number(type_.value_type))
+        ok = _is_number(type_) or (is_list(type_) and _is_number(type_.value_type))
         expected = "float or list of floats"
     else:
-        ok = _is_id(type_) or (_is_list(type_) and _is_id(type_.value_type))
+        ok = _is_id(type_) or (is_list(type_) and _is_id(type_.value_type))
         expected = "integer or string ids, or a list of either"
     if not ok:
         raise DataValidationError(
@@ -181,7 +172,7 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     assert first_schema is not None
     for column in config.sparse_columns:
         weight = config.weight_column_of(column)
-        if weight is not None and _is_list(first_schema.field(column).type) != _is_list(
+        if weight is not None and is_list(first_schema.field(column).type) != is_list(
             first_schema.field(weight).type
         ):
             raise DataValidationError(
@@ -191,13 +182,13 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
             )
     for column, spec in config.sparse_specs.items():
         type_ = first_schema.field(column).type
-        value_type = type_.value_type if _is_list(type_) else type_
+        value_type = type_.value_type if is_list(type_) else type_
         if not spec.hash and not pa.types.is_integer(value_type):
             raise DataValidationError(
                 f"{role} data: sparse column {column!r} has type {type_}, but "
                 f"data.sparse_specs.{column}.hash = false needs integer row numbers"
             )
-    list_columns = [c for c in config.sparse_columns if _is_list(first_schema.field(c).type)]
+    list_columns = [c for c in config.sparse_columns if is_list(first_schema.field(c).type)]
     return DataSummary(
         path=path,
         num_rows=num_rows,
