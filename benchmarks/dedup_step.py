@@ -11,7 +11,7 @@ saved.
 Usage::
 
     python benchmarks/dedup_step.py [--batch-size 4096] [--session-length 4] [--steps 5]
-        [--repeats 5] [--dim 64] [--table-size 100000] [--profile]
+        [--repeats 5] [--dim 64] [--table-size 100000] [--user-features 8] [--profile]
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 WORLD_SIZE = 2
-USER_FEATURES = [f"C{i}" for i in range(1, 9)]
 
 
 def _spec(args: argparse.Namespace, data: Path, dedup: bool):
@@ -41,7 +40,7 @@ def _spec(args: argparse.Namespace, data: Path, dedup: bool):
             "eval_path": None,
             "table_size": args.table_size,
             "batch_size": args.batch_size,
-            "dedup_groups": [USER_FEATURES] if dedup else [],
+            "dedup_groups": [[f"C{i}" for i in range(1, args.user_features + 1)]] if dedup else [],
         },
         model={
             "embedding_dim": args.dim,
@@ -58,7 +57,7 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace, data: Path) -> dic
 
     from raydlrm.ingestion import Preprocessor
     from raydlrm.ingestion.loader import arrow_to_batch
-    from raydlrm.sharding import plan_sharding
+    from raydlrm.sharding.dedup import plan_feature_sets
     from raydlrm.trainers.loop import Trainer
 
     torch.set_num_threads(1)
@@ -69,7 +68,13 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace, data: Path) -> dic
     trainers, batches = {}, {}
     for name, dedup in (("plain", False), ("dedup", True)):
         spec = _spec(args, data, dedup)
-        plan = plan_sharding(spec.tables(), world_size=WORLD_SIZE, config=spec.sharding)
+        plan = plan_feature_sets(
+            spec.tables(),
+            spec.data.dedup_groups,
+            world_size=WORLD_SIZE,
+            config=spec.sharding,
+            batch_size=args.batch_size * WORLD_SIZE,
+        )
         trainers[name] = Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
         table = Preprocessor(spec.data)(raw)
         b = args.batch_size
@@ -128,6 +133,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--table-size", type=int, default=100_000)
     parser.add_argument("--profile", action="store_true", help="profile both on rank 0")
+    parser.add_argument(
+        "--user-features",
+        type=int,
+        default=8,
+        help="synthetic user features (C1..Cn, repeated over a session), all deduplicated",
+    )
     args = parser.parse_args()
 
     from raydlrm.ingestion import SyntheticConfig, generate_synthetic
@@ -139,6 +150,7 @@ def main() -> None:
             num_eval_rows=0,
             rows_per_file=WORLD_SIZE * args.batch_size * 4,
             mean_session_length=args.session_length,
+            num_user_features=args.user_features,
             seed=5,
         ),
         out_dir=data,
@@ -168,9 +180,9 @@ def main() -> None:
     paired = [p / d for p, d in zip(times["plain"], times["dedup"], strict=True)]
     print(
         f"\n{WORLD_SIZE} gloo ranks x 1 thread, DLRM dim {args.dim}, 26 tables of "
-        f"{args.table_size:,} rows (8 user features deduplicated), batch {args.batch_size} per "
-        f"rank, sessions of mean length {args.session_length}, {args.steps} steps x "
-        f"{args.repeats} repeats"
+        f"{args.table_size:,} rows ({args.user_features} user features deduplicated), "
+        f"batch {args.batch_size} per rank, sessions of mean length {args.session_length}, "
+        f"{args.steps} steps x {args.repeats} repeats"
     )
     print("| variant | ms/step (median) |")
     print("|---|---|")

@@ -10,7 +10,11 @@ import torch
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
-from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection, feature_sets
+from raydlrm.sharding.dedup import (
+    DedupShardedEmbeddingBagCollection,
+    feature_sets,
+    plan_feature_sets,
+)
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import TinyModel, make_tables
 
@@ -181,3 +185,20 @@ def test_dedup_stats_count_rows_and_lookups_saved() -> None:
     assert stats["ratio"] == 3.0
     # Expanded: 2 samples x 1 id + 4 samples x 2 ids = 10 ids; looked up: 3.
     assert stats["lookups_saved"] == 7.0
+
+
+def test_each_feature_set_is_balanced_on_its_own() -> None:
+    # One wide plain table costs as much as the four user tables together; each set (with its
+    # own collectives) must still be spread over both ranks.
+    users = [
+        EmbeddingBagConfig(
+            name=f"u{i}", num_embeddings=1000, embedding_dim=16, feature_names=(f"u{i}",)
+        )
+        for i in range(4)
+    ]
+    wide = EmbeddingBagConfig(name="w", num_embeddings=1000, embedding_dim=64, feature_names=("w",))
+    tables = [*users, wide]
+    groups = [[f"u{i}" for i in range(4)]]
+    plan = plan_feature_sets(tables, groups, world_size=2, config=ShardingConfig())
+    plan.validate(tables)
+    assert sorted(plan.table(t.name).shards[0].rank for t in users) == [0, 0, 1, 1]

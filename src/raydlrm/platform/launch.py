@@ -34,7 +34,8 @@ from raydlrm.ingestion.storage import list_files
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
-from raydlrm.sharding import ShardingPlan, load_constants, plan_sharding
+from raydlrm.sharding import ShardingPlan, load_constants
+from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.trainers.loop import train_loop_per_worker
 
 __all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
@@ -80,8 +81,10 @@ def make_plan(config: JobConfig) -> ShardingPlan:
     spec = config.worker_spec()
     constants_path = Path(config.sharding.cost_constants_path).expanduser()
     constants = load_constants(constants_path) if constants_path.exists() else None
-    return plan_sharding(
+    # With dedup groups each feature set runs its own collectives: balance each set.
+    return plan_feature_sets(
         spec.tables(),
+        config.data.dedup_groups,
         world_size=config.scaling.num_workers,
         config=config.sharding,
         batch_size=config.data.batch_size,

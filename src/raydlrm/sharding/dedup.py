@@ -31,7 +31,7 @@ from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import Shard, ShardingPlan
 
-__all__ = ["DedupShardedEmbeddingBagCollection", "feature_sets"]
+__all__ = ["DedupShardedEmbeddingBagCollection", "feature_sets", "plan_feature_sets"]
 
 
 def feature_sets(
@@ -58,6 +58,42 @@ def feature_sets(
             )
         sets[ids.pop()].append(table)
     return dict(sorted(sets.items()))
+
+
+def plan_feature_sets(
+    tables: list[EmbeddingBagConfig],
+    dedup_groups: Sequence[Sequence[str]],
+    *,
+    world_size: int,
+    config: ShardingConfig,
+    **kwargs,
+) -> ShardingPlan:
+    """A plan that balances every feature set on its own.
+
+    Each feature set runs its own collectives, so every rank waits for the slowest rank once per
+    set: balancing the whole collection can leave each set lopsided (one rank holding most of
+    the user tables, the other most of the rest) and every set then waits. Each set is planned
+    with :func:`~raydlrm.sharding.planner.plan_sharding` (``kwargs`` passed on); memory
+    capacity is checked per set.
+    """
+    from raydlrm.sharding.planner import plan_sharding
+
+    if not dedup_groups:
+        return plan_sharding(tables, world_size=world_size, config=config, **kwargs)
+    planned = {}
+    for set_tables in feature_sets(tables, dedup_groups).values():
+        names = {t.name for t in set_tables}
+        set_config = dataclasses.replace(
+            config,
+            pinned_types={k: v for k, v in config.pinned_types.items() if k in names},
+            pinned_ranks={k: v for k, v in config.pinned_ranks.items() if k in names},
+            comm_precision_per_table={
+                k: v for k, v in config.comm_precision_per_table.items() if k in names
+            },
+        )
+        plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
+        planned.update({t.name: t for t in plan.tables})
+    return ShardingPlan(world_size=world_size, tables=[planned[t.name] for t in tables])
 
 
 def _sub_collection(
