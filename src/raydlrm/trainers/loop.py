@@ -149,7 +149,7 @@ class Trainer:
         loss.backward()  # also applies the fused embedding optimizer
         self.optimizer.step()
         self.step += 1
-        return StepResult(logits=logits.detach(), loss=float(loss))
+        return StepResult(logits=logits.detach(), loss=float(loss.detach()))
 
     def _lockstep(self, batches: Iterable[Batch], empty: Batch | None = None) -> Iterator[Batch]:
         """Yields batches while any rank has one; a rank that ran dry yields empty batches.
