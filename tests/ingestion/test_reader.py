@@ -13,7 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from raydlrm.ingestion import DataConfig, SyntheticConfig, generate_synthetic, validate_data
-from raydlrm.ingestion.reader import WorkerSource, _session_order, assign_row_groups
+from raydlrm.ingestion.reader import (
+    EpochProgress,
+    WorkerSource,
+    _session_order,
+    assign_row_groups,
+)
 from raydlrm.ingestion.schema import RowGroup
 
 
@@ -29,9 +34,10 @@ def test_every_row_group_goes_to_exactly_one_worker_each_epoch(world_size: int) 
         assigned = assign_row_groups(
             groups, world_size=world_size, seed=5, epoch=epoch, shuffle=True
         )
-        flat = [g for worker in assigned for g in worker]
+        flat = [groups[i] for worker in assigned for i, skip in worker]
         assert Counter(flat) == Counter(groups)
-        rows = [sum(g.num_rows for g in worker) for worker in assigned]
+        assert all(skip == 0 for worker in assigned for _, skip in worker)
+        rows = [sum(groups[i].num_rows for i, _ in worker) for worker in assigned]
         # Greedy to the least-loaded worker: no worker is more than one row group ahead.
         assert max(rows) - min(rows) <= max(g.num_rows for g in groups)
         orders.append(flat)
@@ -39,7 +45,50 @@ def test_every_row_group_goes_to_exactly_one_worker_each_epoch(world_size: int) 
         assert again == assigned  # deterministic
     assert orders[0] != orders[1] != orders[2]
     unshuffled = assign_row_groups(groups, world_size=1, seed=5, epoch=7, shuffle=False)
-    assert unshuffled == [groups]
+    assert unshuffled == [[(i, 0) for i in range(len(groups))]]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 2), (2, 3), (3, 2), (4, 1)])
+def test_resume_covers_the_untrained_rows_once(saved: int, resumed: int) -> None:
+    """A checkpoint's progress leaves out finished row groups, skips the trained head of
+    started ones, and (same world size) keeps each worker's own row groups."""
+    groups = _groups([100, 250, 80, 80, 300, 120, 90, 60, 200, 110, 70])
+    before = assign_row_groups(groups, world_size=saved, seed=5, epoch=1, shuffle=True)
+    progress = EpochProgress(epoch=1)
+    for worker in before:  # each worker: its first row group done, 30 rows of its second
+        first, second = worker[0][0], worker[1][0]
+        progress.consumed[first] = progress.totals[first] = groups[first].num_rows
+        progress.consumed[second], progress.totals[second] = 30, groups[second].num_rows
+    after = assign_row_groups(
+        groups,
+        world_size=resumed,
+        seed=5,
+        epoch=1,
+        shuffle=True,
+        resume=progress,
+        resume_world_size=saved,
+    )
+    trained = {i: progress.consumed.get(i, 0) for i in range(len(groups))}
+    remaining = Counter()
+    for worker in after:
+        for i, skip in worker:
+            assert skip == trained[i]
+            remaining[i] += groups[i].num_rows - skip
+    assert all(trained[i] + remaining[i] == g.num_rows for i, g in enumerate(groups))
+    assert all(remaining[i] == 0 for i in progress.finished())
+    if saved == resumed:
+        assert after == [[(i, progress.consumed.get(i, 0)) for i, _ in w[1:]] for w in before]
+    # Progress of another epoch does not apply.
+    other = assign_row_groups(
+        groups,
+        world_size=resumed,
+        seed=5,
+        epoch=2,
+        shuffle=True,
+        resume=progress,
+        resume_world_size=saved,
+    )
+    assert other == assign_row_groups(groups, world_size=resumed, seed=5, epoch=2, shuffle=True)
 
 
 def test_session_order_permutes_whole_sessions() -> None:

@@ -36,6 +36,8 @@ from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
 if TYPE_CHECKING:
     from ray.data import DataIterator, Dataset
 
+    from raydlrm.ingestion.reader import EpochProgress, WorkerSource
+
 __all__ = ["arrow_to_batch", "iter_train_batches"]
 
 
@@ -185,13 +187,20 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     )
 
 
-def iter_train_batches(iterator: DataIterator | Dataset, *, config: DataConfig) -> Iterator[Batch]:
+def iter_train_batches(
+    iterator: DataIterator | Dataset | WorkerSource,
+    *,
+    config: DataConfig,
+    progress: EpochProgress | None = None,
+) -> Iterator[Batch]:
     """Yields ``Batch`` es from a Ray Data iterator over preprocessed rows.
 
     Args:
         iterator: a ``ray.data.DataIterator`` (e.g. from ``ray.train.get_dataset_shard``) or a
             ``ray.data.Dataset`` over the output of ``build_dataset``.
         config: the data config (``batch_size``, ``prefetch_batches``, column names).
+        progress: counts each batch's rows as trained when the batch is taken (its rows carry
+            their row group, see ``raydlrm.ingestion.reader``).
 
     Yields:
         Batches of ``config.batch_size`` samples; the last one may be smaller.
@@ -201,4 +210,6 @@ def iter_train_batches(iterator: DataIterator | Dataset, *, config: DataConfig) 
         batch_format="pyarrow",
         prefetch_batches=config.prefetch_batches,
     ):
+        if progress is not None:
+            progress.advance(table)
         yield arrow_to_batch(table, config=config)

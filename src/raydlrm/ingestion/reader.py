@@ -16,6 +16,16 @@ so a worker's batches are reproducible too.
 
 A worker that runs out of rows before the others keeps stepping with empty batches (see
 ``raydlrm.trainers.loop``) instead of the others dropping their last rows.
+
+Data position (exactly-once resume): every output row carries the id of its row group (its
+index in the data set's list) and the row group's row count after preprocessing. The trainer
+counts, per row group, the rows it has trained on (:class:`EpochProgress`); a checkpoint holds
+those counts of every worker. On resume, :func:`assign_row_groups` leaves out the finished row
+groups and tells each reader how many leading rows of a started one to skip (its rows come in
+the same order every time: the session shuffle is seeded by the row group, not the worker). With
+the world size of the checkpoint each worker keeps its own remaining row groups, so the run
+continues with exactly the batches it would have had; with another world size the remaining
+row groups are dealt anew, still each row once.
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 __all__ = [
+    "RG_ID_COLUMN",
+    "RG_ROWS_COLUMN",
+    "EpochProgress",
     "RowGroupReader",
     "WorkerSource",
     "assign_row_groups",
@@ -56,15 +69,90 @@ logger = logging.getLogger(__name__)
 
 _ACTOR_NUM_CPUS = 0.5
 
+RG_ID_COLUMN = "__rg_id"
+"""Index of the row's row group in the data set's list of row groups."""
+RG_ROWS_COLUMN = "__rg_rows"
+"""Rows of the row's row group after preprocessing (bad rows quarantined)."""
+
+
+class EpochProgress:
+    """Rows trained on per row group in the current epoch, by one worker or merged over all.
+
+    ``consumed[id]`` counts the rows of row group ``id`` trained on so far (including rows
+    skipped because an earlier run trained on them); ``totals[id]`` is its row count after
+    preprocessing, known once one of its rows was seen.
+    """
+
+    def __init__(self, epoch: int = 0, consumed: dict | None = None, totals: dict | None = None):
+        self.epoch = epoch
+        self.consumed: dict[int, int] = {int(k): int(v) for k, v in (consumed or {}).items()}
+        self.totals: dict[int, int] = {int(k): int(v) for k, v in (totals or {}).items()}
+
+    def advance(self, table: pa.Table) -> None:
+        """Counts the rows of a batch (a table with the row-group columns) as trained."""
+        if RG_ID_COLUMN not in table.column_names or not table.num_rows:
+            return
+        ids = table.column(RG_ID_COLUMN).to_numpy()
+        totals = table.column(RG_ROWS_COLUMN).to_numpy()
+        unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        for i, f, n in zip(unique.tolist(), first.tolist(), counts.tolist(), strict=True):
+            self.consumed[i] = self.consumed.get(i, 0) + n
+            self.totals[i] = int(totals[f])
+
+    def finished(self) -> set[int]:
+        return {i for i, n in self.consumed.items() if n >= self.totals.get(i, n + 1)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": {str(k): v for k, v in sorted(self.consumed.items())},
+            "totals": {str(k): v for k, v in sorted(self.totals.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EpochProgress:
+        return cls(d["epoch"], d.get("consumed"), d.get("totals"))
+
+    @classmethod
+    def merged(cls, parts: list[EpochProgress]) -> EpochProgress:
+        """The progress of all workers (each row group is read by one worker per epoch; a
+        worker may also hold an older count of another's row group, from the checkpoint it
+        resumed: the largest count wins)."""
+        out = cls(parts[0].epoch if parts else 0)
+        for p in parts:
+            for i, n in p.consumed.items():
+                out.consumed[i] = max(out.consumed.get(i, 0), n)
+            out.totals.update(p.totals)
+        return out
+
 
 def epoch_rng(seed: int, epoch: int, *salt: int) -> np.random.Generator:
     """The random stream of ``(seed, epoch, *salt)``: the same on every machine and run."""
     return np.random.default_rng([seed, epoch, *salt])
 
 
+def _deal(
+    groups: list[RowGroup], order: list[int], world_size: int, skip: dict[int, int]
+) -> list[list[tuple[int, int]]]:
+    assigned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    rows = [0] * world_size
+    for i in order:
+        rank = min(range(world_size), key=lambda r: (rows[r], r))
+        assigned[rank].append((i, skip.get(i, 0)))
+        rows[rank] += max(groups[i].num_rows - skip.get(i, 0), 0)
+    return assigned
+
+
 def assign_row_groups(
-    groups: list[RowGroup], *, world_size: int, seed: int, epoch: int, shuffle: bool
-) -> list[list[RowGroup]]:
+    groups: list[RowGroup],
+    *,
+    world_size: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    resume: EpochProgress | None = None,
+    resume_world_size: int | None = None,
+) -> list[list[tuple[int, int]]]:
     """Deals the row groups of one epoch to the workers.
 
     Args:
@@ -73,21 +161,28 @@ def assign_row_groups(
         seed: the job's seed.
         epoch: the epoch (a different order every epoch when ``shuffle``).
         shuffle: shuffle the row groups first (training); keep file order otherwise (eval).
+        resume: the progress of this epoch saved by a checkpoint, merged over its workers.
+        resume_world_size: the world size that made ``resume``.
 
     Returns:
-        For each worker, its row groups in reading order. Every row group appears exactly once;
-        each goes to the worker with the fewest rows so far (ties: the lowest rank).
+        For each worker, ``(row group id, rows to skip)`` in reading order. Every row group
+        appears exactly once (finished ones of ``resume`` not at all); each goes to the worker
+        with the fewest rows so far (ties: the lowest rank). With ``resume`` from the same world
+        size, each worker keeps the row groups it had.
     """
     order = list(range(len(groups)))
     if shuffle:
         order = epoch_rng(seed, epoch).permutation(len(groups)).tolist()
-    assigned: list[list[RowGroup]] = [[] for _ in range(world_size)]
-    rows = [0] * world_size
-    for i in order:
-        rank = min(range(world_size), key=lambda r: (rows[r], r))
-        assigned[rank].append(groups[i])
-        rows[rank] += groups[i].num_rows
-    return assigned
+    if resume is None or resume.epoch != epoch:
+        return _deal(groups, order, world_size, {})
+    finished = resume.finished()
+    skip = {i: n for i, n in resume.consumed.items() if i not in finished}
+    if resume_world_size == world_size:
+        return [
+            [(i, skip.get(i, 0)) for i, _ in mine if i not in finished]
+            for mine in _deal(groups, order, world_size, {})
+        ]
+    return _deal(groups, [i for i in order if i not in finished], world_size, skip)
 
 
 def _session_order(table: pa.Table, column: str, rng: np.random.Generator) -> np.ndarray:
@@ -140,11 +235,15 @@ class RowGroupReader:
     def __call__(self, refs: pa.Table) -> pa.Table:
         tables = []
         for ref in refs.to_pylist():
-            table = self._read(RowGroup(**ref))
+            table = self._read(RowGroup(**ref["group"]))
             if table is not None and table.num_rows:
-                tables.append(self.preprocess(table))
+                out = self.preprocess(table)
+                total = out.num_rows
+                out = out.slice(min(ref["skip"], total))
+                tables.append(_with_position(out, ref["id"], total))
         if not tables:
-            return self.preprocess(empty_raw_table(self.schema, self.columns))
+            empty = self.preprocess(empty_raw_table(self.schema, self.columns))
+            return _with_position(empty, -1, 0)
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
     def _read(self, group: RowGroup) -> pa.Table | None:
@@ -173,6 +272,12 @@ class RowGroupReader:
             rng = epoch_rng(self.seed, self.epoch, salt, group.index)
             table = table.take(pa.array(_session_order(table, session, rng)))
         return table
+
+
+def _with_position(table: pa.Table, group_id: int, total: int) -> pa.Table:
+    n = table.num_rows
+    table = table.append_column(RG_ID_COLUMN, pa.array(np.full(n, group_id, dtype=np.int64)))
+    return table.append_column(RG_ROWS_COLUMN, pa.array(np.full(n, total, dtype=np.int64)))
 
 
 def empty_raw_table(schema: pa.Schema, columns: list[str]) -> pa.Table:
@@ -226,20 +331,30 @@ class WorkerSource:
         self.num_actors, self.schema = num_actors, schema
         self.columns = read_columns(config, schema)
         self.epoch = 0
+        self.resume: EpochProgress | None = None
+        self.resume_world_size: int | None = None
 
-    def row_groups(self, epoch: int) -> list[RowGroup]:
-        """This worker's row groups in ``epoch``, in reading order."""
+    def start(self, epoch: int, *, resume: EpochProgress | None, world_size: int | None) -> None:
+        """Makes the next :meth:`iter_batches` read ``epoch``, resuming a checkpoint's progress
+        in it (made by ``world_size`` workers) when given."""
+        self.epoch, self.resume, self.resume_world_size = epoch, resume, world_size
+
+    def row_groups(self, epoch: int) -> list[tuple[int, int]]:
+        """This worker's ``(row group id, rows to skip)`` in ``epoch``, in reading order."""
         return assign_row_groups(
             self.groups,
             world_size=self.world_size,
             seed=self.seed,
             epoch=epoch,
             shuffle=self.shuffle,
+            resume=self.resume,
+            resume_world_size=self.resume_world_size,
         )[self.rank]
 
     def empty_table(self) -> pa.Table:
         """A preprocessed table of 0 rows (the structure of this data's batches)."""
-        return Preprocessor(self.config)(empty_raw_table(self.schema, self.columns))
+        empty = Preprocessor(self.config)(empty_raw_table(self.schema, self.columns))
+        return _with_position(empty, -1, 0)
 
     def dataset(self, epoch: int) -> Any:
         """The lazy Ray dataset of this worker's preprocessed rows in ``epoch`` (None when the
@@ -251,7 +366,10 @@ class WorkerSource:
             return None
         # Row groups come out in the order they were dealt, so a run is reproducible.
         ray.data.DataContext.get_current().execution_options.preserve_order = True
-        refs = ray.data.from_items([g.to_dict() for g in mine], override_num_blocks=len(mine))
+        refs = ray.data.from_items(
+            [{"group": self.groups[i].to_dict(), "id": i, "skip": skip} for i, skip in mine],
+            override_num_blocks=len(mine),
+        )
         return refs.map_batches(
             RowGroupReader,
             fn_constructor_kwargs={
@@ -275,5 +393,6 @@ class WorkerSource:
         """This worker's batches of the next epoch (arguments as ``Dataset.iter_batches``)."""
         epoch, self.epoch = self.epoch, self.epoch + 1
         dataset = self.dataset(epoch)
+        self.resume = None  # a checkpoint's progress applies to its own epoch only
         if dataset is not None:
             yield from dataset.iter_batches(**kwargs)

@@ -23,7 +23,8 @@ from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.models import ModelConfig
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.trainers import TrainingConfig, WorkerSpec
+from raydlrm.trainers import CheckpointConfig, FaultConfig, TrainingConfig, WorkerSpec
+from raydlrm.trainers.config import FAULT_ENV
 
 __all__ = [
     "ConfigError",
@@ -62,7 +63,9 @@ class RunSpec:
     """Fields of Ray Train's ``RunConfig`` and ``FailureConfig``."""
 
     name: str | None = None
-    """Run name; also the name of the Ray Train run directory. Default: ``raydlrm-<time>``."""
+    """Run name; also the name of the Ray Train run directory. Default: ``raydlrm-<time>``.
+    Submitting again with the same name and storage resumes the run from its latest checkpoint
+    (and continues its MLflow run)."""
     storage_path: str = "runs"
     """Where Ray Train keeps run state and checkpoints (a local path or ``s3://...``)."""
     max_failures: int = 0
@@ -107,6 +110,8 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     run: RunSpec = field(default_factory=RunSpec)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -115,7 +120,12 @@ class JobConfig:
     def worker_spec(self) -> WorkerSpec:
         """The part of the config the workers get."""
         return WorkerSpec(
-            data=self.data, model=self.model, sharding=self.sharding, training=self.training
+            data=self.data,
+            model=self.model,
+            sharding=self.sharding,
+            training=self.training,
+            checkpoint=self.checkpoint,
+            fault=self.fault,
         )
 
     def run_name(self) -> str:
@@ -207,6 +217,13 @@ def load_config(
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     for override in overrides:
         _apply_override(tree, override)
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        try:
+            parsed = FaultConfig.from_env(fault)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        tree["fault"] = {"at_step": parsed.at_step, "rank": parsed.rank, "during": parsed.during}
     try:
         return JobConfig(**tree)
     except pydantic.ValidationError as e:

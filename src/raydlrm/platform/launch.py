@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow.dataset as pads
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raydlrm.ingestion import (
@@ -179,7 +179,7 @@ def train(
     logger.info("sharding plan:\n%s", plan.format_table())
 
     _init_ray(job)
-    tracked = start_run(job, run_name=run_name)
+    tracked = start_run(job, run_name=run_name, run_key=_join(job.run.storage_path, run_name))
     try:
         tracked.log_plan(plan)
         tracked.log_params(
@@ -318,21 +318,38 @@ def _fit(
         resources_per_worker=dict(job.scaling.resources_per_worker),
     )
     callbacks = [*(run_config.callbacks or [] if run_config else []), tracked.callback()]
+    ckpt = job.checkpoint
     if run_config is None:
         storage = job.run.storage_path
         run_config = RunConfig(
             name=run_name,
             storage_path=storage if "://" in storage else str(Path(storage).resolve()),
             failure_config=FailureConfig(max_failures=job.run.max_failures),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=ckpt.num_to_keep,
+                checkpoint_score_attribute=ckpt.score_metric,
+                checkpoint_score_order=ckpt.score_order,
+            ),
             callbacks=callbacks,
         )
     else:
         run_config.callbacks = callbacks
+    # The injected fault fires once per run: its marker lives with the run (local storage).
+    run_root = run_config.storage_path or job.run.storage_path
+    fault_marker = None
+    if job.fault.at_step is not None:
+        if "://" in str(run_root):
+            logger.warning(
+                "fault injection needs local run storage; %s is remote: no fault", run_root
+            )
+        else:
+            fault_marker = str(Path(run_root, run_config.name or run_name, "fault-injected"))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "spec": job.worker_spec().to_dict(),
             "plan": plan.to_json(),
+            "fault_marker": fault_marker,
             "train_source": _source(train, job, shuffle=True, num_workers=scaling.num_workers),
             "eval_source": None
             if evaluation is None

@@ -1,7 +1,10 @@
 """One MLflow run per training job.
 
 The driver creates the run before the workers start and logs the resolved config (flattened) as
-params and the sharding plan as artifacts. Workers never talk to MLflow: their
+params and the sharding plan as artifacts. A job submitted again under the same run name and
+storage (which resumes its Ray Train run from the latest checkpoint) continues the same MLflow
+run: it is found by its ``raydlrm.run_key`` tag, so there is one run per job however often it
+restarts, and the metric steps go on from the checkpoint's step. Workers never talk to MLflow: their
 ``ray.train.report`` metrics reach the run through :class:`MLflowReportCallback`, a Ray Train
 ``UserCallback`` that runs in the Train controller. Rank 0's metrics are logged (every rank
 reports the same, globally reduced values) with the training step as the MLflow step.
@@ -64,6 +67,18 @@ class TrackedRun:
         self.client = MlflowClient(tracking_uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Logs params; on a continued run, a param that changed (MLflow params are immutable,
+        e.g. the worker count of a resharded restart) is recorded as a
+        ``raydlrm.changed.<name>`` tag instead."""
+        existing = self.client.get_run(self.run_id).data.params
+        changed = {
+            k: v
+            for k, v in params.items()
+            if k in existing and existing[k] != str(v)[:_MAX_PARAM_LENGTH]
+        }
+        for k, v in changed.items():
+            self.client.set_tag(self.run_id, f"raydlrm.changed.{k}", str(v)[:5000])
+        params = {k: v for k, v in params.items() if k not in existing}
         items = [
             Param(
                 k,
@@ -100,15 +115,36 @@ class TrackedRun:
         return MLflowReportCallback(tracking_uri=self.tracking_uri, run_id=self.run_id)
 
 
-def start_run(config: JobConfig, *, run_name: str) -> TrackedRun:
-    """Creates the job's MLflow run and logs the resolved config as params and an artifact."""
+def _existing_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | None:
+    escaped = run_key.replace("'", "\\'")
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`raydlrm.run_key` = '{escaped}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0] if runs else None
+
+
+def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -> TrackedRun:
+    """Creates the job's MLflow run, or continues the run of an earlier submission with the
+    same ``run_key`` (run storage and name), and logs the resolved config as params and an
+    artifact."""
     uri = default_tracking_uri(config.tracking)
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment(config.tracking.experiment_name)
     client = MlflowClient(uri)
-    run = client.create_run(
-        experiment.experiment_id, run_name=run_name, tags={"raydlrm.run_name": run_name}
-    )
+    run = _existing_run(client, experiment.experiment_id, run_key) if run_key else None
+    if run is not None:
+        client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        restarts = int(run.data.tags.get("raydlrm.submissions", "1")) + 1
+        client.set_tag(run.info.run_id, "raydlrm.submissions", str(restarts))
+        logger.info("continuing MLflow run %s (submission %d)", run.info.run_id, restarts)
+    else:
+        tags = {"raydlrm.run_name": run_name, "raydlrm.submissions": "1"}
+        if run_key:
+            tags["raydlrm.run_key"] = run_key
+        run = client.create_run(experiment.experiment_id, run_name=run_name, tags=tags)
     tracked = TrackedRun(
         tracking_uri=uri, run_id=run.info.run_id, experiment_id=experiment.experiment_id
     )

@@ -4,12 +4,14 @@ Only ``raydlrm.trainers._ray`` imports Ray; the rest runs in plain processes.
 """
 
 from raydlrm.trainers.checkpoint import LoadedModel, load_model_checkpoint, save_model_checkpoint
-from raydlrm.trainers.config import TrainingConfig
+from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 from raydlrm.trainers.metrics import BinaryMetrics, binary_metrics
 from raydlrm.trainers.spec import WorkerSpec, tables_for
 
 __all__ = [
     "BinaryMetrics",
+    "CheckpointConfig",
+    "FaultConfig",
     "LoadedModel",
     "TrainingConfig",
     "WorkerSpec",

@@ -7,13 +7,15 @@ processes and tests.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray.train
 import ray.train.torch
 
-__all__ = ["WorkerContext", "report", "worker_context"]
+__all__ = ["WorkerContext", "latest_checkpoint", "report", "worker_context"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,15 @@ def report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> Non
         ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir is not None else None
     )
     ray.train.report(metrics, checkpoint=checkpoint)
+
+
+@contextlib.contextmanager
+def latest_checkpoint() -> Iterator[str | None]:
+    """The run's latest complete checkpoint as a local directory (downloaded if remote), or
+    None when the run has none (a fresh start)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as directory:
+        yield directory

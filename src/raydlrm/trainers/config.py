@@ -29,6 +29,9 @@ class TrainingConfig:
     """Evaluate on at most this many batches per worker (None: the whole eval set)."""
     torch_threads: int = 1
     """Intra-op threads per worker (keep CPUs for Ray Data on small machines)."""
+    sample_log_dir: str | None = None
+    """Audit: write the sample ids of every step to ``<dir>/rank<r>-step<s>.npy`` (a local or
+    shared directory; needs a ``sample_id`` column)."""
 
     def __post_init__(self) -> None:
         if self.num_epochs <= 0:
@@ -45,3 +48,88 @@ class TrainingConfig:
             raise ValueError(f"training.eval_every_steps must be >= 0, got {self.eval_every_steps}")
         if self.torch_threads <= 0:
             raise ValueError(f"training.torch_threads must be positive, got {self.torch_threads}")
+
+
+@config_dataclass
+class CheckpointConfig:
+    """When training-state checkpoints are written and which are kept (``[checkpoint]``).
+
+    A checkpoint holds everything needed to continue exactly: embedding shards and fused
+    optimizer state, the dense model and optimizer, RNG states, step, epoch and data position.
+    The run always ends with one (which also holds the unsharded model for the registry).
+    """
+
+    every_steps: int = 0
+    """Write a checkpoint every this many steps (0: not by steps)."""
+    every_minutes: float = 0.0
+    """Write a checkpoint when this many minutes passed since the last one, checked at each
+    metrics report (``training.log_every_steps``) (0: not by time)."""
+    num_to_keep: int | None = None
+    """Keep at most this many checkpoints (None: all). The latest is always kept for resume."""
+    score_metric: str | None = None
+    """Keep the best by this reported metric (e.g. ``train/loss``) instead of the newest."""
+    score_order: Literal["max", "min"] = "max"
+    """Whether a higher or lower ``score_metric`` is better."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
+        if self.every_minutes < 0:
+            raise ValueError(f"checkpoint.every_minutes must be >= 0, got {self.every_minutes}")
+        if self.num_to_keep is not None and self.num_to_keep <= 0:
+            raise ValueError(f"checkpoint.num_to_keep must be positive, got {self.num_to_keep}")
+
+
+FAULT_ENV = "RAYDLRM_FAULT"
+"""``rank=R,step=S[,during=step|checkpoint]``: a fault to inject, overriding ``[fault]``."""
+
+
+@config_dataclass
+class FaultConfig:
+    """Fault injection for tests and drills (``[fault]``, or the ``RAYDLRM_FAULT`` variable).
+
+    The chosen worker process kills itself with ``os._exit`` (no Python exception, no cleanup:
+    as if the machine died) at the chosen step, once per run: a marker in the run's storage
+    keeps the restarted worker from dying again.
+    """
+
+    at_step: int | None = None
+    """Kill after this training step (None: no fault)."""
+    rank: int = 0
+    """The worker that dies."""
+    during: Literal["step", "checkpoint"] = "step"
+    """``step``: right after the step; ``checkpoint``: in the middle of writing the checkpoint
+    of that step (its shards partly written, never reported)."""
+
+    def __post_init__(self) -> None:
+        if self.at_step is not None and self.at_step <= 0:
+            raise ValueError(f"fault.at_step must be positive, got {self.at_step}")
+        if self.rank < 0:
+            raise ValueError(f"fault.rank must be >= 0, got {self.rank}")
+
+    @classmethod
+    def from_env(cls, value: str) -> FaultConfig:
+        """Parses ``rank=R,step=S[,during=...]``.
+
+        Raises:
+            ValueError: naming the variable and the bad part.
+        """
+        fields: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            key, sep, v = part.partition("=")
+            if not sep or key not in ("rank", "step", "during"):
+                raise ValueError(
+                    f"{FAULT_ENV}={value!r}: expected rank=R,step=S[,during=step|checkpoint], "
+                    f"got {part!r}"
+                )
+            fields[key] = v
+        if "step" not in fields:
+            raise ValueError(f"{FAULT_ENV}={value!r}: step=S is required")
+        try:
+            return cls(
+                at_step=int(fields["step"]),
+                rank=int(fields.get("rank", "0")),
+                during=fields.get("during", "step"),  # type: ignore[arg-type]
+            )
+        except ValueError as exc:
+            raise ValueError(f"{FAULT_ENV}={value!r}: {exc}") from exc

@@ -7,6 +7,12 @@ the backward by fbgemm's fused optimizer), dense optimizer step. Metrics are com
 workers and reported every ``log_every_steps``; the held-out set is evaluated every
 ``eval_every_steps`` and at the end; the last report carries the final model as a checkpoint.
 
+Checkpoints (``[checkpoint]``, by steps or minutes, and always at the end) hold the whole
+training state (``raydlrm.trainers.state``): a run restarted by Ray Train after a worker died,
+or submitted again under the same name, loads the latest one and continues from its step with
+the data position it had, so every sample is trained on once and, with the same world size,
+the final weights are those of a run that was never interrupted.
+
 Sharded embeddings make every forward pass a collective (all-to-all), so all ranks must run the
 same number of steps. Workers read whole row groups (``raydlrm.ingestion.reader``), so their
 row counts differ a little; before each step the loop checks whether any rank still has a
@@ -17,18 +23,20 @@ every rank is done. Every row of the epoch is trained on; none is dropped.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from raydlrm.batch import Batch, DedupGroup
 from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
-from raydlrm.ingestion.reader import WorkerSource
+from raydlrm.ingestion.reader import EpochProgress, WorkerSource
 from raydlrm.ingestion.schema import RowGroup
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
@@ -36,6 +44,7 @@ from raydlrm.trainers import _ray
 from raydlrm.trainers.checkpoint import save_model_checkpoint
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
+from raydlrm.trainers.state import load_training_state, save_training_state
 
 __all__ = ["StepResult", "Trainer", "train_loop_per_worker"]
 
@@ -135,6 +144,27 @@ class Trainer:
         self.samples_seen = 0  # global, all ranks
         self.train_seconds = 0.0  # steady-state training wall time (excludes first batch)
         self.first_batch_seconds: float | None = None
+        self.progress = EpochProgress(0)  # this rank's trained rows of the current epoch
+        self.resume: EpochProgress | None = None  # all ranks' progress at the loaded checkpoint
+        self.resume_world_size: int | None = None
+        self.fault_marker: str | None = None  # where the injected fault records that it fired
+        self._pending_samples = 0  # trained here, not yet added to samples_seen
+        self._last_metrics: dict[str, float] = {}
+        self._last_checkpoint = time.monotonic()
+
+    def load(self, directory: str) -> None:
+        """Continues from a training-state checkpoint (any world size or plan); all ranks."""
+        state = load_training_state(self, directory)
+        self.resume = EpochProgress.from_dict(state["position"])
+        self.resume_world_size = state["world_size"]
+        logger.info(
+            "rank %d resumed from %s: step %d, epoch %d, %d rows of the epoch trained",
+            self.rank,
+            directory,
+            self.step,
+            self.epoch,
+            sum(self.resume.consumed.values()),
+        )
 
     def train_step(self, batch: Batch) -> StepResult:
         """One optimization step on ``batch``; returns its logits and mean loss."""
@@ -205,11 +235,18 @@ class Trainer:
         epoch_buffer = PredictionBuffer()  # predictions of the current epoch
         window_loss, window_steps, window_samples = 0.0, 0, 0
         window_start = time.perf_counter()
-        for epoch in range(cfg.num_epochs):
+        for epoch in range(self.epoch, cfg.num_epochs):
+            if self._done():
+                break
             self.epoch = epoch
             epoch_buffer = PredictionBuffer()
+            resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
+            # Each rank starts from the progress of every rank (merging takes the maximum).
+            self.progress = EpochProgress.merged([resume]) if resume else EpochProgress(epoch)
+            if hasattr(train_data, "start"):
+                train_data.start(epoch, resume=resume, world_size=self.resume_world_size)
             last = time.perf_counter()
-            batches = self._batches(train_data)
+            batches = self._batches(train_data, progress=self.progress)
             for batch in self._lockstep(batches, self._empty_batch(train_data)):
                 if self.first_batch_seconds is None:
                     # Start-up of the data pipeline is reported apart from the steady state.
@@ -218,14 +255,18 @@ class Trainer:
                 result = self.train_step(batch)
                 # Wall time of the step including waiting for its batch (not eval or reports).
                 self.train_seconds += time.perf_counter() - last
+                self._log_samples(batch)
+                self._inject_fault("step")
                 window.add(result.logits, batch.labels)
                 epoch_buffer.add(result.logits, batch.labels)
                 window_loss += result.loss
                 window_steps += 1
                 window_samples += batch.batch_size
-                if self.step % cfg.log_every_steps == 0:
+                self._pending_samples += batch.batch_size
+                metrics: dict[str, float] | None = None
+                log_step = self.step % cfg.log_every_steps == 0
+                if log_step:
                     samples = _all_reduce_scalar(float(window_samples), self.device)
-                    self.samples_seen += int(samples)
                     metrics = {
                         **window.compute().to_dict("train/"),
                         "train/loss": window_loss / window_steps,
@@ -238,15 +279,16 @@ class Trainer:
                         and (self.step % cfg.eval_every_steps == 0)
                     ):
                         metrics.update(self._evaluate_data(eval_data))
-                    self._report(metrics, report=report)
                     window_loss, window_steps, window_samples = 0.0, 0, 0
                     window_start = time.perf_counter()
+                if self._checkpoint_due(log_step):
+                    self._report(metrics or {}, report=report, checkpoint=True)
+                elif metrics is not None:
+                    self._report(metrics, report=report)
                 last = time.perf_counter()
-                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                if self._done():
                     break
-            if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                break
-        self.samples_seen += int(_all_reduce_scalar(float(window_samples), self.device))
+        self._flush_samples()
         # Final metrics: training metrics over the last epoch, throughput over the whole run.
         final = epoch_buffer.compute().to_dict("train/")
         final["train/samples_per_second"] = self.samples_seen / max(
@@ -259,8 +301,62 @@ class Trainer:
         final["data/first_batch_seconds"] = _all_reduce_scalar(
             self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
         )
-        self._report(final, report=report, with_model=True)
+        self._report(final, report=report, checkpoint=True, with_model=True)
         return final
+
+    def _done(self) -> bool:
+        max_steps = self.spec.training.max_steps
+        return max_steps is not None and self.step >= max_steps
+
+    def _flush_samples(self) -> None:
+        self.samples_seen += int(_all_reduce_scalar(float(self._pending_samples), self.device))
+        self._pending_samples = 0
+
+    def _checkpoint_due(self, log_step: bool) -> bool:
+        """Whether to write a checkpoint after this step (the same answer on every rank)."""
+        cfg = self.spec.checkpoint
+        if cfg.every_steps and self.step % cfg.every_steps == 0:
+            return True
+        if cfg.every_minutes and log_step:
+            # Rank 0's clock decides, so that the ranks agree.
+            elapsed = (time.monotonic() - self._last_checkpoint) / 60 if self.rank == 0 else 0.0
+            elapsed = _all_reduce_scalar(elapsed, self.device, op=dist.ReduceOp.MAX)
+            return elapsed >= cfg.every_minutes
+        return False
+
+    def _log_samples(self, batch: Batch) -> None:
+        """Writes the step's sample ids under ``training.sample_log_dir`` (an audit of which
+        samples each step trained on; a step redone after a restart overwrites its file)."""
+        directory = self.spec.training.sample_log_dir
+        if directory is None or batch.sample_ids is None:
+            return
+        os.makedirs(directory, exist_ok=True)
+        np.save(
+            os.path.join(directory, f"rank{self.rank:04d}-step{self.step:09d}.npy"),
+            batch.sample_ids.cpu().numpy(),
+        )
+
+    def _inject_fault(self, during: str) -> None:
+        """Kills this process (``os._exit``, no cleanup) if ``[fault]`` chose this rank, step and
+        moment, once per run (a marker file records that the fault fired)."""
+        fault = self.spec.fault
+        if (
+            fault.at_step != self.step
+            or fault.rank != self.rank
+            or fault.during != during
+            or self.fault_marker is None
+        ):
+            return
+        marker = f"{self.fault_marker}.rank{self.rank}.step{self.step}.{during}"
+        if os.path.exists(marker):
+            return
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(f"{time.time()}\n")
+        logger.warning(
+            "fault injection: rank %d dies at step %d (%s)", self.rank, self.step, during
+        )
+        os._exit(17)
 
     def _comm_metrics(self) -> dict[str, float]:
         """Bytes all ranks sent each other through the embedding all-to-alls, by direction and
@@ -298,8 +394,8 @@ class Trainer:
             metrics[f"dedup/{table}/ratio"] = ratio
         return metrics
 
-    def _batches(self, data: Any) -> Iterator[Batch]:
-        return iter_train_batches(data, config=self.spec.data)
+    def _batches(self, data: Any, progress: EpochProgress | None = None) -> Iterator[Batch]:
+        return iter_train_batches(data, config=self.spec.data, progress=progress)
 
     def _evaluate_data(self, data: Any) -> dict[str, float]:
         return self.evaluate(self._batches(data), self._empty_batch(data))
@@ -310,32 +406,54 @@ class Trainer:
             return None
         return arrow_to_batch(data.empty_table(), config=self.spec.data)
 
-    def _report(self, metrics: dict[str, float], *, report: Any, with_model: bool = False) -> None:
+    def _report(
+        self,
+        metrics: dict[str, float],
+        *,
+        report: Any,
+        checkpoint: bool = False,
+        with_model: bool = False,
+    ) -> None:
+        """Reports metrics from every rank; with ``checkpoint``, every rank writes its part of
+        the training state (and, ``with_model``, rank 0 the unsharded model) into a directory
+        of its own, reported with the metrics (Ray Train merges the ranks' directories into one
+        checkpoint, registered only once every rank's part is stored)."""
+        if checkpoint:
+            self._flush_samples()
+        # The last value of every metric rides along, so that a checkpoint-only report still
+        # carries the metric that ranks checkpoints.
+        self._last_metrics.update(metrics)
         metrics = {
-            **metrics,
+            **self._last_metrics,
             "step": self.step,
             "epoch": self.epoch,
             "samples_seen": self.samples_seen,
         }
-        if self.rank == 0:
+        if self.rank == 0 and (not checkpoint or with_model or len(metrics) > 3):
             shown = ", ".join(
                 f"{k}={v:.4f}"
                 for k, v in metrics.items()
                 if k in ("train/loss", "train/auc", "eval/auc", "eval/log_loss")
             )
             logger.info("step %d epoch %d: %s", self.step, self.epoch, shown)
-        if not with_model:
+        if not checkpoint:
             report(metrics, checkpoint_dir=None)
             return
-        state = self.unsharded_state_dict()  # a collective: every rank takes part
-        if self.rank != 0:
-            report(metrics, checkpoint_dir=None)
-            return
+        gathered: list[Any] = [self.progress.to_dict()]
+        if _distributed():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, self.progress.to_dict())
+        position = EpochProgress.merged([EpochProgress.from_dict(g) for g in gathered]).to_dict()
+        model_state = self.unsharded_state_dict() if with_model else None  # a collective
         with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
-            save_model_checkpoint(
-                tmp, state_dict=state, spec=self.spec, plan=self.plan, metrics=metrics
-            )
+            save_training_state(self, tmp, position=position)
+            if model_state is not None:
+                save_model_checkpoint(
+                    tmp, state_dict=model_state, spec=self.spec, plan=self.plan, metrics=metrics
+                )
+            self._inject_fault("checkpoint")
             report(metrics, checkpoint_dir=tmp)
+        self._last_checkpoint = time.monotonic()
 
     def unsharded_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full, unsharded model state on rank 0 (None elsewhere); all ranks must call.
@@ -378,6 +496,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"the sharding plan is for {plan.world_size} workers but the job has {ctx.world_size}"
         )
     trainer = Trainer(spec, plan=plan, rank=ctx.rank, device=ctx.device)
+    trainer.fault_marker = config.get("fault_marker")
+    with _ray.latest_checkpoint() as checkpoint_dir:
+        if checkpoint_dir is not None:
+            trainer.load(checkpoint_dir)
 
     def source(description: dict[str, Any] | None) -> WorkerSource | None:
         if description is None:

@@ -12,7 +12,7 @@ from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.models import EmbeddingBagConfig, ModelConfig
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.trainers.config import TrainingConfig
+from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 
 __all__ = ["WorkerSpec", "tables_for"]
 
@@ -40,6 +40,8 @@ class WorkerSpec:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def tables(self) -> list[EmbeddingBagConfig]:
         return tables_for(self.data, self.model)

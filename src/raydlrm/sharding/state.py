@@ -1,0 +1,230 @@
+"""Sharded embedding state for ``torch.distributed.checkpoint`` (DCP), with resharding.
+
+:func:`embedding_state_dict` describes this rank's embedding shards and fused optimizer state as
+tensors keyed by *table*, not by rank: a sharded table's weight is a ``ShardedTensor`` of the
+table's global shape whose local shard is this rank's rectangle (a view of fbgemm's weights, so
+saving copies nothing); a data-parallel table is a plain tensor (DCP writes one replica). Since
+DCP stores every tensor as chunks with their offsets in the global tensor, a checkpoint written
+with one plan loads into any other plan (another world size, another sharding type): each rank
+reads the chunks that overlap its new rectangles (:func:`load_embedding_state`).
+
+Fused optimizer state:
+
+* Adagrad's per-element sum has the weight's shape and is saved and resharded like it.
+* Row-wise Adagrad keeps one value per row *per shard*: a column-sharded table has one momentum
+  per column block. It is saved as a ``(rows, K)`` tensor, column ``k`` holding the momentum of
+  the ``k``-th column block of the saving plan (``K = 1`` unless column-sharded). A loading shard
+  takes the width-weighted mean of the saved blocks its columns overlap: exactly the saved value
+  when the layouts match, exactly the whole-row momentum (the mean over the row of the
+  accumulated squared gradients) when a column-sharded table becomes row- or table-wise, and the
+  whole-row value for each block when a whole-row table becomes column-sharded.
+* SGD has no state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as TensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+
+from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+
+__all__ = [
+    "column_blocks",
+    "embedding_state_dict",
+    "load_embedding_state",
+    "momentum_key",
+    "state_key",
+    "weight_key",
+]
+
+_PREFIX = "embedding"
+
+
+def weight_key(table: str) -> str:
+    return f"{_PREFIX}.{table}.weight"
+
+
+def state_key(table: str) -> str:
+    """Adagrad's per-element sum of squared gradients."""
+    return f"{_PREFIX}.{table}.sum"
+
+
+def momentum_key(table: str) -> str:
+    """Row-wise Adagrad's per-row momentum, one column per column block."""
+    return f"{_PREFIX}.{table}.momentum"
+
+
+def column_blocks(table: TablePlan) -> list[tuple[int, int]]:
+    """The distinct column ranges of a table's shards, in column order."""
+    return sorted({(s.col_start, s.col_end) for s in table.shards})
+
+
+def _placement(rank: int, device: torch.device) -> str:
+    return f"rank:{rank}/{device}"
+
+
+def _sharded(
+    local: torch.Tensor | None,
+    *,
+    rank: int,
+    shards: list[tuple[Shard, list[int], list[int]]],
+    size: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ShardedTensor:
+    """A ShardedTensor of global ``size`` over ``(shard, offsets, sizes)`` pieces, holding
+    ``local`` as this rank's piece (None when this rank holds none)."""
+    metadata = [
+        ShardMetadata(
+            shard_offsets=offsets, shard_sizes=sizes, placement=_placement(s.rank, device)
+        )
+        for s, offsets, sizes in shards
+    ]
+    local_shards = [
+        TensorShard(local, m)
+        for (s, _, _), m in zip(shards, metadata, strict=True)
+        if s.rank == rank
+    ]
+    if local is None:
+        local_shards = []
+    global_metadata = ShardedTensorMetadata(
+        shards_metadata=metadata,
+        size=torch.Size(size),
+        tensor_properties=TensorProperties(dtype=dtype, requires_grad=False),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_metadata)
+
+
+def _weight_pieces(table: TablePlan) -> list[tuple[Shard, list[int], list[int]]]:
+    return [
+        (s, [s.row_start, s.col_start], [s.row_end - s.row_start, s.col_end - s.col_start])
+        for s in table.shards
+    ]
+
+
+def _momentum_pieces(table: TablePlan) -> list[tuple[Shard, list[int], list[int]]]:
+    blocks = column_blocks(table)
+    return [
+        (s, [s.row_start, blocks.index((s.col_start, s.col_end))], [s.row_end - s.row_start, 1])
+        for s in table.shards
+    ]
+
+
+def embedding_state_dict(
+    collection: Any, *, plan: ShardingPlan, rank: int, optimizer: str
+) -> dict[str, Any]:
+    """This rank's part of the embedding state, keyed by table (see the module docstring).
+
+    Args:
+        collection: a sharded collection (``local_tables``, ``optimizer_states``).
+        plan: its plan.
+        rank: this rank.
+        optimizer: the fused optimizer (``rowwise_adagrad``, ``adagrad`` or ``sgd``).
+    """
+    local = collection.local_tables()
+    states = collection.optimizer_states() if optimizer != "sgd" else {}
+    out: dict[str, Any] = {}
+    # Without a process group (one process) every table is whole here: plain tensors.
+    single = not (dist.is_available() and dist.is_initialized())
+    for table in plan.tables:
+        weight = local.get(table.name)
+        device = weight.device if weight is not None else torch.device("cpu")
+        replicated = single or table.sharding_type == "data_parallel"
+        if replicated:
+            out[weight_key(table.name)] = weight
+        else:
+            out[weight_key(table.name)] = _sharded(
+                weight,
+                rank=rank,
+                shards=_weight_pieces(table),
+                size=[table.num_embeddings, table.embedding_dim],
+                device=device,
+                dtype=torch.float32,
+            )
+        if optimizer == "sgd":
+            continue
+        state = states[table.name][0] if weight is not None else None
+        if optimizer == "rowwise_adagrad":
+            column = None if state is None else state.view(-1, 1)
+            if replicated:
+                out[momentum_key(table.name)] = column
+            else:
+                out[momentum_key(table.name)] = _sharded(
+                    column,
+                    rank=rank,
+                    shards=_momentum_pieces(table),
+                    size=[table.num_embeddings, len(column_blocks(table))],
+                    device=device,
+                    dtype=torch.float32,
+                )
+        elif replicated:
+            out[state_key(table.name)] = state
+        else:
+            out[state_key(table.name)] = _sharded(
+                state,
+                rank=rank,
+                shards=_weight_pieces(table),
+                size=[table.num_embeddings, table.embedding_dim],
+                device=device,
+                dtype=torch.float32,
+            )
+    # A replicated table is a plain tensor on the ranks that hold it and absent elsewhere.
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def load_embedding_state(
+    collection: Any,
+    *,
+    plan: ShardingPlan,
+    rank: int,
+    optimizer: str,
+    load: Any,
+    saved_blocks: dict[str, list[tuple[int, int]]],
+) -> None:
+    """Loads a checkpoint's embedding state into this rank's shards of ``plan`` (in place).
+
+    Args:
+        collection: the sharded collection to fill.
+        plan: its plan (may differ from the saving plan in world size and sharding types).
+        rank: this rank.
+        optimizer: the fused optimizer; the checkpoint must hold its state.
+        load: ``load(state_dict)`` fills the tensors of ``state_dict`` from the checkpoint
+            (``torch.distributed.checkpoint.load`` bound to the checkpoint; every rank calls it).
+        saved_blocks: table name -> the column blocks of the saving plan (row-wise Adagrad).
+    """
+    target = embedding_state_dict(collection, plan=plan, rank=rank, optimizer=optimizer)
+    momenta: dict[str, torch.Tensor] = {}
+    if optimizer == "rowwise_adagrad":
+        shards = collection.local_shards()
+        for table in plan.tables:
+            key = momentum_key(table.name)
+            target.pop(key, None)
+            if table.name in shards:
+                # The saved momenta of every block, for the rows of this shard's table.
+                blocks = saved_blocks[table.name]
+                momenta[table.name] = torch.zeros(table.num_embeddings, len(blocks))
+                target[key] = momenta[table.name]
+    load(target)
+    if not momenta:
+        return
+    states = collection.optimizer_states()
+    shards = collection.local_shards()
+    with torch.no_grad():
+        for name, saved in momenta.items():
+            s = shards[name]
+            blocks = saved_blocks[name]
+            weights = torch.tensor(
+                [max(0, min(b, s.col_end) - max(a, s.col_start)) for a, b in blocks],
+                dtype=torch.float32,
+            )
+            rows = saved[s.row_start : s.row_end]
+            states[name][0].copy_((rows * weights).sum(dim=1) / weights.sum())

@@ -1,0 +1,174 @@
+"""Training-state checkpoints (DCP) on gloo ranks: a checkpoint written by N ranks with one plan
+loads into M ranks with another plan, weights and optimizer state included, and training goes
+on as if it had never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raydlrm.ingestion import Preprocessor
+from raydlrm.ingestion.loader import arrow_to_batch
+from raydlrm.sharding import plan_sharding
+from raydlrm.trainers.loop import Trainer
+from raydlrm.trainers.state import load_training_state, read_state_file, save_training_state
+from tests._multiprocess import run_distributed
+from tests.trainers.test_loop import _spec
+
+GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4 ranks
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+EVAL_ROWS = 240
+
+
+def _global_batches(data_dir: str, spec) -> list[pa.Table]:
+    table = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "train"))
+    return [table.slice(i * GLOBAL_BATCH, GLOBAL_BATCH) for i in range(STEPS_BEFORE + STEPS_AFTER)]
+
+
+def _trainer(rank: int, world_size: int, data_dir: str, types: str, optimizer: str, seed: int):
+    spec = _spec(Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer)
+    spec.training.seed = seed
+    spec.sharding.default_type = types
+    plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
+    return Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
+
+
+def _steps(trainer: Trainer, batches: list[pa.Table], world_size: int) -> None:
+    b = GLOBAL_BATCH // world_size
+    for table in batches:
+        part = table.slice(trainer.rank * b, b)
+        trainer.train_step(arrow_to_batch(part, config=trainer.spec.data))
+
+
+def _snapshot(trainer: Trainer, data_dir: str, world_size: int) -> dict:
+    """The full model, full fused optimizer state and this rank's eval logits."""
+    evaluation = Preprocessor(trainer.spec.data)(pq.read_table(Path(data_dir) / "eval"))
+    share = EVAL_ROWS // world_size
+    batch = arrow_to_batch(evaluation.slice(trainer.rank * share, share), config=trainer.spec.data)
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(batch)
+    state = trainer.unsharded_state_dict()  # on CPU these alias the live dense parameters
+    return {
+        "state": None if state is None else {k: v.clone() for k, v in state.items()},
+        "optimizer": trainer.model.embedding_bags.gather_full_optimizer_states(dst=0),
+        "logits": logits,
+    }
+
+
+def _save(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
+    trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=7)
+    batches = _global_batches(data_dir, trainer.spec)
+    _steps(trainer, batches[:STEPS_BEFORE], world_size)
+    trainer.epoch = 1
+    save_training_state(trainer, ckpt, position={"epoch": 1, "consumed": {"3": 5}, "totals": {}})
+    before = _snapshot(trainer, data_dir, world_size)
+    _steps(trainer, batches[STEPS_BEFORE:], world_size)
+    after = _snapshot(trainer, data_dir, world_size)
+    return {"before": before, "after": after}
+
+
+def _load(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
+    # Another seed: everything the run continues with must come from the checkpoint.
+    trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=99)
+    state = load_training_state(trainer, ckpt)
+    assert (trainer.step, trainer.epoch) == (STEPS_BEFORE, 1)
+    assert state["position"]["consumed"] == {"3": 5}
+    before = _snapshot(trainer, data_dir, world_size)
+    _steps(trainer, _global_batches(data_dir, trainer.spec)[STEPS_BEFORE:], world_size)
+    after = _snapshot(trainer, data_dir, world_size)
+    return {"before": before, "after": after}
+
+
+def _logits(results: list[dict], when: str) -> torch.Tensor:
+    return torch.cat([r[when]["logits"] for r in results])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((2, "table_wise"), (3, "row_wise")),
+        ((3, "row_wise"), (2, "table_wise")),
+        ((2, "table_wise"), (2, "row_wise")),
+        ((4, "table_wise"), (2, "row_wise")),
+        ((2, "row_wise"), (1, "table_wise")),
+    ],
+)
+def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> None:
+    """Loaded into another world size and plan, the model predicts as before saving, its
+    optimizer state is the same, and two more steps give the saving run's weights."""
+    ckpt = str(tmp_path / "ckpt")
+    a = run_distributed(
+        _save, world_size=saved[0], args=(str(data_dir), ckpt, saved[1], "rowwise_adagrad")
+    )
+    if loaded[0] == 1:
+        b = [_load(0, 1, str(data_dir), ckpt, loaded[1], "rowwise_adagrad")]
+    else:
+        b = run_distributed(
+            _load, world_size=loaded[0], args=(str(data_dir), ckpt, loaded[1], "rowwise_adagrad")
+        )
+    assert read_state_file(ckpt)["world_size"] == saved[0]
+    for when in ("before", "after"):
+        sa, sb = a[0][when]["state"], b[0][when]["state"]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if when == "before":  # loading copies: exactly equal
+                assert torch.equal(sa[key], sb[key]), key
+            else:  # the next steps reduce over another number of ranks: equal to rounding
+                torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6, msg=key)
+        for table, states in a[0][when]["optimizer"].items():
+            torch.testing.assert_close(states[0], b[0][when]["optimizer"][table][0], msg=table)
+        torch.testing.assert_close(_logits(a, when), _logits(b, when), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("optimizer", "saved", "loaded"),
+    [
+        ("rowwise_adagrad", (2, "column_wise"), (3, "table_wise")),
+        ("adagrad", (2, "column_wise"), (3, "row_wise")),
+        ("sgd", (3, "row_wise"), (2, "data_parallel")),
+    ],
+)
+def test_reshard_column_wise_and_other_optimizers(
+    data_dir: Path,
+    tmp_path: Path,
+    optimizer: str,
+    saved,
+    loaded,
+) -> None:
+    """Column-wise row-wise Adagrad momenta become the whole-row momentum (their width-weighted
+    mean); Adagrad's per-element state and SGD (no state) reshard like the weights."""
+    ckpt = str(tmp_path / "ckpt")
+    a = run_distributed(_save, world_size=saved[0], args=(str(data_dir), ckpt, saved[1], optimizer))
+    b = run_distributed(
+        _load, world_size=loaded[0], args=(str(data_dir), ckpt, loaded[1], optimizer)
+    )
+    sa, sb = a[0]["before"]["state"], b[0]["before"]["state"]
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    for table, states in a[0]["before"]["optimizer"].items():
+        for x, y in zip(states, b[0]["before"]["optimizer"][table], strict=True):
+            torch.testing.assert_close(x, y, msg=table)
+    torch.testing.assert_close(_logits(a, "before"), _logits(b, "before"), rtol=1e-5, atol=1e-6)
+
+
+def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
+    save_training_state(trainer, ckpt, position={"epoch": 0, "consumed": {}, "totals": {}})
+    other = _trainer(0, 1, str(data_dir), "table_wise", "sgd", seed=7)
+    with pytest.raises(ValueError, match="fused optimizer 'rowwise_adagrad'"):
+        load_training_state(other, ckpt)
+    bigger = _spec(Path(data_dir), batch_size=8, optimizer="rowwise_adagrad")
+    bigger.data.table_size = 2000
+    plan = plan_sharding(bigger.tables(), world_size=1, config=bigger.sharding)
+    with pytest.raises(ValueError, match="holds tables"):
+        load_training_state(Trainer(bigger, plan=plan, rank=0, device=torch.device("cpu")), ckpt)
+    with pytest.raises(FileNotFoundError, match=r"trainer_state\.json"):
+        load_training_state(trainer, str(tmp_path))
