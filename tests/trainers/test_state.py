@@ -13,9 +13,15 @@ import torch
 
 from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
+from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
 from raydlrm.trainers.loop import Trainer
-from raydlrm.trainers.state import load_training_state, read_state_file, save_training_state
+from raydlrm.trainers.state import (
+    load_training_state,
+    read_state_file,
+    save_training_state,
+    unshard_training_state,
+)
 from tests._multiprocess import run_distributed
 from tests.trainers.test_loop import _spec
 
@@ -113,6 +119,10 @@ def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> 
             _load, world_size=loaded[0], args=(str(data_dir), ckpt, loaded[1], "rowwise_adagrad")
         )
     assert read_state_file(ckpt)["world_size"] == saved[0]
+    # Unsharded in one process: one tensor per table, the model as saved.
+    plain = unshard_training_state(ckpt)
+    assert plain.keys() == a[0]["before"]["state"].keys()
+    assert all(torch.equal(plain[k], v) for k, v in a[0]["before"]["state"].items())
     for when in ("before", "after"):
         sa, sb = a[0][when]["state"], b[0][when]["state"]
         assert sa.keys() == sb.keys()
@@ -172,3 +182,29 @@ def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) 
         load_training_state(Trainer(bigger, plan=plan, rank=0, device=torch.device("cpu")), ckpt)
     with pytest.raises(FileNotFoundError, match=r"trainer_state\.json"):
         load_training_state(trainer, str(tmp_path))
+
+
+def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from raydlrm.platform.cli import app
+
+    ckpt = tmp_path / "ckpt"
+    trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
+    _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
+    position = {"epoch": 0, "consumed": {"0": 96}, "totals": {"0": 640}}
+    save_training_state(trainer, ckpt, position=position)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["checkpoint", "show", str(ckpt)])
+    assert shown.exit_code == 0, shown.output
+    assert "step 2, epoch 0" in shown.output and "96 rows of epoch 0" in shown.output
+    out = tmp_path / "plain" / "model.pt"
+    done = runner.invoke(app, ["checkpoint", "unshard", str(ckpt), str(out)])
+    assert done.exit_code == 0, done.output
+    plain = torch.load(out, weights_only=True)
+    model = build_model(trainer.spec.model, tables=trainer.spec.tables(), num_dense=13)
+    model.load_state_dict(plain)  # a plain, unsharded model
+    expected = trainer.unsharded_state_dict()
+    assert all(torch.equal(plain[k], v) for k, v in expected.items())
+    missing = runner.invoke(app, ["checkpoint", "show", str(tmp_path)])
+    assert missing.exit_code == 2 and "trainer_state.json" in missing.output

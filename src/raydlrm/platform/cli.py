@@ -27,8 +27,13 @@ data_app = typer.Typer(help="Data sets: generate synthetic data.", no_args_is_he
 config_app = typer.Typer(
     help="Run configs: show or validate the resolved config.", no_args_is_help=True
 )
+checkpoint_app = typer.Typer(
+    help="Training-state checkpoints: inspect one, or unshard it into a plain state dict.",
+    no_args_is_help=True,
+)
 app.add_typer(data_app, name="data")
 app.add_typer(config_app, name="config")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -169,6 +174,59 @@ def config_validate(config: ConfigOption = None, set_: SetOption = None) -> None
     except ConfigError as e:
         _fail(str(e))
     typer.echo("config is valid")
+
+
+CheckpointArg = Annotated[
+    Path,
+    typer.Argument(
+        help="A checkpoint directory (runs/<run>/checkpoint_...), with trainer_state.json."
+    ),
+]
+
+
+@checkpoint_app.command("show")
+def checkpoint_show(checkpoint: CheckpointArg) -> None:
+    """Print a checkpoint's step, epoch, world size, plan summary and data position."""
+    from raydlrm.sharding import ShardingPlan
+    from raydlrm.trainers.state import read_state_file
+
+    try:
+        state = read_state_file(checkpoint)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    plan = ShardingPlan.from_json(json.dumps(state["plan"]))
+    position = state["position"]
+    typer.echo(
+        f"step {state['step']}, epoch {state['epoch']}, {state['samples_seen']} samples seen, "
+        f"written by {state['world_size']} workers"
+    )
+    typer.echo(
+        f"data position: {sum(position['consumed'].values())} rows of epoch "
+        f"{position['epoch']} trained, in {len(position['consumed'])} row groups"
+    )
+    typer.echo(plan.format_summary())
+
+
+@checkpoint_app.command("unshard")
+def checkpoint_unshard(
+    checkpoint: CheckpointArg,
+    output: Annotated[Path, typer.Argument(help="Where to write the state dict (.pt).")],
+) -> None:
+    """Assemble the sharded tables into one tensor per table, plus the dense model, and write
+    them with torch.save: a state dict usable without raydlrm's sharding (tensors only, load it
+    with torch.load(..., weights_only=True))."""
+    import torch
+
+    from raydlrm.trainers.state import unshard_training_state
+
+    try:
+        state = unshard_training_state(checkpoint)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, output)
+    tables = sum(1 for k in state if k.startswith("embedding_bags."))
+    typer.echo(f"wrote {output}: {tables} tables, {len(state) - tables} dense tensors")
 
 
 def main() -> None:

@@ -160,18 +160,34 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
 class MLflowReportCallback(UserCallback):
     """Logs every ``ray.train.report`` to the job's MLflow run (runs in the Train controller).
 
+    If the tracking server cannot be reached, training goes on: the metrics are kept (up to
+    ``max_pending``) and written with the next report that gets through; beyond that, the oldest
+    are dropped and counted, and the count is logged as an error and, once the server answers
+    again, as the ``tracking/metrics_lost`` metric.
+
     Args:
         tracking_uri: absolute MLflow tracking URI.
         run_id: the run created by the driver.
+        max_pending: metrics kept while the server is unreachable.
     """
 
-    def __init__(self, *, tracking_uri: str, run_id: str):
+    def __init__(self, *, tracking_uri: str, run_id: str, max_pending: int = 100_000):
         self.tracking_uri = tracking_uri
         self.run_id = run_id
+        self.max_pending = max_pending
         self._client: MlflowClient | None = None
+        self._pending: list[Metric] = []
+        self._lost = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None}
+        return {
+            "tracking_uri": self.tracking_uri,
+            "run_id": self.run_id,
+            "max_pending": self.max_pending,
+            "_client": None,
+            "_pending": [],
+            "_lost": 0,
+        }
 
     def after_report(
         self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
@@ -180,6 +196,29 @@ class MLflowReportCallback(UserCallback):
             self._client = MlflowClient(self.tracking_uri)
         values = metrics[0] if metrics else {}
         step = int(values.get("step", 0))
-        _log_batch(self._client, self.run_id, metrics=_metrics_at(values, step=step))
-        if checkpoint is not None:
-            self._client.set_tag(self.run_id, "raydlrm.checkpoint", checkpoint.path)
+        self._pending.extend(_metrics_at(values, step=step))
+        try:
+            if self._lost:
+                self._pending.append(
+                    Metric(
+                        "tracking/metrics_lost", float(self._lost), int(time.time() * 1000), step
+                    )
+                )
+            _log_batch(self._client, self.run_id, metrics=self._pending)
+            self._pending = []
+            if checkpoint is not None:
+                self._client.set_tag(self.run_id, "raydlrm.checkpoint", checkpoint.path)
+        except Exception as exc:
+            if self._lost and self._pending and self._pending[-1].key == "tracking/metrics_lost":
+                self._pending.pop()
+            logger.warning(
+                "MLflow at %s unreachable (%s); %d metric values kept for later",
+                self.tracking_uri,
+                type(exc).__name__,
+                len(self._pending),
+            )
+            if len(self._pending) > self.max_pending:
+                dropped = len(self._pending) - self.max_pending
+                self._lost += dropped
+                del self._pending[:dropped]
+                logger.error("MLflow unreachable: %d metric values lost so far", self._lost)

@@ -153,8 +153,13 @@ class Trainer:
         self._last_checkpoint = time.monotonic()
 
     def load(self, directory: str) -> None:
-        """Continues from a training-state checkpoint (any world size or plan); all ranks."""
+        """Continues from a training-state checkpoint (any world size or plan); all ranks.
+
+        The reports that follow carry ``restore/from_step`` and ``restore/load_seconds``."""
+        started = time.perf_counter()
         state = load_training_state(self, directory)
+        self._last_metrics["restore/from_step"] = float(self.step)
+        self._last_metrics["restore/load_seconds"] = time.perf_counter() - started
         self.resume = EpochProgress.from_dict(state["position"])
         self.resume_world_size = state["world_size"]
         logger.info(

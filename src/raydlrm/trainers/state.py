@@ -30,7 +30,14 @@ from raydlrm.sharding.state import column_blocks, embedding_state_dict, load_emb
 if TYPE_CHECKING:
     from raydlrm.trainers.loop import Trainer
 
-__all__ = ["STATE_FILE", "is_training_state", "load_training_state", "save_training_state"]
+__all__ = [
+    "STATE_FILE",
+    "is_training_state",
+    "load_training_state",
+    "read_state_file",
+    "save_training_state",
+    "unshard_training_state",
+]
 
 STATE_FILE = "trainer_state.json"
 _DENSE = "dense."
@@ -170,3 +177,40 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     if dist.is_initialized():
         dist.barrier()
     return state
+
+
+def unshard_training_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The model of a training-state checkpoint as a plain state dict, in one process.
+
+    Every sharded table is assembled from all ranks' shards into one ``(rows, dim)`` tensor;
+    the dense model comes from rank 0. Keys are those of the unsharded ``RecModel``
+    (``embedding_bags.weights.<table>``, ``dense.*``): the result loads into a model built
+    without raydlrm's sharding, with ``load_state_dict``.
+    """
+    state = read_state_file(directory)
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    plan = ShardingPlan.from_json(json.dumps(state["plan"]))
+    dense_prefix = "rank0." + _DENSE
+    wanted = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(dense_prefix)
+    }
+    for table in plan.tables:
+        wanted[f"embedding.{table.name}.weight"] = torch.empty(
+            table.num_embeddings, table.embedding_dim
+        )
+    # Without a process group DCP reads everything in this process.
+    dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    out = {
+        f"embedding_bags.weights.{t.name}": wanted[f"embedding.{t.name}.weight"]
+        for t in plan.tables
+    }
+    out.update(
+        {
+            "dense." + k[len(dense_prefix) :]: v
+            for k, v in wanted.items()
+            if k.startswith(dense_prefix)
+        }
+    )
+    return out

@@ -1,0 +1,30 @@
+"""The MLflow callback keeps training going when the tracking server is unreachable, and
+catches up (or counts what it lost) when it answers again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from raydlrm.platform.tracking import MLflowReportCallback
+
+
+def test_unreachable_server_then_catch_up(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = store.create_run(store.create_experiment("t")).info.run_id
+    # Nothing listens on port 9 of loopback: every call fails at once.
+    callback = MLflowReportCallback(tracking_uri="http://127.0.0.1:9", run_id=run_id, max_pending=5)
+    for step in (1, 2, 3):  # 2 metrics per report: 6 > 5 kept, so the oldest is lost
+        callback.after_report(None, [{"step": step, "train/loss": 0.5 / step, "epoch": 0}], None)
+    assert len(callback._pending) == 5 and callback._lost == 1
+    callback._client = store  # the server answers again
+    callback.after_report(None, [{"step": 4, "train/loss": 0.1, "epoch": 0}], None)
+    assert callback._pending == []
+    history = {m.step: m.value for m in store.get_metric_history(run_id, "train/loss")}
+    # Reports log (train/loss, epoch): the lost value was step 1's loss, the oldest.
+    assert history == {2: 0.25, 3: pytest.approx(0.5 / 3), 4: 0.1}
+    assert [m.value for m in store.get_metric_history(run_id, "tracking/metrics_lost")] == [1.0]
