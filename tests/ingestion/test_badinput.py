@@ -188,7 +188,9 @@ def test_unreadable_row_group_fails_or_is_quarantined(tmp_path: Path) -> None:
             epoch=0,
             shuffle=False,
         )
-        refs = pa.Table.from_pylist([g.to_dict() for g in summary.row_groups])
+        refs = pa.Table.from_pylist(
+            [{"group": g.to_dict(), "id": i, "skip": 0} for i, g in enumerate(summary.row_groups)]
+        )
         if policy == "fail":
             with pytest.raises(BadInputError, match=r"row group 1 of .*a\.parquet"):
                 reader(refs)

@@ -19,12 +19,26 @@ def test_unreachable_server_then_catch_up(tmp_path: Path, monkeypatch) -> None:
     # Nothing listens on port 9 of loopback: every call fails at once.
     callback = MLflowReportCallback(tracking_uri="http://127.0.0.1:9", run_id=run_id, max_pending=5)
     for step in (1, 2, 3):  # 2 metrics per report: 6 > 5 kept, so the oldest is lost
-        callback.after_report(None, [{"step": step, "train/loss": 0.5 / step, "epoch": 0}], None)
+        callback.after_report(None, [{"step": step, "train/loss": 0.5 / step, "epoch": step}], None)
     assert len(callback._pending) == 5 and callback._lost == 1
     callback._client = store  # the server answers again
-    callback.after_report(None, [{"step": 4, "train/loss": 0.1, "epoch": 0}], None)
+    callback.after_report(None, [{"step": 4, "train/loss": 0.1, "epoch": 4}], None)
     assert callback._pending == []
     history = {m.step: m.value for m in store.get_metric_history(run_id, "train/loss")}
     # Reports log (train/loss, epoch): the lost value was step 1's loss, the oldest.
     assert history == {2: 0.25, 3: pytest.approx(0.5 / 3), 4: 0.1}
     assert [m.value for m in store.get_metric_history(run_id, "tracking/metrics_lost")] == [1.0]
+
+
+def test_repeated_values_are_logged_once(tmp_path: Path) -> None:
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = store.create_run(store.create_experiment("t")).info.run_id
+    callback = MLflowReportCallback(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", run_id=run_id
+    )
+    # A checkpoint-only report at step 4 carries step 2's loss along; the final report at step
+    # 4 carries step 4's loss again.
+    for step, loss in ((2, 0.5), (4, 0.5), (4, 0.25), (4, 0.25)):
+        callback.after_report(None, [{"step": step, "train/loss": loss}], None)
+    history = [(m.step, m.value) for m in store.get_metric_history(run_id, "train/loss")]
+    assert sorted(history) == [(2, 0.5), (4, 0.25)]

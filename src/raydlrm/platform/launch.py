@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.dataset as pads
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -28,7 +29,7 @@ from raydlrm.ingestion import (
     generate_synthetic,
     validate_data,
 )
-from raydlrm.ingestion.badinput import quarantine_counts
+from raydlrm.ingestion.badinput import BadInputError, quarantine_counts
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import list_files
 from raydlrm.platform.config import JobConfig, load_config
@@ -133,10 +134,20 @@ def _example_rows(path: str, config: JobConfig) -> Any:
     data = config.data
     columns = [c for c in data.input_columns() if c != data.label_column]
     filesystem, files = list_files(path, data.storage, data.partitions)
-    table = pads.dataset(files, format="parquet", filesystem=filesystem).head(
-        _EXAMPLE_ROWS, columns=columns
+    errors = []
+    for file in files:  # the first readable file (a quarantined data set may hold broken ones)
+        try:
+            table = pads.dataset(file, format="parquet", filesystem=filesystem).head(
+                _EXAMPLE_ROWS, columns=columns
+            )
+        except (OSError, pa.ArrowException) as exc:
+            errors.append(f"{file}: {exc}")
+            continue
+        if table.num_rows:
+            return table.to_pandas()
+    raise BadInputError(
+        f"no readable rows under {path} for the model signature: " + "; ".join(errors[:3])
     )
-    return table.to_pandas()
 
 
 def train(

@@ -165,6 +165,10 @@ class MLflowReportCallback(UserCallback):
     are dropped and counted, and the count is logged as an error and, once the server answers
     again, as the ``tracking/metrics_lost`` metric.
 
+    Reports carry the last value of every metric (so that a checkpoint-only report still holds
+    the metric that ranks checkpoints); a value equal to the one last logged under its key is
+    not logged again, so that the history holds each value once, at the step it was computed.
+
     Args:
         tracking_uri: absolute MLflow tracking URI.
         run_id: the run created by the driver.
@@ -178,6 +182,7 @@ class MLflowReportCallback(UserCallback):
         self._client: MlflowClient | None = None
         self._pending: list[Metric] = []
         self._lost = 0
+        self._logged: dict[str, float] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -187,6 +192,7 @@ class MLflowReportCallback(UserCallback):
             "_client": None,
             "_pending": [],
             "_lost": 0,
+            "_logged": {},
         }
 
     def after_report(
@@ -196,7 +202,10 @@ class MLflowReportCallback(UserCallback):
             self._client = MlflowClient(self.tracking_uri)
         values = metrics[0] if metrics else {}
         step = int(values.get("step", 0))
-        self._pending.extend(_metrics_at(values, step=step))
+        for metric in _metrics_at(values, step=step):
+            if self._logged.get(metric.key) != metric.value:
+                self._logged[metric.key] = metric.value
+                self._pending.append(metric)
         try:
             if self._lost:
                 self._pending.append(

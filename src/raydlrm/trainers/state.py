@@ -16,6 +16,9 @@ Only tensors go through DCP and only JSON sits beside them: nothing is unpickled
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +47,18 @@ _DENSE = "dense."
 _DENSE_OPTIMIZER = "dense_optimizer."
 _RNG = "rng"
 FORMAT_VERSION = 1
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every call that ShardedTensor is deprecated in favour of DTensor. DTensor
+    places even splits only; table-wise and planner-chosen row ranges need ShardedTensor's
+    arbitrary shard offsets (as TorchRec's checkpoints do)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
+        yield
 
 
 def is_training_state(directory: str | Path) -> bool:
@@ -84,7 +99,8 @@ def save_training_state(trainer: Trainer, directory: str | Path, *, position: di
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(_tensor_state(trainer), storage_writer=dcp.FileSystemWriter(str(path)))
+    with _quiet():
+        dcp.save(_tensor_state(trainer), storage_writer=dcp.FileSystemWriter(str(path)))
     if trainer.rank == 0:
         state = {
             "format_version": FORMAT_VERSION,
@@ -138,7 +154,8 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     metadata = reader.read_metadata().state_dict_metadata
 
     def load(state_dict: dict[str, Any]) -> None:
-        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(directory)))
+        with _quiet():
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(directory)))
 
     load_embedding_state(
         trainer.model.embedding_bags,
