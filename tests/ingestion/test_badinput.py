@@ -19,6 +19,7 @@ from raydlrm.ingestion.badinput import (
     ROW_GROUP_COLUMN,
     BadInputError,
     quarantine_counts,
+    run_tag,
 )
 from raydlrm.ingestion.reader import RowGroupReader, read_columns
 
@@ -106,7 +107,7 @@ def test_bad_row_is_quarantined_with_its_reason_and_counted(tmp_path: Path, case
     out = Preprocessor(config)(_table(**changes))
     assert out.num_rows == N - 1  # the other rows go on
     (written,) = (tmp_path / "quarantine").glob("*.parquet")
-    assert written.name.startswith("part-7.rg3.")
+    assert written.name.startswith("part-7-") and ".rg3." in written.name
     bad = pq.read_table(written)
     assert bad.num_rows == 1
     assert bad.column(ROW_COLUMN).to_pylist() == [2]
@@ -164,41 +165,88 @@ def test_wrong_column_type_fails_or_quarantines_the_file_with_its_rows(tmp_path:
     assert counts["files"] == 1 and counts["file_rows"] == N
 
 
-def test_unreadable_row_group_fails_or_is_quarantined(tmp_path: Path) -> None:
-    root = tmp_path / "data"
+def _file_with_unreadable_row_group(root: Path, bad_dense: bool = False) -> None:
+    """``root/a.parquet``: 3 row groups of 100 rows, row group 1 corrupt (its footer intact);
+    with ``bad_dense``, row 0 of every row group has a NaN dense value."""
     root.mkdir()
     good = _table().drop_columns([FILE_COLUMN, ROW_GROUP_COLUMN, ROW_COLUMN])
+    if bad_dense:
+        good = good.set_column(1, "I1", pa.array([np.nan, 2.0, 3.0, 4.0, 5.0, 6.0]))
     path = root / "a.parquet"
-    pq.write_table(pa.concat_tables([good] * 50), path, row_group_size=100, compression="none")
-    # Corrupt the pages of row group 1 (the footer, at the end, stays intact).
+    table = pa.concat_tables([good] * 50).slice(0, 300)
+    if bad_dense:
+        dense = np.tile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 50)
+        dense[[0, 100, 200]] = np.nan
+        table = table.set_column(1, "I1", pa.array(dense))
+    pq.write_table(table, path, row_group_size=100, compression="none")
     meta = pq.ParquetFile(path).metadata.row_group(1)
     start = meta.column(0).data_page_offset
     blob = bytearray(path.read_bytes())
     blob[start : start + 64] = b"\xff" * 64
     path.write_bytes(bytes(blob))
+
+
+def _reader(config: DataConfig, root: Path, summary, tag: str | None = None) -> RowGroupReader:
+    return RowGroupReader(
+        config,
+        source_path=str(root),
+        columns=read_columns(config, summary.schema),
+        schema=summary.schema,
+        seed=0,
+        epoch=0,
+        shuffle=False,
+        tag=tag,
+    )
+
+
+def _refs(summary, skip: int = 0) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{"group": g.to_dict(), "id": i, "skip": skip} for i, g in enumerate(summary.row_groups)]
+    )
+
+
+def test_unreadable_row_group_fails_or_is_quarantined(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _file_with_unreadable_row_group(root)
     for policy in ("fail", "quarantine"):
         config = _config(tmp_path, policy)
         summary = validate_data(str(root), config)
-        reader = RowGroupReader(
-            config,
-            source_path=str(root),
-            columns=read_columns(config, summary.schema),
-            schema=summary.schema,
-            seed=0,
-            epoch=0,
-            shuffle=False,
-        )
-        refs = pa.Table.from_pylist(
-            [{"group": g.to_dict(), "id": i, "skip": 0} for i, g in enumerate(summary.row_groups)]
-        )
+        reader = _reader(config, root, summary)
         if policy == "fail":
             with pytest.raises(BadInputError, match=r"row group 1 of .*a\.parquet"):
-                reader(refs)
+                reader(_refs(summary))
             continue
-        out = reader(refs)
+        out = reader(_refs(summary))
         assert out.num_rows == 300 - 100
         counts = quarantine_counts(config)
         assert counts["row_groups"] == 1 and counts["row_group_rows"] == 100
+
+
+def test_row_groups_read_again_after_a_restart_are_quarantined_once(tmp_path: Path) -> None:
+    """A resumed epoch reads its unfinished row groups again: their quarantine records are
+    overwritten, not added, so the run's counts stay exact; each epoch and each run keeps its
+    own records."""
+    root = tmp_path / "data"
+    _file_with_unreadable_row_group(root, bad_dense=True)
+    config = _config(tmp_path, "quarantine")
+    summary = validate_data(str(root), config)
+    tag = run_tag("job/a b", "train")
+    assert tag == "job_a_b.train"
+    _reader(config, root, summary, f"{tag}-e0")(_refs(summary))
+    # The restarted run re-reads epoch 0's row groups (part of them already trained).
+    out = _reader(config, root, summary, f"{tag}-e0")(_refs(summary, skip=10))
+    assert out.num_rows == 2 * (99 - 10)
+    epoch0 = quarantine_counts(config, tag=tag)
+    assert epoch0["bad_rows"] == 2 and epoch0["row_groups"] == 1
+    assert epoch0["row_group_rows"] == 100
+    _reader(config, root, summary, f"{tag}-e1")(_refs(summary))
+    _reader(config, root, summary, f"{run_tag('other', 'train')}-e0")(_refs(summary))
+    both = quarantine_counts(config, tag=tag)
+    assert both["bad_rows"] == 4 and both["row_groups"] == 2
+    assert quarantine_counts(config)["bad_rows"] == 6
+    # A record names its source (file, row group) and its pass.
+    names = sorted(p.name for p in (tmp_path / "quarantine").glob("*.parquet"))
+    assert len(names) == 6 and names[0].startswith("a-") and ".rg0.job_a_b.train-e0." in names[0]
 
 
 @pytest.mark.ray

@@ -22,13 +22,21 @@ with the reason, file, row group and row, as Parquet under ``data.quarantine_pat
 unreadable file or row group, one record naming it and its row count). The driver counts what
 was quarantined there (:func:`quarantine_counts`), so rows read = rows trained + rows
 quarantined (+ rows an uneven split left out, counted separately), and logs the counts.
+
+Records written while training reads the data are named after their source (file, row group)
+and their pass (``<run>.<role>-e<epoch>``, :func:`run_tag`): a row group read again after a
+restart (a resumed epoch re-reads the row groups it had not finished) overwrites its own record
+instead of adding one, so a crash and resume never counts a bad row twice, and a run's records
+are counted by their tag.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +58,7 @@ __all__ = [
     "quarantine_counts",
     "quarantine_rows",
     "quarantine_source",
+    "run_tag",
 ]
 
 FILE_COLUMN = "__file"
@@ -177,6 +186,24 @@ def _stem(path: str) -> str:
     return os.path.basename(path).removesuffix(".parquet")
 
 
+def _source_name(file: str, row_group: int | None) -> str:
+    """A record's name for a source: the file's stem, a hash of its whole path (two data sets
+    may both hold ``part-0.parquet``) and the row group."""
+    where = "file" if row_group is None else f"rg{row_group}"
+    return f"{_stem(file)}-{zlib.crc32(file.encode()):08x}.{where}"
+
+
+def run_tag(run: str, role: str) -> str:
+    """The tag of a run's passes over one data set, ``<run>.<role>`` (the run name made
+    file-name safe); pass ``epoch`` of it is tagged ``<run>.<role>-e<epoch>``."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', run)}.{role}"
+
+
+def _record_name(source: str, tag: str | None, suffix: str) -> str:
+    # Without a pass (a batch of the Ray Data path), each write is kept apart.
+    return f"{source}.{tag if tag else uuid.uuid4().hex[:12]}{suffix}"
+
+
 def _quarantine_fs(config: DataConfig) -> tuple[pafs.FileSystem, str]:
     path = config.quarantine_path
     if path is None:
@@ -184,40 +211,50 @@ def _quarantine_fs(config: DataConfig) -> tuple[pafs.FileSystem, str]:
     return filesystem_for(path, config.storage)
 
 
-def quarantine_rows(table: pa.Table, reasons: np.ndarray, config: DataConfig) -> None:
+def quarantine_rows(
+    table: pa.Table, reasons: np.ndarray, config: DataConfig, *, tag: str | None = None
+) -> None:
     """Writes bad rows (all their columns, plus ``_reason``) as one Parquet file under
-    ``data.quarantine_path``, named after their source file and row group."""
+    ``data.quarantine_path``, named after their source file and row group and the pass ``tag``
+    (the same source and pass overwrite their record)."""
     filesystem, root = _quarantine_fs(config)
     filesystem.create_dir(root, recursive=True)
     source = "batch"
     if FILE_COLUMN in table.column_names and table.num_rows:
+        groups = table.column(ROW_GROUP_COLUMN).unique()
         file = table.column(FILE_COLUMN)[0].as_py()
-        group = table.column(ROW_GROUP_COLUMN)[0].as_py()
-        source = f"{_stem(file)}.rg{group}"
+        source = _source_name(file, table.column(ROW_GROUP_COLUMN)[0].as_py())
+        if len(groups) > 1 or len(table.column(FILE_COLUMN).unique()) > 1:
+            tag = None  # rows of several row groups: not one source's record
     out = table.append_column(_REASON_COLUMN, pa.array(list(reasons), pa.string()))
-    # Unique per write: a row group is quarantined once per pass (epoch); the counts are per
-    # pass, so each pass's records are kept apart.
-    name = f"{source}.{uuid.uuid4().hex[:12]}.parquet"
-    with filesystem.open_output_stream(f"{root}/{name}") as stream:
+    with filesystem.open_output_stream(f"{root}/{_record_name(source, tag, '.parquet')}") as stream:
         pq.write_table(out, stream)
 
 
 def quarantine_source(
-    config: DataConfig, *, file: str, reason: str, num_rows: int, row_group: int | None = None
+    config: DataConfig,
+    *,
+    file: str,
+    reason: str,
+    num_rows: int,
+    row_group: int | None = None,
+    tag: str | None = None,
 ) -> None:
-    """Records an unreadable file (or row group) and its row count under the quarantine path."""
+    """Records an unreadable file (or row group) and its row count under the quarantine path.
+    A file set aside when the footers are checked has one record (checked again, it is
+    overwritten); a row group gets one per pass ``tag``."""
     filesystem, root = _quarantine_fs(config)
     filesystem.create_dir(f"{root}/{_SOURCES}", recursive=True)
     record = {"file": file, "row_group": row_group, "num_rows": num_rows, "reason": reason}
-    name = f"{_stem(file)}.{'file' if row_group is None else f'rg{row_group}'}"
-    with filesystem.open_output_stream(
-        f"{root}/{_SOURCES}/{name}.{uuid.uuid4().hex[:12]}.json"
-    ) as stream:
+    source = _source_name(file, row_group)
+    name = f"{source}.json" if row_group is None else _record_name(source, tag, ".json")
+    with filesystem.open_output_stream(f"{root}/{_SOURCES}/{name}") as stream:
         stream.write(json.dumps(record).encode())
 
 
-def quarantine_counts(config: DataConfig) -> dict[str, int]:
-    """What the quarantine path holds.
+def quarantine_counts(config: DataConfig, *, tag: str | None = None) -> dict[str, int]:
+    """What the quarantine path holds (with a :func:`run_tag` ``tag``: only the records
+    written by that run's passes over that data set, every epoch).
 
     Returns:
         ``bad_rows`` (bad rows written), ``row_groups`` and ``row_group_rows`` (unreadable row
@@ -234,6 +271,8 @@ def quarantine_counts(config: DataConfig) -> dict[str, int]:
         return counts
     for info in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)):
         if info.type != pafs.FileType.File:
+            continue
+        if tag is not None and f".{tag}-e" not in info.base_name:
             continue
         if info.path.endswith(".parquet"):
             with filesystem.open_input_file(info.path) as f:
@@ -254,9 +293,10 @@ def drop_tagging_columns(table: pa.Table) -> pa.Table:
     return table.select(keep)
 
 
-def apply_policy(table: pa.Table, config: DataConfig) -> pa.Table:
+def apply_policy(table: pa.Table, config: DataConfig, *, tag: str | None = None) -> pa.Table:
     """Applies ``data.bad_input`` to a raw batch: returns the good rows (all of them when there
-    are none bad), after writing the bad ones to the quarantine, or raises.
+    are none bad), after writing the bad ones to the quarantine (as the pass ``tag``), or
+    raises.
 
     Raises:
         BadInputError: under ``fail``, naming the file, row group, row, column and reason of
@@ -277,5 +317,5 @@ def apply_policy(table: pa.Table, config: DataConfig) -> pa.Table:
             f"bad input in {where}: {reasons[first]} ({int(bad.sum())} bad rows in this batch; "
             "set data.bad_input = 'quarantine' to set them aside and continue)"
         )
-    quarantine_rows(table.filter(pa.array(bad)), reasons[bad], config)
+    quarantine_rows(table.filter(pa.array(bad)), reasons[bad], config, tag=tag)
     return table.filter(pa.array(~bad))

@@ -165,13 +165,16 @@ class Preprocessor:
     Args:
         config: the data config naming the label, dense and sparse columns, their specs, the
             table sizes, the dense statistics and the dedup groups.
+        quarantine_tag: the pass whose bad rows this preprocessor quarantines
+            (``<run>.<role>-e<epoch>``; None: each batch's record is kept apart).
 
     Raises:
         ValueError: a standardized dense column without statistics in ``config.dense_stats``.
     """
 
-    def __init__(self, config: DataConfig) -> None:
+    def __init__(self, config: DataConfig, *, quarantine_tag: str | None = None) -> None:
         self.config = config
+        self.quarantine_tag = quarantine_tag
         missing = [c for c in config.standardized_columns() if c not in config.dense_stats]
         if missing:
             raise ValueError(
@@ -200,7 +203,7 @@ class Preprocessor:
             KeyError: naming a configured column that the table lacks.
         """
         cfg = self.config
-        table = drop_tagging_columns(apply_policy(table, cfg))
+        table = drop_tagging_columns(apply_policy(table, cfg, tag=self.quarantine_tag))
         names: list[str] = [cfg.label_column, "dense"]
         arrays: list[pa.Array] = [self._label(table), self._dense(table)]
         row_keys: dict[str, np.ndarray] = {}

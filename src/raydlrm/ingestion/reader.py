@@ -212,6 +212,8 @@ class RowGroupReader:
         seed: the job's seed.
         epoch: the epoch (seeds the session shuffle).
         shuffle: shuffle each row group's sessions.
+        tag: the pass, ``<run>.<role>-e<epoch>``, that names its quarantine records (a row
+            group read again after a restart overwrites its record; None: records kept apart).
     """
 
     def __init__(
@@ -224,13 +226,14 @@ class RowGroupReader:
         seed: int,
         epoch: int,
         shuffle: bool,
+        tag: str | None = None,
     ) -> None:
         self.config = config
         self.columns = columns
         self.schema = schema
-        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.seed, self.epoch, self.shuffle, self.tag = seed, epoch, shuffle, tag
         self.filesystem = filesystem_for(source_path, config.storage)[0]
-        self.preprocess = Preprocessor(config)
+        self.preprocess = Preprocessor(config, quarantine_tag=tag)
 
     def __call__(self, refs: pa.Table) -> pa.Table:
         tables = []
@@ -260,6 +263,7 @@ class RowGroupReader:
                 row_group=group.index,
                 num_rows=group.num_rows,
                 reason=reason,
+                tag=self.tag,
             )
             return None
         n = table.num_rows
@@ -311,6 +315,9 @@ class WorkerSource:
         shuffle: shuffle row groups and sessions every epoch (training).
         num_actors: size of the preprocessing actor pool of each epoch.
         schema: the data set's raw schema.
+        quarantine_tag: the run's tag for this data set
+            (:func:`~raydlrm.ingestion.badinput.run_tag`); epoch ``e``'s quarantine records
+            are tagged ``<quarantine_tag>-e<e>``.
     """
 
     def __init__(
@@ -325,8 +332,10 @@ class WorkerSource:
         shuffle: bool,
         num_actors: int,
         schema: pa.Schema,
+        quarantine_tag: str | None = None,
     ) -> None:
         self.groups, self.config, self.source_path = groups, config, source_path
+        self.quarantine_tag = quarantine_tag
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.num_actors, self.schema = num_actors, schema
         self.columns = read_columns(config, schema)
@@ -380,6 +389,7 @@ class WorkerSource:
                 "seed": self.seed,
                 "epoch": epoch,
                 "shuffle": self.shuffle,
+                "tag": None if self.quarantine_tag is None else f"{self.quarantine_tag}-e{epoch}",
             },
             batch_size=1,
             batch_format="pyarrow",

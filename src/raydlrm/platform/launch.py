@@ -29,7 +29,7 @@ from raydlrm.ingestion import (
     generate_synthetic,
     validate_data,
 )
-from raydlrm.ingestion.badinput import BadInputError, quarantine_counts
+from raydlrm.ingestion.badinput import BadInputError, quarantine_counts, run_tag
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import list_files
 from raydlrm.platform.config import JobConfig, load_config
@@ -213,6 +213,7 @@ def train(
             result,
             job=job,
             train=train_summary,
+            run_name=run_name,
             quarantined_before=quarantined_before,
             tracked=tracked,
         )
@@ -224,7 +225,7 @@ def train(
 
 
 def _source(
-    summary: DataSummary, job: JobConfig, *, shuffle: bool, num_workers: int
+    summary: DataSummary, job: JobConfig, *, run_name: str, role: str, num_workers: int
 ) -> dict[str, Any]:
     """What the workers need to read a validated data set (see ``raydlrm.ingestion.reader``)."""
     actors = job.data.num_preprocess_actors or default_num_actors()
@@ -232,8 +233,9 @@ def _source(
         "path": summary.path,
         "row_groups": [g.to_dict() for g in summary.row_groups],
         "schema": summary.schema,
-        "shuffle": shuffle,
+        "shuffle": role == "train",
         "num_actors": max(1, actors // num_workers),
+        "quarantine_tag": run_tag(run_name, role),
     }
 
 
@@ -269,20 +271,23 @@ def _account_rows(
     *,
     job: JobConfig,
     train: DataSummary,
+    run_name: str,
     quarantined_before: dict[str, int],
     tracked: TrackedRun,
 ) -> None:
     """Checks and logs where every training row went: rows read (every epoch, from the files
     that passed validation) = rows trained + rows quarantined while reading (bad rows,
-    unreadable row groups). Files set aside at validation are counted apart, with their rows
-    when their footers could be read."""
+    unreadable row groups; the run's records over all its submissions, each once). Files set
+    aside at validation by this submission are counted apart, with their rows when their
+    footers could be read."""
     now = quarantine_counts(job.data)
     q = {k: now[k] - quarantined_before.get(k, 0) for k in now}
+    run = quarantine_counts(job.data, tag=run_tag(run_name, "train"))
     metrics = {
         "data/files_quarantined": q["files"],
         "data/rows_in_quarantined_files": q["file_rows"],
-        "data/rows_quarantined": q["bad_rows"] + q["row_group_rows"],
-        "data/row_groups_unreadable": q["row_groups"],
+        "data/rows_quarantined": run["bad_rows"] + run["row_group_rows"],
+        "data/row_groups_unreadable": run["row_groups"],
     }
     if job.training.max_steps is None:
         read = train.num_rows * job.training.num_epochs
@@ -303,10 +308,10 @@ def _account_rows(
             )
     result.metrics.update({k: float(v) for k, v in metrics.items()})
     tracked.log_metrics(metrics, step=int(result.metrics.get("step", 0)))
-    if q["rows"] or q["files"]:
+    if metrics["data/rows_quarantined"] or q["files"]:
         logger.warning(
-            "quarantined %d rows and %d files under %s",
-            q["rows"],
+            "quarantined %d rows while reading and %d files when checking them under %s",
+            metrics["data/rows_quarantined"],
             q["files"],
             job.data.quarantine_path,
         )
@@ -355,16 +360,18 @@ def _fit(
             )
         else:
             fault_marker = str(Path(run_root, run_config.name or run_name, "fault-injected"))
+
+    def source(summary: DataSummary, role: str) -> dict[str, Any]:
+        return _source(summary, job, run_name=run_name, role=role, num_workers=scaling.num_workers)
+
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "spec": job.worker_spec().to_dict(),
             "plan": plan.to_json(),
             "fault_marker": fault_marker,
-            "train_source": _source(train, job, shuffle=True, num_workers=scaling.num_workers),
-            "eval_source": None
-            if evaluation is None
-            else _source(evaluation, job, shuffle=False, num_workers=scaling.num_workers),
+            "train_source": source(train, "train"),
+            "eval_source": None if evaluation is None else source(evaluation, "eval"),
         },
         scaling_config=scaling,
         run_config=run_config,

@@ -519,6 +519,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             shuffle=description["shuffle"],
             num_actors=description["num_actors"],
             schema=description["schema"],
+            quarantine_tag=description.get("quarantine_tag"),
         )
 
     trainer.fit(
