@@ -4,7 +4,6 @@ Ray Data), hive partitions with selection, errors naming the path or key, creden
 from __future__ import annotations
 
 import logging
-import socket
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,42 +15,18 @@ from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import StorageConfig, StorageError, list_files, redact
 from raydlrm.ingestion.synthetic import SyntheticConfig, generate_synthetic
 from raydlrm.platform.config import flatten, load_config
+from tests.conftest import S3_SECRET as SECRET
 
-SECRET = "s3cr3t-do-not-log"
 DAYS = ["2026-11-18", "2026-11-19", "2026-11-20"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory):
+def s3(s3_server, tmp_path_factory: pytest.TempPathFactory):
     """An S3 server on loopback holding the synthetic train split and a partitioned data set;
-    yields (storage config, local root)."""
-    moto_server = pytest.importorskip("moto.server")
+    returns (storage config, local root)."""
     import s3fs
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port())
-    server.start()
-    host, port = server.get_host_and_port()
-    storage = StorageConfig(
-        endpoint_url=f"http://{host}:{port}",
-        region="us-east-1",
-        access_key_id="testing",
-        secret_access_key=SECRET,
-    )
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=storage.endpoint_url,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key=SECRET,
-    ).create_bucket(Bucket="data")
+    storage = s3_server("data")
     fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
     root = tmp_path_factory.mktemp("s3data")
     generate_synthetic(
@@ -67,8 +42,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
         part.mkdir(parents=True)
         pq.write_table(train.slice(i * 300, 300), part / "part-0.parquet")
     fs.put(str(root / "daily"), "data/daily", recursive=True)
-    yield storage, root
-    server.stop()
+    return storage, root
 
 
 def _config(storage: StorageConfig, **kw) -> DataConfig:

@@ -1,12 +1,14 @@
 """Fault tolerance end to end on the local Ray cluster: a worker killed mid-epoch (``os._exit``)
 is restarted from the latest checkpoint and the job ends with the weights of a run that was
-never interrupted, bit for bit, every sample trained once per epoch; a job whose worker dies
-while writing a checkpoint and that is submitted again under the same name resumes from the
-previous checkpoint and continues the same MLflow run."""
+never interrupted, bit for bit, every sample trained once per epoch (with checkpoints on local
+disk and on the loopback S3 server); a job whose worker dies while writing a checkpoint and that
+is submitted again under the same name resumes from the previous checkpoint and continues the
+same MLflow run."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +55,8 @@ def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
     }
 
 
-def _weights(result: raydlrm.TrainResult) -> dict[str, torch.Tensor]:
-    return torch.load(Path(result.checkpoint_path, "model.pt"), weights_only=True)
+def _weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(checkpoint, "model.pt"), weights_only=True)
 
 
 def _sample_log(root: Path, name: str) -> dict[str, np.ndarray]:
@@ -70,8 +72,10 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     return root, raydlrm.train(_config(root, "clean"))
 
 
-def _assert_same_run(root: Path, clean: raydlrm.TrainResult, result, name: str) -> None:
-    a, b = _weights(clean), _weights(result)
+def _assert_same_run(
+    root: Path, clean: raydlrm.TrainResult, result, name: str, checkpoint: Path | None = None
+) -> None:
+    a, b = _weights(clean.checkpoint_path), _weights(checkpoint or result.checkpoint_path)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -131,3 +135,33 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     _assert_restored_from(result, 9)
     steps = [m.step for m in client.get_metric_history(result.run_id, "train/loss")]
     assert max(steps) == clean.metrics["step"]  # the metric steps went on
+
+
+def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch) -> None:
+    """Run storage on the loopback S3 server: checkpoints written there, a killed worker
+    restarted from the latest one, the fault marker kept there, retention applied there."""
+    import s3fs
+
+    root, clean = uninterrupted
+    storage = s3_server("ckpt")
+    config = _config(root, "on-s3", max_failures=1)
+    config["run"].update(storage_path="s3://ckpt/runs", storage=asdict(storage))
+    config["checkpoint"]["num_to_keep"] = 2
+    monkeypatch.setenv("RAYDLRM_FAULT", "rank=1,step=11")
+    result = raydlrm.train(config)
+    assert result.checkpoint_path.startswith("s3://ckpt/runs/on-s3/checkpoint_")
+    fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
+    assert fs.exists("ckpt/runs/on-s3/fault-injected.rank1.step11.step")
+    final = root / "on-s3-final"
+    fs.get(result.checkpoint_path.removeprefix("s3://"), str(final), recursive=True)
+    _assert_same_run(root, clean, result, "on-s3", checkpoint=final)
+    _assert_restored_from(result, 9)
+    kept = [
+        e["name"]
+        for e in fs.ls("ckpt/runs/on-s3", detail=True)
+        if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")
+    ]
+    assert len(kept) == 2  # num_to_keep, applied on S3
+    assert all(fs.exists(f"{p}/trainer_state.json") for p in kept)
+    run = MlflowClient(result.tracking_uri).get_run(result.run_id)
+    assert run.data.tags["raydlrm.checkpoint"] == result.checkpoint_path

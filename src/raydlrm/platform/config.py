@@ -21,6 +21,7 @@ import tomllib
 
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.storage import StorageConfig
 from raydlrm.models import ModelConfig
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.trainers import CheckpointConfig, FaultConfig, TrainingConfig, WorkerSpec
@@ -68,8 +69,15 @@ class RunSpec:
     (and continues its MLflow run)."""
     storage_path: str = "runs"
     """Where Ray Train keeps run state and checkpoints (a local path or ``s3://...``)."""
+    storage: StorageConfig | None = None
+    """Object-store access for an ``s3://`` ``storage_path`` (``[run.storage]``: endpoint,
+    region, credentials). Default: ``[data.storage]``."""
     max_failures: int = 0
     """Worker failures to recover from before the run fails."""
+
+    def storage_or(self, data: StorageConfig) -> StorageConfig:
+        """The object-store access of the run storage."""
+        return self.storage if self.storage is not None else data
 
     def __post_init__(self) -> None:
         if self.max_failures < -1:

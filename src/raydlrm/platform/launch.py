@@ -13,12 +13,13 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
@@ -31,7 +32,7 @@ from raydlrm.ingestion import (
 )
 from raydlrm.ingestion.badinput import BadInputError, quarantine_counts, run_tag
 from raydlrm.ingestion.stats import dense_stats_of
-from raydlrm.ingestion.storage import list_files
+from raydlrm.ingestion.storage import filesystem_for, list_files
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
@@ -246,6 +247,30 @@ def _join(root: str, *parts: str) -> str:
     return str(Path(root, *parts).resolve())
 
 
+def _run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
+    """Ray Train's ``storage_path`` and ``storage_filesystem`` for ``run.storage_path``: an
+    absolute local path, or an object-store path (no scheme) with its filesystem, which carries
+    the endpoint and credentials of ``[run.storage]`` (or ``[data.storage]``)."""
+    path = job.run.storage_path
+    if _remote_scheme(job) is None:
+        return str(Path(path.removeprefix("file://")).resolve()), None
+    filesystem, resolved = filesystem_for(path, job.run.storage_or(job.data.storage))
+    return resolved, filesystem
+
+
+def _storage_uri(job: JobConfig, path: str) -> str:
+    """A path inside the run storage as a URI (``s3://bucket/...``) when the storage is
+    remote (Ray names it without the scheme)."""
+    scheme = _remote_scheme(job)
+    return f"{scheme}://{path}" if scheme and "://" not in path else path
+
+
+def _remote_scheme(job: JobConfig) -> str | None:
+    """``s3`` for an object-store run storage; None for a local one."""
+    root = job.run.storage_path
+    return root.split("://", 1)[0] if "://" in root and not root.startswith("file:") else None
+
+
 def _fill_dense_stats(job: JobConfig) -> None:
     """Computes the statistics of standardized dense columns over the training data, once,
     when the config does not already hold them; they travel in the config to the workers, the
@@ -333,13 +358,15 @@ def _fit(
         use_gpu=job.scaling.use_gpu,
         resources_per_worker=dict(job.scaling.resources_per_worker),
     )
-    callbacks = [*(run_config.callbacks or [] if run_config else []), tracked.callback()]
+    scheme = _remote_scheme(job)
+    callbacks = [*(run_config.callbacks or [] if run_config else []), tracked.callback(scheme)]
     ckpt = job.checkpoint
     if run_config is None:
-        storage = job.run.storage_path
+        storage_path, storage_filesystem = _run_storage(job)
         run_config = RunConfig(
             name=run_name,
-            storage_path=storage if "://" in storage else str(Path(storage).resolve()),
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=job.run.max_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=ckpt.num_to_keep,
@@ -350,16 +377,10 @@ def _fit(
         )
     else:
         run_config.callbacks = callbacks
-    # The injected fault fires once per run: its marker lives with the run (local storage).
-    run_root = run_config.storage_path or job.run.storage_path
+    # The injected fault fires once per run: its marker lives with the run.
     fault_marker = None
     if job.fault.at_step is not None:
-        if "://" in str(run_root):
-            logger.warning(
-                "fault injection needs local run storage; %s is remote: no fault", run_root
-            )
-        else:
-            fault_marker = str(Path(run_root, run_config.name or run_name, "fault-injected"))
+        fault_marker = _join(job.run.storage_path, run_name, "fault-injected")
 
     def source(summary: DataSummary, role: str) -> dict[str, Any]:
         return _source(summary, job, run_name=run_name, role=role, num_workers=scaling.num_workers)
@@ -370,6 +391,7 @@ def _fit(
             "spec": job.worker_spec().to_dict(),
             "plan": plan.to_json(),
             "fault_marker": fault_marker,
+            "fault_storage": None if job.run.storage is None else asdict(job.run.storage),
             "train_source": source(train, "train"),
             "eval_source": None if evaluation is None else source(evaluation, "eval"),
         },
@@ -380,7 +402,8 @@ def _fit(
     if result.checkpoint is None:
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
-    tracked.set_tags({"raydlrm.checkpoint": result.checkpoint.path})
+    checkpoint_uri = _storage_uri(job, result.checkpoint.path)
+    tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
     example = _example_rows(job.data.eval_path or job.data.train_path, job)
     with result.checkpoint.as_directory() as checkpoint_dir:
         info = log_model(
@@ -392,7 +415,7 @@ def _fit(
     version = info.registered_model_version
     return TrainResult(
         metrics=metrics,
-        checkpoint_path=result.checkpoint.path,
+        checkpoint_path=checkpoint_uri,
         run_id=tracked.run_id,
         tracking_uri=tracked.tracking_uri,
         model_uri=info.model_uri,

@@ -111,8 +111,11 @@ class TrackedRun:
         status = RunStatus.to_string(RunStatus.FAILED if failed else RunStatus.FINISHED)
         self.client.set_terminated(self.run_id, status=status)
 
-    def callback(self) -> MLflowReportCallback:
-        return MLflowReportCallback(tracking_uri=self.tracking_uri, run_id=self.run_id)
+    def callback(self, storage_scheme: str | None = None) -> MLflowReportCallback:
+        """The Ray Train callback that logs the workers' reports to this run."""
+        return MLflowReportCallback(
+            tracking_uri=self.tracking_uri, run_id=self.run_id, storage_scheme=storage_scheme
+        )
 
 
 def _existing_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | None:
@@ -173,12 +176,22 @@ class MLflowReportCallback(UserCallback):
         tracking_uri: absolute MLflow tracking URI.
         run_id: the run created by the driver.
         max_pending: metrics kept while the server is unreachable.
+        storage_scheme: the run storage's URI scheme (``s3``) when it is remote: Ray names
+            checkpoints there without it, the run records them as URIs.
     """
 
-    def __init__(self, *, tracking_uri: str, run_id: str, max_pending: int = 100_000):
+    def __init__(
+        self,
+        *,
+        tracking_uri: str,
+        run_id: str,
+        max_pending: int = 100_000,
+        storage_scheme: str | None = None,
+    ):
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.max_pending = max_pending
+        self.storage_scheme = storage_scheme
         self._client: MlflowClient | None = None
         self._pending: list[Metric] = []
         self._lost = 0
@@ -189,6 +202,7 @@ class MLflowReportCallback(UserCallback):
             "tracking_uri": self.tracking_uri,
             "run_id": self.run_id,
             "max_pending": self.max_pending,
+            "storage_scheme": self.storage_scheme,
             "_client": None,
             "_pending": [],
             "_lost": 0,
@@ -216,7 +230,10 @@ class MLflowReportCallback(UserCallback):
             _log_batch(self._client, self.run_id, metrics=self._pending)
             self._pending = []
             if checkpoint is not None:
-                self._client.set_tag(self.run_id, "raydlrm.checkpoint", checkpoint.path)
+                path = checkpoint.path
+                if self.storage_scheme and "://" not in path:
+                    path = f"{self.storage_scheme}://{path}"
+                self._client.set_tag(self.run_id, "raydlrm.checkpoint", path)
         except Exception as exc:
             if self._lost and self._pending and self._pending[-1].key == "tracking/metrics_lost":
                 self._pending.pop()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
@@ -38,6 +39,7 @@ from raydlrm.batch import Batch, DedupGroup
 from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
 from raydlrm.ingestion.reader import EpochProgress, WorkerSource
 from raydlrm.ingestion.schema import RowGroup
+from raydlrm.ingestion.storage import StorageConfig, filesystem_for
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.trainers import _ray
@@ -148,6 +150,7 @@ class Trainer:
         self.resume: EpochProgress | None = None  # all ranks' progress at the loaded checkpoint
         self.resume_world_size: int | None = None
         self.fault_marker: str | None = None  # where the injected fault records that it fired
+        self.fault_storage: StorageConfig | None = None  # its object store (run storage)
         self._pending_samples = 0  # trained here, not yet added to samples_seen
         self._last_metrics: dict[str, float] = {}
         self._last_checkpoint = time.monotonic()
@@ -352,12 +355,15 @@ class Trainer:
             or self.fault_marker is None
         ):
             return
-        marker = f"{self.fault_marker}.rank{self.rank}.step{self.step}.{during}"
-        if os.path.exists(marker):
+        filesystem, marker = filesystem_for(
+            f"{self.fault_marker}.rank{self.rank}.step{self.step}.{during}",
+            self.fault_storage or self.spec.data.storage,
+        )
+        if filesystem.get_file_info(marker).type != pafs.FileType.NotFound:
             return
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        with open(marker, "w") as f:
-            f.write(f"{time.time()}\n")
+        filesystem.create_dir(marker.rsplit("/", 1)[0], recursive=True)
+        with filesystem.open_output_stream(marker) as f:
+            f.write(f"{time.time()}\n".encode())
         logger.warning(
             "fault injection: rank %d dies at step %d (%s)", self.rank, self.step, during
         )
@@ -502,6 +508,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         )
     trainer = Trainer(spec, plan=plan, rank=ctx.rank, device=ctx.device)
     trainer.fault_marker = config.get("fault_marker")
+    if config.get("fault_storage") is not None:
+        trainer.fault_storage = StorageConfig(**config["fault_storage"])
     with _ray.latest_checkpoint() as checkpoint_dir:
         if checkpoint_dir is not None:
             trainer.load(checkpoint_dir)
