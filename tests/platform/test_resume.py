@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
 
 import raydlrm
+from raydlrm.platform.cli import app
 from raydlrm.trainers.state import read_state_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -165,3 +167,16 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
     assert all(fs.exists(f"{p}/trainer_state.json") for p in kept)
     run = MlflowClient(result.tracking_uri).get_run(result.run_id)
     assert run.data.tags["raydlrm.checkpoint"] == result.checkpoint_path
+    # The CLI reads a checkpoint on S3 (the store from the standard AWS variables).
+    for name, value in {
+        "AWS_ENDPOINT_URL": storage.endpoint_url,
+        "AWS_REGION": storage.region,
+        "AWS_ACCESS_KEY_ID": storage.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": storage.secret_access_key,
+    }.items():
+        monkeypatch.setenv(name, value)
+    shown = CliRunner().invoke(app, ["checkpoint", "show", result.checkpoint_path])
+    assert shown.exit_code == 0, shown.output
+    assert f"step {clean.metrics['step']}, epoch {EPOCHS - 1}" in shown.output
+    missing = CliRunner().invoke(app, ["checkpoint", "show", "s3://ckpt/runs/nothing"])
+    assert missing.exit_code == 2 and "s3://ckpt/runs/nothing does not exist" in missing.output

@@ -6,9 +6,12 @@ Exit codes: 0 success; 2 bad input (config, data, usage), stopped before trainin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -177,11 +180,39 @@ def config_validate(config: ConfigOption = None, set_: SetOption = None) -> None
 
 
 CheckpointArg = Annotated[
-    Path,
+    str,
     typer.Argument(
-        help="A checkpoint directory (runs/<run>/checkpoint_...), with trainer_state.json."
+        help="A checkpoint directory (runs/<run>/checkpoint_...), with trainer_state.json; "
+        "or an s3:// URI (endpoint, region and credentials from the AWS_* environment "
+        "variables)."
     ),
 ]
+
+
+@contextlib.contextmanager
+def _checkpoint_dir(checkpoint: str) -> Iterator[Path]:
+    """A local directory holding ``checkpoint`` (downloaded first when it is remote)."""
+    if "://" not in checkpoint or checkpoint.startswith("file://"):
+        yield Path(checkpoint.removeprefix("file://"))
+        return
+    import pyarrow.fs as pafs
+
+    from raydlrm.ingestion.storage import StorageConfig, StorageError, filesystem_for
+
+    try:
+        filesystem, path = filesystem_for(checkpoint, StorageConfig())
+        if filesystem.get_file_info(path).type != pafs.FileType.Directory:
+            _fail(f"checkpoint {checkpoint} does not exist")
+    except (StorageError, OSError) as e:
+        _fail(f"checkpoint {checkpoint} cannot be read: {e}")
+    with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
+        pafs.copy_files(
+            path,
+            tmp,
+            source_filesystem=filesystem,
+            destination_filesystem=pafs.LocalFileSystem(),
+        )
+        yield Path(tmp)
 
 
 @checkpoint_app.command("show")
@@ -191,7 +222,8 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
     from raydlrm.trainers.state import read_state_file
 
     try:
-        state = read_state_file(checkpoint)
+        with _checkpoint_dir(checkpoint) as directory:
+            state = read_state_file(directory)
     except FileNotFoundError as e:
         _fail(str(e))
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
@@ -220,7 +252,8 @@ def checkpoint_unshard(
     from raydlrm.trainers.state import unshard_training_state
 
     try:
-        state = unshard_training_state(checkpoint)
+        with _checkpoint_dir(checkpoint) as directory:
+            state = unshard_training_state(directory)
     except FileNotFoundError as e:
         _fail(str(e))
     output.parent.mkdir(parents=True, exist_ok=True)
