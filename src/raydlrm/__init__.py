@@ -1,7 +1,8 @@
 """raydlrm: train large deep-learning recommendation models (DLRMs) on Ray.
 
 The public Python API: :func:`train` runs a training job from a config (a path, a dict or a
-:class:`JobConfig`), :func:`load_config` reads a TOML run file with overrides. They are loaded
+:class:`JobConfig`), :func:`load_config` reads a TOML run file with overrides, :func:`score`
+and :func:`evaluate` score a Parquet data set with a trained model on Ray Data. They are loaded
 lazily so that worker-side modules (``raydlrm.batch``, ``raydlrm.sharding``) import without Ray
 or MLflow.
 """
@@ -12,7 +13,15 @@ from raydlrm._versions import check_versions
 
 check_versions()
 
-__all__ = ["JobConfig", "TrainResult", "load_config", "train"]
+__all__ = [
+    "JobConfig",
+    "ScoreResult",
+    "TrainResult",
+    "evaluate",
+    "load_config",
+    "score",
+    "train",
+]
 __version__ = "0.1.0"
 
 

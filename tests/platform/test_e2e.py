@@ -7,6 +7,7 @@ artifact, and that the registered model loads and scores raw rows without Ray.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -144,3 +147,54 @@ def test_registered_model_scores_raw_rows(finished_run) -> None:
     from sklearn.metrics import roc_auc_score
 
     assert roc_auc_score(rows["label"], probs) > AUC_THRESHOLD
+
+
+def _cli(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "raydlrm", *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_batch_scoring_and_evaluation(finished_run) -> None:
+    """``raydlrm score`` writes one prediction per row, equal to the registered model's;
+    ``raydlrm evaluate`` gives the AUC of those predictions; a bad row stops scoring, named."""
+    workdir, _ = finished_run
+    proc = _cli(workdir, "score", "models:/e2e-model/1", "data/eval", "preds")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scored 8000 rows" in proc.stdout
+    preds = pd.read_parquet(workdir / "preds")
+    assert len(preds) == 8000 and set(preds.columns) == {"sample_id", "label", "prediction"}
+    assert preds["sample_id"].is_unique
+    rows = pd.read_parquet(workdir / "data" / "eval")
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model("models:/e2e-model/1")
+    expected = np.asarray(model.predict(rows.drop(columns=["label", "sample_id", "session_id"])))
+    merged = rows[["sample_id"]].assign(expected=expected).merge(preds, on="sample_id")
+    assert len(merged) == 8000
+    np.testing.assert_allclose(merged["prediction"], merged["expected"], rtol=1e-5, atol=1e-6)
+
+    from sklearn.metrics import roc_auc_score
+
+    proc = _cli(workdir, "evaluate", "models:/e2e-model/1", "data/eval")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert metrics["rows"] == 8000 and metrics["auc"] > AUC_THRESHOLD
+    assert abs(metrics["auc"] - roc_auc_score(rows["label"], expected)) < 1e-4
+
+    bad = workdir / "bad"
+    bad.mkdir()
+    table = pq.read_table(next((workdir / "data" / "eval").glob("*.parquet")))
+    column = table.column("C3").to_pylist()
+    column[7] = None
+    table = table.set_column(table.schema.get_field_index("C3"), "C3", pa.array(column))
+    pq.write_table(table, bad / "broken.parquet")
+    proc = _cli(workdir, "score", "models:/e2e-model/1", "bad", "bad-preds")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "broken.parquet" in proc.stderr and "C3" in proc.stderr

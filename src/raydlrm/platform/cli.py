@@ -86,6 +86,75 @@ def train(config: ConfigOption = None, set_: SetOption = None) -> None:
     print_summary(result)
 
 
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="An MLflow model URI (models:/name@champion, models:/name/3, runs:/<id>/model; "
+        "tracking server from MLFLOW_TRACKING_URI) or a model checkpoint directory."
+    ),
+]
+DataArg = Annotated[
+    str, typer.Argument(help="A Parquet file or directory, local or s3:// (AWS_* variables).")
+]
+BatchSizeOption = Annotated[int, typer.Option("--batch-size", help="Rows per scoring batch.")]
+ActorsOption = Annotated[
+    int, typer.Option("--num-actors", help="The most scoring actors (each holds the model).")
+]
+
+
+@app.command()
+def score(
+    model: ModelArg,
+    data: DataArg,
+    output: Annotated[str, typer.Argument(help="Directory for the prediction Parquet files.")],
+    keep: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--keep",
+            help="Input column to copy next to `prediction` (repeatable; default: sample_id "
+            "and the label, those present).",
+        ),
+    ] = None,
+    batch_size: BatchSizeOption = 4096,
+    num_actors: ActorsOption = 2,
+) -> None:
+    """Score every row of a Parquet data set with a trained model (Ray Data), writing
+    Parquet with the kept columns and `prediction` (click probability)."""
+    _setup_logging()
+    from raydlrm.platform.scoring import score as run_scoring
+
+    try:
+        result = run_scoring(
+            model, data, output, keep=keep or None, batch_size=batch_size, num_actors=num_actors
+        )
+    except (*_bad_input_errors(), ValueError) as e:
+        _fail(str(e))
+    typer.echo(f"scored {result.rows} rows in {result.seconds:.1f}s: {result.output}")
+
+
+@app.command()
+def evaluate(
+    model: ModelArg,
+    data: DataArg,
+    output: Annotated[
+        str | None, typer.Option("--output", help="Also write the predictions here.")
+    ] = None,
+    batch_size: BatchSizeOption = 4096,
+    num_actors: ActorsOption = 2,
+) -> None:
+    """Evaluate a trained model on a labelled Parquet data set: AUC and log loss."""
+    _setup_logging()
+    from raydlrm.platform.scoring import evaluate as run_evaluation
+
+    try:
+        result = run_evaluation(
+            model, data, output=output, batch_size=batch_size, num_actors=num_actors
+        )
+    except (*_bad_input_errors(), ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(result.metrics, sort_keys=True))
+
+
 @app.command()
 def plan(
     config: ConfigOption = None,

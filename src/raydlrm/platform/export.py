@@ -22,10 +22,10 @@ import pyarrow as pa
 import torch
 
 import raydlrm
-from raydlrm.ingestion import Preprocessor, arrow_to_batch
+from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.trainers import load_model_checkpoint
 
-__all__ = ["RecModelPythonModel", "log_model"]
+__all__ = ["RecModelPythonModel", "log_model", "score_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +44,23 @@ class RecModelPythonModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: Any = None) -> np.ndarray:
         """Click probabilities, shape ``(N,)``, for ``N`` raw rows (a pandas DataFrame)."""
-        frame = pd.DataFrame(model_input)
-        table = pa.Table.from_pandas(frame, preserve_index=False)
-        if self._data.label_column not in table.column_names:
-            # Scoring has no labels; the preprocessor expects the column, the model ignores it.
-            table = table.append_column(
-                self._data.label_column, pa.array(np.zeros(len(frame), dtype=np.float32))
-            )
-        batch = arrow_to_batch(self._preprocess(table), config=self._data)
-        with torch.no_grad():
-            return torch.sigmoid(self._model(batch)).numpy()
+        table = pa.Table.from_pandas(pd.DataFrame(model_input), preserve_index=False)
+        return score_table(self._model, self._preprocess, self._data, table)
+
+
+def score_table(
+    model: torch.nn.Module, preprocess: Preprocessor, data: DataConfig, table: pa.Table
+) -> np.ndarray:
+    """Click probabilities, shape ``(N,)``, of ``N`` raw rows (an Arrow table with the model's
+    input columns; a label column, if any, is ignored)."""
+    # The preprocessor expects a label; scoring has none (or must not use it).
+    labels = pa.array(np.zeros(table.num_rows, dtype=np.float32))
+    if data.label_column in table.column_names:
+        table = table.drop_columns([data.label_column])
+    table = table.append_column(data.label_column, labels)
+    batch = arrow_to_batch(preprocess(table), config=data)
+    with torch.no_grad():
+        return torch.sigmoid(model(batch)).numpy()
 
 
 class _Context:

@@ -1,0 +1,277 @@
+"""Batch scoring and evaluation of a trained model over a Parquet data set, on Ray Data.
+
+:func:`score` reads a data set (local or ``s3://``, only the columns the model needs plus the
+ones to keep), scores it on a pool of Ray Data actors, each holding the unsharded model (the
+same preprocessing as training: stable id hashing, dense transforms), and writes Parquet with
+the kept columns (by default ``sample_id`` and the label, when present) and ``prediction``, the
+click probability. :func:`evaluate` scores a labelled data set and returns AUC and log loss.
+
+The model is a registered or logged MLflow model (``models:/name@champion``, ``models:/name/3``,
+``runs:/<id>/model``) or a model checkpoint directory (``runs/<run>/checkpoint_...``). Its
+files travel to the actors through Ray's object store, so the actors need neither MLflow nor
+the driver's disk. Every row gets a prediction: a bad row (null id, NaN dense value, ...) stops
+the job with a message naming its file, row group and column, instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.storage import StorageConfig, filesystem_for, list_files
+
+__all__ = ["PREDICTION_COLUMN", "ScoreResult", "evaluate", "score"]
+
+logger = logging.getLogger(__name__)
+
+PREDICTION_COLUMN = "prediction"
+_CHECKPOINT_FILES = ("model.pt", "spec.json", "plan.json", "metrics.json")
+_ACTOR_NUM_CPUS = 0.5
+_PATH_COLUMN = "path"  # Ray Data's include_paths column
+
+
+@dataclass
+class ScoreResult:
+    """What a scoring or evaluation job did."""
+
+    rows: int
+    """Rows scored."""
+    output: str | None
+    """Where the predictions were written (None: evaluation into a temporary directory)."""
+    seconds: float
+    """Wall time of reading, scoring and writing."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``auc`` and ``log_loss`` (evaluation only)."""
+
+
+def _model_files(model: str) -> dict[str, bytes]:
+    """The model checkpoint's files (weights, config, plan) of a checkpoint directory or an
+    MLflow model URI.
+
+    Raises:
+        FileNotFoundError: naming the model when it holds no raydlrm checkpoint.
+    """
+    path = Path(model)
+    if path.is_dir():
+        directory = path
+        files = {name: directory / name for name in _CHECKPOINT_FILES}
+    else:
+        import mlflow
+
+        tmp = tempfile.mkdtemp(prefix="raydlrm-model-")
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=tmp))
+        except Exception as exc:  # MlflowException, OSError: a model that is not there
+            raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
+        found = sorted(local.rglob(_CHECKPOINT_FILES[0]))
+        if not found:
+            raise FileNotFoundError(f"model {model} holds no raydlrm checkpoint (model.pt)")
+        files = {name: found[0].parent / name for name in _CHECKPOINT_FILES}
+    for name in _CHECKPOINT_FILES[:3]:
+        if not files[name].is_file():
+            raise FileNotFoundError(f"model {model} has no {name}")
+    return {name: p.read_bytes() for name, p in files.items() if p.is_file()}
+
+
+class _Scorer:
+    """A Ray Data actor: the unsharded model, scoring raw Arrow batches."""
+
+    def __init__(self, files: dict[str, bytes], keep: list[str]) -> None:
+        import torch
+
+        from raydlrm.ingestion import Preprocessor
+        from raydlrm.trainers.checkpoint import load_model_checkpoint
+
+        torch.set_num_threads(1)
+        with tempfile.TemporaryDirectory(prefix="raydlrm-scorer-") as tmp:
+            for name, blob in files.items():
+                Path(tmp, name).write_bytes(blob)
+            loaded = load_model_checkpoint(tmp)
+        self.model = loaded.model
+        # Every row is scored or the job stops: nothing is set aside.
+        self.data = dataclasses.replace(loaded.spec.data, bad_input="fail")
+        self.preprocess = Preprocessor(self.data)
+        self.keep = keep
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        from raydlrm.ingestion.badinput import BadInputError
+        from raydlrm.platform.export import score_table
+
+        try:
+            probs = score_table(self.model, self.preprocess, self.data, table)
+        except BadInputError as exc:
+            files = sorted(set(table.column(_PATH_COLUMN).to_pylist()))
+            raise BadInputError(f"{exc}; in {', '.join(files)}") from None
+        out = table.select([c for c in self.keep if c in table.column_names])
+        return out.append_column(PREDICTION_COLUMN, pa.array(probs, pa.float32()))
+
+
+def score(
+    model: str,
+    data: str,
+    output: str,
+    *,
+    keep: list[str] | None = None,
+    storage: StorageConfig | None = None,
+    batch_size: int = 4096,
+    num_actors: int = 2,
+) -> ScoreResult:
+    """Scores every row of a Parquet data set with Ray Data and writes the predictions.
+
+    Args:
+        model: an MLflow model URI or a model checkpoint directory.
+        data: the data set (a file or directory, local or ``s3://``).
+        output: a directory for the prediction Parquet files (local or ``s3://``).
+        keep: input columns to copy next to ``prediction`` (default: ``sample_id`` and the
+            model's label column, those present).
+        storage: object-store access for ``s3://`` paths (default: the AWS environment).
+        batch_size: rows per scoring batch.
+        num_actors: the most scoring actors (each holds a copy of the model).
+
+    Raises:
+        FileNotFoundError: the model or the data is missing.
+        ValueError: the data lacks a column the model needs (named).
+    """
+    return _score(
+        _model_files(model),
+        data,
+        output,
+        keep=keep,
+        storage=storage or StorageConfig(),
+        batch_size=batch_size,
+        num_actors=num_actors,
+    )
+
+
+def _bad_input_cause(exc: BaseException) -> BaseException | None:
+    """The :class:`BadInputError` behind an error of Ray Data's actors, if any. Ray Data
+    re-raises a UDF's error as a ``UserCodeException`` that keeps only its text, so the error
+    is found by its name in the message and raised again with its own message."""
+    from raydlrm.ingestion.badinput import BadInputError
+
+    marker = f"{BadInputError.__name__}: "
+    for line in str(exc).splitlines():
+        if marker in line:
+            return BadInputError(line.split(marker, 1)[1].strip())
+    return None
+
+
+def _data_config(files: dict[str, bytes]) -> DataConfig:
+    from raydlrm.trainers.spec import WorkerSpec
+
+    return WorkerSpec(**json.loads(files["spec.json"])).data
+
+
+def _score(
+    files: dict[str, bytes],
+    data: str,
+    output: str,
+    *,
+    keep: list[str] | None,
+    storage: StorageConfig,
+    batch_size: int,
+    num_actors: int,
+) -> ScoreResult:
+    import ray
+    import ray.data
+
+    data_config = _data_config(files)
+    filesystem, paths = list_files(data, storage, {}, role="scoring")
+    schema = pq.read_schema(filesystem.open_input_file(paths[0]))
+    label = data_config.label_column
+    needed = [c for c in data_config.input_columns() if c != label]
+    missing = [c for c in needed if c not in schema.names]
+    if missing:
+        raise ValueError(f"data set {data} lacks the model's input columns {missing}")
+    if keep is None:
+        keep = [c for c in ("sample_id", label) if c in schema.names]
+    absent = [c for c in keep if c not in schema.names]
+    if absent:
+        raise ValueError(f"data set {data} has no columns {absent} to keep")
+    started = time.perf_counter()
+    if not ray.is_initialized():
+        from raydlrm.platform.config import load_config
+        from raydlrm.platform.launch import _init_ray
+
+        _init_ray(load_config(None))
+    dataset = ray.data.read_parquet(
+        paths,
+        filesystem=filesystem,
+        columns=list(dict.fromkeys(needed + keep)),
+        include_paths=True,  # to name the file of a bad row
+    )
+    scored = dataset.map_batches(
+        _Scorer,
+        fn_constructor_kwargs={"files": files, "keep": keep},
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
+        num_cpus=_ACTOR_NUM_CPUS,
+    )
+    out_fs, out_path = filesystem_for(output, storage)
+    try:
+        scored.write_parquet(out_path, filesystem=out_fs)
+    except Exception as exc:
+        raise _bad_input_cause(exc) or exc from None
+    rows = pads.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
+    expected = sum(pq.ParquetFile(filesystem.open_input_file(p)).metadata.num_rows for p in paths)
+    if rows != expected:
+        raise RuntimeError(f"scored {rows} rows of {expected} in {data}: output {output}")
+    seconds = time.perf_counter() - started
+    logger.info("scored %d rows of %s in %.1fs into %s", rows, data, seconds, output)
+    return ScoreResult(rows=rows, output=output, seconds=seconds)
+
+
+def evaluate(
+    model: str,
+    data: str,
+    *,
+    output: str | None = None,
+    storage: StorageConfig | None = None,
+    batch_size: int = 4096,
+    num_actors: int = 2,
+) -> ScoreResult:
+    """Scores a labelled data set and returns AUC and log loss (and the predictions under
+    ``output`` when given).
+
+    Raises:
+        ValueError: the data set has no label column.
+    """
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    files = _model_files(model)
+    label = _data_config(files).label_column
+    storage = storage or StorageConfig()
+    with tempfile.TemporaryDirectory(prefix="raydlrm-eval-") as tmp:
+        target = output or str(Path(tmp, "predictions"))
+        result = _score(
+            files,
+            data,
+            target,
+            keep=[label],
+            storage=storage,
+            batch_size=batch_size,
+            num_actors=num_actors,
+        )
+        out_fs, out_path = filesystem_for(target, storage)
+        table = pads.dataset(out_path, filesystem=out_fs, format="parquet").to_table()
+    labels = table.column(label).to_numpy()
+    probs = table.column(PREDICTION_COLUMN).to_numpy().astype(np.float64)
+    result.output = output
+    result.metrics = {
+        "auc": float(roc_auc_score(labels, probs)),
+        "log_loss": float(log_loss(labels, np.clip(probs, 1e-7, 1 - 1e-7), labels=[0, 1])),
+        "rows": float(result.rows),
+    }
+    return result
