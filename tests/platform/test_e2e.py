@@ -198,3 +198,28 @@ def test_batch_scoring_and_evaluation(finished_run) -> None:
     proc = _cli(workdir, "score", "models:/e2e-model/1", "bad", "bad-preds")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "broken.parquet" in proc.stderr and "C3" in proc.stderr
+
+
+def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
+    """``raydlrm export`` turns the run's final checkpoint (recorded on the MLflow run) into a
+    self-contained model directory and a new registered model, both scoring like the model
+    the job registered, and neither carrying the training state."""
+    workdir, _ = finished_run
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (version,) = client.search_model_versions("name='e2e-model'")
+    checkpoint = client.get_run(version.run_id).data.tags["raydlrm.checkpoint"]
+    assert Path(checkpoint, "trainer_state.json").is_file()
+    proc = _cli(workdir, "export", checkpoint, "--output", "exported", "--register", "e2e-exported")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "version: 1" in proc.stdout
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+    rows = pd.read_parquet(workdir / "data" / "eval").head(500)
+    features = rows.drop(columns=["label", "sample_id", "session_id"])
+    expected = np.asarray(mlflow.pyfunc.load_model("models:/e2e-model/1").predict(features))
+    for uri in (str(workdir / "exported"), "models:/e2e-exported/1"):
+        np.testing.assert_array_equal(mlflow.pyfunc.load_model(uri).predict(features), expected)
+    exported = {p.name for p in (workdir / "exported").rglob("*") if p.is_file()}
+    assert "model.pt" in exported and not any(n.endswith(".distcp") for n in exported)
+    assert "trainer_state.json" not in exported
+    missing = _cli(workdir, "export", str(workdir / "data"), "--output", "x")
+    assert missing.returncode == 2 and "has no model.pt" in missing.stderr

@@ -156,6 +156,46 @@ def evaluate(
 
 
 @app.command()
+def export(
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            help="A checkpoint directory (runs/<run>/checkpoint_...) or an s3:// URI (AWS_* "
+            "variables)."
+        ),
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Write a self-contained MLflow model directory."),
+    ] = None,
+    register: Annotated[
+        str | None,
+        typer.Option("--register", help="Log the model on a new MLflow run, register it."),
+    ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="Data for the signature's example rows (default: config's)."),
+    ] = None,
+) -> None:
+    """Export a checkpoint's model, unsharded, as an MLflow pyfunc model that scores raw rows
+    without Ray (to a directory and/or the registry)."""
+    _setup_logging()
+    from raydlrm.platform.export import export_model
+
+    if output is None and register is None:
+        _fail("give --output DIR and/or --register NAME")
+    try:
+        with _checkpoint_dir(checkpoint) as directory:
+            out = export_model(
+                directory, output=output, registered_model_name=register, example_path=data
+            )
+    except (*_bad_input_errors(), ValueError) as e:
+        _fail(str(e))
+    for key, value in out.items():
+        typer.echo(f"{key}: {value}")
+
+
+@app.command()
 def plan(
     config: ConfigOption = None,
     set_: SetOption = None,

@@ -11,6 +11,8 @@ Ray nor a process group.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -19,17 +21,29 @@ import mlflow
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.dataset as pads
 import torch
 
 import raydlrm
 from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
+from raydlrm.ingestion.badinput import BadInputError
+from raydlrm.ingestion.storage import list_files
 from raydlrm.trainers import load_model_checkpoint
+from raydlrm.trainers.checkpoint import MODEL_CHECKPOINT_FILES
 
-__all__ = ["RecModelPythonModel", "log_model", "score_table"]
+__all__ = [
+    "RecModelPythonModel",
+    "example_rows",
+    "export_model",
+    "log_model",
+    "save_model",
+    "score_table",
+]
 
 logger = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "model"
+_EXAMPLE_ROWS = 5
 _REQUIREMENTS = ("numpy", "pandas", "pyarrow", "pydantic", "scikit-learn", "mlflow", "ray")
 
 
@@ -70,22 +84,44 @@ class _Context:
         self.artifacts = artifacts
 
 
-def log_model(
-    *,
-    run_id: str,
-    checkpoint_dir: str | Path,
-    example: pd.DataFrame,
-    registered_model_name: str | None,
-) -> mlflow.models.model.ModelInfo:
-    """Logs the checkpoint as a pyfunc model on run ``run_id`` and registers it if a name is
-    given.
+def example_rows(path: str, data: DataConfig) -> pd.DataFrame:
+    """A few raw input rows (no label) of a data set, for a model signature.
 
-    Args:
-        run_id: the job's MLflow run.
-        checkpoint_dir: a model checkpoint directory (``raydlrm.trainers.checkpoint``).
-        example: a few raw input rows, used for the model signature and input example.
-        registered_model_name: registry name, or None to log without registering.
+    Raises:
+        BadInputError: no file under ``path`` can be read.
     """
+    columns = [c for c in data.input_columns() if c != data.label_column]
+    filesystem, files = list_files(path, data.storage, data.partitions)
+    errors = []
+    for file in files:  # the first readable file (a quarantined data set may hold broken ones)
+        try:
+            table = pads.dataset(file, format="parquet", filesystem=filesystem).head(
+                _EXAMPLE_ROWS, columns=columns
+            )
+        except (OSError, pa.ArrowException) as exc:
+            errors.append(f"{file}: {exc}")
+            continue
+        if table.num_rows:
+            return table.to_pandas()
+    raise BadInputError(
+        f"no readable rows under {path} for the model signature: " + "; ".join(errors[:3])
+    )
+
+
+def _model_only(checkpoint_dir: str | Path, into: Path) -> Path:
+    """Copies the model files of a checkpoint (weights, config, plan, metrics; not the
+    training state's shards and optimizer state) into ``into/checkpoint``."""
+    target = into / "checkpoint"
+    target.mkdir(parents=True)
+    for name in MODEL_CHECKPOINT_FILES:
+        source = Path(checkpoint_dir, name)
+        if source.is_file():
+            shutil.copy2(source, target / name)
+    return target
+
+
+def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
+    """What ``mlflow.pyfunc.log_model`` and ``save_model`` take to store the model."""
     # The raydlrm source travels with the model (code_paths); these are what it imports.
     requirements = [
         "torch==2.13.0",
@@ -93,20 +129,50 @@ def log_model(
         *(f"{name}=={metadata.version(name)}" for name in _REQUIREMENTS),
     ]
     scorer = RecModelPythonModel()
-    scorer.load_context(_Context({"checkpoint": str(checkpoint_dir)}))
+    scorer.load_context(_Context({"checkpoint": str(model_dir)}))
     predictions = scorer.predict(None, example)
-    signature = mlflow.models.infer_signature(example, predictions)
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(
-            name=MODEL_ARTIFACT,
-            python_model=RecModelPythonModel(),
-            artifacts={"checkpoint": str(checkpoint_dir)},
-            signature=signature,
-            input_example=example,
-            pip_requirements=requirements,
-            code_paths=[str(Path(raydlrm.__file__).parent)],
-            registered_model_name=registered_model_name,
-        )
+    return {
+        "python_model": RecModelPythonModel(),
+        "artifacts": {"checkpoint": str(model_dir)},
+        "signature": mlflow.models.infer_signature(example, predictions),
+        "input_example": example,
+        "pip_requirements": requirements,
+        "code_paths": [str(Path(raydlrm.__file__).parent)],
+    }
+
+
+def save_model(checkpoint_dir: str | Path, path: str | Path, example: pd.DataFrame) -> Path:
+    """Writes the checkpoint's model as a self-contained MLflow pyfunc model directory
+    (``mlflow.pyfunc.load_model(path)`` scores raw rows; no Ray, no MLflow server)."""
+    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
+        model_dir = _model_only(checkpoint_dir, Path(tmp))
+        mlflow.pyfunc.save_model(path=str(path), **_pyfunc_kwargs(model_dir, example))
+    logger.info("saved model to %s", path)
+    return Path(path)
+
+
+def log_model(
+    *,
+    run_id: str,
+    checkpoint_dir: str | Path,
+    example: pd.DataFrame,
+    registered_model_name: str | None,
+) -> mlflow.models.model.ModelInfo:
+    """Logs the checkpoint's model as a pyfunc model on run ``run_id`` and registers it if a
+    name is given. Only the model travels (weights, config, plan), not the training state.
+
+    Args:
+        run_id: the job's MLflow run.
+        checkpoint_dir: a model checkpoint directory (``raydlrm.trainers.checkpoint``).
+        example: a few raw input rows, used for the model signature and input example.
+        registered_model_name: registry name, or None to log without registering.
+    """
+    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
+        kwargs = _pyfunc_kwargs(_model_only(checkpoint_dir, Path(tmp)), example)
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name=MODEL_ARTIFACT, registered_model_name=registered_model_name, **kwargs
+            )
     logger.info(
         "logged model %s%s",
         info.model_uri,
@@ -115,3 +181,60 @@ def log_model(
         else "",
     )
     return info
+
+
+def export_model(
+    checkpoint_dir: str | Path,
+    *,
+    output: str | Path | None = None,
+    registered_model_name: str | None = None,
+    example_path: str | None = None,
+    tracking_uri: str | None = None,
+    experiment_name: str = "raydlrm-export",
+) -> dict[str, str]:
+    """Exports a checkpoint's model (a training checkpoint or a model checkpoint) as a
+    self-contained, unsharded MLflow pyfunc model: to a directory (``output``) and/or logged on
+    a new MLflow run and registered (``registered_model_name``).
+
+    Args:
+        checkpoint_dir: a local checkpoint directory.
+        output: a directory to write the model to (must not exist).
+        registered_model_name: register the model under this name.
+        example_path: data for the signature's example rows (default: the config's eval, else
+            train, data set).
+        tracking_uri: MLflow tracking URI for registering (default: MLflow's).
+        experiment_name: the experiment of the export run.
+
+    Returns:
+        ``path`` and/or ``model_uri``, ``run_id`` and ``version``.
+
+    Raises:
+        FileNotFoundError: the checkpoint holds no model.
+        ValueError: neither ``output`` nor ``registered_model_name`` given.
+    """
+    if output is None and registered_model_name is None:
+        raise ValueError("export needs an output directory or a registered model name")
+    loaded = load_model_checkpoint(checkpoint_dir)
+    data = loaded.spec.data
+    example = example_rows(example_path or data.eval_path or data.train_path, data)
+    out: dict[str, str] = {}
+    if output is not None:
+        out["path"] = str(save_model(checkpoint_dir, output, example))
+    if registered_model_name is not None:
+        if tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)
+        experiment = mlflow.set_experiment(experiment_name)
+        with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
+            mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
+        info = log_model(
+            run_id=run.info.run_id,
+            checkpoint_dir=checkpoint_dir,
+            example=example,
+            registered_model_name=registered_model_name,
+        )
+        out.update(
+            model_uri=info.model_uri,
+            run_id=run.info.run_id,
+            version=str(info.registered_model_version),
+        )
+    return out

@@ -17,8 +17,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -30,11 +28,11 @@ from raydlrm.ingestion import (
     generate_synthetic,
     validate_data,
 )
-from raydlrm.ingestion.badinput import BadInputError, quarantine_counts, run_tag
+from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.ingestion.stats import dense_stats_of
-from raydlrm.ingestion.storage import filesystem_for, list_files
+from raydlrm.ingestion.storage import filesystem_for
 from raydlrm.platform.config import JobConfig, load_config
-from raydlrm.platform.export import log_model
+from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
@@ -43,8 +41,6 @@ from raydlrm.trainers.loop import train_loop_per_worker
 __all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
 
 logger = logging.getLogger(__name__)
-
-_EXAMPLE_ROWS = 5
 
 
 @dataclass
@@ -128,27 +124,6 @@ def _init_ray(job: JobConfig) -> None:
             "object_store_memory": config.object_store_memory,
         }
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
-
-
-def _example_rows(path: str, config: JobConfig) -> Any:
-    """A few raw input rows (no label) for the model signature."""
-    data = config.data
-    columns = [c for c in data.input_columns() if c != data.label_column]
-    filesystem, files = list_files(path, data.storage, data.partitions)
-    errors = []
-    for file in files:  # the first readable file (a quarantined data set may hold broken ones)
-        try:
-            table = pads.dataset(file, format="parquet", filesystem=filesystem).head(
-                _EXAMPLE_ROWS, columns=columns
-            )
-        except (OSError, pa.ArrowException) as exc:
-            errors.append(f"{file}: {exc}")
-            continue
-        if table.num_rows:
-            return table.to_pandas()
-    raise BadInputError(
-        f"no readable rows under {path} for the model signature: " + "; ".join(errors[:3])
-    )
 
 
 def train(
@@ -404,7 +379,7 @@ def _fit(
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
     checkpoint_uri = _storage_uri(job, result.checkpoint.path)
     tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
-    example = _example_rows(job.data.eval_path or job.data.train_path, job)
+    example = example_rows(job.data.eval_path or job.data.train_path, job.data)
     with result.checkpoint.as_directory() as checkpoint_dir:
         info = log_model(
             run_id=tracked.run_id,

@@ -30,13 +30,14 @@ import pyarrow.parquet as pq
 
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.storage import StorageConfig, filesystem_for, list_files
+from raydlrm.trainers.checkpoint import MODEL_CHECKPOINT_FILES
 
 __all__ = ["PREDICTION_COLUMN", "ScoreResult", "evaluate", "score"]
 
 logger = logging.getLogger(__name__)
 
 PREDICTION_COLUMN = "prediction"
-_CHECKPOINT_FILES = ("model.pt", "spec.json", "plan.json", "metrics.json")
+_CHECKPOINT_FILES = MODEL_CHECKPOINT_FILES
 _ACTOR_NUM_CPUS = 0.5
 _PATH_COLUMN = "path"  # Ray Data's include_paths column
 
@@ -64,8 +65,10 @@ def _model_files(model: str) -> dict[str, bytes]:
     """
     path = Path(model)
     if path.is_dir():
-        directory = path
-        files = {name: directory / name for name in _CHECKPOINT_FILES}
+        # A checkpoint directory, or an exported model directory that holds one.
+        found = [path / _CHECKPOINT_FILES[0]] if (path / _CHECKPOINT_FILES[0]).is_file() else []
+        found = found or sorted(path.rglob(_CHECKPOINT_FILES[0]))[:1] or [path / "none"]
+        files = {name: found[0].parent / name for name in _CHECKPOINT_FILES}
     else:
         import mlflow
 

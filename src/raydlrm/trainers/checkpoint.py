@@ -18,12 +18,19 @@ from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
 from raydlrm.trainers.spec import WorkerSpec
 
-__all__ = ["LoadedModel", "load_model_checkpoint", "save_model_checkpoint"]
+__all__ = [
+    "MODEL_CHECKPOINT_FILES",
+    "LoadedModel",
+    "load_model_checkpoint",
+    "save_model_checkpoint",
+]
 
 MODEL_FILE = "model.pt"
 SPEC_FILE = "spec.json"
 PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.json"
+MODEL_CHECKPOINT_FILES = (MODEL_FILE, SPEC_FILE, PLAN_FILE, METRICS_FILE)
+"""The files of a model checkpoint (a training checkpoint holds them too, besides its state)."""
 
 
 def save_model_checkpoint(
