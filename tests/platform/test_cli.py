@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -141,3 +142,33 @@ def test_data_generate(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert pq.read_table(tmp_path / "d" / "train").num_rows == 500
+
+
+def test_data_inspect(tmp_path: Path, tiny_data: Path) -> None:
+    train = tiny_data / "train"
+    args = ["data", "inspect", "--set", f"data.train_path={train}", "--json"]
+    group = '--set=data.dedup_groups=[["C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"]]'
+    result = _invoke(*args, group)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    table = pq.read_table(train)
+    assert report["rows"] == 600 and report["files"] == 2 and report["sampled_rows"] == 600
+    assert report["bad_rows_in_sample"] == 0
+    assert report["sparse"]["C1"]["distinct_ids"] == len(set(table.column("C1").to_pylist()))
+    lengths = [len(v) for v in table.column("C26").to_pylist()]
+    assert report["sparse"]["C26"]["mean_length"] == pytest.approx(sum(lengths) / 600)
+    assert abs(report["label_rate"] - sum(table.column("label").to_pylist()) / 600) < 1e-9
+    # The user features repeat across a session's samples: a batch dedups them.
+    assert report["dedup"][0]["ratio"] > 1.5
+    # A bad row is counted; a missing data set is a clear error.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    rows = table.to_pylist()
+    rows[3]["I2"] = float("nan")
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), broken / "part-0.parquet")
+    result = _invoke("data", "inspect", "--set", f"data.train_path={broken}", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["bad_rows_in_sample"] == 1 and report["dense"]["I2"]["non_finite"] == 1
+    missing = _invoke("data", "inspect", "--path", str(tmp_path / "nothing"))
+    assert missing.exit_code == 2 and "nothing" in missing.output

@@ -268,6 +268,49 @@ def data_generate(
     )
 
 
+@data_app.command("inspect")
+def data_inspect(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    path: Annotated[
+        str | None,
+        typer.Option("--path", help="The data set to inspect (default: data.train_path)."),
+    ] = None,
+    max_rows: Annotated[
+        int, typer.Option("--max-rows", help="Rows read for the column statistics.")
+    ] = 200_000,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Inspect a data set through the config: files, rows, schema, bad rows, id cardinalities
+    and table use per sparse column, dedup ratio per dedup group."""
+    from raydlrm.ingestion.inspect import inspect_data
+
+    try:
+        job = load_config(config, overrides=set_ or [])
+        report = inspect_data(path or job.data.train_path, job.data, max_rows=max_rows)
+    except _bad_input_errors() as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    typer.echo(
+        f"{report['path']}: {report['rows']} rows in {report['files']} files "
+        f"({report['row_groups']} row groups); label rate {report['label_rate']:.4f}; "
+        f"{report['bad_rows_in_sample']} bad of {report['sampled_rows']} rows read"
+    )
+    for column, c in report["sparse"].items():
+        typer.echo(
+            f"  {column:<12} table {c['table']:<12} distinct ids {c['distinct_ids']:>9}  "
+            f"table rows used {c['table_rows_used']:>9}/{c['table_size']:<9} "
+            f"mean length {c['mean_length']:.2f}  nulls {c['nulls']}"
+        )
+    for column, c in report["dense"].items():
+        if c["nulls"] or c["non_finite"]:
+            typer.echo(f"  {column:<12} nulls {c['nulls']}  non-finite {c['non_finite']}")
+    for group in report["dedup"]:
+        typer.echo(f"  dedup {'+'.join(group['columns'])}: ratio {group['ratio']:.2f}")
+
+
 @config_app.command("show")
 def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Print the fully resolved config (after overrides) as JSON."""
