@@ -4,7 +4,9 @@
 group on a free loopback port in each, calls ``fn(rank, world_size, *args)`` and returns the
 results in rank order. ``fn`` must be a module-level function (it is pickled by name). Results
 travel back serialized with ``torch.save``, so they may hold tensors. If a rank raises, the other
-ranks are stopped and a ``RuntimeError`` carrying every failing rank's traceback is raised.
+ranks are stopped and a ``RuntimeError`` carrying every failing rank's traceback is raised. A
+run whose port was taken by another process before the group could bind it (``EADDRINUSE``,
+a race of picking a free port) is started again on another port, up to 3 times.
 """
 
 from __future__ import annotations
@@ -79,6 +81,21 @@ def run_distributed(
     Raises:
         RuntimeError: with the tracebacks of the failing ranks, or on timeout.
     """
+    for _attempt in range(3):
+        values, errors = _run_once(fn, world_size, args, timeout_s)
+        # The free port was taken by another process before rank 0 bound it: try another.
+        if errors and not values and any("EADDRINUSE" in tb for tb in errors.values()):
+            continue
+        break
+    if errors:
+        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:\n{details}")
+    return [values[r] for r in range(world_size)]
+
+
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float
+) -> tuple[dict[int, Any], dict[int, str]]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -114,7 +131,4 @@ def run_distributed(
             if p.is_alive():
                 p.terminate()
                 p.join()
-    if errors:
-        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:\n{details}")
-    return [values[r] for r in range(world_size)]
+    return values, errors
