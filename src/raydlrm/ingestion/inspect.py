@@ -65,12 +65,13 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
     Raises:
         DataValidationError: the data set is missing or does not match the config.
     """
-    summary = validate_data(path, data, role="inspected")
-    files = list(dict.fromkeys(g.file for g in summary.row_groups))
-    sample = _sample(path, data, files, max_rows)
-    # Dense statistics do not matter here (dedup keys and hashed ids do not depend on them).
+    # Inspecting writes nothing: a broken file is reported (``fail``), not quarantined. Dense
+    # statistics do not matter here (dedup keys and hashed ids do not depend on them).
     stats = {c: data.dense_stats.get(c, (0.0, 1.0)) for c in data.standardized_columns()}
     config = dataclasses.replace(data, bad_input="fail", dense_stats={**data.dense_stats, **stats})
+    summary = validate_data(path, config, role="inspected")
+    files = list(dict.fromkeys(g.file for g in summary.row_groups))
+    sample = _sample(path, data, files, max_rows)
     bad, _ = find_bad_rows(sample, data)
     processed = Preprocessor(config)(sample.filter(pa.array(~bad)))
     out: dict[str, Any] = {

@@ -33,7 +33,7 @@ from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import filesystem_for
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
-from raydlrm.platform.tracking import TrackedRun, start_run
+from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
 from raydlrm.sharding import ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.trainers.loop import train_loop_per_worker
@@ -233,13 +233,6 @@ def _run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
     return resolved, filesystem
 
 
-def _storage_uri(job: JobConfig, path: str) -> str:
-    """A path inside the run storage as a URI (``s3://bucket/...``) when the storage is
-    remote (Ray names it without the scheme)."""
-    scheme = _remote_scheme(job)
-    return f"{scheme}://{path}" if scheme and "://" not in path else path
-
-
 def _remote_scheme(job: JobConfig) -> str | None:
     """``s3`` for an object-store run storage; None for a local one."""
     root = job.run.storage_path
@@ -377,7 +370,7 @@ def _fit(
     if result.checkpoint is None:
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
-    checkpoint_uri = _storage_uri(job, result.checkpoint.path)
+    checkpoint_uri = storage_uri(result.checkpoint.path, scheme)
     tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
     example = example_rows(job.data.eval_path or job.data.train_path, job.data)
     with result.checkpoint.as_directory() as checkpoint_dir:

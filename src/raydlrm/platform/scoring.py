@@ -10,7 +10,7 @@ The model is a registered or logged MLflow model (``models:/name@champion``, ``m
 ``runs:/<id>/model``) or a model checkpoint directory (``runs/<run>/checkpoint_...``). Its
 files travel to the actors through Ray's object store, so the actors need neither MLflow nor
 the driver's disk. Every row gets a prediction: a bad row (null id, NaN dense value, ...) stops
-the job with a message naming its file, row group and column, instead of being dropped.
+the job with a message naming its file and column, instead of being dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ __all__ = ["PREDICTION_COLUMN", "ScoreResult", "evaluate", "score"]
 logger = logging.getLogger(__name__)
 
 PREDICTION_COLUMN = "prediction"
-_CHECKPOINT_FILES = MODEL_CHECKPOINT_FILES
 _ACTOR_NUM_CPUS = 0.5
 _PATH_COLUMN = "path"  # Ray Data's include_paths column
 
@@ -56,35 +55,40 @@ class ScoreResult:
     """``auc`` and ``log_loss`` (evaluation only)."""
 
 
+def _checkpoint_in(root: Path) -> Path | None:
+    """The model checkpoint directory at or under ``root`` (an exported or downloaded MLflow
+    model holds it under ``artifacts/``), or None."""
+    if (root / MODEL_CHECKPOINT_FILES[0]).is_file():
+        return root
+    found = sorted(root.rglob(MODEL_CHECKPOINT_FILES[0]))
+    return found[0].parent if found else None
+
+
 def _model_files(model: str) -> dict[str, bytes]:
-    """The model checkpoint's files (weights, config, plan) of a checkpoint directory or an
-    MLflow model URI.
+    """The model checkpoint's files (weights, config, plan, metrics) of a checkpoint or
+    exported model directory, or of an MLflow model URI.
 
     Raises:
         FileNotFoundError: naming the model when it holds no raydlrm checkpoint.
     """
-    path = Path(model)
-    if path.is_dir():
-        # A checkpoint directory, or an exported model directory that holds one.
-        found = [path / _CHECKPOINT_FILES[0]] if (path / _CHECKPOINT_FILES[0]).is_file() else []
-        found = found or sorted(path.rglob(_CHECKPOINT_FILES[0]))[:1] or [path / "none"]
-        files = {name: found[0].parent / name for name in _CHECKPOINT_FILES}
-    else:
-        import mlflow
+    with tempfile.TemporaryDirectory(prefix="raydlrm-model-") as tmp:
+        root = Path(model)
+        if not root.is_dir():
+            import mlflow
 
-        tmp = tempfile.mkdtemp(prefix="raydlrm-model-")
-        try:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=tmp))
-        except Exception as exc:  # MlflowException, OSError: a model that is not there
-            raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
-        found = sorted(local.rglob(_CHECKPOINT_FILES[0]))
-        if not found:
-            raise FileNotFoundError(f"model {model} holds no raydlrm checkpoint (model.pt)")
-        files = {name: found[0].parent / name for name in _CHECKPOINT_FILES}
-    for name in _CHECKPOINT_FILES[:3]:
-        if not files[name].is_file():
-            raise FileNotFoundError(f"model {model} has no {name}")
-    return {name: p.read_bytes() for name, p in files.items() if p.is_file()}
+            try:
+                root = Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=tmp))
+            except Exception as exc:  # MlflowException, OSError: a model that is not there
+                raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
+        directory = _checkpoint_in(root) or root
+        for name in MODEL_CHECKPOINT_FILES[:3]:
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"model {model} has no {name}")
+        return {
+            name: (directory / name).read_bytes()
+            for name in MODEL_CHECKPOINT_FILES
+            if (directory / name).is_file()
+        }
 
 
 class _Scorer:
@@ -191,7 +195,11 @@ def _score(
 
     data_config = _data_config(files)
     filesystem, paths = list_files(data, storage, {}, role="scoring")
-    schema = pq.read_schema(filesystem.open_input_file(paths[0]))
+    footers = []
+    for path in paths:
+        with filesystem.open_input_file(path) as f:
+            footers.append(pq.read_metadata(f))
+    schema = footers[0].schema.to_arrow_schema()
     label = data_config.label_column
     needed = [c for c in data_config.input_columns() if c != label]
     missing = [c for c in needed if c not in schema.names]
@@ -228,7 +236,7 @@ def _score(
     except Exception as exc:
         raise _bad_input_cause(exc) or exc from None
     rows = pads.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
-    expected = sum(pq.ParquetFile(filesystem.open_input_file(p)).metadata.num_rows for p in paths)
+    expected = sum(footer.num_rows for footer in footers)
     if rows != expected:
         raise RuntimeError(f"scored {rows} rows of {expected} in {data}: output {output}")
     seconds = time.perf_counter() - started

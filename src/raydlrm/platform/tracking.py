@@ -27,7 +27,7 @@ from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import JobConfig, default_tracking_uri, flatten
 from raydlrm.sharding import ShardingPlan
 
-__all__ = ["MLflowReportCallback", "TrackedRun", "start_run"]
+__all__ = ["MLflowReportCallback", "TrackedRun", "start_run", "storage_uri"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,12 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
     return tracked
 
 
+def storage_uri(path: str, scheme: str | None) -> str:
+    """A path in the run storage as a URI: Ray names paths on an object store without their
+    scheme (``bucket/run/checkpoint_...``); the run records ``s3://bucket/...``."""
+    return f"{scheme}://{path}" if scheme and "://" not in path else path
+
+
 class MLflowReportCallback(UserCallback):
     """Logs every ``ray.train.report`` to the job's MLflow run (runs in the Train controller).
 
@@ -230,10 +236,8 @@ class MLflowReportCallback(UserCallback):
             _log_batch(self._client, self.run_id, metrics=self._pending)
             self._pending = []
             if checkpoint is not None:
-                path = checkpoint.path
-                if self.storage_scheme and "://" not in path:
-                    path = f"{self.storage_scheme}://{path}"
-                self._client.set_tag(self.run_id, "raydlrm.checkpoint", path)
+                uri = storage_uri(checkpoint.path, self.storage_scheme)
+                self._client.set_tag(self.run_id, "raydlrm.checkpoint", uri)
         except Exception as exc:
             if self._lost and self._pending and self._pending[-1].key == "tracking/metrics_lost":
                 self._pending.pop()
