@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +35,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+def free_port() -> int:
+    """A TCP port free on loopback at the time of the call."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 S3_SECRET = "s3cr3t-do-not-log"
 """The loopback S3 server's secret key: tests check it never reaches a log."""
 
@@ -43,10 +55,7 @@ def s3_server():
 
     from raydlrm.ingestion.storage import StorageConfig
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
     server.start()
     host, port = server.get_host_and_port()
     storage = StorageConfig(
@@ -69,6 +78,88 @@ def s3_server():
 
     yield bucket
     server.stop()
+
+
+MLFLOW_SERVER_START_S = 120.0
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real ``mlflow server`` process on loopback, the way production tracks: runs and the
+    model registry in SQLite, artifacts proxied by the server (``mlflow-artifacts:/``) onto an
+    S3 bucket of a loopback moto server. Yields the tracking URI (``http://127.0.0.1:<port>``);
+    clients need no S3 credentials."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    s3 = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    s3.start()
+    host, s3_port = s3.get_host_and_port()
+    endpoint = f"http://{host}:{s3_port}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key=S3_SECRET,
+    ).create_bucket(Bucket="mlflow-artifacts")
+    port = free_port()
+    env = {
+        **os.environ,
+        "MLFLOW_S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    log = (root / "server.log").open("w")
+    mlflow_bin = Path(sys.executable).with_name("mlflow")
+    process = subprocess.Popen(
+        [
+            str(mlflow_bin),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            "s3://mlflow-artifacts/artifacts",
+            "--workers",
+            "1",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=root,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + MLFLOW_SERVER_START_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"mlflow server exited with {process.returncode}: "
+                f"{(root / 'server.log').read_text()[-3000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"mlflow server did not answer on {uri} in {MLFLOW_SERVER_START_S}s")
+        time.sleep(0.5)
+    yield uri
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+    s3.stop()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,9 +2,10 @@
 
 The public Python API: :func:`train` runs a training job from a config (a path, a dict or a
 :class:`JobConfig`), :func:`load_config` reads a TOML run file with overrides, :func:`score`
-and :func:`evaluate` score a Parquet data set with a trained model on Ray Data. They are loaded
-lazily so that worker-side modules (``raydlrm.batch``, ``raydlrm.sharding``) import without Ray
-or MLflow.
+and :func:`evaluate` score a Parquet data set with a trained model on Ray Data, :func:`retrain`
+runs one slot of scheduled retraining (warm start from the champion, promote only if better).
+They are loaded lazily so that worker-side modules (``raydlrm.batch``, ``raydlrm.sharding``)
+import without Ray or MLflow.
 """
 
 from typing import Any
@@ -15,10 +16,12 @@ check_versions()
 
 __all__ = [
     "JobConfig",
+    "RetrainResult",
     "ScoreResult",
     "TrainResult",
     "evaluate",
     "load_config",
+    "retrain",
     "score",
     "train",
 ]

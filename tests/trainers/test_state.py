@@ -168,6 +168,42 @@ def test_reshard_column_wise_and_other_optimizers(
     torch.testing.assert_close(_logits(a, "before"), _logits(b, "before"), rtol=1e-5, atol=1e-6)
 
 
+def _warm(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
+    trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=99)
+    trainer.warm_start(ckpt)
+    # A new run: counters and data position start afresh, the saved step is reported.
+    assert (trainer.step, trainer.epoch, trainer.samples_seen) == (0, 0, 0)
+    assert trainer.resume is None
+    assert trainer._last_metrics["warm_start/from_step"] == STEPS_BEFORE
+    before = _snapshot(trainer, data_dir, world_size)
+    _steps(trainer, _global_batches(data_dir, trainer.spec)[STEPS_BEFORE:], world_size)
+    after = _snapshot(trainer, data_dir, world_size)
+    return {"before": before, "after": after}
+
+
+@pytest.mark.distributed
+def test_warm_start_takes_weights_and_optimizer_state_resharded(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """A warm start (retraining from the champion) on 3 row-wise ranks from a 2-rank table-wise
+    checkpoint: the same weights and optimizer states (fused and dense Adam), so the next steps
+    give the saving run's weights; only the counters start at zero."""
+    ckpt = str(tmp_path / "ckpt")
+    a = run_distributed(
+        _save, world_size=2, args=(str(data_dir), ckpt, "table_wise", "rowwise_adagrad")
+    )
+    b = run_distributed(
+        _warm, world_size=3, args=(str(data_dir), ckpt, "row_wise", "rowwise_adagrad")
+    )
+    sa, sb = a[0]["before"]["state"], b[0]["before"]["state"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    for table, states in a[0]["before"]["optimizer"].items():
+        torch.testing.assert_close(states[0], b[0]["before"]["optimizer"][table][0], msg=table)
+    for key, value in a[0]["after"]["state"].items():
+        torch.testing.assert_close(value, b[0]["after"]["state"][key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_logits(a, "after"), _logits(b, "after"), rtol=1e-5, atol=1e-6)
+
+
 def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)

@@ -51,8 +51,26 @@ class SyntheticConfig:
     """Expected fraction of positive labels."""
     seed: int = 0
     """Seed; the same seed gives the same files."""
+    partitions: list[str] = field(default_factory=list)
+    """Hive partition values of the training split, oldest first (e.g. days): the training
+    files are spread over ``train/<partition_key>=<value>/`` in order, as a daily data feed
+    would write them. Empty: no partitions."""
+    partition_key: str = "date"
+    """The hive partition key of ``partitions``."""
 
     def __post_init__(self) -> None:
+        if self.partitions:
+            files = -(-self.num_train_rows // max(1, self.rows_per_file))
+            if len(self.partitions) > files:
+                raise ValueError(
+                    f"synthetic.partitions: {len(self.partitions)} partitions need at least as "
+                    f"many training files, got {files} (lower synthetic.rows_per_file)"
+                )
+            if len(set(self.partitions)) != len(self.partitions):
+                raise ValueError("synthetic.partitions: values must be distinct")
+            bad = [v for v in self.partitions if not v or "/" in v or "=" in v]
+            if bad:
+                raise ValueError(f"synthetic.partitions: invalid partition values {bad}")
         for name in (
             "num_train_rows",
             "rows_per_file",
@@ -199,7 +217,10 @@ class DataConfig:
     """Object-store access for ``s3://`` paths (endpoint, region, credentials)."""
     partitions: dict[str, PartitionSelector] = field(default_factory=dict)
     """Hive partitions to read (``key = { values = [...] }`` or ``{ min = ..., max = ... }``);
-    applies to ``train_path`` and ``eval_path``."""
+    applies to ``train_path`` and, unless ``eval_partitions`` is set, ``eval_path``."""
+    eval_partitions: dict[str, PartitionSelector] | None = None
+    """Hive partitions of ``eval_path``, when they differ from the training ones (e.g. train on
+    the days before the newest, evaluate on the newest). Default: ``partitions``."""
     batch_size: int = 1024
     """Samples per batch on each worker."""
     num_preprocess_actors: int = 0
@@ -208,6 +229,12 @@ class DataConfig:
     """Rows per preprocessing call on the actor pool (independent of ``batch_size``)."""
     prefetch_batches: int = 2
     """Batches prefetched on each worker."""
+
+    def partitions_for(self, role: str) -> dict[str, PartitionSelector]:
+        """The partition selection of the ``train`` or ``eval`` data set."""
+        if role == "eval" and self.eval_partitions is not None:
+            return self.eval_partitions
+        return self.partitions
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:

@@ -72,7 +72,7 @@ def build_dataset(
         summary.num_files,
         max_size,
     )
-    filesystem, files = list_files(path, config.storage, config.partitions, role=role)
+    filesystem, files = list_files(path, config.storage, config.partitions_for(role), role=role)
     return ray.data.read_parquet(files, filesystem=filesystem, columns=columns).map_batches(
         Preprocessor,
         fn_constructor_kwargs={"config": config},

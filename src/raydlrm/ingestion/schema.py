@@ -120,7 +120,7 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
         DataValidationError: naming the path, file and column of the first problem found.
     """
     try:
-        filesystem, files = list_files(path, config.storage, config.partitions, role=role)
+        filesystem, files = list_files(path, config.storage, config.partitions_for(role), role=role)
     except StorageError as exc:
         raise DataValidationError(str(exc)) from exc
     parquet = pads.ParquetFileFormat()

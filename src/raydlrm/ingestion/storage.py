@@ -22,6 +22,7 @@ correctly as strings).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import field
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "StorageError",
     "filesystem_for",
     "list_files",
+    "partition_values",
     "redact",
 ]
 
@@ -211,6 +213,26 @@ def list_files(
             f"data.partitions selects no files of {role} data at {path!r}; partitions: {existing}"
         )
     return filesystem, selected
+
+
+def partition_values(path: str, storage: StorageConfig, key: str) -> list[str]:
+    """The values of hive partition ``key`` under the data set ``path``, oldest first
+    (integers compare as integers, other values as strings, so ISO dates sort by time).
+
+    Raises:
+        StorageError: the path is missing or holds no files, or its layout has no ``key``.
+    """
+    _, files = list_files(path, storage, {})
+    _, root = filesystem_for(path, storage)
+    values = {_partitions(f[len(root) :].lstrip("/")).get(key) for f in files}
+    values.discard(None)
+    if not values:
+        raise StorageError(f"data at {path!r} has no hive partitions {key}=<value>")
+    return sorted(values, key=functools.cmp_to_key(_compare))
+
+
+def _compare(a: str, b: str) -> int:
+    return -1 if _less(a, b) else (1 if _less(b, a) else 0)
 
 
 def redact(tree: dict[str, Any]) -> dict[str, Any]:

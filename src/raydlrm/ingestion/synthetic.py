@@ -1,6 +1,7 @@
 """A Criteo-shaped synthetic data set with a planted model, so training has a known ceiling.
 
-:func:`generate_synthetic` writes ``out_dir/train/part-NNNNN.parquet`` and
+:func:`generate_synthetic` writes ``out_dir/train/part-NNNNN.parquet`` (or, with
+``partitions``, ``out_dir/train/date=<value>/part-NNNNN.parquet``) and
 ``out_dir/eval/part-NNNNN.parquet`` and, last, ``out_dir/metadata.json`` (the config, row counts,
 files and the planted model's AUC); a directory without ``metadata.json`` is an incomplete data
 set. Columns:
@@ -327,6 +328,20 @@ def _file_table(
     return pa.table(columns), logit
 
 
+def _file_path(
+    config: SyntheticConfig, split_dir: Path, *, split: str, index: int, num_files: int
+) -> Path:
+    """Where file ``index`` of a split goes: training files spread over the partitions in
+    order (``train/date=<value>/``), if any."""
+    name = f"part-{index:05d}.parquet"
+    if split != "train" or not config.partitions:
+        return split_dir / name
+    value = config.partitions[index * len(config.partitions) // num_files]
+    directory = split_dir / f"{config.partition_key}={value}"
+    directory.mkdir(exist_ok=True)
+    return directory / name
+
+
 class _HistogramAUC:
     """Streaming AUC over binned scores (bin width ~1e-3 in logit units), in constant memory."""
 
@@ -412,7 +427,9 @@ def generate_synthetic(
     config_dict = dataclasses.asdict(config)
     existing = _read_info(out_dir)
     if not overwrite:
-        if existing is not None and existing[1] == config_dict:
+        # Keys added to SyntheticConfig later take their defaults in older metadata.
+        defaults = dataclasses.asdict(SyntheticConfig())
+        if existing is not None and {**defaults, **existing[1]} == config_dict:
             return existing[0]
         if existing is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
             state = "a different" if existing is not None else "an incomplete"
@@ -434,12 +451,13 @@ def generate_synthetic(
         if total == 0:
             continue
         split_dir.mkdir(parents=True, exist_ok=True)
-        for index in range(math.ceil(total / config.rows_per_file)):
+        num_files = math.ceil(total / config.rows_per_file)
+        for index in range(num_files):
             num_rows = min(config.rows_per_file, total - index * config.rows_per_file)
             table, logit = _file_table(
                 config, model, split=split, index=index, first_id=first_id, num_rows=num_rows
             )
-            path = split_dir / f"part-{index:05d}.parquet"
+            path = _file_path(config, split_dir, split=split, index=index, num_files=num_files)
             pq.write_table(table, path)
             files[split].append(path)
             labels = table.column("label").to_numpy()

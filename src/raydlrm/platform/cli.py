@@ -7,8 +7,10 @@ Exit codes: 0 success; 2 bad input (config, data, usage), stopped before trainin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -66,6 +68,25 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise typer.Exit(code)
 
 
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
+
+
+def _cause(exc: BaseException) -> str:
+    """One line for a failed run: the innermost ``SomeError: message`` line of the error's
+    text (Ray Train's worker-group errors carry the workers' tracebacks as text)."""
+    lines = [m.group(0).strip() for m in map(_ERROR_LINE.match, str(exc).splitlines()) if m]
+    if lines:
+        return lines[-1]
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _run_failed(exc: BaseException, what: str) -> None:
+    """Logs the whole error, then stops with one line and exit code 1."""
+    logging.getLogger("raydlrm").error("%s failed", what, exc_info=exc)
+    _fail(f"{what} failed: {_cause(exc)}", code=EXIT_FAILED)
+
+
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from raydlrm.ingestion import DataValidationError
 
@@ -83,6 +104,8 @@ def train(config: ConfigOption = None, set_: SetOption = None) -> None:
         result = run_training(config, overrides=set_ or [])
     except _bad_input_errors() as e:
         _fail(str(e))
+    except Exception as e:
+        _run_failed(e, "training")
     print_summary(result)
 
 
@@ -153,6 +176,60 @@ def evaluate(
     except (*_bad_input_errors(), ValueError) as e:
         _fail(str(e))
     typer.echo(json.dumps(result.metrics, sort_keys=True))
+
+
+@app.command()
+def retrain(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    slot: Annotated[
+        str | None,
+        typer.Option(
+            "--slot",
+            help="The partition value (of retrain.partition_key, e.g. a date) to retrain for; "
+            "its partition and the ones before are used. Default: the newest partition.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Scheduled retraining for one slot: train on the newest partitions warm-started from the
+    registry's champion, evaluate both on the held-out partition, register the new version and
+    move the champion alias only if it is better (else it is the challenger). A slot already
+    retrained is not trained again. Exit 1 (champion untouched) when the new model has
+    non-finite weights or regresses beyond retrain.max_regression."""
+    _setup_logging()
+    from raydlrm.ingestion.storage import StorageError
+    from raydlrm.platform.retrain import RetrainError
+    from raydlrm.platform.retrain import retrain as run_retrain
+
+    try:
+        result = run_retrain(config, overrides=set_ or [], slot=slot)
+    except (*_bad_input_errors(), StorageError) as e:
+        _fail(str(e))
+    except RetrainError as e:
+        _fail(f"retrain rejected, champion unchanged: {e}", code=EXIT_FAILED)
+    except Exception as e:
+        _run_failed(e, "retrain (champion unchanged)")
+    if as_json:
+        fields = {k: v for k, v in dataclasses.asdict(result).items() if k != "train"}
+        typer.echo(json.dumps(fields, indent=2, default=str))
+        return
+    if result.skipped:
+        typer.echo(
+            f"slot {result.slot} was already retrained: {result.model_name} version "
+            f"{result.version} ({result.decision}); nothing trained"
+        )
+        return
+    start = (
+        "from scratch (no champion)"
+        if result.from_scratch
+        else (f"warm-started from version {result.champion_version}")
+    )
+    typer.echo(
+        f"{result.model_name} version {result.version} trained {start} on "
+        f"{result.train_partitions}, held out {result.holdout_partitions}: "
+        f"{result.decision} ({result.reason})"
+    )
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """The job config: every layer's config composed, loaded from TOML with dotted overrides.
 
 A run file is TOML with one table per section (``[data]``, ``[model]``, ``[sharding]``,
-``[training]``, ``[scaling]``, ``[run]``, ``[tracking]``, ``[ray]``). Overrides are
+``[training]``, ``[scaling]``, ``[run]``, ``[tracking]``, ``[retrain]``, ``[ray]``). Overrides are
 ``section.key=value`` strings (``--set training.learning_rate=0.01`` on the command line); the
 value is read as a TOML value when it parses as one (numbers, booleans, arrays, inline tables)
 and as a plain string otherwise. Unknown keys and invalid values stop with a :class:`ConfigError`
@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import asdict, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 import tomllib
@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "JobConfig",
     "RayInitConfig",
+    "RetrainConfig",
     "RunSpec",
     "ScalingSpec",
     "TrackingConfig",
@@ -74,6 +75,11 @@ class RunSpec:
     region, credentials). Default: ``[data.storage]``."""
     max_failures: int = 0
     """Worker failures to recover from before the run fails."""
+    warm_start: str | None = None
+    """A training-state checkpoint (``runs/<run>/checkpoint_...`` or ``s3://...``, read with
+    ``[run.storage]``) to start from: its embedding tables, dense weights and optimizer states,
+    resharded to this job's plan; step, epoch and data position start at zero. A run that has
+    checkpoints of its own resumes from them instead."""
 
     def storage_or(self, data: StorageConfig) -> StorageConfig:
         """The object-store access of the run storage."""
@@ -95,6 +101,47 @@ class TrackingConfig:
     """MLflow experiment of the run."""
     registered_model_name: str | None = "raydlrm-model"
     """Name under which the final model is registered; None logs it without registering."""
+
+
+@config_dataclass
+class RetrainConfig:
+    """Scheduled retraining (``raydlrm retrain``): which partitions, and when a new model
+    replaces the champion."""
+
+    partition_key: str = "date"
+    """The hive partition key of ``data.train_path`` that orders the data in time."""
+    train_partitions: int = 1
+    """How many partitions, the newest before the held-out ones, to train on."""
+    holdout_partitions: int = 1
+    """How many of the newest partitions to hold out: the new model and the champion are both
+    evaluated on them."""
+    metric: Literal["auc", "log_loss"] = "auc"
+    """The held-out metric that decides (AUC: higher is better; log loss: lower is better)."""
+    min_improvement: float = 0.0
+    """The new model takes the champion alias only if it beats the champion by more than this
+    (in units of ``metric``); otherwise it is registered as the challenger."""
+    max_regression: float = 0.05
+    """A new model worse than the champion by more than this is an error: it is not registered
+    and the job fails."""
+    warm_start: bool = True
+    """Start from the champion's training-state checkpoint (weights and optimizer states,
+    resharded); false trains from scratch every time."""
+    champion_alias: str = "champion"
+    """The registry alias of the serving model."""
+    challenger_alias: str = "challenger"
+    """The alias of a new model that did not beat the champion."""
+
+    def __post_init__(self) -> None:
+        if self.train_partitions < 1:
+            raise ValueError(f"retrain.train_partitions must be >= 1, got {self.train_partitions}")
+        if self.holdout_partitions < 1:
+            raise ValueError(
+                f"retrain.holdout_partitions must be >= 1, got {self.holdout_partitions}"
+            )
+        if self.max_regression < 0:
+            raise ValueError(f"retrain.max_regression must be >= 0, got {self.max_regression}")
+        if self.champion_alias == self.challenger_alias:
+            raise ValueError("retrain.champion_alias and retrain.challenger_alias must differ")
 
 
 @config_dataclass
@@ -123,6 +170,7 @@ class JobConfig:
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     run: RunSpec = field(default_factory=RunSpec)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
     ray: RayInitConfig = field(default_factory=RayInitConfig)
 
     def worker_spec(self) -> WorkerSpec:

@@ -84,14 +84,15 @@ class _Context:
         self.artifacts = artifacts
 
 
-def example_rows(path: str, data: DataConfig) -> pd.DataFrame:
-    """A few raw input rows (no label) of a data set, for a model signature.
+def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.DataFrame:
+    """A few raw input rows (no label) of the ``train`` or ``eval`` data set (its partitions),
+    for a model signature.
 
     Raises:
         BadInputError: no file under ``path`` can be read.
     """
     columns = [c for c in data.input_columns() if c != data.label_column]
-    filesystem, files = list_files(path, data.storage, data.partitions)
+    filesystem, files = list_files(path, data.storage, data.partitions_for(role))
     errors = []
     for file in files:  # the first readable file (a quarantined data set may hold broken ones)
         try:
@@ -216,7 +217,10 @@ def export_model(
         raise ValueError("export needs an output directory or a registered model name")
     loaded = load_model_checkpoint(checkpoint_dir)
     data = loaded.spec.data
-    example = example_rows(example_path or data.eval_path or data.train_path, data)
+    if example_path is None and data.eval_path:
+        example = example_rows(data.eval_path, data, role="eval")
+    else:
+        example = example_rows(example_path or data.train_path, data)
     out: dict[str, str] = {}
     if output is not None:
         out["path"] = str(save_model(checkpoint_dir, output, example))

@@ -9,9 +9,11 @@ run was opened marks the run failed.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,12 +33,13 @@ from raydlrm.ingestion import (
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import filesystem_for
-from raydlrm.platform.config import JobConfig, load_config
+from raydlrm.platform.config import ConfigError, JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
 from raydlrm.sharding import ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.trainers.loop import train_loop_per_worker
+from raydlrm.trainers.state import STATE_FILE
 
 __all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
 
@@ -123,7 +126,29 @@ def _init_ray(job: JobConfig) -> None:
             "num_cpus": config.num_cpus or _local_num_cpus(job),
             "object_store_memory": config.object_store_memory,
         }
+    elif address != "auto":
+        _check_reachable(address, source="ray.address" if config.address else "$RAY_ADDRESS")
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+# How long to wait for a TCP connection to a cluster's address before calling it unreachable.
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str, *, source: str) -> None:
+    """Raises :class:`ConfigError` unless a TCP connection to ``address`` (``host:port`` or
+    ``ray://host:port``) opens: ``ray.init`` retries an unreachable GCS for many minutes
+    instead of failing."""
+    scheme, sep, rest = address.rpartition("://")
+    if sep and scheme != "ray":
+        return  # another client scheme (e.g. anyscale://): ray.init resolves it
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"{source}: {address!r} is not host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConfigError(f"no Ray cluster reachable at {address} ({source}): {e}") from None
 
 
 def train(
@@ -161,9 +186,11 @@ def train(
     eval_summary = (
         validate_data(job.data.eval_path, job.data, role="eval") if job.data.eval_path else None
     )
-    _fill_dense_stats(job)
     plan = make_plan(job)
     logger.info("sharding plan:\n%s", plan.format_table())
+    # Before the statistics: a warm start keeps the dense statistics its model was trained with.
+    warm_start = _warm_start_checkpoint(job, plan) if job.run.warm_start else None
+    _fill_dense_stats(job)
 
     _init_ray(job)
     tracked = start_run(job, run_name=run_name, run_key=_join(job.run.storage_path, run_name))
@@ -184,6 +211,7 @@ def train(
             run_config=run_config,
             train=train_summary,
             evaluation=eval_summary,
+            warm_start=warm_start,
         )
         _account_rows(
             result,
@@ -237,6 +265,48 @@ def _remote_scheme(job: JobConfig) -> str | None:
     """``s3`` for an object-store run storage; None for a local one."""
     root = job.run.storage_path
     return root.split("://", 1)[0] if "://" in root and not root.startswith("file:") else None
+
+
+def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> ray.train.Checkpoint:
+    """The ``run.warm_start`` checkpoint for the workers, checked against the job first: it
+    must exist and hold the job's tables (names and shapes) and fused optimizer.
+
+    Raises:
+        ConfigError: naming the checkpoint and what does not match.
+    """
+    uri = job.run.warm_start
+    assert uri is not None
+    storage = job.run.storage_or(job.data.storage)
+    try:
+        filesystem, path = filesystem_for(uri, storage)
+        with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:
+            state = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"run.warm_start: {uri} is not a readable training-state checkpoint ({exc})"
+        ) from None
+    saved = ShardingPlan.from_json(json.dumps(state["plan"]))
+    ours = {t.name: [t.num_embeddings, t.embedding_dim] for t in plan.tables}
+    theirs = {t.name: [t.num_embeddings, t.embedding_dim] for t in saved.tables}
+    if ours != theirs:
+        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise ConfigError(
+            f"run.warm_start: {uri} holds other embedding tables than this job: "
+            + ", ".join(f"{k} {theirs.get(k)} there, {ours.get(k)} here" for k in differ)
+        )
+    if state["optimizer"] != job.sharding.optimizer:
+        raise ConfigError(
+            f"run.warm_start: {uri} was trained with the fused optimizer {state['optimizer']!r}, "
+            f"this job uses sharding.optimizer={job.sharding.optimizer!r}"
+        )
+    saved_stats = state["spec"]["data"].get("dense_stats") or {}
+    for column in job.data.standardized_columns():
+        if column not in job.data.dense_stats and column in saved_stats:
+            job.data.dense_stats[column] = tuple(saved_stats[column])
+    logger.info("warm start from %s (step %d, %d workers)", uri, state["step"], state["world_size"])
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return ray.train.Checkpoint(path)
+    return ray.train.Checkpoint(path, filesystem=filesystem)
 
 
 def _fill_dense_stats(job: JobConfig) -> None:
@@ -320,6 +390,7 @@ def _fit(
     run_config: RunConfig | None,
     train: DataSummary,
     evaluation: DataSummary | None,
+    warm_start: ray.train.Checkpoint | None,
 ) -> TrainResult:
     scaling = scaling_config or ScalingConfig(
         num_workers=job.scaling.num_workers,
@@ -360,6 +431,7 @@ def _fit(
             "plan": plan.to_json(),
             "fault_marker": fault_marker,
             "fault_storage": None if job.run.storage is None else asdict(job.run.storage),
+            "warm_start": warm_start,
             "train_source": source(train, "train"),
             "eval_source": None if evaluation is None else source(evaluation, "eval"),
         },
@@ -372,7 +444,10 @@ def _fit(
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
     checkpoint_uri = storage_uri(result.checkpoint.path, scheme)
     tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
-    example = example_rows(job.data.eval_path or job.data.train_path, job.data)
+    if job.data.eval_path:
+        example = example_rows(job.data.eval_path, job.data, role="eval")
+    else:
+        example = example_rows(job.data.train_path, job.data)
     with result.checkpoint.as_directory() as checkpoint_dir:
         info = log_model(
             run_id=tracked.run_id,

@@ -29,10 +29,15 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.storage import StorageConfig, filesystem_for, list_files
+from raydlrm.ingestion.storage import (
+    PartitionSelector,
+    StorageConfig,
+    filesystem_for,
+    list_files,
+)
 from raydlrm.trainers.checkpoint import MODEL_CHECKPOINT_FILES
 
-__all__ = ["PREDICTION_COLUMN", "ScoreResult", "evaluate", "score"]
+__all__ = ["PREDICTION_COLUMN", "ScoreResult", "evaluate", "model_files", "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ def _checkpoint_in(root: Path) -> Path | None:
     return found[0].parent if found else None
 
 
-def _model_files(model: str) -> dict[str, bytes]:
+def model_files(model: str) -> dict[str, bytes]:
     """The model checkpoint's files (weights, config, plan, metrics) of a checkpoint or
     exported model directory, or of an MLflow model URI.
 
@@ -131,6 +136,7 @@ def score(
     *,
     keep: list[str] | None = None,
     storage: StorageConfig | None = None,
+    partitions: dict[str, PartitionSelector] | None = None,
     batch_size: int = 4096,
     num_actors: int = 2,
 ) -> ScoreResult:
@@ -143,6 +149,7 @@ def score(
         keep: input columns to copy next to ``prediction`` (default: ``sample_id`` and the
             model's label column, those present).
         storage: object-store access for ``s3://`` paths (default: the AWS environment).
+        partitions: the hive partitions of ``data`` to score (default: all files).
         batch_size: rows per scoring batch.
         num_actors: the most scoring actors (each holds a copy of the model).
 
@@ -151,11 +158,12 @@ def score(
         ValueError: the data lacks a column the model needs (named).
     """
     return _score(
-        _model_files(model),
+        model_files(model),
         data,
         output,
         keep=keep,
         storage=storage or StorageConfig(),
+        partitions=partitions or {},
         batch_size=batch_size,
         num_actors=num_actors,
     )
@@ -187,6 +195,7 @@ def _score(
     *,
     keep: list[str] | None,
     storage: StorageConfig,
+    partitions: dict[str, PartitionSelector],
     batch_size: int,
     num_actors: int,
 ) -> ScoreResult:
@@ -194,7 +203,7 @@ def _score(
     import ray.data
 
     data_config = _data_config(files)
-    filesystem, paths = list_files(data, storage, {}, role="scoring")
+    filesystem, paths = list_files(data, storage, partitions, role="scoring")
     footers = []
     for path in paths:
         with filesystem.open_input_file(path) as f:
@@ -250,18 +259,19 @@ def evaluate(
     *,
     output: str | None = None,
     storage: StorageConfig | None = None,
+    partitions: dict[str, PartitionSelector] | None = None,
     batch_size: int = 4096,
     num_actors: int = 2,
 ) -> ScoreResult:
-    """Scores a labelled data set and returns AUC and log loss (and the predictions under
-    ``output`` when given).
+    """Scores a labelled data set (its selected ``partitions``, default all) and returns AUC
+    and log loss (and the predictions under ``output`` when given).
 
     Raises:
         ValueError: the data set has no label column.
     """
     from sklearn.metrics import log_loss, roc_auc_score
 
-    files = _model_files(model)
+    files = model_files(model)
     label = _data_config(files).label_column
     storage = storage or StorageConfig()
     with tempfile.TemporaryDirectory(prefix="raydlrm-eval-") as tmp:
@@ -272,6 +282,7 @@ def evaluate(
             target,
             keep=[label],
             storage=storage,
+            partitions=partitions or {},
             batch_size=batch_size,
             num_actors=num_actors,
         )

@@ -59,3 +59,10 @@ def latest_checkpoint() -> Iterator[str | None]:
         return
     with checkpoint.as_directory() as directory:
         yield directory
+
+
+@contextlib.contextmanager
+def checkpoint_directory(checkpoint: ray.train.Checkpoint) -> Iterator[str]:
+    """A checkpoint given by the driver (e.g. a warm start) as a local directory."""
+    with checkpoint.as_directory() as directory:
+        yield directory

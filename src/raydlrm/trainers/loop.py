@@ -23,6 +23,7 @@ every rank is done. Every row of the epoch is trained on; none is dropped.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -174,6 +175,22 @@ class Trainer:
             sum(self.resume.consumed.values()),
         )
 
+    def warm_start(self, directory: str) -> None:
+        """Starts from another run's training-state checkpoint (any world size or plan): its
+        embedding tables, dense weights and optimizer states (fused and dense); the step,
+        epoch, sample count, data position and random state start afresh, as for a new run.
+        All ranks. The reports that follow carry ``warm_start/from_step``."""
+        state = load_training_state(self, directory)
+        self._last_metrics["warm_start/from_step"] = float(state["step"])
+        self.step = 0
+        self.epoch = 0
+        self.samples_seen = 0
+        self.train_seconds = 0.0
+        torch.manual_seed(self.spec.training.seed)
+        logger.info(
+            "rank %d warm-started from %s (step %d of its run)", self.rank, directory, state["step"]
+        )
+
     def train_step(self, batch: Batch) -> StepResult:
         """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
@@ -187,7 +204,13 @@ class Trainer:
         loss.backward()  # also applies the fused embedding optimizer
         self.optimizer.step()
         self.step += 1
-        return StepResult(logits=logits.detach(), loss=float(loss.detach()))
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"training diverged: rank {self.rank} step {self.step} loss is {value} (lower "
+                "training.learning_rate or sharding.learning_rate)"
+            )
+        return StepResult(logits=logits.detach(), loss=value)
 
     def _lockstep(self, batches: Iterable[Batch], empty: Batch | None = None) -> Iterator[Batch]:
         """Yields batches while any rank has one; a rank that ran dry yields empty batches.
@@ -513,6 +536,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     with _ray.latest_checkpoint() as checkpoint_dir:
         if checkpoint_dir is not None:
             trainer.load(checkpoint_dir)
+        elif config.get("warm_start") is not None:
+            # A run's own checkpoint wins: a warm-started run that restarts continues from it.
+            with _ray.checkpoint_directory(config["warm_start"]) as warm_dir:
+                trainer.warm_start(warm_dir)
 
     def source(description: dict[str, Any] | None) -> WorkerSource | None:
         if description is None:

@@ -54,7 +54,7 @@ class BinaryMetrics:
 def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> BinaryMetrics:
     """Metrics of ``logits`` (shape ``(N,)``) against 0/1 ``labels`` (shape ``(N,)``).
 
-    AUC is NaN when only one class is present.
+    AUC is NaN when only one class is present or a logit is not finite (a diverged model).
     """
     logits = logits.detach().double().cpu()
     labels = labels.detach().double().cpu()
@@ -65,7 +65,8 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> BinaryMetrics:
     p = float(labels.mean())
     base = -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else math.nan
     both = 0 < p < 1
-    auc = float(roc_auc_score(labels.numpy(), logits.numpy())) if both else math.nan
+    finite = bool(torch.isfinite(logits).all())
+    auc = float(roc_auc_score(labels.numpy(), logits.numpy())) if both and finite else math.nan
     return BinaryMetrics(
         auc=auc,
         log_loss=log_loss,

@@ -1,0 +1,357 @@
+"""Scheduled retraining: newest partitions in, a registered model out, the champion moved only
+when the new model is better.
+
+``raydlrm retrain`` (and :func:`retrain`) run one schedule slot:
+
+1. The slot is a value of the hive partition key ``retrain.partition_key`` of
+   ``data.train_path`` (e.g. a day): ``--slot``, or the newest partition. The newest
+   ``retrain.holdout_partitions`` partitions up to the slot are held out; the
+   ``retrain.train_partitions`` before them are trained on.
+2. A slot already retrained (a registered version tagged with it) is not trained again: the
+   call reports that version's decision and finishes what a crash may have left undone (moving
+   the alias).
+3. The version holding the ``champion`` alias is the warm start: its run's training-state
+   checkpoint (weights and optimizer states, resharded to this job's workers). With no champion
+   the model trains from scratch, and says so.
+4. The job trains (under a run name of its own per slot, so a killed retrain resumes exactly
+   where it stopped when started again), then the new model and the champion are both scored
+   on the held-out partitions by the same Ray Data scoring job.
+5. Guards: a new model with non-finite weights or metrics, or worse than the champion by more
+   than ``retrain.max_regression``, is an error; it is not registered and the champion stays.
+6. The new model is registered, tagged with the slot, the decision and its reason; it takes the
+   ``champion`` alias if it beats the champion by more than ``retrain.min_improvement``, else
+   the ``challenger`` alias.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import torch
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from raydlrm.ingestion.storage import PartitionSelector, StorageError, partition_values
+from raydlrm.platform.config import (
+    ConfigError,
+    JobConfig,
+    RetrainConfig,
+    default_tracking_uri,
+    load_config,
+)
+from raydlrm.platform.launch import TrainResult, prepare_data
+from raydlrm.platform.launch import train as run_training
+from raydlrm.platform.scoring import evaluate, model_files
+from raydlrm.trainers.checkpoint import MODEL_FILE
+
+__all__ = ["RetrainError", "RetrainResult", "decide", "non_finite_tensors", "retrain"]
+
+logger = logging.getLogger(__name__)
+
+TAG_SLOT = "raydlrm.retrain.slot"
+TAG_DECISION = "raydlrm.retrain.decision"
+TAG_REASON = "raydlrm.retrain.reason"
+TAG_CHAMPION = "raydlrm.retrain.previous_champion"
+TAG_CHECKPOINT = "raydlrm.checkpoint"
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+class RetrainError(RuntimeError):
+    """A retrained model that must not be registered (non-finite, regressed), or a champion
+    that cannot be warm-started from; the champion is left as it was."""
+
+
+@dataclass
+class RetrainResult:
+    """What one retraining slot did."""
+
+    slot: str
+    """The schedule slot (a partition value)."""
+    model_name: str
+    version: str
+    """The registered version of this slot."""
+    decision: str
+    """``champion`` (it took the champion alias) or ``challenger``."""
+    reason: str
+    """Why, in words (the metrics and the margin)."""
+    skipped: bool = False
+    """True when the slot had already been retrained: nothing was trained this time."""
+    from_scratch: bool = False
+    """True when there was no champion to warm-start from (or ``retrain.warm_start`` is off)."""
+    champion_version: str | None = None
+    """The champion when the slot was decided (None: there was none)."""
+    train_partitions: list[str] = field(default_factory=list)
+    holdout_partitions: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``new/<metric>`` and ``champion/<metric>`` on the held-out partitions."""
+    run_id: str | None = None
+    """The training job's MLflow run."""
+    train: TrainResult | None = field(default=None, repr=False)
+
+
+def _split(values: list[str], slot: str, config: RetrainConfig, key: str) -> tuple[list, list]:
+    """The training and held-out partitions of ``slot``."""
+    index = values.index(slot)
+    needed = config.train_partitions + config.holdout_partitions
+    if index + 1 < needed:
+        raise StorageError(
+            f"retrain: slot {key}={slot} needs {needed} partitions up to it "
+            f"({config.train_partitions} to train on, {config.holdout_partitions} held out), "
+            f"found {index + 1}: {values[: index + 1]}"
+        )
+    holdout = values[index + 1 - config.holdout_partitions : index + 1]
+    train = values[index + 1 - needed : index + 1 - config.holdout_partitions]
+    return train, holdout
+
+
+def decide(new: float, champion: float | None, config: RetrainConfig) -> tuple[str, str]:
+    """The decision (``champion`` or ``challenger``) and its reason for a new model's held-out
+    ``config.metric`` against the champion's.
+
+    Raises:
+        RetrainError: a non-finite metric, or a regression beyond ``config.max_regression``.
+    """
+    metric = config.metric
+    if not math.isfinite(new):
+        raise RetrainError(f"the new model's held-out {metric} is {new}")
+    if champion is None:
+        return CHAMPION, f"no champion before: the new model ({metric} {new:.6f}) becomes it"
+    # Positive: the new model is better.
+    gain = new - champion if metric == "auc" else champion - new
+    compared = f"{metric} {new:.6f} vs champion {champion:.6f} ({gain:+.6f})"
+    if not math.isfinite(champion):
+        return CHAMPION, f"{compared}: the champion's held-out {metric} is not finite"
+    if -gain > config.max_regression:
+        raise RetrainError(
+            f"the new model regressed beyond retrain.max_regression={config.max_regression}: "
+            f"{compared}"
+        )
+    if gain > config.min_improvement:
+        return CHAMPION, f"{compared} beats retrain.min_improvement={config.min_improvement}"
+    return CHALLENGER, f"{compared} does not beat retrain.min_improvement={config.min_improvement}"
+
+
+def non_finite_tensors(model: str) -> list[str]:
+    """The names of the model's weights (a model URI or checkpoint directory) that hold NaN or
+    infinite values."""
+    state = torch.load(
+        io.BytesIO(model_files(model)[MODEL_FILE]), map_location="cpu", weights_only=True
+    )
+    return sorted(k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all())
+
+
+def _slot_version(client: MlflowClient, name: str, slot: str) -> Any | None:
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return None
+    done = [v for v in versions if v.tags.get(TAG_SLOT) == slot]
+    return max(done, key=lambda v: int(v.version)) if done else None
+
+
+def _alias_version(client: MlflowClient, name: str, alias: str) -> Any | None:
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def _finish_slot(
+    client: MlflowClient, name: str, version: Any, config: RetrainConfig
+) -> RetrainResult:
+    """The result of a slot retrained before; moves the champion alias to it when its decision
+    was recorded but the alias move was lost (a crash in between), unless another version took
+    the alias since."""
+    decision = version.tags.get(TAG_DECISION, CHALLENGER)
+    previous = version.tags.get(TAG_CHAMPION) or None
+    if decision == CHAMPION:
+        current = _alias_version(client, name, config.champion_alias)
+        current_version = None if current is None else str(current.version)
+        if current_version == previous and current_version != str(version.version):
+            client.set_registered_model_alias(name, config.champion_alias, version.version)
+            logger.info("moved %s to version %s (left undone)", config.champion_alias, version)
+    return RetrainResult(
+        slot=version.tags[TAG_SLOT],
+        model_name=name,
+        version=str(version.version),
+        decision=decision,
+        reason=version.tags.get(TAG_REASON, ""),
+        skipped=True,
+        champion_version=previous,
+        run_id=version.run_id,
+    )
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def retrain(
+    config: str | Path | dict[str, Any] | JobConfig | None = None,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    slot: str | None = None,
+) -> RetrainResult:
+    """Retrains for one schedule slot (see the module docstring).
+
+    Args:
+        config: a TOML path, a dict of sections, a :class:`JobConfig`, or None (defaults).
+        overrides: ``section.key=value`` strings applied on top of ``config``.
+        slot: the partition value to retrain for (default: the newest partition).
+
+    Returns:
+        The slot's registered version, its decision and reason, the held-out metrics.
+
+    Raises:
+        ConfigError: no registered model name, or a bad config.
+        StorageError: the data has no such partition, or not enough partitions.
+        RetrainError: the new model failed a guard, or the champion has no checkpoint.
+    """
+    job = load_config(config, overrides=overrides)
+    cfg = job.retrain
+    name = job.tracking.registered_model_name
+    if not name:
+        raise ConfigError("retrain needs tracking.registered_model_name (the champion's model)")
+    key = cfg.partition_key
+    prepare_data(job)
+    values = partition_values(job.data.train_path, job.data.storage, key)
+    slot = slot if slot is not None else values[-1]
+    if slot not in values:
+        raise StorageError(
+            f"retrain: partition {key}={slot} does not exist under {job.data.train_path}; "
+            f"partitions: {values}"
+        )
+    train_values, holdout_values = _split(values, slot, cfg, key)
+
+    tracking_uri = default_tracking_uri(job.tracking)
+    mlflow.set_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri)
+    done = _slot_version(client, name, slot)
+    if done is not None:
+        result = _finish_slot(client, name, done, cfg)
+        logger.info(
+            "slot %s=%s was already retrained: version %s (%s); nothing to train",
+            key,
+            slot,
+            result.version,
+            result.decision,
+        )
+        return result
+
+    champion = _alias_version(client, name, cfg.champion_alias)
+    warm_start = None
+    if champion is None:
+        logger.warning(
+            "model %s has no %s version: training from scratch", name, cfg.champion_alias
+        )
+    elif not cfg.warm_start:
+        logger.info("retrain.warm_start is off: training from scratch")
+    else:
+        warm_start = client.get_run(champion.run_id).data.tags.get(TAG_CHECKPOINT)
+        if warm_start is None:
+            raise RetrainError(
+                f"the {cfg.champion_alias} version {champion.version} of {name} (run "
+                f"{champion.run_id}) records no training checkpoint ({TAG_CHECKPOINT} tag) to "
+                "warm-start from; set retrain.warm_start=false to train from scratch"
+            )
+        logger.info(
+            "warm start from %s version %s: %s", cfg.champion_alias, champion.version, warm_start
+        )
+
+    train_job = copy.deepcopy(job)
+    data = train_job.data
+    data.partitions = {key: PartitionSelector(values=list(train_values))}
+    data.eval_path = data.train_path
+    data.eval_partitions = {key: PartitionSelector(values=list(holdout_values))}
+    # One Ray Train run per slot: a retrain killed mid-way resumes from its checkpoints.
+    train_job.run.name = f"{job.run.name or 'retrain'}-{_safe(name)}-{_safe(slot)}"
+    train_job.run.warm_start = warm_start
+    train_job.tracking.tracking_uri = tracking_uri
+    train_job.tracking.registered_model_name = None  # registered below, once the guards pass
+    logger.info(
+        "retraining %s for %s=%s: train on %s, hold out %s",
+        name,
+        key,
+        slot,
+        train_values,
+        holdout_values,
+    )
+    trained = run_training(train_job)
+    run_tags = {TAG_SLOT: slot}
+    try:
+        result = _judge(
+            trained,
+            job=job,
+            champion=champion,
+            holdout=data.eval_partitions,
+        )
+    except RetrainError as exc:
+        client.set_tag(trained.run_id, TAG_SLOT, slot)
+        client.set_tag(trained.run_id, TAG_DECISION, "rejected")
+        client.set_tag(trained.run_id, TAG_REASON, str(exc)[:5000])
+        raise
+    decision, reason, metrics = result
+    run_tags.update({TAG_DECISION: decision, TAG_REASON: reason})
+    for tag, value in run_tags.items():
+        client.set_tag(trained.run_id, tag, value)
+    for metric, value in metrics.items():
+        client.log_metric(trained.run_id, f"retrain/{metric.replace('/', '_')}", value)
+
+    champion_version = None if champion is None else str(champion.version)
+    version_tags = {**run_tags, TAG_CHAMPION: champion_version or ""}
+    registered = mlflow.register_model(trained.model_uri, name, tags=version_tags)
+    alias = cfg.champion_alias if decision == CHAMPION else cfg.challenger_alias
+    client.set_registered_model_alias(name, alias, registered.version)
+    logger.info("%s version %s is the %s: %s", name, registered.version, alias, reason)
+    return RetrainResult(
+        slot=slot,
+        model_name=name,
+        version=str(registered.version),
+        decision=decision,
+        reason=reason,
+        from_scratch=warm_start is None,
+        champion_version=champion_version,
+        train_partitions=list(train_values),
+        holdout_partitions=list(holdout_values),
+        metrics=metrics,
+        run_id=trained.run_id,
+        train=trained,
+    )
+
+
+def _judge(
+    trained: TrainResult,
+    *,
+    job: JobConfig,
+    champion: Any | None,
+    holdout: dict[str, PartitionSelector],
+) -> tuple[str, str, dict[str, float]]:
+    """Guards, then the new model and the champion on the held-out partitions, the same way."""
+    bad = non_finite_tensors(trained.model_uri)
+    if bad:
+        raise RetrainError(
+            f"the retrained model has non-finite weights in {len(bad)} tensors: {bad[:5]}"
+        )
+    metric = job.retrain.metric
+
+    def held_out(model: str) -> float:
+        scored = evaluate(model, job.data.train_path, storage=job.data.storage, partitions=holdout)
+        return scored.metrics[metric]
+
+    metrics = {f"new/{metric}": held_out(trained.model_uri)}
+    champion_metric = None
+    if champion is not None:
+        champion_metric = held_out(f"models:/{champion.name}/{champion.version}")
+        metrics[f"champion/{metric}"] = champion_metric
+    decision, reason = decide(metrics[f"new/{metric}"], champion_metric, job.retrain)
+    return decision, reason, metrics

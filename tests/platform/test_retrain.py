@@ -1,0 +1,221 @@
+"""Scheduled retraining against a real ``mlflow server`` on loopback (registry, aliases,
+artifacts on a loopback S3 bucket): no champion -> trains from scratch and becomes it; the same
+slot again trains nothing; the next slot warm-starts from the champion on another number of
+workers and, not better by the margin, becomes the challenger with its reason; a model with
+non-finite weights is rejected and the champion stays. Plus the decision rule and bad input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from typer.testing import CliRunner
+
+import raydlrm
+from raydlrm.ingestion.storage import StorageError
+from raydlrm.platform.cli import app
+from raydlrm.platform.config import ConfigError, RetrainConfig
+from raydlrm.platform.retrain import (
+    TAG_DECISION,
+    TAG_REASON,
+    TAG_SLOT,
+    RetrainError,
+    decide,
+    non_finite_tensors,
+)
+
+DAYS = ["2026-11-19", "2026-11-20", "2026-11-21", "2026-11-22"]
+ROWS_PER_DAY = 2000
+MODEL = "retrain-test"
+
+
+def _config(root: Path, tracking_uri: str) -> dict:
+    return {
+        "data": {
+            "train_path": str(root / "data" / "train"),
+            "eval_path": None,
+            # One step covers a whole day on 2 or 3 workers: the warm-started run's first
+            # (and only) training metrics are the champion's, on the same day.
+            "batch_size": 1024,
+            "table_size": 2000,
+            "synthetic": {
+                "num_train_rows": ROWS_PER_DAY * len(DAYS),
+                "num_eval_rows": 0,
+                "rows_per_file": 1000,
+                "max_cardinality": 1500,
+                "partitions": DAYS,
+            },
+        },
+        "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+        "training": {"num_epochs": 1, "log_every_steps": 1},
+        "run": {"storage_path": str(root / "runs")},
+        "tracking": {
+            "tracking_uri": tracking_uri,
+            "experiment_name": "retrain-test",
+            "registered_model_name": MODEL,
+        },
+        "retrain": {"train_partitions": 1, "holdout_partitions": 1},
+    }
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_retraining_slots_against_mlflow_server(
+    tmp_path: Path, ray_cluster, mlflow_server: str
+) -> None:
+    config = _config(tmp_path, mlflow_server)
+    client = MlflowClient(mlflow_server)
+
+    # 1. No champion yet: trains from scratch on the day before the slot, becomes the champion.
+    first = raydlrm.retrain(config, slot=DAYS[1])
+    assert first.from_scratch and not first.skipped
+    assert (first.train_partitions, first.holdout_partitions) == ([DAYS[0]], [DAYS[1]])
+    assert first.decision == "champion" and "no champion before" in first.reason
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    assert champion.version == first.version == "1"
+    assert champion.tags[TAG_SLOT] == DAYS[1] and champion.tags[TAG_DECISION] == "champion"
+    assert champion.run_id == first.run_id
+    # The held-out AUC comes from scoring the registered model; the run holds it too.
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["retrain/new_auc"] == pytest.approx(first.metrics["new/auc"])
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # proxied to the S3 bucket
+
+    # 2. The same slot again (the CLI, as a scheduler runs it): nothing is trained.
+    runs_before = len(client.search_runs([run.info.experiment_id]))
+    again = _cli("retrain", "--slot", DAYS[1], *_sets(config))
+    assert again.exit_code == 0, again.output
+    assert "already retrained" in again.stdout and "version 1 (champion)" in again.stdout
+    assert len(client.search_runs([run.info.experiment_id])) == runs_before
+    assert len(client.search_model_versions(f"name='{MODEL}'")) == 1
+
+    # 3. The next slot, on 3 workers instead of 2: warm-started from the champion (resharded);
+    # with an unreachable margin it becomes the challenger, with the comparison as reason.
+    config["scaling"] = {"num_workers": 3}
+    config["retrain"]["min_improvement"] = 1.0
+    config["retrain"]["max_regression"] = 1.0
+    second = raydlrm.retrain(config, slot=DAYS[2])
+    assert not second.from_scratch and second.champion_version == "1"
+    assert (second.train_partitions, second.holdout_partitions) == ([DAYS[1]], [DAYS[2]])
+    assert second.decision == "challenger" and second.version == "2"
+    assert "does not beat retrain.min_improvement=1.0" in second.reason
+    assert set(second.metrics) == {"new/auc", "champion/auc"}
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+    challenger = client.get_model_version_by_alias(MODEL, "challenger")
+    assert challenger.version == "2" and challenger.tags[TAG_REASON] == second.reason
+    # Warm start: the first step trains on DAYS[1] with the champion's exact weights, so its
+    # training metrics are the champion's held-out metrics on that day (from a 2-worker
+    # checkpoint on 3 workers).
+    trained = second.train.metrics
+    assert trained["warm_start/from_step"] == first.train.metrics["step"]
+    assert trained["train/log_loss"] == pytest.approx(
+        first.train.metrics["eval/log_loss"], rel=1e-5
+    )
+    assert trained["train/auc"] == pytest.approx(first.train.metrics["eval/auc"], abs=1e-6)
+
+    # 4. A model that blows up (an infinite embedding learning rate: one step leaves infinite
+    # rows): rejected, not registered, the champion untouched, exit 1 with one error line.
+    config["scaling"] = {"num_workers": 2}
+    failed = _cli(
+        "retrain", "--slot", DAYS[3], *_sets(config), "--set", "sharding.learning_rate=inf"
+    )
+    assert failed.exit_code == 1, failed.output
+    errors = [ln for ln in failed.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "champion unchanged" in errors[0]
+    assert "non-finite" in errors[0]
+    assert len(client.search_model_versions(f"name='{MODEL}'")) == 2
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+
+
+def _sets(config: dict) -> list[str]:
+    """``--set`` options that reproduce ``config`` on the command line."""
+    import json
+
+    out = []
+    for section, values in config.items():
+        for key, value in values.items():
+            text = json.dumps(value) if not isinstance(value, dict) else _inline(value)
+            if value is None:
+                continue
+            out += ["--set", f"{section}.{key}={text}"]
+    return out
+
+
+def _inline(table: dict) -> str:
+    import json
+
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+
+
+def test_decision_rule() -> None:
+    auc = RetrainConfig(min_improvement=0.01, max_regression=0.05)
+    assert decide(0.75, None, auc)[0] == "champion"
+    assert decide(0.771, 0.76, auc)[0] == "champion"
+    decision, reason = decide(0.765, 0.76, auc)
+    assert decision == "challenger" and "0.765000 vs champion 0.760000 (+0.005000)" in reason
+    assert decide(0.72, 0.76, auc)[0] == "challenger"  # worse, within the guard
+    with pytest.raises(RetrainError, match="regressed beyond retrain.max_regression=0.05"):
+        decide(0.70, 0.76, auc)
+    with pytest.raises(RetrainError, match="nan"):
+        decide(math.nan, 0.76, auc)
+    loss = RetrainConfig(metric="log_loss", min_improvement=0.0, max_regression=0.1)
+    assert decide(0.40, 0.45, loss)[0] == "champion"  # lower is better
+    assert decide(0.45, 0.40, loss)[0] == "challenger"
+    with pytest.raises(RetrainError):
+        decide(0.60, 0.45, loss)
+
+
+def test_non_finite_weights_are_named(tmp_path: Path) -> None:
+    weights = {"dense.top.0.weight": torch.ones(2, 2), "embedding_bags.weights.t0": torch.ones(3)}
+    weights["embedding_bags.weights.t0"][1] = math.inf
+    torch.save(weights, tmp_path / "model.pt")
+    (tmp_path / "spec.json").write_text("{}")
+    (tmp_path / "plan.json").write_text("{}")
+    assert non_finite_tensors(str(tmp_path)) == ["embedding_bags.weights.t0"]
+    weights["embedding_bags.weights.t0"][1] = 0.0
+    torch.save(weights, tmp_path / "model.pt")
+    assert non_finite_tensors(str(tmp_path)) == []
+
+
+@pytest.fixture(scope="module")
+def daily(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from raydlrm.ingestion import generate_synthetic
+    from raydlrm.ingestion.config import SyntheticConfig
+
+    root = tmp_path_factory.mktemp("daily")
+    config = _config(root, f"sqlite:///{root / 'mlflow.db'}")
+    generate_synthetic(SyntheticConfig(**config["data"]["synthetic"]), out_dir=root / "data")
+    return config
+
+
+def test_missing_slot_partition_is_one_line_exit_2(daily: dict) -> None:
+    result = _cli("retrain", "--slot", "2030-01-01", *_sets(daily))
+    assert result.exit_code == 2, result.output
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert "partition date=2030-01-01 does not exist" in line and DAYS[-1] in line
+
+
+def test_too_few_partitions_before_the_slot(daily: dict) -> None:
+    with pytest.raises(StorageError, match=r"needs 2 partitions up to it .* found 1"):
+        raydlrm.retrain(daily, slot=DAYS[0])
+
+
+def test_unpartitioned_data_and_missing_model_name(daily: dict, tmp_path: Path) -> None:
+    flat = {**daily, "data": {**daily["data"], "train_path": str(tmp_path / "flat")}}
+    del flat["data"]["synthetic"]
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "part-0.parquet").write_bytes(
+        next(Path(daily["data"]["train_path"]).rglob("*.parquet")).read_bytes()
+    )
+    with pytest.raises(StorageError, match="has no hive partitions date=<value>"):
+        raydlrm.retrain(flat)
+    nameless = {**daily, "tracking": {**daily["tracking"], "registered_model_name": None}}
+    with pytest.raises(ConfigError, match="tracking.registered_model_name"):
+        raydlrm.retrain(nameless)
