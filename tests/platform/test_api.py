@@ -3,6 +3,7 @@ and bad input stopping before anything runs."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,12 @@ def _config(tmp_path: Path) -> dict:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_train_from_python_returns_result(tmp_path: Path, ray_cluster) -> None:
+def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="raydlrm.platform.progress")
     result = raydlrm.train(_config(tmp_path))
+    # Not a terminal: progress comes as log lines, the last one when training ended.
+    lines = [r.getMessage() for r in caplog.records if r.name == "raydlrm.platform.progress"]
+    assert lines and lines[-1].startswith("training: 1024/1024 samples (100.0%)")
     assert isinstance(result, raydlrm.TrainResult)
     assert result.metrics["step"] == 4
     assert "eval/auc" not in result.metrics  # no eval path configured

@@ -172,3 +172,17 @@ def test_data_inspect(tmp_path: Path, tiny_data: Path) -> None:
     assert report["bad_rows_in_sample"] == 1 and report["dense"]["I2"]["non_finite"] == 1
     missing = _invoke("data", "inspect", "--path", str(tmp_path / "nothing"))
     assert missing.exit_code == 2 and "nothing" in missing.output
+
+
+def test_failed_run_is_one_line_naming_the_workers_error() -> None:
+    from raydlrm.platform.cli import _cause
+
+    text = (
+        "Training failed due to worker errors:\n[Rank 0,1 Error Snippet]:\n"
+        "Traceback (most recent call last):\n  File \"loop.py\", line 3, in train_step\n"
+        "FloatingPointError: training diverged: rank 0 step 3 loss is nan (lower ...)\n"
+    )
+    assert _cause(RuntimeError(text)) == (
+        "FloatingPointError: training diverged: rank 0 step 3 loss is nan (lower ...)"
+    )
+    assert _cause(RuntimeError("plain\nsecond")) == "RuntimeError: plain"

@@ -75,6 +75,10 @@ class RunSpec:
     region, credentials). Default: ``[data.storage]``."""
     max_failures: int = 0
     """Worker failures to recover from before the run fails."""
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    """Training progress on the driver: a progress bar (``bar``), a log line every 15 s
+    (``lines``), or nothing; ``auto`` draws a bar in a terminal or notebook, lines otherwise
+    (``ray job submit``, schedulers, pipes)."""
     warm_start: str | None = None
     """A training-state checkpoint (``runs/<run>/checkpoint_...`` or ``s3://...``, read with
     ``[run.storage]``) to start from: its embedding tables, dense weights and optimizer states,

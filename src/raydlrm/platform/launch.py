@@ -35,6 +35,7 @@ from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import filesystem_for
 from raydlrm.platform.config import ConfigError, JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
+from raydlrm.platform.progress import TrainingProgress, progress_mode
 from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
 from raydlrm.sharding import ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
@@ -438,7 +439,15 @@ def _fit(
         scaling_config=scaling,
         run_config=run_config,
     )
-    result = trainer.fit()
+    if job.training.max_steps is not None:
+        total = job.training.max_steps * job.data.batch_size * scaling.num_workers
+        total = min(total, train.num_rows * job.training.num_epochs)
+    else:
+        total = train.num_rows * job.training.num_epochs
+    with TrainingProgress(
+        tracked.client, tracked.run_id, total_samples=total, mode=progress_mode(job.run.progress)
+    ):
+        result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}

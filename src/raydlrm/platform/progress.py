@@ -1,0 +1,155 @@
+"""Training progress on the driver: a progress bar in a terminal, plain log lines otherwise.
+
+The workers' reports reach the job's MLflow run through the Train controller (see
+``raydlrm.platform.tracking``); a thread on the driver polls that run for ``samples_seen``,
+``epoch`` and the last training loss while ``trainer.fit()`` blocks. In a terminal (stderr is a
+TTY, or a notebook) it draws a ``rich`` progress bar with the rate and time left; under
+``ray job submit``, a scheduler or a pipe it logs one line every ``line_interval_s`` seconds
+when something moved. ``run.progress`` chooses (``auto``, ``bar``, ``lines``, ``off``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from mlflow import MlflowClient
+
+__all__ = ["TrainingProgress", "progress_mode"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 2.0
+LINE_INTERVAL_S = 15.0
+
+
+def progress_mode(setting: str) -> str:
+    """``bar``, ``lines`` or ``off`` for the ``run.progress`` setting."""
+    if setting != "auto":
+        return setting
+    return "bar" if sys.stderr.isatty() or _in_notebook() else "lines"
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    if shell is None:
+        return False
+    ip = shell.get_ipython() if hasattr(shell, "get_ipython") else None
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+class TrainingProgress:
+    """Polls a training run's MLflow metrics and shows its progress until closed.
+
+    Args:
+        client: the MLflow client of the run's tracking server.
+        run_id: the job's run.
+        total_samples: samples the job will train on (all epochs), or None when unknown.
+        mode: ``bar``, ``lines`` or ``off``.
+        poll_s: seconds between polls.
+        line_interval_s: seconds between log lines in ``lines`` mode.
+    """
+
+    def __init__(
+        self,
+        client: MlflowClient,
+        run_id: str,
+        *,
+        total_samples: int | None,
+        mode: str,
+        poll_s: float = POLL_S,
+        line_interval_s: float = LINE_INTERVAL_S,
+    ):
+        self.client = client
+        self.run_id = run_id
+        self.total = total_samples
+        self.mode = mode
+        self.poll_s = poll_s
+        self.line_interval_s = line_interval_s
+        self.lines: list[str] = []
+        """The lines logged in ``lines`` mode (for tests)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = time.monotonic()
+        self._last_line = -float("inf")
+        self._last_samples = -1
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> TrainingProgress:
+        if self.mode == "off":
+            return self
+        if self.mode == "bar":
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("[bold]training[/bold] {task.fields[status]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("samples"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("training", total=self.total, status="starting")
+        self._thread = threading.Thread(target=self._run, name="raydlrm-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._poll(final=exc_type is None)
+        if self._bar is not None:
+            self._bar.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._poll(final=False)
+            except Exception as exc:  # progress must never break training
+                logger.debug("progress poll failed: %s", exc)
+
+    def _poll(self, *, final: bool) -> None:
+        try:
+            metrics = self.client.get_run(self.run_id).data.metrics
+        except Exception:
+            return
+        samples = int(metrics.get("samples_seen", 0))
+        epoch = int(metrics.get("epoch", 0))
+        loss = metrics.get("train/loss")
+        status = f"epoch {epoch}" + (f", loss {loss:.4f}" if loss is not None else "")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=samples, status=status)
+            return
+        now = time.monotonic()
+        due = now - self._last_line >= self.line_interval_s and samples != self._last_samples
+        if not (due or (final and samples != self._last_samples)):
+            return
+        self._last_line, self._last_samples = now, samples
+        elapsed = now - self._started
+        done = f"{samples}/{self.total}" if self.total else str(samples)
+        share = f" ({100 * samples / self.total:.1f}%)" if self.total else ""
+        rate = samples / elapsed if elapsed > 0 else 0.0
+        line = f"training: {done} samples{share}, {status}, {rate:.0f} samples/s, {elapsed:.0f}s"
+        self.lines.append(line)
+        logger.info(line)

@@ -1,0 +1,69 @@
+"""Training progress on the driver: log lines (not a terminal) follow the run's metrics as the
+Train controller writes them to MLflow; a terminal gets a bar."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+from rich.console import Console
+
+from raydlrm.platform.progress import TrainingProgress, progress_mode
+
+
+def _run(tmp_path: Path) -> tuple[MlflowClient, str]:
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("progress")
+    return client, client.create_run(experiment).info.run_id
+
+
+def test_lines_follow_the_runs_metrics(tmp_path: Path) -> None:
+    client, run_id = _run(tmp_path)
+
+    def report() -> None:  # what the controller's MLflow callback writes, step by step
+        for step in range(1, 5):
+            client.log_metric(run_id, "samples_seen", 250 * step, step=step)
+            client.log_metric(run_id, "train/loss", 1.0 / step, step=step)
+            time.sleep(0.3)
+
+    progress = TrainingProgress(
+        client, run_id, total_samples=1000, mode="lines", poll_s=0.1, line_interval_s=0.2
+    )
+    with progress:
+        writer = threading.Thread(target=report)
+        writer.start()
+        writer.join()
+    assert progress.lines, "no progress line"
+    seen = [int(line.split()[1].split("/")[0]) for line in progress.lines]
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)  # only when something moved
+    assert progress.lines[-1].startswith("training: 1000/1000 samples (100.0%), epoch 0, loss 0.25")
+
+
+def test_off_polls_nothing_and_auto_is_lines_without_a_terminal(tmp_path: Path) -> None:
+    client, run_id = _run(tmp_path)
+    client.log_metric(run_id, "samples_seen", 10)
+    with TrainingProgress(client, run_id, total_samples=10, mode="off") as progress:
+        pass
+    assert progress.lines == []
+    assert progress_mode("auto") == "lines"  # pytest captures stderr: not a TTY
+    assert progress_mode("bar") == "bar"
+
+
+def test_bar_shows_samples(tmp_path: Path, monkeypatch) -> None:
+    client, run_id = _run(tmp_path)
+    client.log_metric(run_id, "samples_seen", 600)
+    out = io.StringIO()
+    import rich.progress
+
+    original = rich.progress.Progress.__init__
+
+    def to_buffer(self, *args, **kwargs):
+        original(self, *args, console=Console(file=out, force_terminal=True, width=120), **kwargs)
+
+    monkeypatch.setattr(rich.progress.Progress, "__init__", to_buffer)
+    with TrainingProgress(client, run_id, total_samples=1000, mode="bar", poll_s=0.05):
+        time.sleep(0.2)
+    assert "600/1000" in out.getvalue() and "training" in out.getvalue()
