@@ -6,6 +6,7 @@ non-finite weights is rejected and the champion stays. Plus the decision rule an
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -68,13 +69,16 @@ def _cli(*args: str):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_retraining_slots_against_mlflow_server(
-    tmp_path: Path, ray_cluster, mlflow_server: str
+    tmp_path: Path, ray_cluster, mlflow_server: str, caplog
 ) -> None:
     config = _config(tmp_path, mlflow_server)
     client = MlflowClient(mlflow_server)
 
-    # 1. No champion yet: trains from scratch on the day before the slot, becomes the champion.
+    # 1. No champion yet: trains from scratch on the day before the slot, says so, and becomes
+    # the champion.
+    caplog.set_level(logging.INFO, logger="raydlrm.platform.retrain")
     first = raydlrm.retrain(config, slot=DAYS[1])
+    assert "has no champion version: training from scratch" in caplog.text
     assert first.from_scratch and not first.skipped
     assert (first.train_partitions, first.holdout_partitions) == ([DAYS[0]], [DAYS[1]])
     assert first.decision == "champion" and "no champion before" in first.reason
@@ -161,7 +165,7 @@ def test_decision_rule() -> None:
     decision, reason = decide(0.765, 0.76, auc)
     assert decision == "challenger" and "0.765000 vs champion 0.760000 (+0.005000)" in reason
     assert decide(0.72, 0.76, auc)[0] == "challenger"  # worse, within the guard
-    with pytest.raises(RetrainError, match="regressed beyond retrain.max_regression=0.05"):
+    with pytest.raises(RetrainError, match=r"regressed beyond retrain\.max_regression=0\.05"):
         decide(0.70, 0.76, auc)
     with pytest.raises(RetrainError, match="nan"):
         decide(math.nan, 0.76, auc)
@@ -217,5 +221,5 @@ def test_unpartitioned_data_and_missing_model_name(daily: dict, tmp_path: Path) 
     with pytest.raises(StorageError, match="has no hive partitions date=<value>"):
         raydlrm.retrain(flat)
     nameless = {**daily, "tracking": {**daily["tracking"], "registered_model_name": None}}
-    with pytest.raises(ConfigError, match="tracking.registered_model_name"):
+    with pytest.raises(ConfigError, match=r"tracking\.registered_model_name"):
         raydlrm.retrain(nameless)

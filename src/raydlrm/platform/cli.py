@@ -220,11 +220,12 @@ def retrain(
             f"{result.version} ({result.decision}); nothing trained"
         )
         return
-    start = (
-        "from scratch (no champion)"
-        if result.from_scratch
-        else (f"warm-started from version {result.champion_version}")
-    )
+    if result.champion_version is None:
+        start = "from scratch (no champion yet)"
+    elif result.from_scratch:
+        start = "from scratch (retrain.warm_start is off)"
+    else:
+        start = f"warm-started from version {result.champion_version}"
     typer.echo(
         f"{result.model_name} version {result.version} trained {start} on "
         f"{result.train_partitions}, held out {result.holdout_partitions}: "
