@@ -179,7 +179,7 @@ def test_failed_run_is_one_line_naming_the_workers_error() -> None:
 
     text = (
         "Training failed due to worker errors:\n[Rank 0,1 Error Snippet]:\n"
-        "Traceback (most recent call last):\n  File \"loop.py\", line 3, in train_step\n"
+        'Traceback (most recent call last):\n  File "loop.py", line 3, in train_step\n'
         "FloatingPointError: training diverged: rank 0 step 3 loss is nan (lower ...)\n"
     )
     assert _cause(RuntimeError(text)) == (
