@@ -70,8 +70,8 @@ class TrainResult:
 def prepare_data(config: JobConfig) -> None:
     """Generates the configured synthetic data set if ``data.train_path`` does not exist."""
     data = config.data
-    if data.synthetic is None or Path(data.train_path).exists():
-        return
+    if data.synthetic is None or "://" in data.train_path or Path(data.train_path).exists():
+        return  # synthetic data is generated locally only
     root = Path(data.train_path).parent
     logger.info("generating synthetic data into %s", root)
     generate_synthetic(data.synthetic, out_dir=root)
