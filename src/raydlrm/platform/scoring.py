@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -99,8 +100,13 @@ def model_files(model: str) -> dict[str, bytes]:
 class _Scorer:
     """A Ray Data actor: the unsharded model, scoring raw Arrow batches."""
 
-    def __init__(self, files: dict[str, bytes], keep: list[str]) -> None:
+    def __init__(self, files: Any, keep: list[str]) -> None:
+        import ray
         import torch
+
+        # The model files come as one object-store reference (shared by every actor), not
+        # inside the serialized UDF.
+        files = ray.get(files[0]) if isinstance(files, list) else files
 
         from raydlrm.ingestion import Preprocessor
         from raydlrm.trainers.checkpoint import load_model_checkpoint
@@ -233,7 +239,8 @@ def _score(
     )
     scored = dataset.map_batches(
         _Scorer,
-        fn_constructor_kwargs={"files": files, "keep": keep},
+        # In a list, so that Ray Data passes the reference itself, not its value.
+        fn_constructor_kwargs={"files": [ray.put(files)], "keep": keep},
         batch_size=batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
