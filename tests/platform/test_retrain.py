@@ -6,6 +6,7 @@ non-finite weights is rejected and the champion stays. Plus the decision rule an
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -27,6 +28,7 @@ from raydlrm.platform.retrain import (
     decide,
     non_finite_tensors,
 )
+from raydlrm.platform.scoring import model_files
 
 DAYS = ["2026-11-19", "2026-11-20", "2026-11-21", "2026-11-22"]
 ROWS_PER_DAY = 2000
@@ -140,21 +142,17 @@ def test_retraining_slots_against_mlflow_server(
 
 def _sets(config: dict) -> list[str]:
     """``--set`` options that reproduce ``config`` on the command line."""
-    import json
-
     out = []
     for section, values in config.items():
         for key, value in values.items():
-            text = json.dumps(value) if not isinstance(value, dict) else _inline(value)
             if value is None:
                 continue
+            text = _inline(value) if isinstance(value, dict) else json.dumps(value)
             out += ["--set", f"{section}.{key}={text}"]
     return out
 
 
 def _inline(table: dict) -> str:
-    import json
-
     return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
 
 
@@ -182,10 +180,10 @@ def test_non_finite_weights_are_named(tmp_path: Path) -> None:
     torch.save(weights, tmp_path / "model.pt")
     (tmp_path / "spec.json").write_text("{}")
     (tmp_path / "plan.json").write_text("{}")
-    assert non_finite_tensors(str(tmp_path)) == ["embedding_bags.weights.t0"]
+    assert non_finite_tensors(model_files(str(tmp_path))) == ["embedding_bags.weights.t0"]
     weights["embedding_bags.weights.t0"][1] = 0.0
     torch.save(weights, tmp_path / "model.pt")
-    assert non_finite_tensors(str(tmp_path)) == []
+    assert non_finite_tensors(model_files(str(tmp_path))) == []
 
 
 @pytest.fixture(scope="module")

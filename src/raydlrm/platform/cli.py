@@ -211,7 +211,9 @@ def retrain(
     except Exception as e:
         _run_failed(e, "retrain (champion unchanged)")
     if as_json:
-        fields = {k: v for k, v in dataclasses.asdict(result).items() if k != "train"}
+        # Not asdict(): it would deep-copy the training result (plan included) to drop it.
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        del fields["train"]
         typer.echo(json.dumps(fields, indent=2, default=str))
         return
     if result.skipped:

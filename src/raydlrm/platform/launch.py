@@ -40,7 +40,7 @@ from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
 from raydlrm.sharding import ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.trainers.loop import train_loop_per_worker
-from raydlrm.trainers.state import STATE_FILE
+from raydlrm.trainers.state import STATE_FILE, check_state_matches
 
 __all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
 
@@ -286,20 +286,10 @@ def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> ray.train.Chec
         raise ConfigError(
             f"run.warm_start: {uri} is not a readable training-state checkpoint ({exc})"
         ) from None
-    saved = ShardingPlan.from_json(json.dumps(state["plan"]))
-    ours = {t.name: [t.num_embeddings, t.embedding_dim] for t in plan.tables}
-    theirs = {t.name: [t.num_embeddings, t.embedding_dim] for t in saved.tables}
-    if ours != theirs:
-        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        raise ConfigError(
-            f"run.warm_start: {uri} holds other embedding tables than this job: "
-            + ", ".join(f"{k} {theirs.get(k)} there, {ours.get(k)} here" for k in differ)
-        )
-    if state["optimizer"] != job.sharding.optimizer:
-        raise ConfigError(
-            f"run.warm_start: {uri} was trained with the fused optimizer {state['optimizer']!r}, "
-            f"this job uses sharding.optimizer={job.sharding.optimizer!r}"
-        )
+    try:
+        check_state_matches(state, plan, job.sharding.optimizer, source=uri)
+    except ValueError as exc:
+        raise ConfigError(f"run.warm_start: {exc}") from None
     saved_stats = state["spec"]["data"].get("dense_stats") or {}
     for column in job.data.standardized_columns():
         if column not in job.data.dense_stats and column in saved_stats:

@@ -139,12 +139,10 @@ def decide(new: float, champion: float | None, config: RetrainConfig) -> tuple[s
     return CHALLENGER, f"{compared} does not beat retrain.min_improvement={config.min_improvement}"
 
 
-def non_finite_tensors(model: str) -> list[str]:
-    """The names of the model's weights (a model URI or checkpoint directory) that hold NaN or
+def non_finite_tensors(files: dict[str, bytes]) -> list[str]:
+    """The names of a model's weights (its files, from :func:`model_files`) that hold NaN or
     infinite values."""
-    state = torch.load(
-        io.BytesIO(model_files(model)[MODEL_FILE]), map_location="cpu", weights_only=True
-    )
+    state = torch.load(io.BytesIO(files[MODEL_FILE]), map_location="cpu", weights_only=True)
     return sorted(k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all())
 
 
@@ -337,18 +335,19 @@ def _judge(
     holdout: dict[str, PartitionSelector],
 ) -> tuple[str, str, dict[str, float]]:
     """Guards, then the new model and the champion on the held-out partitions, the same way."""
-    bad = non_finite_tensors(trained.model_uri)
+    new_model = model_files(trained.model_uri)  # downloaded once: checked, then scored
+    bad = non_finite_tensors(new_model)
     if bad:
         raise RetrainError(
             f"the retrained model has non-finite weights in {len(bad)} tensors: {bad[:5]}"
         )
     metric = job.retrain.metric
 
-    def held_out(model: str) -> float:
+    def held_out(model: str | dict[str, bytes]) -> float:
         scored = evaluate(model, job.data.train_path, storage=job.data.storage, partitions=holdout)
         return scored.metrics[metric]
 
-    metrics = {f"new/{metric}": held_out(trained.model_uri)}
+    metrics = {f"new/{metric}": held_out(new_model)}
     champion_metric = None
     if champion is not None:
         champion_metric = held_out(f"models:/{champion.name}/{champion.version}")

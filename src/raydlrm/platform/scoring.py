@@ -100,13 +100,13 @@ def model_files(model: str) -> dict[str, bytes]:
 class _Scorer:
     """A Ray Data actor: the unsharded model, scoring raw Arrow batches."""
 
-    def __init__(self, files: Any, keep: list[str]) -> None:
+    def __init__(self, files_ref: list[Any], keep: list[str]) -> None:
         import ray
         import torch
 
         # The model files come as one object-store reference (shared by every actor), not
         # inside the serialized UDF.
-        files = ray.get(files[0]) if isinstance(files, list) else files
+        files: dict[str, bytes] = ray.get(files_ref[0])
 
         from raydlrm.ingestion import Preprocessor
         from raydlrm.trainers.checkpoint import load_model_checkpoint
@@ -240,7 +240,7 @@ def _score(
     scored = dataset.map_batches(
         _Scorer,
         # In a list, so that Ray Data passes the reference itself, not its value.
-        fn_constructor_kwargs={"files": [ray.put(files)], "keep": keep},
+        fn_constructor_kwargs={"files_ref": [ray.put(files)], "keep": keep},
         batch_size=batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
@@ -261,7 +261,7 @@ def _score(
 
 
 def evaluate(
-    model: str,
+    model: str | dict[str, bytes],
     data: str,
     *,
     output: str | None = None,
@@ -273,12 +273,14 @@ def evaluate(
     """Scores a labelled data set (its selected ``partitions``, default all) and returns AUC
     and log loss (and the predictions under ``output`` when given).
 
+    ``model`` is a model URI or directory, or its files as :func:`model_files` returned them.
+
     Raises:
         ValueError: the data set has no label column.
     """
     from sklearn.metrics import log_loss, roc_auc_score
 
-    files = model_files(model)
+    files = model if isinstance(model, dict) else model_files(model)
     label = _data_config(files).label_column
     storage = storage or StorageConfig()
     with tempfile.TemporaryDirectory(prefix="raydlrm-eval-") as tmp:

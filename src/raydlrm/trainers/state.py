@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE_FILE",
+    "check_state_matches",
     "is_training_state",
     "load_training_state",
     "read_state_file",
@@ -127,6 +128,30 @@ def read_state_file(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def check_state_matches(
+    state: dict[str, Any], plan: ShardingPlan, optimizer: str, *, source: str
+) -> None:
+    """Checks that a checkpoint's ``trainer_state.json`` holds ``plan``'s tables (names and
+    shapes; any sharding) and was trained with the fused ``optimizer``.
+
+    Raises:
+        ValueError: naming the checkpoint ``source`` and what differs.
+    """
+    saved_plan = ShardingPlan.from_json(json.dumps(state["plan"]))
+    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in plan.tables}
+    theirs = {t.name: (t.num_embeddings, t.embedding_dim) for t in saved_plan.tables}
+    if ours != theirs:
+        raise ValueError(
+            f"checkpoint {source} holds tables {sorted(theirs.items())}, the model has "
+            f"{sorted(ours.items())}"
+        )
+    if state["optimizer"] != optimizer:
+        raise ValueError(
+            f"checkpoint {source} was trained with the fused optimizer {state['optimizer']!r}, "
+            f"the config asks for {optimizer!r}"
+        )
+
+
 def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, Any]:
     """Restores ``trainer`` from a training-state checkpoint (any saving world size or plan);
     every rank must call. Returns the saved ``trainer_state.json`` (its ``position`` is the
@@ -136,20 +161,8 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
         ValueError: the checkpoint's tables or optimizer do not match the trainer's.
     """
     state = read_state_file(directory)
-    saved_plan = ShardingPlan.from_json(json.dumps(state["plan"]))
-    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in trainer.plan.tables}
-    theirs = {t.name: (t.num_embeddings, t.embedding_dim) for t in saved_plan.tables}
-    if ours != theirs:
-        raise ValueError(
-            f"checkpoint {directory} holds tables {sorted(theirs.items())}, the model has "
-            f"{sorted(ours.items())}"
-        )
     optimizer = trainer.spec.sharding.optimizer
-    if state["optimizer"] != optimizer:
-        raise ValueError(
-            f"checkpoint {directory} was trained with the fused optimizer {state['optimizer']!r}, "
-            f"the config asks for {optimizer!r}"
-        )
+    check_state_matches(state, trainer.plan, optimizer, source=str(directory))
     reader = dcp.FileSystemReader(str(directory))
     metadata = reader.read_metadata().state_dict_metadata
 
