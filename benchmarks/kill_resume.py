@@ -98,7 +98,9 @@ def _config(root: Path, name: str, rows: int, *, max_failures: int) -> dict[str,
 
 
 def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
-    return torch.load(Path(checkpoint, "model.pt"), weights_only=True)
+    from raydlrm.trainers.checkpoint import model_weights
+
+    return dict(model_weights(checkpoint).items())
 
 
 def _sample_log(root: Path, name: str) -> dict[str, np.ndarray]:

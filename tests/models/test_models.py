@@ -11,6 +11,7 @@ from raydlrm.models import (
     ModelConfig,
     build_model,
 )
+from raydlrm.models.embedding import INIT_BLOCK_ROWS, init_rows_
 
 
 def _tables() -> list[EmbeddingBagConfig]:
@@ -123,3 +124,32 @@ def test_dlrm_requires_bottom_mlp_to_match_dim() -> None:
 def test_build_model_rejects_table_dim_mismatch() -> None:
     with pytest.raises(ValueError, match="table t0"):
         build_model(ModelConfig(), tables=[EmbeddingBagConfig("t0", 5, 8, ("f",))], num_dense=2)
+
+
+def test_block_init_of_any_rectangle_equals_the_whole_table() -> None:
+    """Scale: a shard (any rows and columns, crossing init blocks) is initialized on its own to
+    the values of the same part of the whole table; the seed and table name change them."""
+    table = EmbeddingBagConfig("t", 2 * INIT_BLOCK_ROWS + 100, 12, ("f",))
+    whole = init_rows_(torch.empty(table.num_embeddings, 12), table=table, seed=5)
+    bound = (1.0 / table.num_embeddings) ** 0.5
+    assert whole.abs().max() <= bound and whole.std() > bound / 3
+    for row_start, rows, col_start, cols in [
+        (0, 10, 0, 12),
+        (INIT_BLOCK_ROWS - 3, 7, 4, 8),
+        (INIT_BLOCK_ROWS * 2, 100, 8, 4),
+    ]:
+        part = init_rows_(
+            torch.empty(rows, cols, dtype=torch.float16),
+            table=table,
+            seed=5,
+            row_start=row_start,
+            col_start=col_start,
+        )
+        expected = whole[row_start : row_start + rows, col_start : col_start + cols]
+        assert torch.equal(part, expected.half())
+    assert not torch.equal(init_rows_(torch.empty_like(whole), table=table, seed=6), whole)
+    other = EmbeddingBagConfig("u", table.num_embeddings, 12, ("f",))
+    assert not torch.equal(init_rows_(torch.empty_like(whole), table=other, seed=5), whole)
+    assert torch.equal(EmbeddingBagCollection([table], seed=5).weights["t"].detach(), whole)
+    with pytest.raises(ValueError, match="table t: rows"):
+        init_rows_(torch.empty(5, 12), table=table, seed=5, row_start=table.num_embeddings - 2)

@@ -56,7 +56,7 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     assert isinstance(result, raydlrm.TrainResult)
     assert result.metrics["step"] == 4
     assert "eval/auc" not in result.metrics  # no eval path configured
-    assert Path(result.checkpoint_path, "model.pt").is_file()
+    assert Path(result.checkpoint_path, "spec.json").is_file()
     assert result.registered_model_name is None and result.registered_model_version is None
     client = MlflowClient(result.tracking_uri)
     run = client.get_run(result.run_id)

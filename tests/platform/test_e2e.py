@@ -209,6 +209,8 @@ def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
     (version,) = client.search_model_versions("name='e2e-model'")
     checkpoint = client.get_run(version.run_id).data.tags["raydlrm.checkpoint"]
     assert Path(checkpoint, "trainer_state.json").is_file()
+    # The weights are stored once, as the training state's shards: no second copy beside them.
+    assert not any(Path(checkpoint, n).exists() for n in ("model.pt", "model.safetensors"))
     proc = _cli(workdir, "export", checkpoint, "--output", "exported", "--register", "e2e-exported")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "version: 1" in proc.stdout
@@ -219,7 +221,7 @@ def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
     for uri in (str(workdir / "exported"), "models:/e2e-exported/1"):
         np.testing.assert_array_equal(mlflow.pyfunc.load_model(uri).predict(features), expected)
     exported = {p.name for p in (workdir / "exported").rglob("*") if p.is_file()}
-    assert "model.pt" in exported and not any(n.endswith(".distcp") for n in exported)
+    assert "model.safetensors" in exported and not any(n.endswith(".distcp") for n in exported)
     assert "trainer_state.json" not in exported
     missing = _cli(workdir, "export", str(workdir / "data"), "--output", "x")
-    assert missing.returncode == 2 and "has no model.pt" in missing.stderr
+    assert missing.returncode == 2 and "has no spec.json" in missing.stderr

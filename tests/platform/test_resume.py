@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 import raydlrm
 from raydlrm.platform.cli import app
+from raydlrm.trainers.checkpoint import model_weights
 from raydlrm.trainers.state import read_state_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -58,7 +59,7 @@ def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
 
 
 def _weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    return torch.load(Path(checkpoint, "model.pt"), weights_only=True)
+    return dict(model_weights(checkpoint).items())
 
 
 def _sample_log(root: Path, name: str) -> dict[str, np.ndarray]:

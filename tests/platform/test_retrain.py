@@ -177,13 +177,17 @@ def test_decision_rule() -> None:
 def test_non_finite_weights_are_named(tmp_path: Path) -> None:
     weights = {"dense.top.0.weight": torch.ones(2, 2), "embedding_bags.weights.t0": torch.ones(3)}
     weights["embedding_bags.weights.t0"][1] = math.inf
+    # A model.pt (written before model.safetensors) is still read: converted, then checked.
     torch.save(weights, tmp_path / "model.pt")
     (tmp_path / "spec.json").write_text("{}")
     (tmp_path / "plan.json").write_text("{}")
-    assert non_finite_tensors(model_files(str(tmp_path))) == ["embedding_bags.weights.t0"]
+    with model_files(str(tmp_path)) as files:
+        assert (files.directory / "model.safetensors").is_file()
+        assert non_finite_tensors(files) == ["embedding_bags.weights.t0"]
     weights["embedding_bags.weights.t0"][1] = 0.0
     torch.save(weights, tmp_path / "model.pt")
-    assert non_finite_tensors(model_files(str(tmp_path))) == []
+    with model_files(str(tmp_path)) as files:
+        assert non_finite_tensors(files) == []
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from raydlrm.models.embedding import INIT_BLOCK_ROWS, EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.sharding import (
     ShardedEmbeddingBagCollection,
     ShardingConfig,
@@ -184,11 +185,37 @@ def _round_trip(world_size: int) -> dict:
     return {"before": before, "after": after, "local": sorted(sharded.local_tables())}
 
 
+# Tables crossing init blocks (INIT_BLOCK_ROWS rows) at shard boundaries, of every kind.
+META_TABLES = [
+    EmbeddingBagConfig("rows", INIT_BLOCK_ROWS + 1000, 8, ("f0",)),
+    EmbeddingBagConfig("cols", 3000, 12, ("f1",)),
+    EmbeddingBagConfig("whole", 50, 8, ("f2",)),
+    EmbeddingBagConfig("replica", 40, 4, ("f3",)),
+]
+META_TYPES = {"rows": "row_wise", "cols": "column_wise", "replica": "data_parallel"}
+
+
+def _meta_init(world_size: int) -> dict:
+    """Shards created from a meta-device collection: their weights, the bytes of fbgemm's
+    host weight buffers, and whether the unsharded tables stayed on meta."""
+    config = ShardingConfig(pinned_types=META_TYPES)
+    plan = plan_sharding(META_TABLES, world_size=world_size, config=config)
+    ebc = EmbeddingBagCollection(META_TABLES, device="meta", seed=11)
+    sharded = ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
+    return {
+        "local": {k: v.clone() for k, v in sharded.local_tables().items()},
+        "shards": sharded.local_shards(),
+        "allocated": sum(int(t.weights_host.numel()) for t in sharded.tbes),
+        "meta": all(w.device.type == "meta" for w in ebc.weights.values()),
+    }
+
+
 def _distributed_worker(rank: int, world_size: int) -> dict:
     # One process group per world size for all checks: spawning processes dominates the time.
     return {
         "parity": _sharded_worker(rank, world_size, SCENARIOS),
         "round_trip": _round_trip(world_size),
+        "meta_init": _meta_init(world_size),
     }
 
 
@@ -224,6 +251,31 @@ def test_gather_and_load_full_tables(world_size: int, distributed_runs) -> None:
     for name, weight in ebc.weights.items():
         torch.testing.assert_close(results[1]["before"][name], weight.detach(), atol=0, rtol=0)
         torch.testing.assert_close(results[1]["after"][name], weight.detach() * 2 + 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_meta_collection_allocates_only_its_shards(world_size: int, distributed_runs) -> None:
+    """Scale: built on the meta device, each rank allocates exactly its shards' rows (fbgemm's
+    host weight buffer) and initializes them to the unsharded table's values on the same seed
+    (block-wise init: independent of the world size and plan)."""
+    reference = EmbeddingBagCollection(META_TABLES, seed=11).weights
+    covered = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in META_TABLES}
+    for result in (r["meta_init"] for r in distributed_runs(world_size)):
+        assert result["meta"]
+        sizes = [w.numel() for w in result["local"].values()]
+        assert result["allocated"] == sum(sizes)
+        for name, weight in result["local"].items():
+            s = result["shards"][name]
+            expected = reference[name].detach()[s.row_start : s.row_end, s.col_start : s.col_end]
+            assert torch.equal(weight, expected), name
+            covered[name][s.row_start : s.row_end, s.col_start : s.col_end] += 1
+    # Every element of a sharded table lives on exactly one rank; a replica on every rank.
+    for name, count in covered.items():
+        assert torch.all(count == (world_size if name == "replica" else 1)), name
+    assert max(r["allocated"] for r in (x["meta_init"] for x in distributed_runs(world_size))) < (
+        sum(t.num_embeddings * t.embedding_dim for t in META_TABLES)
+    )
 
 
 def test_out_of_range_id_names_table() -> None:

@@ -18,8 +18,9 @@ from raydlrm.trainers.spec import WorkerSpec
 from tests._multiprocess import run_distributed
 
 # Losses of the first 4 steps of the run below (global batch of 64 samples). Change only
-# deliberately, when numerics are meant to change.
-PINNED_LOSSES = [0.701220, 0.690793, 0.665559, 0.580503]
+# deliberately, when numerics are meant to change (last: tables initialized block by block from
+# the seed on the meta-device build, so the dense init no longer follows the tables' draws).
+PINNED_LOSSES = [0.664618, 0.646848, 0.650306, 0.601394]
 
 
 class _Stream:

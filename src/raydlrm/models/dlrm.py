@@ -163,14 +163,23 @@ def build_model(
     tables: list[EmbeddingBagConfig],
     num_dense: int,
     device: torch.device | str = "cpu",
+    embedding_device: torch.device | str | None = None,
+    seed: int = 0,
 ) -> RecModel:
     """Builds the model ``config.arch`` over ``tables``.
+
+    The dense part is initialized from torch's global generator; the tables block by block
+    from ``seed`` (:func:`~raydlrm.models.embedding.init_rows_`).
 
     Args:
         config: architecture and sizes.
         tables: embedding tables; every table must have ``config.embedding_dim`` columns.
         num_dense: number of dense input features.
         device: where to allocate parameters (``meta`` defers allocation).
+        embedding_device: where to allocate the tables (default ``device``); ``meta`` for a
+            model whose tables are created shard by shard (``raydlrm.sharding.shard_model``) or
+            loaded from files.
+        seed: the seed of the tables' initialization.
 
     Raises:
         ValueError: if a table's dim differs from ``model.embedding_dim``.
@@ -181,7 +190,9 @@ def build_model(
                 f"table {t.name}: embedding_dim {t.embedding_dim} != model.embedding_dim "
                 f"{config.embedding_dim}"
             )
-    embedding_bags = EmbeddingBagCollection(tables, device=device)
+    embedding_bags = EmbeddingBagCollection(
+        tables, device=device if embedding_device is None else embedding_device, seed=seed
+    )
     num_sparse = len(embedding_bags.feature_names)
     with torch.device(device):
         if config.arch == "dlrm":

@@ -4,10 +4,17 @@
 form; the unsharded module is the reference in parity tests and what exported models run.
 Tables are plain parameters (one ``(num_embeddings, embedding_dim)`` tensor per table), so the
 module can be built on the meta device when the tables are too large for one host.
+
+Initialization is deterministic per block of rows: rows ``[k * INIT_BLOCK_ROWS, (k + 1) *
+INIT_BLOCK_ROWS)`` of table ``t`` are drawn from a generator seeded by ``(seed, t, k)``. Any
+rectangle of a table (a row, column or table shard) is therefore initialized on its own, with
+the values the whole table would have, whatever the world size or plan: a rank creates only its
+shards, and a sharded run still starts from the unsharded reference's weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +25,10 @@ from torch import nn
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig"]
+__all__ = ["INIT_BLOCK_ROWS", "EmbeddingBagCollection", "EmbeddingBagConfig", "init_rows_"]
+
+INIT_BLOCK_ROWS = 8192
+"""Rows drawn from one seeded generator; initializing a shard holds one block at most."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +63,61 @@ class EmbeddingBagConfig:
             raise ValueError(f"table {self.name}: pooling must be 'sum' or 'mean'")
 
 
-def init_table_(weight: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:
-    """Initializes a table in place: uniform in ``±sqrt(1 / num_embeddings)`` (as TorchRec)."""
-    bound = math.sqrt(1.0 / num_embeddings)
-    with torch.no_grad():
-        return weight.uniform_(-bound, bound)
+def _block_seed(seed: int, table: str, block: int) -> int:
+    """A 63-bit generator seed for block ``block`` of table ``table`` (stable across runs and
+    platforms: not Python's salted ``hash``)."""
+    digest = hashlib.blake2b(f"{seed}/{table}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_rows_(
+    weight: torch.Tensor,
+    *,
+    table: EmbeddingBagConfig,
+    seed: int,
+    row_start: int = 0,
+    col_start: int = 0,
+) -> torch.Tensor:
+    """Initializes, in place, the rectangle of ``table`` that ``weight`` holds: rows
+    ``[row_start, row_start + weight.shape[0])``, columns ``[col_start, col_start +
+    weight.shape[1])``, uniform in ``±sqrt(1 / num_embeddings)`` (as TorchRec).
+
+    Each block of :data:`INIT_BLOCK_ROWS` rows is drawn whole (all ``embedding_dim`` columns,
+    fp32, on the CPU) from its own seeded generator and the overlap copied (cast to
+    ``weight``'s dtype and device), so a shard gets exactly the values of the same rows and
+    columns of the whole table.
+
+    Args:
+        weight: ``(rows, cols)`` tensor, any dtype and device.
+        table: the table the rectangle belongs to.
+        seed: the run's seed.
+        row_start: first table row of ``weight``.
+        col_start: first table column of ``weight``.
+
+    Returns:
+        ``weight``.
+    """
+    rows, cols = weight.shape
+    if row_start < 0 or row_start + rows > table.num_embeddings:
+        raise ValueError(f"table {table.name}: rows [{row_start}, {row_start + rows}) out of range")
+    if col_start < 0 or col_start + cols > table.embedding_dim:
+        raise ValueError(f"table {table.name}: cols [{col_start}, {col_start + cols}) out of range")
+    bound = math.sqrt(1.0 / table.num_embeddings)
+    generator = torch.Generator()
+    row_end = row_start + rows
+    for block in range(row_start // INIT_BLOCK_ROWS, -(-row_end // INIT_BLOCK_ROWS)):
+        first = block * INIT_BLOCK_ROWS
+        last = min(first + INIT_BLOCK_ROWS, table.num_embeddings)
+        generator.manual_seed(_block_seed(seed, table.name, block))
+        values = torch.empty(last - first, table.embedding_dim).uniform_(
+            -bound, bound, generator=generator
+        )
+        lo, hi = max(first, row_start), min(last, row_end)
+        weight[lo - row_start : hi - row_start].copy_(
+            values[lo - first : hi - first, col_start : col_start + cols]
+        )
+    return weight
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -69,10 +129,18 @@ class EmbeddingBagCollection(nn.Module):
 
     Args:
         tables: the tables.
-        device: where to allocate the weights (``meta`` for deferred allocation).
+        device: where to allocate the weights (``meta`` for deferred allocation: the sharded
+            collection then creates each rank's shards from ``seed``).
+        seed: the seed of the block-wise initialization (see :func:`init_rows_`).
     """
 
-    def __init__(self, tables: list[EmbeddingBagConfig], *, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
@@ -82,6 +150,7 @@ class EmbeddingBagCollection(nn.Module):
         if dupes:
             raise ValueError(f"features {dupes} are assigned to more than one table")
         self.tables = list(tables)
+        self.seed = seed
         self.weights = nn.ParameterDict(
             {
                 t.name: nn.Parameter(torch.empty(t.num_embeddings, t.embedding_dim, device=device))
@@ -94,7 +163,7 @@ class EmbeddingBagCollection(nn.Module):
         for t in self.tables:
             weight = self.weights[t.name]
             if weight.device.type != "meta":
-                init_table_(weight, num_embeddings=t.num_embeddings)
+                init_rows_(weight, table=t, seed=self.seed)
 
     @property
     def feature_names(self) -> list[str]:

@@ -474,24 +474,21 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
 @checkpoint_app.command("unshard")
 def checkpoint_unshard(
     checkpoint: CheckpointArg,
-    output: Annotated[Path, typer.Argument(help="Where to write the state dict (.pt).")],
+    output: Annotated[Path, typer.Argument(help="Where to write the weights (.safetensors).")],
 ) -> None:
-    """Assemble the sharded tables into one tensor per table, plus the dense model, and write
-    them with torch.save: a state dict usable without raydlrm's sharding (tensors only, load it
-    with torch.load(..., weights_only=True))."""
-    import torch
-
-    from raydlrm.trainers.state import unshard_training_state
+    """Assemble the sharded tables into one tensor per table, plus the dense model, into a
+    safetensors file (one table in memory at a time): the unsharded model's state dict, usable
+    without raydlrm (safetensors.torch.load_file, memory-mappable, no pickle)."""
+    from raydlrm.trainers.checkpoint import model_weights, write_model_weights
 
     try:
         with _checkpoint_dir(checkpoint) as directory:
-            state = unshard_training_state(directory)
-    except FileNotFoundError as e:
+            write_model_weights(directory, output)
+            names = [t.name for t in model_weights(directory).tensors]
+    except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, output)
-    tables = sum(1 for k in state if k.startswith("embedding_bags."))
-    typer.echo(f"wrote {output}: {tables} tables, {len(state) - tables} dense tensors")
+    tables = sum(1 for k in names if k.startswith("embedding_bags."))
+    typer.echo(f"wrote {output}: {tables} tables, {len(names) - tables} dense tensors")
 
 
 def main() -> None:

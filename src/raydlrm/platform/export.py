@@ -1,8 +1,9 @@
 """The trained model as a self-contained MLflow model that scores raw feature rows.
 
-The logged model is an MLflow ``pyfunc``: its artifacts are a model checkpoint (unsharded
-weights as a tensor-only state dict, loaded with ``weights_only=True``, plus the config and plan)
-and its ``predict`` takes a pandas DataFrame of raw rows, shaped like the training Parquet (dense
+The logged model is an MLflow ``pyfunc``: its artifacts are a model directory (the unsharded
+weights in ``model.safetensors``, written from the checkpoint's shards one table at a time and
+memory-mapped when loaded, plus the config and plan; see ``raydlrm.trainers.checkpoint``) and
+its ``predict`` takes a pandas DataFrame of raw rows, shaped like the training Parquet (dense
 and sparse columns; the label is not needed), applies the same preprocessing as training (the
 same stable id hashing and dense transform) and returns click probabilities. It needs neither
 Ray nor a process group.
@@ -10,6 +11,7 @@ Ray nor a process group.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -28,8 +30,13 @@ import raydlrm
 from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.storage import list_files
-from raydlrm.trainers import load_model_checkpoint
-from raydlrm.trainers.checkpoint import MODEL_CHECKPOINT_FILES
+from raydlrm.trainers import WorkerSpec, load_model_checkpoint
+from raydlrm.trainers.checkpoint import (
+    METADATA_FILES,
+    SPEC_FILE,
+    WEIGHTS_FILE,
+    write_model_weights,
+)
 
 __all__ = [
     "RecModelPythonModel",
@@ -110,14 +117,16 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
 
 
 def _model_only(checkpoint_dir: str | Path, into: Path) -> Path:
-    """Copies the model files of a checkpoint (weights, config, plan, metrics; not the
-    training state's shards and optimizer state) into ``into/checkpoint``."""
+    """Writes the model of a checkpoint into ``into/checkpoint``: its weights as
+    ``model.safetensors`` (streamed, one table at a time) and its config, plan and metrics;
+    not the training state's optimizer state."""
     target = into / "checkpoint"
     target.mkdir(parents=True)
-    for name in MODEL_CHECKPOINT_FILES:
+    for name in METADATA_FILES:
         source = Path(checkpoint_dir, name)
         if source.is_file():
             shutil.copy2(source, target / name)
+    write_model_weights(checkpoint_dir, target / WEIGHTS_FILE)
     return target
 
 
@@ -215,8 +224,10 @@ def export_model(
     """
     if output is None and registered_model_name is None:
         raise ValueError("export needs an output directory or a registered model name")
-    loaded = load_model_checkpoint(checkpoint_dir)
-    data = loaded.spec.data
+    spec_file = Path(checkpoint_dir, SPEC_FILE)
+    if not spec_file.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no {SPEC_FILE}: not a model")
+    data = WorkerSpec(**json.loads(spec_file.read_text())).data
     if example_path is None and data.eval_path:
         example = example_rows(data.eval_path, data, role="eval")
     else:

@@ -26,7 +26,6 @@ when the new model is better.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import math
 import re
@@ -35,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
@@ -49,8 +47,8 @@ from raydlrm.platform.config import (
 )
 from raydlrm.platform.launch import TrainResult, prepare_data
 from raydlrm.platform.launch import train as run_training
-from raydlrm.platform.scoring import evaluate, model_files
-from raydlrm.trainers.checkpoint import MODEL_FILE
+from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
+from raydlrm.trainers.checkpoint import model_weights
 
 __all__ = ["RetrainError", "RetrainResult", "decide", "non_finite_tensors", "retrain"]
 
@@ -139,11 +137,14 @@ def decide(new: float, champion: float | None, config: RetrainConfig) -> tuple[s
     return CHALLENGER, f"{compared} does not beat retrain.min_improvement={config.min_improvement}"
 
 
-def non_finite_tensors(files: dict[str, bytes]) -> list[str]:
-    """The names of a model's weights (its files, from :func:`model_files`) that hold NaN or
-    infinite values."""
-    state = torch.load(io.BytesIO(files[MODEL_FILE]), map_location="cpu", weights_only=True)
-    return sorted(k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all())
+def non_finite_tensors(files: ModelFiles) -> list[str]:
+    """The names of a model's weights (from :func:`model_files`) that hold NaN or infinite
+    values; one tensor in memory at a time."""
+    return sorted(
+        name
+        for name, tensor in model_weights(files.directory).items()
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all())
+    )
 
 
 def _slot_version(client: MlflowClient, name: str, slot: str) -> Any | None:
@@ -335,19 +336,19 @@ def _judge(
     holdout: dict[str, PartitionSelector],
 ) -> tuple[str, str, dict[str, float]]:
     """Guards, then the new model and the champion on the held-out partitions, the same way."""
-    new_model = model_files(trained.model_uri)  # downloaded once: checked, then scored
-    bad = non_finite_tensors(new_model)
-    if bad:
-        raise RetrainError(
-            f"the retrained model has non-finite weights in {len(bad)} tensors: {bad[:5]}"
-        )
     metric = job.retrain.metric
 
-    def held_out(model: str | dict[str, bytes]) -> float:
+    def held_out(model: str | ModelFiles) -> float:
         scored = evaluate(model, job.data.train_path, storage=job.data.storage, partitions=holdout)
         return scored.metrics[metric]
 
-    metrics = {f"new/{metric}": held_out(new_model)}
+    with model_files(trained.model_uri) as new_model:  # downloaded once: checked, then scored
+        bad = non_finite_tensors(new_model)
+        if bad:
+            raise RetrainError(
+                f"the retrained model has non-finite weights in {len(bad)} tensors: {bad[:5]}"
+            )
+        metrics = {f"new/{metric}": held_out(new_model)}
     champion_metric = None
     if champion is not None:
         champion_metric = held_out(f"models:/{champion.name}/{champion.version}")

@@ -7,10 +7,14 @@ the kept columns (by default ``sample_id`` and the label, when present) and ``pr
 click probability. :func:`evaluate` scores a labelled data set and returns AUC and log loss.
 
 The model is a registered or logged MLflow model (``models:/name@champion``, ``models:/name/3``,
-``runs:/<id>/model``) or a model checkpoint directory (``runs/<run>/checkpoint_...``). Its
-files travel to the actors through Ray's object store, so the actors need neither MLflow nor
-the driver's disk. Every row gets a prediction: a bad row (null id, NaN dense value, ...) stops
-the job with a message naming its file and column, instead of being dropped.
+``runs:/<id>/model``) or a model checkpoint directory (``runs/<run>/checkpoint_...``), made
+ready once on the driver as a local directory with ``model.safetensors`` (downloaded, or written
+table by table from a training checkpoint). On a single-node cluster the actors map that file
+(every actor shares the page cache; a model larger than RAM scores, its hot rows in memory); on
+several nodes its files travel to the actors through Ray's object store, so the actors need
+neither MLflow nor the driver's disk (the model must then fit the object store). Every row
+gets a prediction: a bad row (null id, NaN dense value, ...) stops the job with a message
+naming its file and column, instead of being dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,9 +41,16 @@ from raydlrm.ingestion.storage import (
     filesystem_for,
     list_files,
 )
-from raydlrm.trainers.checkpoint import MODEL_CHECKPOINT_FILES
+from raydlrm.trainers.checkpoint import (
+    METADATA_FILES,
+    PLAN_FILE,
+    SPEC_FILE,
+    WEIGHTS_FILE,
+    find_model_dir,
+    write_model_weights,
+)
 
-__all__ = ["PREDICTION_COLUMN", "ScoreResult", "evaluate", "model_files", "score"]
+__all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,61 +73,118 @@ class ScoreResult:
     """``auc`` and ``log_loss`` (evaluation only)."""
 
 
-def _checkpoint_in(root: Path) -> Path | None:
-    """The model checkpoint directory at or under ``root`` (an exported or downloaded MLflow
-    model holds it under ``artifacts/``), or None."""
-    if (root / MODEL_CHECKPOINT_FILES[0]).is_file():
-        return root
-    found = sorted(root.rglob(MODEL_CHECKPOINT_FILES[0]))
-    return found[0].parent if found else None
+@dataclass
+class ModelFiles:
+    """A model ready to score: a local directory with ``model.safetensors``, its config, plan
+    and metrics (a temporary copy when the model was downloaded or converted, removed by
+    :meth:`close`). A context manager."""
+
+    directory: Path
+    """The model directory."""
+    spec: dict[str, Any]
+    """Its worker config (``spec.json``)."""
+    _tmp: tempfile.TemporaryDirectory | None = None
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> ModelFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
-def model_files(model: str) -> dict[str, bytes]:
-    """The model checkpoint's files (weights, config, plan, metrics) of a checkpoint or
-    exported model directory, or of an MLflow model URI.
+def model_files(model: str) -> ModelFiles:
+    """The model of a checkpoint or exported model directory, or of an MLflow model URI, as a
+    local directory with ``model.safetensors`` (see :class:`ModelFiles`).
 
     Raises:
-        FileNotFoundError: naming the model when it holds no raydlrm checkpoint.
+        FileNotFoundError: naming the model when it holds no raydlrm model.
     """
-    with tempfile.TemporaryDirectory(prefix="raydlrm-model-") as tmp:
+    tmp = tempfile.TemporaryDirectory(prefix="raydlrm-model-")
+    try:
         root = Path(model)
         if not root.is_dir():
             import mlflow
 
             try:
-                root = Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=tmp))
+                root = Path(
+                    mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=tmp.name)
+                )
             except Exception as exc:  # MlflowException, OSError: a model that is not there
                 raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
-        directory = _checkpoint_in(root) or root
-        for name in MODEL_CHECKPOINT_FILES[:3]:
+        directory = find_model_dir(root) or root
+        for name in (SPEC_FILE, PLAN_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"model {model} has no {name}")
-        return {
-            name: (directory / name).read_bytes()
-            for name in MODEL_CHECKPOINT_FILES
-            if (directory / name).is_file()
+        if not (directory / WEIGHTS_FILE).is_file():
+            # A training checkpoint (or an old model.pt): its tables, one at a time, into a
+            # safetensors file that the actors can map.
+            converted = Path(tmp.name, "model")
+            converted.mkdir()
+            for name in METADATA_FILES:
+                if (directory / name).is_file():
+                    shutil.copy2(directory / name, converted / name)
+            write_model_weights(directory, converted / WEIGHTS_FILE)
+            directory = converted
+        spec = json.loads((directory / SPEC_FILE).read_text())
+    except BaseException:
+        tmp.cleanup()
+        raise
+    is_copy = directory.is_relative_to(tmp.name)
+    if not is_copy:
+        tmp.cleanup()
+    return ModelFiles(directory=directory, spec=spec, _tmp=tmp if is_copy else None)
+
+
+def _model_for_actors(files: ModelFiles) -> dict[str, Any]:
+    """How the scoring actors get the model: its directory, and on a cluster of several nodes
+    (where an actor may not see the driver's disk) its files through the object store."""
+    import ray
+
+    weights = files.directory / WEIGHTS_FILE
+    shipped = None
+    if sum(1 for node in ray.nodes() if node.get("Alive")) > 1:
+        blobs = {
+            p.name: p.read_bytes()
+            for p in files.directory.iterdir()
+            if p.name in (WEIGHTS_FILE, *METADATA_FILES)
         }
+        shipped = [ray.put(blobs)]  # in a list: Ray Data passes the reference, not its value
+    return {
+        "directory": str(files.directory),
+        "weights_bytes": weights.stat().st_size,
+        "files_ref": shipped,
+    }
 
 
 class _Scorer:
     """A Ray Data actor: the unsharded model, scoring raw Arrow batches."""
 
-    def __init__(self, files_ref: list[Any], keep: list[str]) -> None:
-        import ray
+    def __init__(self, model: dict[str, Any], keep: list[str]) -> None:
         import torch
-
-        # The model files come as one object-store reference (shared by every actor), not
-        # inside the serialized UDF.
-        files: dict[str, bytes] = ray.get(files_ref[0])
 
         from raydlrm.ingestion import Preprocessor
         from raydlrm.trainers.checkpoint import load_model_checkpoint
 
         torch.set_num_threads(1)
-        with tempfile.TemporaryDirectory(prefix="raydlrm-scorer-") as tmp:
-            for name, blob in files.items():
-                Path(tmp, name).write_bytes(blob)
-            loaded = load_model_checkpoint(tmp)
+        weights = Path(model["directory"], WEIGHTS_FILE)
+        if weights.is_file() and weights.stat().st_size == model["weights_bytes"]:
+            # The driver's file, mapped: actors on this node share its pages.
+            loaded = load_model_checkpoint(model["directory"])
+        else:
+            import ray
+
+            if model["files_ref"] is None:
+                raise FileNotFoundError(f"scoring actor: no model at {weights}")
+            files: dict[str, bytes] = ray.get(model["files_ref"][0])
+            with tempfile.TemporaryDirectory(prefix="raydlrm-scorer-") as tmp:
+                for name, blob in files.items():
+                    Path(tmp, name).write_bytes(blob)
+                loaded = load_model_checkpoint(tmp)  # mapped; the mapping outlives the file
         self.model = loaded.model
         # Every row is scored or the job stops: nothing is set aside.
         self.data = dataclasses.replace(loaded.spec.data, bad_input="fail")
@@ -163,16 +232,17 @@ def score(
         FileNotFoundError: the model or the data is missing.
         ValueError: the data lacks a column the model needs (named).
     """
-    return _score(
-        model_files(model),
-        data,
-        output,
-        keep=keep,
-        storage=storage or StorageConfig(),
-        partitions=partitions or {},
-        batch_size=batch_size,
-        num_actors=num_actors,
-    )
+    with model_files(model) as files:
+        return _score(
+            files,
+            data,
+            output,
+            keep=keep,
+            storage=storage or StorageConfig(),
+            partitions=partitions or {},
+            batch_size=batch_size,
+            num_actors=num_actors,
+        )
 
 
 def _bad_input_cause(exc: BaseException) -> BaseException | None:
@@ -188,14 +258,14 @@ def _bad_input_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
-def _data_config(files: dict[str, bytes]) -> DataConfig:
+def _data_config(files: ModelFiles) -> DataConfig:
     from raydlrm.trainers.spec import WorkerSpec
 
-    return WorkerSpec(**json.loads(files["spec.json"])).data
+    return WorkerSpec(**files.spec).data
 
 
 def _score(
-    files: dict[str, bytes],
+    files: ModelFiles,
     data: str,
     output: str,
     *,
@@ -239,8 +309,7 @@ def _score(
     )
     scored = dataset.map_batches(
         _Scorer,
-        # In a list, so that Ray Data passes the reference itself, not its value.
-        fn_constructor_kwargs={"files_ref": [ray.put(files)], "keep": keep},
+        fn_constructor_kwargs={"model": _model_for_actors(files), "keep": keep},
         batch_size=batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
@@ -261,7 +330,7 @@ def _score(
 
 
 def evaluate(
-    model: str | dict[str, bytes],
+    model: str | ModelFiles,
     data: str,
     *,
     output: str | None = None,
@@ -273,14 +342,25 @@ def evaluate(
     """Scores a labelled data set (its selected ``partitions``, default all) and returns AUC
     and log loss (and the predictions under ``output`` when given).
 
-    ``model`` is a model URI or directory, or its files as :func:`model_files` returned them.
+    ``model`` is a model URI or directory, or :func:`model_files` of one.
 
     Raises:
         ValueError: the data set has no label column.
     """
     from sklearn.metrics import log_loss, roc_auc_score
 
-    files = model if isinstance(model, dict) else model_files(model)
+    if not isinstance(model, ModelFiles):
+        with model_files(model) as files:
+            return evaluate(
+                files,
+                data,
+                output=output,
+                storage=storage,
+                partitions=partitions,
+                batch_size=batch_size,
+                num_actors=num_actors,
+            )
+    files = model
     label = _data_config(files).label_column
     storage = storage or StorageConfig()
     with tempfile.TemporaryDirectory(prefix="raydlrm-eval-") as tmp:

@@ -100,7 +100,7 @@ def _sub_collection(
     ebc: EmbeddingBagCollection, tables: list[EmbeddingBagConfig]
 ) -> EmbeddingBagCollection:
     """A collection over ``tables`` sharing ``ebc``'s weight tensors (no copy)."""
-    sub = EmbeddingBagCollection(tables, device="meta")
+    sub = EmbeddingBagCollection(tables, device="meta", seed=ebc.seed)
     for t in tables:
         sub.weights[t.name] = ebc.weights[t.name]
     return sub

@@ -46,13 +46,12 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from raydlrm._versions import import_fbgemm
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
-from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_table_
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, TbeGroup, rank_units, tbe_groups
@@ -125,8 +124,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     Args:
         ebc: the unsharded collection; its tables' weights initialize the shards (every rank
-            must build it with the same seed). On the meta device, shards are freshly
-            initialized instead (data-parallel replicas are then broadcast from rank 0).
+            must build it with the same seed). Tables on the meta device are created shard by
+            shard from ``ebc.seed`` instead, with the values the unsharded table would have.
         plan: where each table lives; its world size must be the size of ``pg``.
         config: the fused optimizer, its hyper-parameters, and the codecs of the pooled output
             all-to-all (``comm_precision``, ``comm_precision_per_table``).
@@ -245,19 +244,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
+        """Fills this rank's shards: copied from ``ebc``'s tables, or, for tables on the meta
+        device, created from ``ebc.seed`` block by block (:func:`init_rows_`), so no rank ever
+        holds more than its shards and every rank's rows equal the unsharded ones."""
         shards = self.local_shards()
-        on_meta = False
+        configs = {t.name: t for t in self.tables}
         for name, weight in self.local_tables().items():
             source, s = ebc.weights[name], shards[name]
             if source.device.type == "meta":
-                on_meta = True
-                init_table_(weight, num_embeddings=source.shape[0])
+                init_rows_(
+                    weight,
+                    table=configs[name],
+                    seed=ebc.seed,
+                    row_start=s.row_start,
+                    col_start=s.col_start,
+                )
             else:
                 weight.copy_(source.detach()[s.row_start : s.row_end, s.col_start : s.col_end])
-        if on_meta and self._world_size > 1:
-            for t in self.plan.tables:
-                if t.sharding_type == "data_parallel":
-                    dist.broadcast(self.local_tables()[t.name], src=0, group=self._pg)
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         """Cumulative bytes this rank sent to other ranks (counted from shapes, no sync).

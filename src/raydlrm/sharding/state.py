@@ -119,6 +119,40 @@ def _momentum_pieces(table: TablePlan) -> list[tuple[Shard, list[int], list[int]
     ]
 
 
+def _row_window(
+    local: torch.Tensor, *, rank: int, row_start: int, size: list[int]
+) -> torch.Tensor | ShardedTensor:
+    """A load target for rows ``[row_start, row_start + len(local))`` of a tensor of global
+    ``size``, filled into ``local``: DCP reads only the saved chunks overlapping those rows, so a
+    rank never allocates more than its own rows. The rest of the tensor is described as pieces
+    held elsewhere (they are not read); without a process group ``local`` must be whole."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        assert row_start == 0 and local.shape[0] == size[0], "one process holds whole tables"
+        return local
+    world = dist.get_world_size()
+    other = (rank + 1) % world
+    rows, cols = local.shape[0], size[1]
+    pieces = [(row_start, rows, rank)]
+    if row_start > 0:
+        pieces.append((0, row_start, other))
+    if row_start + rows < size[0]:
+        pieces.append((row_start + rows, size[0] - row_start - rows, other))
+    metadata = [
+        ShardMetadata(
+            shard_offsets=[start, 0], shard_sizes=[n, cols], placement=_placement(r, local.device)
+        )
+        for start, n, r in pieces
+    ]
+    global_metadata = ShardedTensorMetadata(
+        shards_metadata=metadata,
+        size=torch.Size(size),
+        tensor_properties=TensorProperties(dtype=local.dtype, requires_grad=False),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [TensorShard(local, metadata[0])], global_metadata
+    )
+
+
 def embedding_state_dict(
     collection: Any, *, plan: ShardingPlan, rank: int, optimizer: str
 ) -> dict[str, Any]:
@@ -209,10 +243,16 @@ def load_embedding_state(
             key = momentum_key(table.name)
             target.pop(key, None)
             if table.name in shards:
-                # The saved momenta of every block, for the rows of this shard's table.
+                # The saved momenta of every block, for the rows of this shard only.
+                s = shards[table.name]
                 blocks = saved_blocks[table.name]
-                momenta[table.name] = torch.zeros(table.num_embeddings, len(blocks))
-                target[key] = momenta[table.name]
+                momenta[table.name] = torch.zeros(s.row_end - s.row_start, len(blocks))
+                target[key] = _row_window(
+                    momenta[table.name],
+                    rank=rank,
+                    row_start=s.row_start,
+                    size=[table.num_embeddings, len(blocks)],
+                )
     load(target)
     if not momenta:
         return
@@ -226,5 +266,4 @@ def load_embedding_state(
                 [max(0, min(b, s.col_end) - max(a, s.col_start)) for a, b in blocks],
                 dtype=torch.float32,
             )
-            rows = saved[s.row_start : s.row_end]
-            states[name][0].copy_((rows * weights).sum(dim=1) / weights.sum())
+            states[name][0].copy_((saved * weights).sum(dim=1) / weights.sum())

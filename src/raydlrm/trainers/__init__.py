@@ -3,7 +3,7 @@
 Only ``raydlrm.trainers._ray`` imports Ray; the rest runs in plain processes.
 """
 
-from raydlrm.trainers.checkpoint import LoadedModel, load_model_checkpoint, save_model_checkpoint
+from raydlrm.trainers.checkpoint import LoadedModel, load_model_checkpoint, save_model_metadata
 from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 from raydlrm.trainers.metrics import BinaryMetrics, binary_metrics
 from raydlrm.trainers.spec import WorkerSpec, tables_for
@@ -17,6 +17,6 @@ __all__ = [
     "WorkerSpec",
     "binary_metrics",
     "load_model_checkpoint",
-    "save_model_checkpoint",
+    "save_model_metadata",
     "tables_for",
 ]

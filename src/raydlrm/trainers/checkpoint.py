@@ -1,13 +1,30 @@
-"""Model checkpoints: the unsharded model state plus the config and plan that made it.
+"""Model checkpoints: the unsharded model's weights, streamed, plus the config and plan.
 
-A checkpoint directory holds ``model.pt`` (a state dict of tensors only, loaded with
-``weights_only=True``: nothing is unpickled from storage), ``spec.json`` (the worker-side
-config), ``plan.json`` (the sharding plan) and ``metrics.json``.
+A model directory holds ``spec.json`` (the worker-side config), ``plan.json`` (the sharding
+plan), ``metrics.json`` and the weights, in one of three forms:
+
+* ``model.safetensors``: every tensor of the unsharded ``RecModel`` under its state-dict key
+  (``embedding_bags.weights.<table>``, ``dense.*``), in the safetensors format (a JSON header,
+  then raw little-endian bytes: no pickle, memory-mappable). Exported and logged models have it.
+* a training-state checkpoint (``raydlrm.trainers.state``): the final checkpoint of a run holds
+  its tables once, as the ranks' DCP shards, and no second copy of them. Exporting it assembles
+  the tables one at a time.
+* ``model.pt`` (written before 0.2): a tensor-only ``torch.save`` state dict, still loaded
+  (memory-mapped, ``weights_only``).
+
+:func:`write_model_weights` turns any of them into ``model.safetensors`` holding one table in
+memory at a time (the header is computed from shapes before any data is read, then each tensor
+is read and written in turn). :func:`load_model_checkpoint` rebuilds the model with its tables
+*memory-mapped* from ``model.safetensors``: scoring a model larger than RAM works, the page cache
+serving the hot rows.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,40 +33,185 @@ import torch
 from raydlrm.ingestion.storage import redact
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
+from raydlrm.trainers import state
 from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = [
-    "MODEL_CHECKPOINT_FILES",
     "LoadedModel",
+    "ModelWeights",
+    "find_model_dir",
     "load_model_checkpoint",
-    "save_model_checkpoint",
+    "model_weights",
+    "save_model_metadata",
+    "write_model_weights",
 ]
 
-MODEL_FILE = "model.pt"
+WEIGHTS_FILE = "model.safetensors"
+LEGACY_MODEL_FILE = "model.pt"
 SPEC_FILE = "spec.json"
 PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.json"
-MODEL_CHECKPOINT_FILES = (MODEL_FILE, SPEC_FILE, PLAN_FILE, METRICS_FILE)
-"""The files of a model checkpoint (a training checkpoint holds them too, besides its state)."""
+METADATA_FILES = (SPEC_FILE, PLAN_FILE, METRICS_FILE)
+"""The small files of a model directory, beside its weights."""
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def save_model_checkpoint(
-    directory: str | Path,
-    *,
-    state_dict: dict[str, torch.Tensor],
-    spec: WorkerSpec,
-    plan: ShardingPlan,
-    metrics: dict[str, float],
+def save_model_metadata(
+    directory: str | Path, *, spec: WorkerSpec, plan: ShardingPlan, metrics: dict[str, float]
 ) -> Path:
-    """Writes a model checkpoint into ``directory`` (created if missing); returns it."""
+    """Writes a model directory's config, plan and metrics into ``directory`` (created if
+    missing; the weights are the training state's, or :func:`write_model_weights`'s); returns
+    it."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(state_dict, path / MODEL_FILE)
     # Credentials are not stored with the model.
     (path / SPEC_FILE).write_text(json.dumps(redact(spec.to_dict()), indent=2))
     (path / PLAN_FILE).write_text(plan.to_json())
     (path / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
     return path
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, dtype and shape of one tensor of a model's weights."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+
+class ModelWeights:
+    """The weights of a model directory, read one tensor at a time.
+
+    Args:
+        directory: a model directory (see the module docstring).
+
+    Raises:
+        FileNotFoundError: naming the directory when it holds no weights in any known form.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._safetensors = self.directory / WEIGHTS_FILE
+        self._legacy = self.directory / LEGACY_MODEL_FILE
+        if self._safetensors.is_file():
+            from safetensors import safe_open
+
+            self._open = safe_open(str(self._safetensors), framework="pt")
+            codes = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
+            self.tensors = []
+            names = self._open.keys()  # a safetensors handle is not iterable
+            for key in names:
+                piece = self._open.get_slice(key)
+                self.tensors.append(
+                    TensorInfo(key, codes[piece.get_dtype()], tuple(piece.get_shape()))
+                )
+            self.form = "safetensors"
+        elif (self.directory / state.STATE_FILE).is_file():
+            self.tensors = [
+                TensorInfo(name, dtype, shape)
+                for name, dtype, shape in state.model_tensors(self.directory)
+            ]
+            self.form = "training_state"
+        elif self._legacy.is_file():
+            try:
+                self._state_dict = torch.load(
+                    self._legacy, map_location="cpu", weights_only=True, mmap=True
+                )
+            except Exception as exc:  # pickle/zip errors of a damaged or foreign file
+                raise ValueError(f"{self._legacy} is not a readable raydlrm model: {exc}") from exc
+            self.tensors = [
+                TensorInfo(k, v.dtype, tuple(v.shape)) for k, v in self._state_dict.items()
+            ]
+            self.form = "legacy"
+        else:
+            raise FileNotFoundError(
+                f"{self.directory} holds no model weights ({WEIGHTS_FILE}, a training-state "
+                f"checkpoint or {LEGACY_MODEL_FILE})"
+            )
+
+    def load(self, name: str) -> torch.Tensor:
+        """The tensor ``name``: memory-mapped (safetensors, ``model.pt``) or read from the
+        shards (training state; only this tensor's chunks are read)."""
+        if self.form == "safetensors":
+            return self._open.get_tensor(name)
+        if self.form == "legacy":
+            return self._state_dict[name]
+        return state.load_model_tensor(self.directory, name)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, one at a time (drop each before taking the next to bound memory)."""
+        for info in self.tensors:
+            yield info.name, self.load(info.name)
+
+
+def model_weights(directory: str | Path) -> ModelWeights:
+    """The weights of the model directory ``directory`` (see :class:`ModelWeights`)."""
+    return ModelWeights(directory)
+
+
+def write_model_weights(directory: str | Path, output: str | Path) -> Path:
+    """Writes the weights of the model directory ``directory`` to ``output`` as safetensors,
+    one tensor in memory at a time.
+
+    The header (every tensor's dtype, shape and byte range) is known from the shapes alone, so it
+    is written first; tensors follow in order of decreasing element size (then name), which
+    keeps every tensor aligned to its element size, as the safetensors library writes them.
+
+    Returns:
+        ``output``.
+    """
+    weights = model_weights(directory)
+    if weights.form == "safetensors" and Path(output).resolve() == weights._safetensors.resolve():
+        return Path(output)
+    order = sorted(weights.tensors, key=lambda t: (-t.dtype.itemsize, t.name))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for info in order:
+        if info.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {info.name}: dtype {info.dtype} has no safetensors code")
+        header[info.name] = {
+            "dtype": _SAFETENSORS_DTYPES[info.dtype],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
+        offset += info.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for info in order:
+            tensor = weights.load(info.name).detach().to("cpu").contiguous()
+            if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
+                raise ValueError(
+                    f"tensor {info.name} of {directory} is {tensor.dtype} {tuple(tensor.shape)}, "
+                    f"its metadata says {info.dtype} {info.shape}"
+                )
+            if tensor.numel():
+                f.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+            del tensor
+    os.replace(partial, output)  # a reader never sees a half-written file under the name
+    return output
 
 
 @dataclass
@@ -62,22 +224,58 @@ class LoadedModel:
     metrics: dict[str, float]
 
 
+def find_model_dir(root: str | Path) -> Path | None:
+    """The model directory at or under ``root`` (an exported or downloaded MLflow model holds
+    it under ``artifacts/``), or None."""
+    root = Path(root)
+    if (root / SPEC_FILE).is_file():
+        return root
+    found = sorted(root.rglob(SPEC_FILE))
+    return found[0].parent if found else None
+
+
 def load_model_checkpoint(directory: str | Path) -> LoadedModel:
-    """Rebuilds the unsharded model of a checkpoint (on CPU, in eval mode).
+    """Rebuilds the unsharded model of a model directory (on CPU, in eval mode) with its tables
+    memory-mapped (no table is read into memory until its rows are looked up).
+
+    A directory without ``model.safetensors`` (a training checkpoint, a ``model.pt``) is first
+    written to a temporary safetensors file, one table at a time, which is mapped and unlinked
+    (the mapping keeps it readable).
 
     Raises:
         FileNotFoundError: naming the missing file.
     """
     path = Path(directory)
-    for name in (MODEL_FILE, SPEC_FILE, PLAN_FILE):
+    for name in (SPEC_FILE, PLAN_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} has no {name}")
     spec = WorkerSpec(**json.loads((path / SPEC_FILE).read_text()))
     plan = ShardingPlan.from_json((path / PLAN_FILE).read_text())
     metrics_path = path / METRICS_FILE
     metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
-    model = build_model(spec.model, tables=spec.tables(), num_dense=len(spec.data.dense_columns))
-    state = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
+    model = build_model(
+        spec.model,
+        tables=spec.tables(),
+        num_dense=len(spec.data.dense_columns),
+        embedding_device="meta",
+    )
+    weights_file = path / WEIGHTS_FILE
+    if weights_file.is_file():
+        state = _mapped(weights_file)
+    else:
+        with tempfile.TemporaryDirectory(prefix="raydlrm-weights-") as tmp:
+            state = _mapped(write_model_weights(path, Path(tmp, WEIGHTS_FILE)))
+    # assign=True: the meta tables become the mapped tensors themselves (no copy).
+    model.load_state_dict(state, assign=True)
+    model.requires_grad_(False)
     model.eval()
     return LoadedModel(model=model, spec=spec, plan=plan, metrics=metrics)
+
+
+def _mapped(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, memory-mapped (copy-on-write, never written back)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        names = f.keys()  # a safetensors handle is not iterable
+        return {k: f.get_tensor(k) for k in names}

@@ -44,7 +44,7 @@ from raydlrm.ingestion.storage import StorageConfig, filesystem_for
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.trainers import _ray
-from raydlrm.trainers.checkpoint import save_model_checkpoint
+from raydlrm.trainers.checkpoint import save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
 from raydlrm.trainers.state import load_training_state, save_training_state
@@ -119,11 +119,17 @@ class Trainer:
         self.device = torch.device(device)
         cfg = spec.training
         torch.set_num_threads(cfg.torch_threads)
-        # Same seed on every rank: identical initial tables and dense weights, so sharding can
-        # take each rank's tables from its own copy and DDP starts from agreeing replicas.
+        # The tables stay on the meta device: each rank creates only its own shards, block by
+        # block from the seed, with the values of the unsharded tables (scale: no rank ever
+        # holds a table it does not own). Same seed on every rank: DDP starts from agreeing
+        # dense replicas.
         torch.manual_seed(cfg.seed)
         model = build_model(
-            spec.model, tables=spec.tables(), num_dense=len(spec.data.dense_columns)
+            spec.model,
+            tables=spec.tables(),
+            num_dense=len(spec.data.dense_columns),
+            embedding_device="meta",
+            seed=cfg.seed,
         )
         self.model: RecModel = shard_model(
             model,
@@ -449,9 +455,9 @@ class Trainer:
         with_model: bool = False,
     ) -> None:
         """Reports metrics from every rank; with ``checkpoint``, every rank writes its part of
-        the training state (and, ``with_model``, rank 0 the unsharded model) into a directory
-        of its own, reported with the metrics (Ray Train merges the ranks' directories into one
-        checkpoint, registered only once every rank's part is stored)."""
+        the training state (and, ``with_model``, rank 0 the model's config, plan and metrics)
+        into a directory of its own, reported with the metrics (Ray Train merges the ranks'
+        directories into one checkpoint, registered only once every rank's part is stored)."""
         if checkpoint:
             self._flush_samples()
         # The last value of every metric rides along, so that a checkpoint-only report still
@@ -478,19 +484,21 @@ class Trainer:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, self.progress.to_dict())
         position = EpochProgress.merged([EpochProgress.from_dict(g) for g in gathered]).to_dict()
-        model_state = self.unsharded_state_dict() if with_model else None  # a collective
         with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
             save_training_state(self, tmp, position=position)
-            if model_state is not None:
-                save_model_checkpoint(
-                    tmp, state_dict=model_state, spec=self.spec, plan=self.plan, metrics=metrics
-                )
+            if with_model and self.rank == 0:
+                # The model's weights are the training state's shards (stored once); exporting
+                # assembles them table by table (raydlrm.trainers.checkpoint).
+                save_model_metadata(tmp, spec=self.spec, plan=self.plan, metrics=metrics)
             self._inject_fault("checkpoint")
             report(metrics, checkpoint_dir=tmp)
         self._last_checkpoint = time.monotonic()
 
     def unsharded_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full, unsharded model state on rank 0 (None elsewhere); all ranks must call.
+
+        Every table is gathered whole onto rank 0: for small models and tests (checkpoints and
+        exports never do this; they stream the shards table by table).
 
         Keys are those of the unsharded :class:`RecModel`: ``embedding_bags.weights.<table>``
         and ``dense.*``.

@@ -28,7 +28,12 @@ import torch.distributed.checkpoint as dcp
 
 from raydlrm.ingestion.storage import redact
 from raydlrm.sharding import ShardingPlan
-from raydlrm.sharding.state import column_blocks, embedding_state_dict, load_embedding_state
+from raydlrm.sharding.state import (
+    column_blocks,
+    embedding_state_dict,
+    load_embedding_state,
+    weight_key,
+)
 
 if TYPE_CHECKING:
     from raydlrm.trainers.loop import Trainer
@@ -36,11 +41,11 @@ if TYPE_CHECKING:
 __all__ = [
     "STATE_FILE",
     "check_state_matches",
-    "is_training_state",
+    "load_model_tensor",
     "load_training_state",
+    "model_tensors",
     "read_state_file",
     "save_training_state",
-    "unshard_training_state",
 ]
 
 STATE_FILE = "trainer_state.json"
@@ -60,10 +65,6 @@ def _quiet() -> Iterator[None]:
             "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
         )
         yield
-
-
-def is_training_state(directory: str | Path) -> bool:
-    return (Path(directory) / STATE_FILE).is_file()
 
 
 def _dense_module(trainer: Trainer) -> torch.nn.Module:
@@ -209,38 +210,45 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     return state
 
 
-def unshard_training_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The model of a training-state checkpoint as a plain state dict, in one process.
-
-    Every sharded table is assembled from all ranks' shards into one ``(rows, dim)`` tensor;
-    the dense model comes from rank 0. Keys are those of the unsharded ``RecModel``
-    (``embedding_bags.weights.<table>``, ``dense.*``): the result loads into a model built
-    without raydlrm's sharding, with ``load_state_dict``.
-    """
+def _model_keys(directory: str | Path) -> dict[str, tuple[str, Any]]:
+    """Model state-dict key -> (DCP key, DCP metadata) of a training checkpoint's model: every
+    table (``embedding_bags.weights.<table>``) and rank 0's dense model (``dense.*``)."""
     state = read_state_file(directory)
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
-    dense_prefix = "rank0." + _DENSE
-    wanted = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith(dense_prefix)
-    }
+    keys = {}
     for table in plan.tables:
-        wanted[f"embedding.{table.name}.weight"] = torch.empty(
-            table.num_embeddings, table.embedding_dim
-        )
-    # Without a process group DCP reads everything in this process.
-    dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-    out = {
-        f"embedding_bags.weights.{t.name}": wanted[f"embedding.{t.name}.weight"]
-        for t in plan.tables
-    }
-    out.update(
-        {
-            "dense." + k[len(dense_prefix) :]: v
-            for k, v in wanted.items()
-            if k.startswith(dense_prefix)
-        }
-    )
-    return out
+        key = weight_key(table.name)
+        if key not in metadata:
+            raise ValueError(f"checkpoint {directory} has no weights of table {table.name!r}")
+        keys[f"embedding_bags.weights.{table.name}"] = (key, metadata[key])
+    dense_prefix = "rank0." + _DENSE
+    for key, meta in metadata.items():
+        if key.startswith(dense_prefix):
+            keys["dense." + key[len(dense_prefix) :]] = (key, meta)
+    return keys
+
+
+def model_tensors(directory: str | Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Name, dtype and shape of every tensor of a training checkpoint's unsharded model (keys of
+    the unsharded ``RecModel``: ``embedding_bags.weights.<table>``, ``dense.*``), from its
+    metadata alone."""
+    return [
+        (name, meta.properties.dtype, tuple(meta.size))
+        for name, (_, meta) in _model_keys(directory).items()
+    ]
+
+
+def load_model_tensor(directory: str | Path, name: str) -> torch.Tensor:
+    """One tensor of a training checkpoint's unsharded model (see :func:`model_tensors`), in
+    one process: a table is assembled from the chunks every rank wrote; nothing else is read.
+
+    Raises:
+        KeyError: ``name`` is not a tensor of the model.
+    """
+    key, meta = _model_keys(directory)[name]
+    tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    # Without a process group DCP reads in this process.
+    with _quiet():
+        dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    return tensor
