@@ -4,7 +4,9 @@ column, and exit code 2; the dry-run commands print what they should."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -114,11 +116,71 @@ def test_plan_uses_calibrated_constants_summary_and_capacity(tmp_path: Path) -> 
     missing = f"sharding.cost_constants_path={tmp_path / 'none.json'}"
     slow = total_cost("--set", f"sharding.cost_constants_path={path}")
     assert slow > 1000 * total_cost("--set", missing)
-    many = _invoke("plan", "--set", "scaling.num_workers=64", "--set", missing)
+    off = "sharding.memory_budget=off"  # 64 workers do not fit this machine
+    many = _invoke("plan", "--set", "scaling.num_workers=64", "--set", missing, "--set", off)
     assert many.exit_code == 0, many.output
     assert "26 tables on 64 ranks" in many.stdout and "max/mean" in many.stdout
     full = _invoke("plan", "--set", "sharding.device_memory_bytes=1000", "--set", missing)
     assert full.exit_code == 2 and "cannot fit anywhere" in _error_line(full)
+
+
+def _node_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:
+    """This machine has ``total`` bytes and runs a local Ray cluster."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=total))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_plan_shows_memory_against_the_default_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    _node_memory(monkeypatch, 24 * 2**30)
+    result = _invoke("plan")  # 26 tables of 100,000 x 16 on 2 workers
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("memory / budget")
+    assert all(ln.endswith("84.30 MiB / 11.00 GiB") for ln in lines[2:4])
+    assert lines[-1] == (
+        "memory budget 11.00 GiB per worker = 24.00 GiB node memory / 2 workers - 1.00 GiB overhead"
+    )
+    many = _invoke(
+        "plan", "--set", "scaling.num_workers=64", "--set", "sharding.worker_overhead_bytes=0"
+    )
+    assert "memory / budget: max 6.48 MiB / 384.00 MiB (1.7%)" in many.stdout, many.output
+
+
+def test_a_plan_over_the_budget_stops_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch, tiny_data: Path
+) -> None:
+    # 50 MiB per worker holds 7 of the 13 tables (6,800,000 bytes each) a rank needs.
+    _node_memory(monkeypatch, 2 * (2**30 + 50 * 2**20))
+    line = (
+        r"error: table 't_C\d+' \(table_wise, 6800000 bytes of weights and optimizer state\) does "
+        r"not fit on rank [01]: .* short by 1971200 bytes \(1\.88 MiB\); budget 50\.00 MiB per "
+        r"worker = 2\.10 GiB node memory / 2 workers - 1\.00 GiB overhead$"
+    )
+    planned = _invoke("plan")
+    assert planned.exit_code == 2
+    assert re.match(line, _error_line(planned))
+
+    def no_ray(job) -> None:
+        raise AssertionError("Ray started before the plan was checked")
+
+    monkeypatch.setattr("raydlrm.platform.launch._init_ray", no_ray)
+    data = [f"data.train_path={tiny_data / 'train'}", f"data.eval_path={tiny_data / 'eval'}"]
+    trained = _invoke("train", "--set", data[0], "--set", data[1])
+    assert trained.exit_code == 2, trained.output
+    assert re.match(line, _error_line(trained))
+    # The API's Ray ScalingConfig sets the workers' memory resource, hence the budget.
+    from ray.train import ScalingConfig
+
+    from raydlrm.platform.config import ConfigError
+    from raydlrm.platform.launch import train
+
+    scaling = ScalingConfig(
+        num_workers=2, resources_per_worker={"CPU": 0.5, "memory": 2**30 + 50 * 2**20}
+    )
+    with pytest.raises(ConfigError, match=r"short by 1971200 bytes .* = 1\.05 GiB scaling\."):
+        train(overrides=data, scaling_config=scaling)
 
 
 def test_config_show_and_validate() -> None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from raydlrm.platform.config import ConfigError, JobConfig, flatten, load_config
+from raydlrm.sharding import MemoryBudget
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -67,3 +69,52 @@ def test_flatten() -> None:
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": {}}) == {"a.b": 1, "a.c": [1, 2], "d": {}}
     flat = flatten(JobConfig().to_dict())
     assert flat["model.arch"] == "dlrm" and "scaling.resources_per_worker.CPU" in flat
+
+
+def test_memory_budget_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"sharding\.device_memory_bytes is a budget but"):
+        load_config(overrides=["sharding.device_memory_bytes=1000", "sharding.memory_budget=off"])
+    with pytest.raises(ConfigError, match=r"sharding\.worker_overhead_bytes must be >= 0"):
+        load_config(overrides=["sharding.worker_overhead_bytes=-1"])
+    with pytest.raises(ConfigError, match=r"sharding\.weights_precision_per_table\.t_C1"):
+        load_config(overrides=["sharding.weights_precision_per_table={ t_C1 = 'int8' }"])
+
+
+def _node_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:
+    """This machine has ``total`` bytes and runs a local Ray cluster."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=total))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_default_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from raydlrm.platform.launch import worker_memory_budget
+
+    _node_memory(monkeypatch, 24 * 2**30)
+    node = worker_memory_budget(load_config(overrides=["scaling.num_workers=3"]))
+    assert node == MemoryBudget(7 * 2**30, "24.00 GiB node memory / 3 workers - 1.00 GiB overhead")
+    no_overhead = load_config(overrides=["sharding.worker_overhead_bytes=0"])
+    assert worker_memory_budget(no_overhead).bytes_per_rank == 12 * 2**30
+    resource = load_config(overrides=[f"scaling.resources_per_worker={{ memory = {4 * 2**30} }}"])
+    assert worker_memory_budget(resource) == MemoryBudget(
+        3 * 2**30, "4.00 GiB scaling.resources_per_worker.memory - 1.00 GiB overhead"
+    )
+    explicit = load_config(overrides=["sharding.device_memory_bytes=5000"])
+    assert worker_memory_budget(explicit) == MemoryBudget(5000, "sharding.device_memory_bytes")
+    assert worker_memory_budget(load_config(overrides=["sharding.memory_budget=off"])) is None
+    with pytest.raises(ConfigError, match=r"sharding\.memory_budget: no memory left .* / 48 work"):
+        worker_memory_budget(load_config(overrides=["scaling.num_workers=48"]))
+
+
+def test_no_default_memory_budget_for_gpus_or_a_remote_cluster(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from raydlrm.platform.launch import worker_memory_budget
+
+    _node_memory(monkeypatch, 24 * 2**30)
+    assert worker_memory_budget(load_config(overrides=["scaling.use_gpu=true"])) is None
+    assert "GPU memory" in caplog.text and "sharding.device_memory_bytes" in caplog.text
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert worker_memory_budget(load_config()) is None
+    assert "Ray cluster at 10.0.0.1:6379" in caplog.text

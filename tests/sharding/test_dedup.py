@@ -9,7 +9,7 @@ import torch
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+from raydlrm.sharding import MemoryBudget, ShardingConfig, plan_sharding, shard_model
 from raydlrm.sharding.dedup import (
     DedupShardedEmbeddingBagCollection,
     feature_sets,
@@ -202,3 +202,18 @@ def test_each_feature_set_is_balanced_on_its_own() -> None:
     plan = plan_feature_sets(tables, groups, world_size=2, config=ShardingConfig())
     plan.validate(tables)
     assert sorted(plan.table(t.name).shards[0].rank for t in users) == [0, 0, 1, 1]
+
+
+def test_feature_sets_together_keep_to_the_memory_budget() -> None:
+    # Each set fits one rank's budget on its own (700 kB of 1 MB); together they do not.
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=35_000, embedding_dim=4, feature_names=(n,))
+        for n in ("u", "w")
+    ]
+    budget = MemoryBudget(1_000_000, "test budget")
+    kwargs = {"world_size": 1, "config": ShardingConfig(), "memory_budget": budget}
+    with pytest.raises(ValueError, match=r"^rank 0 holds 1400000 bytes .* short by 400000 bytes"):
+        plan_feature_sets(tables, [["u"]], **kwargs)
+    unknown = ShardingConfig(weights_precision_per_table={"nope": "fp16"})
+    with pytest.raises(ValueError, match=r"weights_precision_per_table names unknown tables"):
+        plan_feature_sets(tables, [["u"]], world_size=1, config=unknown)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding import Shard, ShardingConfig, ShardingPlan, TablePlan, plan_sharding
+from raydlrm.sharding import (
+    MemoryBudget,
+    Shard,
+    ShardingConfig,
+    ShardingPlan,
+    TablePlan,
+    plan_sharding,
+)
 from raydlrm.sharding.planner import table_cost, table_memory_bytes
 from tests.sharding._fixtures import make_tables
 
@@ -56,6 +64,55 @@ def test_per_rank_cost_and_memory_sum_to_table_totals() -> None:
     # Adagrad keeps one state value per weight: twice the weights' bytes.
     assert table_memory_bytes(tables[0], optimizer="adagrad") == 2 * 50 * 8 * 4
     assert table_memory_bytes(tables[0], optimizer="rowwise_adagrad") == (50 * 8 + 50) * 4
+
+
+def test_fp16_weights_halve_the_weights_not_the_optimizer_state() -> None:
+    t0 = make_tables()[0]  # 50 x 8
+    weights_fp32, weights_fp16 = 50 * 8 * 4, 50 * 8 * 2
+    for optimizer, state in (("rowwise_adagrad", 50 * 4), ("adagrad", 50 * 8 * 4), ("sgd", 0)):
+        assert table_memory_bytes(t0, optimizer=optimizer) == weights_fp32 + state
+        fp16 = table_memory_bytes(t0, optimizer=optimizer, weights_precision="fp16")
+        assert fp16 == weights_fp16 + state, optimizer
+
+
+def test_planner_counts_each_table_at_its_weights_precision() -> None:
+    tables = make_tables()
+    config = ShardingConfig(weights_precision="fp16", weights_precision_per_table={"t1": "fp32"})
+    assert (config.weights_precision_of("t0"), config.weights_precision_of("t1")) == (
+        "fp16",
+        "fp32",
+    )
+    plan = plan_sharding(tables, world_size=2, config=config)
+    assert plan.table("t0").memory_bytes == 50 * 8 * 2 + 50 * 4
+    assert plan.table("t1").memory_bytes == 30 * 4 * 4 + 30 * 4
+    unknown = ShardingConfig(weights_precision_per_table={"nope": "fp16"})
+    with pytest.raises(ValueError, match=r"sharding\.weights_precision_per_table.*\['nope'\]"):
+        plan_sharding(tables, world_size=2, config=unknown)
+
+
+def test_plan_shows_memory_against_its_budget() -> None:
+    budget = MemoryBudget(2**20, "1.00 GiB node memory / 2 workers - 0.50 GiB overhead")
+    plan = plan_sharding(make_tables(), world_size=2, config=ShardingConfig(), memory_budget=budget)
+    assert plan.memory_budget == budget
+    memory = plan.per_rank_memory()
+    lines = plan.format_table().splitlines()
+    assert lines[0].split()[-3:] == ["memory", "/", "budget"]
+    for rank in range(2):
+        assert lines[2 + rank].endswith(f"{memory[rank] / 2**10:.2f} KiB / 1.00 MiB")
+    assert lines[-1] == (
+        "memory budget 1.00 MiB per worker = 1.00 GiB node memory / 2 workers - 0.50 GiB overhead"
+    )
+    summary = plan.format_summary()
+    peak = max(memory)
+    assert f"memory / budget: max {peak / 2**10:.2f} KiB / 1.00 MiB " in summary
+    assert f"({100 * peak / 2**20:.1f}%); budget 1.00 MiB per worker = 1.00 GiB" in summary
+    assert ShardingPlan.from_json(plan.to_json()) == plan
+    # A plan written before budgets reads back without one.
+    data = json.loads(plan.to_json())
+    del data["memory_budget"]
+    old_plan = ShardingPlan.from_json(json.dumps(data))
+    assert old_plan.memory_budget is None
+    assert "budget" not in old_plan.format_table()
 
 
 def _plan_with(tables: list[EmbeddingBagConfig], **changes) -> ShardingPlan:

@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding import ShardingConfig, plan_sharding
+from raydlrm.sharding import MemoryBudget, ShardingConfig, plan_sharding
 from raydlrm.sharding.cost import (
     CalibrationSizes,
     CostConstants,
@@ -97,6 +97,47 @@ def test_capacity_is_respected_and_violations_name_the_table() -> None:
     assert max(plan.per_rank_memory()) <= 2 * 10**9
     with pytest.raises(ValueError, match="'huge'"):
         plan_sharding([big], world_size=2, config=auto)
+
+
+def _rows(name: str, num_embeddings: int) -> EmbeddingBagConfig:
+    """A dim-4 table: 20 bytes per row with fp32 weights and row-wise Adagrad, 12 with fp16."""
+    return EmbeddingBagConfig(
+        name=name, num_embeddings=num_embeddings, embedding_dim=4, feature_names=(name,)
+    )
+
+
+def test_budget_errors_name_the_table_rank_shortfall_and_source() -> None:
+    budget = MemoryBudget(1_000_000, "2.00 GiB node memory / 2 workers - 1.00 GiB overhead")
+    source = r"budget 976\.56 KiB per worker = 2\.00 GiB node memory / 2 workers - 1\.00 GiB"
+    # 600 kB each: the first fits rank 0, the second is 200 kB short there.
+    two = [_rows("a", 30_000), _rows("b", 30_000)]
+    with pytest.raises(
+        ValueError,
+        match=r"^table 'b' \(table_wise, 600000 bytes .*\) does not fit on rank 0: its shard "
+        r"needs 600000 bytes, 400000 bytes .* free there, short by 200000 bytes "
+        rf"\(195\.31 KiB\); {source}",
+    ):
+        plan_sharding(two, world_size=1, config=ShardingConfig(), memory_budget=budget)
+    # Larger than a whole rank's budget: named, whichever rank.
+    with pytest.raises(
+        ValueError,
+        match=r"^table 'big' \(1200000 bytes in at most 1 shard\(s\)\) is short by 200000 bytes "
+        rf"\(195\.31 KiB\) on any rank: cannot fit anywhere, {source}",
+    ):
+        plan_sharding(
+            [_rows("big", 60_000)], world_size=2, config=ShardingConfig(), memory_budget=budget
+        )
+    # fp16 weights: 12 bytes per row, so both fit on the one rank.
+    fp16 = ShardingConfig(weights_precision="fp16")
+    plan = plan_sharding(two, world_size=1, config=fp16, memory_budget=budget)
+    assert plan.per_rank_memory() == [720_000]
+    # The argument overrides sharding.device_memory_bytes, which is the default budget.
+    explicit = ShardingConfig(device_memory_bytes=10**9)
+    assert plan_sharding(two, world_size=1, config=explicit).memory_budget == MemoryBudget(
+        10**9, "sharding.device_memory_bytes"
+    )
+    with pytest.raises(ValueError, match="short by 200000 bytes"):
+        plan_sharding(two, world_size=1, config=explicit, memory_budget=budget)
 
 
 def test_planner_is_deterministic_and_input_order_free() -> None:

@@ -1,7 +1,8 @@
 """Launching a training job: the driver side of ``raydlrm train`` and ``raydlrm.train``.
 
 In order: resolve the config; make the synthetic data set if the config asks for one and it is
-not there; validate the data (paths, rows, columns) before anything starts; plan the sharding;
+not there; validate the data (paths, rows, columns) before anything starts; plan the sharding
+within each worker's memory budget (a plan that does not fit stops here, before Ray starts);
 connect to Ray (or start it locally); open the job's MLflow run; start Ray Train's
 ``TorchTrainer`` over Ray Data streams; log and register the final model. A failure after the
 run was opened marks the run failed.
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -37,12 +39,13 @@ from raydlrm.platform.config import ConfigError, JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.progress import TrainingProgress, progress_mode
 from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
-from raydlrm.sharding import ShardingPlan, load_constants
+from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
+from raydlrm.sharding.plan import format_bytes
 from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.state import STATE_FILE, check_state_matches
 
-__all__ = ["TrainResult", "make_plan", "prepare_data", "train"]
+__all__ = ["TrainResult", "make_plan", "prepare_data", "train", "worker_memory_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +80,95 @@ def prepare_data(config: JobConfig) -> None:
     generate_synthetic(data.synthetic, out_dir=root)
 
 
+def _ray_address(job: JobConfig) -> str:
+    """The Ray cluster the job runs on: ``ray.address``, else ``$RAY_ADDRESS``, else ``local``
+    (a new Ray instance on this machine)."""
+    return job.ray.address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
+    """The bytes of embedding tables each worker may hold (see ``sharding.memory_budget``).
+
+    ``sharding.device_memory_bytes`` when set. Otherwise, with ``sharding.memory_budget =
+    "auto"``: the worker's Ray ``memory`` resource (``scaling.resources_per_worker``), else this
+    machine's memory shared by all ``scaling.num_workers`` workers (a local Ray cluster runs
+    them all here), less ``sharding.worker_overhead_bytes``.
+
+    Returns:
+        The budget and how it was derived; None when the budget is ``off``, or cannot be derived
+        here: GPU workers (tables live in GPU memory) and a remote cluster (its nodes' memory
+        is unknown to this machine), each with a warning.
+
+    Raises:
+        ConfigError: if the derived budget is not positive.
+    """
+    sharding, scaling = job.sharding, job.scaling
+    if sharding.device_memory_bytes is not None:
+        return MemoryBudget(sharding.device_memory_bytes, "sharding.device_memory_bytes")
+    if sharding.memory_budget == "off":
+        return None
+    overhead = sharding.worker_overhead_bytes
+    unknown = None
+    if scaling.use_gpu:
+        unknown = (
+            "the tables live in the workers' GPU memory, which the driver does not know: set "
+            "sharding.device_memory_bytes"
+        )
+    elif "memory" in scaling.resources_per_worker:
+        memory = int(scaling.resources_per_worker["memory"])
+        source = f"{format_bytes(memory)} scaling.resources_per_worker.memory"
+    elif _ray_address(job) != "local":
+        unknown = (
+            f"the workers run on the Ray cluster at {_ray_address(job)}, whose memory the driver "
+            "does not know: set sharding.device_memory_bytes or scaling.resources_per_worker.memory"
+        )
+    else:
+        node = psutil.virtual_memory().total
+        memory = node // scaling.num_workers
+        source = f"{format_bytes(node)} node memory / {scaling.num_workers} workers"
+    if unknown is not None:
+        logger.warning(
+            "no memory budget for the embedding tables: %s (or sharding.memory_budget = 'off')",
+            unknown,
+        )
+        return None
+    source = f"{source} - {format_bytes(overhead)} overhead"
+    if memory - overhead <= 0:
+        raise ConfigError(
+            f"sharding.memory_budget: no memory left for embedding tables ({source}); lower "
+            "sharding.worker_overhead_bytes or scaling.num_workers, set "
+            "sharding.device_memory_bytes, or sharding.memory_budget = 'off' to plan for other "
+            "machines"
+        )
+    return MemoryBudget(memory - overhead, source)
+
+
 def make_plan(config: JobConfig) -> ShardingPlan:
-    """The sharding plan of the job's tables over ``scaling.num_workers`` ranks, costed with the
-    calibrated constants at ``sharding.cost_constants_path`` when that file exists."""
+    """The sharding plan of the job's tables over ``scaling.num_workers`` ranks within
+    :func:`worker_memory_budget`, costed with the calibrated constants at
+    ``sharding.cost_constants_path`` when that file exists.
+
+    Raises:
+        ConfigError: sharding settings that cannot be planned, e.g. a table that does not fit
+            the budget (naming the table, the rank, the shortfall and the budget's source).
+    """
     spec = config.worker_spec()
     constants_path = Path(config.sharding.cost_constants_path).expanduser()
     constants = load_constants(constants_path) if constants_path.exists() else None
-    # With dedup groups each feature set runs its own collectives: balance each set.
-    return plan_feature_sets(
-        spec.tables(),
-        config.data.dedup_groups,
-        world_size=config.scaling.num_workers,
-        config=config.sharding,
-        batch_size=config.data.batch_size,
-        constants=constants,
-    )
+    budget = worker_memory_budget(config)
+    try:
+        # With dedup groups each feature set runs its own collectives: balance each set.
+        return plan_feature_sets(
+            spec.tables(),
+            config.data.dedup_groups,
+            world_size=config.scaling.num_workers,
+            config=config.sharding,
+            batch_size=config.data.batch_size,
+            constants=constants,
+            memory_budget=budget,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # Environment of a local Ray cluster (its raylet and worker processes inherit the driver's).
@@ -118,7 +195,7 @@ def _init_ray(job: JobConfig) -> None:
     if ray.is_initialized():
         return
     config = job.ray
-    address = config.address or os.environ.get("RAY_ADDRESS") or "local"
+    address = _ray_address(job)
     kwargs: dict[str, Any] = {}
     if address == "local":
         for name, value in _LOCAL_RAY_ENV.items():
@@ -176,8 +253,11 @@ def train(
         DataValidationError: missing or malformed data, before any training starts.
     """
     job = load_config(config, overrides=overrides)
-    if scaling_config is not None:
+    if scaling_config is not None:  # what the plan and the memory budget depend on
         job.scaling.num_workers = scaling_config.num_workers
+        job.scaling.use_gpu = scaling_config.use_gpu
+        if scaling_config.resources_per_worker is not None:
+            job.scaling.resources_per_worker = dict(scaling_config.resources_per_worker)
     run_name = run_config.name if run_config and run_config.name else job.run_name()
     if job.data.bad_input == "quarantine" and job.data.quarantine_path is None:
         job.data.quarantine_path = _join(job.run.storage_path, run_name, "quarantine")

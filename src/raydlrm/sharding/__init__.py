@@ -9,11 +9,12 @@ from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import CostConstants, calibrate, load_constants, save_constants
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.parallelize import shard_model
-from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.plan import MemoryBudget, Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.planner import plan_sharding
 
 __all__ = [
     "CostConstants",
+    "MemoryBudget",
     "Shard",
     "ShardedEmbeddingBagCollection",
     "ShardingConfig",

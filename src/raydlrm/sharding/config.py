@@ -25,6 +25,10 @@ CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
 """Precision of the pooled embeddings and their gradients on the wire (see
 :mod:`raydlrm.sharding.codecs`): ``fp32`` is uncompressed."""
 
+WeightsPrecision = Literal["fp32", "fp16"]
+"""Precision of the embedding table weights held by each rank; fbgemm's TBE trains ``fp16``
+weights with fp32 optimizer state."""
+
 
 @config_dataclass
 class ShardingConfig:
@@ -40,7 +44,19 @@ class ShardingConfig:
     group_size: int | None = None
     """Ranks per group (node) for ``table_row_wise`` tables; None means all ranks are one group."""
     device_memory_bytes: int | None = None
-    """Bytes of weights plus optimizer state one rank may hold; None means unlimited."""
+    """Bytes of embedding weights plus optimizer state one rank may hold (the planner rejects a
+    plan that does not fit); None: as ``memory_budget`` says."""
+    memory_budget: Literal["auto", "off"] = "auto"
+    """The per-rank memory budget when ``device_memory_bytes`` is unset. ``auto``: the job
+    (``raydlrm train``, ``raydlrm plan``) derives it from what each worker has:
+    ``scaling.resources_per_worker.memory`` when set, else the planning machine's memory divided
+    by ``scaling.num_workers`` (a local Ray cluster runs every worker there), less
+    ``worker_overhead_bytes``; GPU workers and a remote cluster (``ray.address``,
+    ``$RAY_ADDRESS``) get no derived budget, with a warning. ``off``: no budget (then
+    ``device_memory_bytes`` must be unset)."""
+    worker_overhead_bytes: int = 2**30
+    """Bytes of each worker's memory the ``auto`` budget keeps from the embedding tables: the
+    dense model and its optimizer, batches in flight, the Ray and torch runtime."""
     cost_constants_path: str = "~/.cache/raydlrm/cost_constants.json"
     """Cost-model constants written by ``raydlrm plan --calibrate``; used when the file exists."""
     optimizer: EmbeddingOptimizer = "rowwise_adagrad"
@@ -53,6 +69,14 @@ class ShardingConfig:
     """Codec of the pooled-output all-to-all, forward and backward, of every table."""
     comm_precision_per_table: dict[str, CommPrecision] = field(default_factory=dict)
     """Table name -> codec, overriding ``comm_precision`` for that table."""
+    weights_precision: WeightsPrecision = "fp32"
+    """Precision of the embedding table weights (optimizer state stays fp32)."""
+    weights_precision_per_table: dict[str, WeightsPrecision] = field(default_factory=dict)
+    """Table name -> weights precision, overriding ``weights_precision`` for that table."""
+
+    def weights_precision_of(self, table_name: str) -> WeightsPrecision:
+        """The weights precision of table ``table_name``."""
+        return self.weights_precision_per_table.get(table_name, self.weights_precision)
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
@@ -64,6 +88,15 @@ class ShardingConfig:
         if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
             raise ValueError(
                 f"sharding.device_memory_bytes must be positive, got {self.device_memory_bytes}"
+            )
+        if self.device_memory_bytes is not None and self.memory_budget == "off":
+            raise ValueError(
+                "sharding.device_memory_bytes is a budget but sharding.memory_budget is 'off': "
+                "unset one of them"
+            )
+        if self.worker_overhead_bytes < 0:
+            raise ValueError(
+                f"sharding.worker_overhead_bytes must be >= 0, got {self.worker_overhead_bytes}"
             )
         for table, ranks in self.pinned_ranks.items():
             if not ranks or any(r < 0 for r in ranks):

@@ -13,8 +13,8 @@ features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on
   once: the backward gradients are the same size): table-wise and column-wise ``F * B`` vectors,
   row-wise and table-row-wise ``k`` partial sums of each, data-parallel none but an all-reduce of
   the table's gradient (``2 (W - 1) N D 4`` bytes);
-- memory: ``N * D * 4`` bytes of weights plus the optimizer state (row-wise Adagrad one float per
-  row, Adagrad one per weight, SGD none).
+- memory: ``N * D`` weights at their precision (4 bytes fp32, 2 bytes fp16) plus the fp32
+  optimizer state (row-wise Adagrad one float per row, Adagrad one per weight, SGD none).
 
 Its estimated time is ``compute / lookup_bytes_per_s + comm / comm_bytes_per_s + k *
 collective_latency_s`` (each shard takes part in the collectives). The constants come from
@@ -49,6 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FP32_BYTES = 4
+_WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
 _ID_BYTES = 8
 _LENGTH_BYTES = 4
 # (bytes per value, bytes per row) on the wire of each codec in :mod:`raydlrm.sharding.codecs`;
@@ -107,21 +108,24 @@ def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
     return dim * per_value + per_row
 
 
-def table_memory_bytes(table: EmbeddingBagConfig, *, optimizer: str) -> int:
-    """Bytes of the table's fp32 weights plus its fused optimizer state.
+def table_memory_bytes(
+    table: EmbeddingBagConfig, *, optimizer: str, weights_precision: str = "fp32"
+) -> int:
+    """Bytes of the table's weights plus its fused optimizer state (always fp32).
 
     Args:
         table: the table.
         optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
             ``sgd`` (no state).
+        weights_precision: ``fp32`` (4 bytes per weight) or ``fp16`` (2 bytes).
     """
-    weights = table.num_embeddings * table.embedding_dim * _FP32_BYTES
+    weights = table.num_embeddings * table.embedding_dim
     state = {
         "rowwise_adagrad": table.num_embeddings * _FP32_BYTES,
-        "adagrad": weights,
+        "adagrad": weights * _FP32_BYTES,
         "sgd": 0,
     }[optimizer]
-    return weights + state
+    return weights * _WEIGHT_BYTES[weights_precision] + state
 
 
 def estimate_table_cost(
@@ -133,6 +137,7 @@ def estimate_table_cost(
     batch_size: int,
     pooling_factor: float = 1.0,
     optimizer: str = "rowwise_adagrad",
+    weights_precision: str = "fp32",
     comm_precision: str = "fp32",
     constants: CostConstants | None = None,
 ) -> TableCost:
@@ -146,6 +151,8 @@ def estimate_table_cost(
         batch_size: global samples per step.
         pooling_factor: average ids per bag of each of the table's features.
         optimizer: the fused optimizer (for the state's memory).
+        weights_precision: precision of the weights (for their memory; the lookup throughput
+            is calibrated on fp32 rows).
         comm_precision: codec of the pooled vectors on the wire.
         constants: throughputs and latency (defaults if None).
 
@@ -183,7 +190,9 @@ def estimate_table_cost(
         compute_bytes=compute,
         input_comm_bytes=inputs,
         output_comm_bytes=outputs,
-        memory_bytes=table_memory_bytes(table, optimizer=optimizer),
+        memory_bytes=table_memory_bytes(
+            table, optimizer=optimizer, weights_precision=weights_precision
+        ),
         seconds=seconds,
     )
 

@@ -73,13 +73,19 @@ def plan_feature_sets(
     Each feature set runs its own collectives, so every rank waits for the slowest rank once per
     set: balancing the whole collection can leave each set lopsided (one rank holding most of
     the user tables, the other most of the rest) and every set then waits. Each set is planned
-    with :func:`~raydlrm.sharding.planner.plan_sharding` (``kwargs`` passed on); memory
-    capacity is checked per set.
+    with :func:`~raydlrm.sharding.planner.plan_sharding` (``kwargs`` passed on) within the
+    memory budget; the sets together are then checked against it.
+
+    Raises:
+        ValueError: as :func:`~raydlrm.sharding.planner.plan_sharding`, or naming a rank whose
+            sets together exceed the memory budget.
     """
-    from raydlrm.sharding.planner import plan_sharding
+    from raydlrm.sharding.planner import check_table_names, plan_sharding
 
     if not dedup_groups:
         return plan_sharding(tables, world_size=world_size, config=config, **kwargs)
+    # Each set sees only its own tables' entries: an unknown name would pass unnoticed.
+    check_table_names(tables, config=config, pooling_factors=kwargs.get("pooling_factors"))
     planned = {}
     for set_tables in feature_sets(tables, dedup_groups).values():
         names = {t.name for t in set_tables}
@@ -90,10 +96,19 @@ def plan_feature_sets(
             comm_precision_per_table={
                 k: v for k, v in config.comm_precision_per_table.items() if k in names
             },
+            weights_precision_per_table={
+                k: v for k, v in config.weights_precision_per_table.items() if k in names
+            },
         )
         plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
         planned.update({t.name: t for t in plan.tables})
-    return ShardingPlan(world_size=world_size, tables=[planned[t.name] for t in tables])
+    combined = ShardingPlan(
+        world_size=world_size,
+        tables=[planned[t.name] for t in tables],
+        memory_budget=plan.memory_budget,
+    )
+    combined.check_memory_budget()
+    return combined
 
 
 def _sub_collection(

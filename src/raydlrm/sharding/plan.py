@@ -3,6 +3,8 @@
 A plan is plain data (dataclasses of ints, floats and strings) so it can be written to JSON,
 stored in every checkpoint, printed as a per-rank table and compared in tests. The planner
 (:mod:`raydlrm.sharding.planner`) produces it; :class:`ShardedEmbeddingBagCollection` consumes it.
+A plan records the per-rank :class:`MemoryBudget` it was made under, so printing it shows each
+rank's memory against the budget.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import get_args
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingType
 
-__all__ = ["Shard", "ShardingPlan", "TablePlan"]
+__all__ = ["MemoryBudget", "Shard", "ShardingPlan", "TablePlan", "format_bytes"]
 
 _SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
 _ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
@@ -61,6 +63,35 @@ class TablePlan:
         """Ranks holding a shard of this table, in shard order."""
         return [s.rank for s in self.shards]
 
+    def shard_memory(self, shard: Shard) -> int:
+        """Bytes of weights plus optimizer state of ``shard`` (its share of the table's area)."""
+        area = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start)
+        return self.memory_bytes * area // (self.num_embeddings * self.embedding_dim)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes of embedding weights plus optimizer state each rank may hold.
+
+    Attributes:
+        bytes_per_rank: the budget of every rank.
+        source: how it was set, e.g. ``sharding.device_memory_bytes`` or
+            ``23.54 GiB node memory / 2 workers - 1.00 GiB overhead``.
+    """
+
+    bytes_per_rank: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_rank <= 0:
+            raise ValueError(
+                f"memory budget must be positive, got {self.bytes_per_rank} bytes ({self.source})"
+            )
+
+    def describe(self) -> str:
+        """``budget <size> per worker = <source>``, for messages."""
+        return f"budget {format_bytes(self.bytes_per_rank)} per worker = {self.source}"
+
 
 @dataclass
 class ShardingPlan:
@@ -69,10 +100,12 @@ class ShardingPlan:
     Attributes:
         world_size: number of ranks the plan is for.
         tables: one :class:`TablePlan` per table.
+        memory_budget: the per-rank budget the planner kept to; None if it had none.
     """
 
     world_size: int
     tables: list[TablePlan] = field(default_factory=list)
+    memory_budget: MemoryBudget | None = None
 
     def table(self, name: str) -> TablePlan:
         """The plan of table ``name``.
@@ -101,11 +134,31 @@ class ShardingPlan:
         """Bytes of weights plus optimizer state per rank (split over shards by area)."""
         memory = [0] * self.world_size
         for t in self.tables:
-            area = t.num_embeddings * t.embedding_dim
             for s in t.shards:
-                shard_area = (s.row_end - s.row_start) * (s.col_end - s.col_start)
-                memory[s.rank] += t.memory_bytes * shard_area // area
+                memory[s.rank] += t.shard_memory(s)
         return memory
+
+    def check_memory_budget(self) -> None:
+        """Checks every rank's memory against :attr:`memory_budget` (if any).
+
+        Raises:
+            ValueError: naming the rank furthest over the budget, its largest table and the
+                shortfall in bytes.
+        """
+        if self.memory_budget is None:
+            return
+        memory = self.per_rank_memory()
+        rank = max(range(self.world_size), key=lambda r: memory[r])
+        short = memory[rank] - self.memory_budget.bytes_per_rank
+        if short <= 0:
+            return
+        largest = max(
+            (t.shard_memory(s), t.name) for t in self.tables for s in t.shards if s.rank == rank
+        )[1]
+        raise ValueError(
+            f"rank {rank} holds {memory[rank]} bytes of tables (the largest {largest!r}), "
+            f"short by {short} bytes ({format_bytes(short)}); {self.memory_budget.describe()}"
+        )
 
     def validate(self, tables: Sequence[EmbeddingBagConfig]) -> None:
         """Checks that the plan places exactly ``tables`` on ``world_size`` ranks.
@@ -159,22 +212,39 @@ class ShardingPlan:
         tables = [
             TablePlan(**{**t, "shards": [Shard(**s) for s in t["shards"]]}) for t in data["tables"]
         ]
-        return cls(world_size=data["world_size"], tables=tables)
+        budget = data.get("memory_budget")  # absent from plans written before budgets
+        return cls(
+            world_size=data["world_size"],
+            tables=tables,
+            memory_budget=None if budget is None else MemoryBudget(**budget),
+        )
+
+    def _memory_cells(self) -> tuple[str, list[str]]:
+        """The memory column's header and one cell per rank (against the budget, if any)."""
+        memory = [format_bytes(m) for m in self.per_rank_memory()]
+        if self.memory_budget is None:
+            return "memory", memory
+        budget = format_bytes(self.memory_budget.bytes_per_rank)
+        return "memory / budget", [f"{m} / {budget}" for m in memory]
 
     def format_table(self) -> str:
-        """A readable per-rank summary: rank, tables, estimated cost and memory."""
-        costs, memory = self.per_rank_cost(), self.per_rank_memory()
+        """A readable per-rank summary: rank, tables, estimated cost and memory (against the
+        budget, whose source is the last line, if the plan has one)."""
+        costs = self.per_rank_cost()
+        memory_header, memory = self._memory_cells()
         rows = [
-            (str(r), ", ".join(self.tables_on_rank(r)) or "-", f"{costs[r]:.4g}", _mib(memory[r]))
+            (str(r), ", ".join(self.tables_on_rank(r)) or "-", f"{costs[r]:.4g}", memory[r])
             for r in range(self.world_size)
         ]
-        header = ("rank", "tables", "est. cost", "memory")
+        header = ("rank", "tables", "est. cost", memory_header)
         widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
         lines = [
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
             for row in [header, *rows]
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.memory_budget is not None:
+            lines.append(f"memory {self.memory_budget.describe()}")
         return "\n".join(lines)
 
     def imbalance(self) -> float:
@@ -196,21 +266,31 @@ class ShardingPlan:
                 f"{len(self.tables)} tables on {self.world_size} ranks",
                 f"est. cost per rank: max {max(costs):.4g}, mean {mean:.4g}, min {min(costs):.4g}"
                 f" (max/mean {self.imbalance():.3f})",
-                f"memory per rank: max {_gib(max(memory))}, mean "
-                f"{_gib(sum(memory) // len(memory))}, min {_gib(min(memory))}",
+                f"memory per rank: max {format_bytes(max(memory))}, mean "
+                f"{format_bytes(sum(memory) // len(memory))}, min {format_bytes(min(memory))}",
+                *self._budget_lines(max(memory)),
                 "tables by sharding type: "
                 + ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
                 f"shards: {sum(len(t.shards) for t in self.tables)}",
             ]
         )
 
+    def _budget_lines(self, peak: int) -> list[str]:
+        if self.memory_budget is None:
+            return []
+        budget = self.memory_budget.bytes_per_rank
+        return [
+            f"memory / budget: max {format_bytes(peak)} / {format_bytes(budget)} "
+            f"({100 * peak / budget:.1f}%); {self.memory_budget.describe()}"
+        ]
 
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
 
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.2f} MiB"
+def format_bytes(num_bytes: float) -> str:
+    """``num_bytes`` in binary units, e.g. ``42.15 MiB``, ``10.77 GiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 def _check_coverage(t: TablePlan, world_size: int) -> None:

@@ -5,8 +5,9 @@ memory size (weights plus fused optimizer state); a shard is charged ``1 / k`` o
 cost. The search, deterministic for the same inputs (tables are ordered by cost, then name):
 
 1. **Greedy**: tables largest cost first (pinned-rank tables before the rest) on the least-loaded
-   allowed rank(s) with room in ``device_memory_bytes``. A table's sharding type
-   (``config.default_type`` unless pinned) decides its shards:
+   allowed rank(s) with room in the memory budget (``memory_budget``, else
+   ``sharding.device_memory_bytes``; each table's weights counted at its weights precision).
+   A table's sharding type (``config.default_type`` unless pinned) decides its shards:
 
    - ``table_wise``: one shard on the least-loaded allowed rank;
    - ``data_parallel``: a full replica on every rank (pinning its ranks is an error);
@@ -40,9 +41,15 @@ import numpy as np
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import CostConstants, estimate_table_cost, table_memory_bytes
-from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.plan import MemoryBudget, Shard, ShardingPlan, TablePlan, format_bytes
 
-__all__ = ["DEFAULT_BATCH_SIZE", "plan_sharding", "table_cost", "table_memory_bytes"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "check_table_names",
+    "plan_sharding",
+    "table_cost",
+    "table_memory_bytes",
+]
 
 DEFAULT_BATCH_SIZE = 512
 """Global samples per step the planner's costs assume unless told."""
@@ -75,6 +82,29 @@ def table_cost(
     ).seconds
 
 
+def check_table_names(
+    tables: Sequence[EmbeddingBagConfig],
+    *,
+    config: ShardingConfig,
+    pooling_factors: dict[str, float] | None = None,
+) -> None:
+    """Checks that the per-table settings of ``config`` (and ``pooling_factors``) name tables.
+
+    Raises:
+        ValueError: naming the dotted key and its unknown tables.
+    """
+    names = {t.name for t in tables}
+    for what, keys in (
+        ("sharding.pinned_ranks", config.pinned_ranks),
+        ("sharding.pinned_types", config.pinned_types),
+        ("sharding.weights_precision_per_table", config.weights_precision_per_table),
+        ("pooling_factors", pooling_factors or {}),
+    ):
+        unknown = sorted(set(keys) - names)
+        if unknown:
+            raise ValueError(f"{what} names unknown tables {unknown} (tables: {sorted(names)})")
+
+
 def plan_sharding(
     tables: Sequence[EmbeddingBagConfig],
     *,
@@ -84,40 +114,36 @@ def plan_sharding(
     batch_size: int = DEFAULT_BATCH_SIZE,
     constants: CostConstants | None = None,
     search: Literal["greedy", "refine"] = "refine",
+    memory_budget: MemoryBudget | None = None,
 ) -> ShardingPlan:
-    """Places every table on ranks, balancing the per-rank cost within the memory capacity.
+    """Places every table on ranks, balancing the per-rank cost within the memory budget.
 
     Args:
         tables: the model's tables.
         world_size: number of ranks.
-        config: sharding types, pinned ranks, capacity, comm precision and the optimizer.
+        config: sharding types, pinned ranks, capacity, precisions and the optimizer.
         pooling_factors: table name -> average ids per bag (default 1.0 for every table).
         batch_size: global samples per step the costs assume.
         constants: cost-model constants (defaults if None).
         search: ``greedy`` placement only, or ``refine`` it (moves, swaps, splits).
+        memory_budget: bytes each rank may hold; default: ``config.device_memory_bytes`` if
+            set, else no budget.
 
     Returns:
-        A validated plan for ``tables`` on ``world_size`` ranks.
+        A validated plan for ``tables`` on ``world_size`` ranks, recording the budget.
 
     Raises:
-        ValueError: for a non-positive world size, or naming a pinned or pooling-factor table
-            that is not among ``tables``, a pinned rank ``>= world_size``, or the tables that
-            cannot fit in ``config.device_memory_bytes`` (with their sizes).
+        ValueError: for a non-positive world size, or naming a pinned, per-table precision or
+            pooling-factor table that is not among ``tables``, a pinned rank ``>= world_size``,
+            or a table that does not fit the budget (with the rank, the shortfall in bytes and
+            the budget's source).
     """
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
     if search not in ("greedy", "refine"):
         raise ValueError(f"search must be 'greedy' or 'refine', got {search!r}")
     pooling_factors = pooling_factors or {}
-    names = {t.name for t in tables}
-    for what, keys in (
-        ("sharding.pinned_ranks", config.pinned_ranks),
-        ("sharding.pinned_types", config.pinned_types),
-        ("pooling_factors", pooling_factors),
-    ):
-        unknown = sorted(set(keys) - names)
-        if unknown:
-            raise ValueError(f"{what} names unknown tables {unknown} (tables: {sorted(names)})")
+    check_table_names(tables, config=config, pooling_factors=pooling_factors)
     for name, ranks in config.pinned_ranks.items():
         bad = [r for r in ranks if r >= world_size]
         if bad:
@@ -134,6 +160,8 @@ def plan_sharding(
         raise ValueError(
             f"sharding.group_size {group_size} does not divide the world size {world_size}"
         )
+    if memory_budget is None and config.device_memory_bytes is not None:
+        memory_budget = MemoryBudget(config.device_memory_bytes, "sharding.device_memory_bytes")
     planner = _Planner(
         tables,
         world_size=world_size,
@@ -142,21 +170,20 @@ def plan_sharding(
         batch_size=batch_size,
         constants=constants or CostConstants(),
         group_size=group_size,
+        budget=memory_budget,
     )
     planner.greedy()
     if search == "refine":
         planner.refine()
         if config.default_type == "auto":
             planner.split()
-    plan = ShardingPlan(world_size=world_size, tables=[planner.plans[t.name] for t in tables])
+    plan = ShardingPlan(
+        world_size=world_size,
+        tables=[planner.plans[t.name] for t in tables],
+        memory_budget=memory_budget,
+    )
     plan.validate(tables)
     return plan
-
-
-def _shard_memory(p: TablePlan, shard: Shard) -> int:
-    """The memory a shard holds, as :meth:`ShardingPlan.per_rank_memory` counts it."""
-    area = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start)
-    return p.memory_bytes * area // (p.num_embeddings * p.embedding_dim)
 
 
 class _Planner:
@@ -172,11 +199,13 @@ class _Planner:
         batch_size: int,
         constants: CostConstants,
         group_size: int,
+        budget: MemoryBudget | None,
     ) -> None:
         self.world_size, self.config, self.group_size = world_size, config, group_size
         self.batch_size, self.constants = batch_size, constants
         self.pooling_factors = pooling_factors
-        self.capacity = config.device_memory_bytes
+        self.budget = budget
+        self.capacity = None if budget is None else budget.bytes_per_rank
         self.configs = {t.name: t for t in tables}
         self.load = np.zeros(world_size)
         self.memory = np.zeros(world_size, dtype=np.int64)
@@ -189,7 +218,11 @@ class _Planner:
                 num_embeddings=t.num_embeddings,
                 embedding_dim=t.embedding_dim,
                 shards=[],
-                memory_bytes=table_memory_bytes(t, optimizer=config.optimizer),
+                memory_bytes=table_memory_bytes(
+                    t,
+                    optimizer=config.optimizer,
+                    weights_precision=config.weights_precision_of(t.name),
+                ),
             )
         for p in self.plans.values():
             p.cost = self._cost(p, "table_wise", 1)
@@ -217,6 +250,7 @@ class _Planner:
             batch_size=self.batch_size,
             pooling_factor=self.pooling_factors.get(p.name, 1.0),
             optimizer=self.config.optimizer,
+            weights_precision=self.config.weights_precision_of(p.name),
             comm_precision=precision,
             constants=self.constants,
         ).seconds
@@ -229,20 +263,24 @@ class _Planner:
     def _apply(self, p: TablePlan, sign: int) -> None:
         for s in p.shards:
             self.load[s.rank] += sign * p.cost / len(p.shards)
-            self.memory[s.rank] += sign * _shard_memory(p, s)
+            self.memory[s.rank] += sign * p.shard_memory(s)
 
     def _too_large(self, p: TablePlan, shards: list[Shard]) -> ValueError:
-        worst = max(shards, key=lambda s: _shard_memory(p, s))
+        """The error of ``p`` whose ``shards`` do not all fit: names the rank short the most."""
+        assert self.budget is not None
+        room = self._room()
+        worst = max(shards, key=lambda s: (p.shard_memory(s) - room[s.rank], -s.rank))
+        need, free = p.shard_memory(worst), int(room[worst.rank])
         return ValueError(
             f"table {p.name!r} ({p.sharding_type}, {p.memory_bytes} bytes of weights and "
-            f"optimizer state, largest shard {_shard_memory(p, worst)} bytes on rank "
-            f"{worst.rank}) does not fit: sharding.device_memory_bytes={self.capacity}, "
-            f"free on that rank {int(self._room()[worst.rank])} bytes"
+            f"optimizer state) does not fit on rank {worst.rank}: its shard needs {need} bytes, "
+            f"{free} bytes of the budget are free there, short by {need - free} bytes "
+            f"({format_bytes(need - free)}); {self.budget.describe()}"
         )
 
     def _check_fits_somewhere(self) -> None:
-        """Names every table whose smallest possible shard exceeds the capacity."""
-        if self.capacity is None:
+        """Names every table whose smallest possible shard exceeds the budget of a rank."""
+        if self.budget is None:
             return
         misfits = []
         for p in self.order:
@@ -255,13 +293,14 @@ class _Planner:
                 parts = min(ranks, p.embedding_dim // 4)
             else:
                 parts = 1
-            if -(-p.memory_bytes // parts) > self.capacity:
-                misfits.append(f"{p.name!r} ({p.memory_bytes} bytes, {parts} shard(s) at most)")
+            short = -(-p.memory_bytes // parts) - self.capacity
+            if short > 0:
+                misfits.append(
+                    f"table {p.name!r} ({p.memory_bytes} bytes in at most {parts} shard(s)) is "
+                    f"short by {short} bytes ({format_bytes(short)}) on any rank"
+                )
         if misfits:
-            raise ValueError(
-                f"tables {', '.join(misfits)} cannot fit anywhere: "
-                f"sharding.device_memory_bytes={self.capacity} per rank"
-            )
+            raise ValueError(f"{'; '.join(misfits)}: cannot fit anywhere, {self.budget.describe()}")
 
     def greedy(self) -> None:
         self._check_fits_somewhere()
@@ -284,7 +323,7 @@ class _Planner:
             )
             if p.sharding_type != "table_wise" or len(p.shards) > 1:
                 p.cost = self._cost(p, p.sharding_type, len(p.shards))
-            if any(_shard_memory(p, s) > room[s.rank] for s in p.shards):
+            if any(p.shard_memory(s) > room[s.rank] for s in p.shards):
                 raise self._too_large(p, p.shards)
             self._apply(p, +1)
 
@@ -294,7 +333,7 @@ class _Planner:
         freest = sorted(by_load, key=lambda r: (-room[r], r))
         for parts in range(2, min(len(freest), p.num_embeddings) + 1):
             shards = _row_shards(p, freest[:parts])
-            if all(_shard_memory(p, s) <= room[s.rank] for s in shards):
+            if all(p.shard_memory(s) <= room[s.rank] for s in shards):
                 return shards
         raise self._too_large(p, _row_shards(p, freest[: min(len(freest), p.num_embeddings)]))
 
