@@ -16,7 +16,12 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import model_weights
+from raydlrm.trainers.checkpoint import (
+    load_model_checkpoint,
+    model_weights,
+    save_model_metadata,
+    write_model_weights,
+)
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.state import load_training_state, read_state_file, save_training_state
 from tests._multiprocess import run_distributed
@@ -33,9 +38,12 @@ def _global_batches(data_dir: str, spec) -> list[pa.Table]:
 
 
 def _trainer(rank: int, world_size: int, data_dir: str, types: str, optimizer: str, seed: int):
+    """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables)."""
     spec = _spec(Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer)
     spec.training.seed = seed
+    types, _, precision = types.partition("+")
     spec.sharding.default_type = types
+    spec.sharding.weights_precision = precision or "fp32"
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
     return Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
 
@@ -165,6 +173,33 @@ def test_reshard_column_wise_and_other_optimizers(
     torch.testing.assert_close(_logits(a, "before"), _logits(b, "before"), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.distributed
+def test_checkpoint_moves_between_fp32_and_fp16_tables(data_dir: Path, tmp_path: Path) -> None:
+    """fp32 table-wise tables load into fp16 row-wise ones (rounded to nearest; the fp32
+    optimizer state exactly); fp16 tables are saved, and unsharded, as fp16."""
+    ckpt, ckpt16 = str(tmp_path / "ckpt"), str(tmp_path / "ckpt16")
+    a = run_distributed(
+        _save, world_size=2, args=(str(data_dir), ckpt, "table_wise", "rowwise_adagrad")
+    )
+    b = run_distributed(
+        _load, world_size=2, args=(str(data_dir), ckpt, "row_wise+fp16", "rowwise_adagrad")
+    )
+    sa, sb = a[0]["before"]["state"], b[0]["before"]["state"]
+    tables = [k for k in sa if k.startswith("embedding_bags.")]
+    assert tables
+    for key in sa:
+        expected = sa[key].half() if key in tables else sa[key]
+        assert sb[key].dtype == expected.dtype and torch.equal(sb[key], expected), key
+    for table, states in a[0]["before"]["optimizer"].items():
+        assert torch.equal(states[0], b[0]["before"]["optimizer"][table][0]), table
+    c = run_distributed(
+        _save, world_size=2, args=(str(data_dir), ckpt16, "table_wise+fp16", "rowwise_adagrad")
+    )
+    plain = dict(model_weights(ckpt16).items())
+    assert all(plain[k].dtype == torch.float16 for k in tables)
+    assert all(torch.equal(plain[k], v) for k, v in c[0]["before"]["state"].items())
+
+
 def _warm(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
     trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=99)
     trainer.warm_start(ckpt)
@@ -242,3 +277,39 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     assert all(torch.equal(plain[k], v) for k, v in expected.items())
     missing = runner.invoke(app, ["checkpoint", "show", str(tmp_path)])
     assert missing.exit_code == 2 and "trainer_state.json" in missing.output
+
+
+@pytest.mark.parametrize("types", ["row_wise", "table_wise+fp16"])
+def test_model_loads_mapped_from_training_state_and_old_model_pt(
+    data_dir: Path, tmp_path: Path, types: str
+) -> None:
+    """The model of a final checkpoint (weights only in the training state's shards) rebuilt
+    unsharded, its tables memory-mapped from model.safetensors in their precision, predicts as
+    the sharded trainer does; a model.pt of an older release loads the same."""
+    trainer = _trainer(0, 1, str(data_dir), types, "rowwise_adagrad", seed=7)
+    _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
+    ckpt = tmp_path / "ckpt"
+    save_training_state(trainer, ckpt, position={"epoch": 0, "consumed": {}, "totals": {}})
+    save_model_metadata(ckpt, spec=trainer.spec, plan=trainer.plan, metrics={})
+    evaluation = Preprocessor(trainer.spec.data)(pq.read_table(Path(data_dir) / "eval"))
+    batch = arrow_to_batch(evaluation.slice(0, 64), config=trainer.spec.data)
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(batch)
+    exported = tmp_path / "exported"
+    write_model_weights(ckpt, exported / "model.safetensors")
+    for name in ("spec.json", "plan.json"):
+        (exported / name).write_bytes((ckpt / name).read_bytes())
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save(trainer.unsharded_state_dict(), legacy / "model.pt")
+    for name in ("spec.json", "plan.json"):
+        (legacy / name).write_bytes((ckpt / name).read_bytes())
+    dtype = torch.float16 if types.endswith("fp16") else torch.float32
+    for directory in (ckpt, exported, legacy):
+        model = load_model_checkpoint(directory).model
+        assert {w.dtype for w in model.embedding_bags.weights.values()} == {dtype}
+        with torch.no_grad():
+            torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="holds no model weights"):
+        write_model_weights(tmp_path / "legacy" / "..", tmp_path / "x.safetensors")

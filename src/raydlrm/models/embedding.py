@@ -224,12 +224,14 @@ class EmbeddingBagCollection(nn.Module):
                     f"table {table.name}: ids must be in [0, {table.num_embeddings}), got range "
                     f"[{int(ids.min())}, {int(ids.max())}]"
                 )
+            per_sample = None if kjt.weights is None else kjt.weights[start:end].to(weight.dtype)
+            # Tables may be stored in fp16 (sharding.weights_precision); pooled vectors are fp32.
             pooled[feature] = nn.functional.embedding_bag(
                 ids,
                 weight,
                 bag_offsets[:-1],
                 mode=table.pooling,
-                per_sample_weights=None if kjt.weights is None else kjt.weights[start:end],
+                per_sample_weights=per_sample,
                 include_last_offset=False,
-            )
+            ).float()
         return pooled

@@ -6,14 +6,15 @@ shard, a row-wise table one per feature and row shard, a data-parallel table one
 rank. Every rank derives the same layout from the plan, so senders and receivers agree on the
 order of what they exchange without talking.
 
-On each rank, units are ordered by (replicated, kernel pooling mode, table, feature): the
-sharded units come first (their pooled output goes through the output all-to-all) and the
-data-parallel ones last (their output stays local), and units looked up by the same fbgemm TBE
-are contiguous.
+On each rank, units are ordered by (replicated, kernel pooling mode, weights precision, table,
+feature): the sharded units come first (their pooled output goes through the output all-to-all)
+and the data-parallel ones last (their output stays local), and units looked up by the same
+fbgemm TBE (one pooling mode and one weights precision) are contiguous.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal
@@ -37,6 +38,7 @@ class LookupUnit:
         table_index: position of the table in the collection.
         shard: the shard looked up (its rank is where the lookup runs).
         sharding_type: the table's sharding type.
+        precision: the table's weights precision (``fp32`` or ``fp16``).
     """
 
     feature: str
@@ -45,6 +47,7 @@ class LookupUnit:
     table_index: int
     shard: Shard
     sharding_type: str
+    precision: str = "fp32"
 
     @property
     def replicated(self) -> bool:
@@ -75,20 +78,27 @@ class TbeGroup:
         pooling: the TBE's pooling mode.
         shards: ``(table, shard)`` of each TBE table, in TBE order.
         feature_table_map: TBE table of each unit.
+        precision: the weights precision of the TBE's tables.
         num_units: units (TBE features) of the group.
     """
 
     pooling: Literal["sum", "mean"]
     shards: list[tuple[EmbeddingBagConfig, Shard]]
     feature_table_map: list[int]
+    precision: str = "fp32"
 
     @property
     def num_units(self) -> int:
         return len(self.feature_table_map)
 
 
-def rank_units(tables: list[EmbeddingBagConfig], plan: ShardingPlan) -> list[list[LookupUnit]]:
-    """The units of every rank, in that rank's lookup order (see the module docstring)."""
+def rank_units(
+    tables: list[EmbeddingBagConfig],
+    plan: ShardingPlan,
+    precision_of: Callable[[str], str] = lambda _: "fp32",
+) -> list[list[LookupUnit]]:
+    """The units of every rank, in that rank's lookup order (see the module docstring);
+    ``precision_of`` gives each table's weights precision."""
     units: list[list[LookupUnit]] = [[] for _ in range(plan.world_size)]
     feature_index = 0
     for table_index, table in enumerate(tables):
@@ -103,22 +113,30 @@ def rank_units(tables: list[EmbeddingBagConfig], plan: ShardingPlan) -> list[lis
                         table_index=table_index,
                         shard=shard,
                         sharding_type=table_plan.sharding_type,
+                        precision=precision_of(table.name),
                     )
                 )
             feature_index += 1
     return [
         sorted(
             us,
-            key=lambda u: (u.replicated, u.kernel_pooling != "sum", u.table_index, u.feature_index),
+            key=lambda u: (
+                u.replicated,
+                u.kernel_pooling != "sum",
+                u.precision,
+                u.table_index,
+                u.feature_index,
+            ),
         )
         for us in units
     ]
 
 
 def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
-    """Splits one rank's units into TBEs: one per (replicated, kernel pooling) run."""
+    """Splits one rank's units into TBEs: one per (replicated, kernel pooling, precision) run."""
     groups = []
-    for (_, pooling), run in groupby(units, key=lambda u: (u.replicated, u.kernel_pooling)):
+    runs = groupby(units, key=lambda u: (u.replicated, u.kernel_pooling, u.precision))
+    for (_, pooling, precision), run in runs:
         run = list(run)
         names = list(dict.fromkeys(u.table.name for u in run))
         shards = {u.table.name: (u.table, u.shard) for u in run}
@@ -127,6 +145,7 @@ def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
                 pooling=pooling,
                 shards=[shards[n] for n in names],
                 feature_table_map=[names.index(u.table.name) for u in run],
+                precision=precision,
             )
         )
     return groups

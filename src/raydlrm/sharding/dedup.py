@@ -279,6 +279,9 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
     def local_shards(self) -> dict[str, Shard]:
         return {k: v for part in self.parts for k, v in part.local_shards().items()}
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        return {k: v for part in self.parts for k, v in part.weight_dtypes().items()}
+
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
         return {k: v for part in self.parts for k, v in part.optimizer_states().items()}
 

@@ -62,7 +62,7 @@ from raydlrm.sharding.plan import Shard, ShardingPlan
 
 import_fbgemm()
 
-from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: E402
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: E402
     BoundsCheckMode,
     EmbeddingLocation,
@@ -81,6 +81,8 @@ _OPTIMIZERS = {
     "sgd": EmbOptimType.EXACT_SGD,
 }
 _POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}
+WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+"""Torch dtype of each ``sharding.weights_precision``."""
 _Piece = tuple[EmbeddingBagConfig, Shard]
 _ROW_SPLIT = ("row_wise", "table_row_wise")
 
@@ -164,7 +166,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.feature_dims = ebc.feature_dims
         self.plan = plan
 
-        units = rank_units(self.tables, plan)
+        self._dtypes = {
+            t.name: WEIGHT_DTYPES[config.weights_precision_of(t.name)] for t in self.tables
+        }
+        units = rank_units(self.tables, plan, config.weights_precision_of)
         self._input = InputDistributor(
             units,
             num_features=len(self.feature_names),
@@ -233,6 +238,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             ],
             feature_table_map=group.feature_table_map,
             optimizer=_OPTIMIZERS[config.optimizer],
+            # fp16 tables: fbgemm keeps the optimizer state in fp32 and rounds each updated
+            # row to fp16 stochastically (its default), so small updates are not lost.
+            weights_precision=SparseType.FP16 if group.precision == "fp16" else SparseType.FP32,
             learning_rate=config.learning_rate,
             eps=config.eps,
             pooling_mode=_POOLING[group.pooling],
@@ -290,6 +298,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
         return {t.name: s for t, s in self._rank_pieces[self._rank]}
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """Table name -> dtype of its weights (``sharding.weights_precision``), every table."""
+        return dict(self._dtypes)
+
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
         """Fused optimizer state of this rank's shards (views).
 
@@ -325,7 +337,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for pieces in self._rank_pieces
         ]
         numel = [[int(torch.Size(shape(s)).numel()) for _, s in pieces] for pieces in sent]
-        mine = [local[t.name].reshape(-1) for t, _ in sent[self._rank]]
+        # fp32 on the wire whatever each table's precision (fp16 values convert exactly).
+        mine = [local[t.name].reshape(-1).float() for t, _ in sent[self._rank]]
         payload = torch.cat(mine) if mine else torch.empty(0, device=self._device)
         is_dst = self._rank == dst
         if self._world_size == 1:
@@ -365,7 +378,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return None
         full = {}
         for t in self.tables:
-            weight = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
+            weight = torch.empty(
+                t.num_embeddings, t.embedding_dim, device=self._device, dtype=self._dtypes[t.name]
+            )
             for s, chunk in pieces[t.name]:
                 weight[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
             full[t.name] = weight

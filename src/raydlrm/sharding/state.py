@@ -19,6 +19,11 @@ Fused optimizer state:
   accumulated squared gradients) when a column-sharded table becomes row- or table-wise, and the
   whole-row value for each block when a whole-row table becomes column-sharded.
 * SGD has no state.
+
+Weights are saved in their precision (``sharding.weights_precision``: fp32 or fp16; the DCP
+metadata records the dtype); optimizer state is always fp32. Loading casts to the loading
+plan's precision, so a checkpoint moves between fp32 and fp16 tables (fp32 -> fp16 rounds to
+nearest).
 """
 
 from __future__ import annotations
@@ -165,6 +170,7 @@ def embedding_state_dict(
         optimizer: the fused optimizer (``rowwise_adagrad``, ``adagrad`` or ``sgd``).
     """
     local = collection.local_tables()
+    dtypes = collection.weight_dtypes()
     states = collection.optimizer_states() if optimizer != "sgd" else {}
     out: dict[str, Any] = {}
     # Without a process group (one process) every table is whole here: plain tensors.
@@ -182,7 +188,7 @@ def embedding_state_dict(
                 shards=_weight_pieces(table),
                 size=[table.num_embeddings, table.embedding_dim],
                 device=device,
-                dtype=torch.float32,
+                dtype=dtypes[table.name],
             )
         if optimizer == "sgd":
             continue
