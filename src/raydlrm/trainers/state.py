@@ -101,8 +101,14 @@ def save_training_state(trainer: Trainer, directory: str | Path, *, position: di
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
+    # One file per tensor: DCP clones a tensor that is a view into a larger buffer (every
+    # table of an fbgemm TBE is one) and keeps each clone until its file is closed, so one file
+    # per rank would hold a copy of all the rank's shards while saving; this way, one table.
     with _quiet():
-        dcp.save(_tensor_state(trainer), storage_writer=dcp.FileSystemWriter(str(path)))
+        dcp.save(
+            _tensor_state(trainer),
+            storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False),
+        )
     if trainer.rank == 0:
         state = {
             "format_version": FORMAT_VERSION,
