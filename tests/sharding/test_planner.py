@@ -237,3 +237,16 @@ def test_cost_formulas() -> None:
     assert cost("column_wise", 2).input_comm_bytes == 2 * tw.input_comm_bytes
     assert cost("data_parallel", 4).output_comm_bytes == 2 * 3 * 100 * 8 * 4
     assert tw.seconds == tw.compute_bytes + tw.input_comm_bytes + tw.output_comm_bytes
+    # fp16 weights: half the bytes read by the lookups (and stored), the same on the wire.
+    half = estimate_table_cost(
+        t,
+        sharding_type="table_wise",
+        num_shards=1,
+        world_size=4,
+        batch_size=10,
+        pooling_factor=2.0,
+        weights_precision="fp16",
+        constants=free,
+    )
+    assert half.compute_bytes == tw.compute_bytes / 2
+    assert half.output_comm_bytes == tw.output_comm_bytes

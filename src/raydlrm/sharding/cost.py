@@ -3,8 +3,10 @@
 Per training step of ``B`` samples, a table of ``N`` rows and ``D`` columns looked up by ``F``
 features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on ``W`` ranks:
 
-- lookup compute: ``F * B * L * D * 4`` bytes of fp32 rows read (the backward pass touches the
-  same rows; the calibrated throughput covers forward plus backward);
+- lookup compute: ``F * B * L * D * w`` bytes of rows read, ``w`` the weights' bytes (4 fp32, 2
+  fp16; the backward pass touches the same rows; the calibrated throughput, measured on fp32
+  rows, covers forward plus backward and is taken as the same for fp16: lookups are
+  memory-bound);
 - input communication (the ids, 8 bytes each, plus one 4-byte length per bag and shard):
   table-wise sends each id to its one owner, row-wise and table-row-wise to the one row owner
   (lengths go to every shard), column-wise one copy of every id per column shard, data-parallel
@@ -151,8 +153,8 @@ def estimate_table_cost(
         batch_size: global samples per step.
         pooling_factor: average ids per bag of each of the table's features.
         optimizer: the fused optimizer (for the state's memory).
-        weights_precision: precision of the weights (for their memory; the lookup throughput
-            is calibrated on fp32 rows).
+        weights_precision: precision of the weights (their memory and the bytes a lookup
+            reads).
         comm_precision: codec of the pooled vectors on the wire.
         constants: throughputs and latency (defaults if None).
 
@@ -163,7 +165,7 @@ def estimate_table_cost(
     bags = len(table.feature_names) * batch_size
     ids = bags * pooling_factor
     dim = table.embedding_dim
-    compute = ids * dim * _FP32_BYTES
+    compute = ids * dim * _WEIGHT_BYTES[weights_precision]
     vectors = bags * wire_bytes_per_vector(dim, precision=comm_precision)
     if sharding_type == "data_parallel":
         inputs = 0.0

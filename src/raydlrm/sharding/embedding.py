@@ -239,7 +239,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             feature_table_map=group.feature_table_map,
             optimizer=_OPTIMIZERS[config.optimizer],
             # fp16 tables: fbgemm keeps the optimizer state in fp32 and rounds each updated
-            # row to fp16 stochastically (its default), so small updates are not lost.
+            # row to fp16 (its stochastic_rounding default); the result does not depend on
+            # torch's seed, so replicas and reruns agree bit for bit (the parity tests check).
             weights_precision=SparseType.FP16 if group.precision == "fp16" else SparseType.FP32,
             learning_rate=config.learning_rate,
             eps=config.eps,

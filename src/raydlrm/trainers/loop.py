@@ -1,11 +1,13 @@
 """The per-worker training loop.
 
-Every Ray Train worker runs :func:`train_loop_per_worker`: build the model from the seed (all
-ranks build identical weights), shard it with the plan the driver made, then stream batches from
-this worker's split of the data: forward, loss, backward (the embedding rows are updated inside
-the backward by fbgemm's fused optimizer), dense optimizer step. Metrics are computed over all
+Every Ray Train worker runs :func:`train_loop_per_worker`: build the model with its tables on
+the meta device, shard it with the plan the driver made (each rank creates only its own shards,
+from the seed), then stream batches from this worker's split of the data: forward, loss,
+backward (the embedding rows are updated inside the backward by fbgemm's fused optimizer),
+dense optimizer step. Metrics are computed over all
 workers and reported every ``log_every_steps``; the held-out set is evaluated every
-``eval_every_steps`` and at the end; the last report carries the final model as a checkpoint.
+``eval_every_steps`` and at the end; the last report carries the final checkpoint, whose
+shards are also the model's weights (exported table by table, never gathered on one rank).
 
 Checkpoints (``[checkpoint]``, by steps or minutes, and always at the end) hold the whole
 training state (``raydlrm.trainers.state``): a run restarted by Ray Train after a worker died,
