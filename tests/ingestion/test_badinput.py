@@ -63,6 +63,15 @@ ROW_CASES = {
     "label outside [0, 1]": ({"label": pa.array([0, 1, 2, 1, 1, 0])}, "outside"),
     "NaN dense": ({"I1": pa.array([1.0, 2.0, float("nan"), 4.0, 5.0, 6.0])}, "'I1': NaN"),
     "inf dense": ({"I1": pa.array([1.0, 2.0, float("inf"), 4.0, 5.0, 6.0])}, "'I1': NaN or inf"),
+    # Finite as float64, infinite once cast to the model's float32.
+    "dense beyond float32": (
+        {"I1": pa.array([1.0, 2.0, 1e308, 4.0, 5.0, 6.0])},
+        "'I1': value outside float32's range",
+    ),
+    "weight beyond float32": (
+        {"W3": pa.array([[1.0], [1.0, 2.0], [1.0, -1e39, 1.0], [2.0], [3.0], [4.0]])},
+        "weight column 'W3'",
+    ),
     "null id": ({"C1": pa.array(["a", "b", None, "d", "e", "f"])}, "'C1': null id"),
     "null id in a list": (
         {"C3": pa.array([[1], [2, 3], [4, None], [7], [8], [9]], pa.list_(pa.int64()))},

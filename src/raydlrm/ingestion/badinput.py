@@ -102,6 +102,22 @@ def _not_finite(array: pa.Array) -> np.ndarray:
     return bad
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _beyond_float32(array: pa.Array) -> np.ndarray:
+    """Finite, non-null values that training's float32 cast would turn infinite (a float64
+    1e308 is finite in the file but not in the model)."""
+    if not pa.types.is_floating(array.type) or array.type.bit_width <= 32:
+        return np.zeros(len(array), dtype=bool)
+    values = np.abs(array.to_numpy(zero_copy_only=False))
+    with np.errstate(invalid="ignore"):
+        bad = np.isfinite(values) & (values > _FLOAT32_MAX)
+    if array.null_count:
+        bad &= ~np.asarray(array.is_null())
+    return bad
+
+
 def _array(table: pa.Table, column: str) -> pa.Array:
     chunked = table.column(column)
     return chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
@@ -136,7 +152,12 @@ def find_bad_rows(table: pa.Table, config: DataConfig) -> tuple[np.ndarray, np.n
             f"label column {config.label_column!r}: label outside [0, 1]",
         )
     for column in config.dense_columns:
-        flag(_not_finite(_array(table, column)), f"dense column {column!r}: NaN or infinite value")
+        dense = _array(table, column)
+        flag(_not_finite(dense), f"dense column {column!r}: NaN or infinite value")
+        flag(
+            _beyond_float32(dense),
+            f"dense column {column!r}: value outside float32's range (infinite in training)",
+        )
     for column in config.sparse_columns:
         _check_sparse(table, column, config, flag)
     bad = reasons != None  # noqa: E711
@@ -176,10 +197,10 @@ def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> Non
             flag(np.asarray(weights.is_null()), f"weight column {weight!r}: null weight")
         flat, weight_offsets = _flat(weights)
         bad = np.asarray(flat.is_null()) if flat.null_count else np.zeros(len(flat), bool)
-        bad |= _not_finite(flat)
+        bad |= _not_finite(flat) | _beyond_float32(flat)
         if weight_offsets is not None:
             bad = _row_of_element(weight_offsets, bad)
-        flag(bad, f"weight column {weight!r}: null, NaN or infinite weight")
+        flag(bad, f"weight column {weight!r}: null, NaN, infinite or beyond float32 weight")
 
 
 def _stem(path: str) -> str:
