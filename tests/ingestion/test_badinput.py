@@ -307,3 +307,40 @@ def test_quarantining_job_accounts_for_every_row(tmp_path: Path, ray_cluster) ->
     assert len(list(quarantine.glob("*.parquet"))) == 2
     logged = MlflowClient(config["tracking"]["tracking_uri"]).get_run(result.run_id).data.metrics
     assert logged["data/rows_quarantined"] == 6 and logged["data/files_quarantined"] == 1
+
+
+def test_dictionary_encoded_and_drifting_columns_are_accepted(tmp_path: Path) -> None:
+    """Dictionary-encoded ids, dense and label columns (what Spark and pandas categoricals
+    write) and int32/int64 drift validate under both policies, quarantine nothing, preprocess
+    like the plain columns, and `data inspect` reads them as training does."""
+    from raydlrm.ingestion.inspect import inspect_data
+
+    root = _write_files(tmp_path / "data")
+    plain = _table().drop_columns([FILE_COLUMN, ROW_GROUP_COLUMN, ROW_COLUMN])
+    encoded = plain
+    for name in ("label", "C1", "C2"):
+        i = encoded.schema.get_field_index(name)
+        encoded = encoded.set_column(i, name, encoded.column(name).dictionary_encode())
+    lists = encoded.column("C3").combine_chunks()
+    i = encoded.schema.get_field_index("C3")
+    encoded = encoded.set_column(
+        i, "C3", pa.ListArray.from_arrays(lists.offsets, lists.values.dictionary_encode())
+    )
+    i = encoded.schema.get_field_index("I1")
+    encoded = encoded.set_column(i, "I1", encoded.column("I1").dictionary_encode())
+    assert pa.types.is_dictionary(encoded.schema.field("C1").type)
+    pq.write_table(encoded, root / "b.parquet")
+    pq.write_table(
+        plain.set_column(3, "C2", plain.column("C2").cast(pa.int32())), root / "c.parquet"
+    )
+    for policy in ("fail", "quarantine"):
+        config = _config(tmp_path, policy)
+        assert validate_data(str(root), config).num_rows == 3 * N
+        assert quarantine_counts(config)["files"] == 0
+    config = _config(tmp_path, "fail")
+    expected = Preprocessor(config)(_table())
+    read = pq.read_table(root / "b.parquet")
+    tagged = _table(**{name: read.column(name) for name in read.column_names})
+    assert Preprocessor(config)(tagged).equals(expected)
+    report = inspect_data(str(root), _config(tmp_path, "fail"))
+    assert report["rows"] == 3 * N and report["sampled_rows"] == 3 * N

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-__all__ = ["is_list", "is_string"]
+__all__ = ["decode_dictionaries", "decoded_type", "is_list", "is_string"]
 
 
 def is_list(type_: pa.DataType) -> bool:
@@ -20,3 +20,24 @@ def is_string(type_: pa.DataType) -> bool:
         or pa.types.is_binary(type_)
         or pa.types.is_large_binary(type_)
     )
+
+
+def decoded_type(type_: pa.DataType) -> pa.DataType:
+    """The logical type of a column: a dictionary-encoded column (what Spark and pandas
+    categoricals write) as its values' type, also inside a list."""
+    if pa.types.is_dictionary(type_):
+        return decoded_type(type_.value_type)
+    if is_list(type_) and pa.types.is_dictionary(type_.value_type):
+        inner = decoded_type(type_.value_type)
+        return pa.large_list(inner) if pa.types.is_large_list(type_) else pa.list_(inner)
+    return type_
+
+
+def decode_dictionaries(table: pa.Table) -> pa.Table:
+    """``table`` with every dictionary-encoded column (or list of them) decoded to plain values:
+    the checks and the preprocessing see one physical type per logical type."""
+    for i, field in enumerate(table.schema):
+        plain = decoded_type(field.type)
+        if plain != field.type:
+            table = table.set_column(i, field.name, table.column(i).cast(plain))
+    return table

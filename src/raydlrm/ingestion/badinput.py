@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raydlrm.ingestion._arrow import is_list
+from raydlrm.ingestion._arrow import decode_dictionaries, is_list
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.storage import filesystem_for
 
@@ -134,6 +134,7 @@ def find_bad_rows(table: pa.Table, config: DataConfig) -> tuple[np.ndarray, np.n
         ``bad``: bool array, one per row; ``reasons``: object array of the same length, the
         first problem of each bad row (``"<kind> column '<name>': <problem>"``), None elsewhere.
     """
+    table = decode_dictionaries(table)
     n = table.num_rows
     reasons = np.full(n, None, dtype=object)
 

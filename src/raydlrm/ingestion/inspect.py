@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from raydlrm.ingestion._arrow import is_list
+from raydlrm.ingestion._arrow import decode_dictionaries, is_list
 from raydlrm.ingestion.badinput import find_bad_rows
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import DEDUP_PREFIX, Preprocessor
@@ -37,11 +37,17 @@ def _sample(path: str, data: DataConfig, files: list[str], max_rows: int) -> pa.
         with filesystem.open_input_file(file) as f:
             reader = pq.ParquetFile(f)
             for batch in reader.iter_batches(batch_size=65_536, columns=columns):
-                tables.append(pa.Table.from_batches([batch]))
+                # Files may differ in encoding (dictionary) and width (int32/int64,
+                # string/large_string), as training accepts: one type per column here too.
+                tables.append(decode_dictionaries(pa.Table.from_batches([batch])))
                 rows += batch.num_rows
                 if rows >= max_rows:
-                    return pa.concat_tables(tables).slice(0, max_rows)
-    return pa.concat_tables(tables)
+                    return _concat(tables).slice(0, max_rows)
+    return _concat(tables)
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 def _flat(column: pa.ChunkedArray) -> pa.Array:

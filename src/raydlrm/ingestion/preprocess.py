@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raydlrm.ingestion._arrow import is_list, is_string
+from raydlrm.ingestion._arrow import decode_dictionaries, is_list, is_string
 from raydlrm.ingestion.badinput import apply_policy, drop_tagging_columns
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
@@ -203,6 +203,7 @@ class Preprocessor:
             KeyError: naming a configured column that the table lacks.
         """
         cfg = self.config
+        table = decode_dictionaries(table)
         table = drop_tagging_columns(apply_policy(table, cfg, tag=self.quarantine_tag))
         names: list[str] = [cfg.label_column, "dense"]
         arrays: list[pa.Array] = [self._label(table), self._dense(table)]

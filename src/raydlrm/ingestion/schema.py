@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from raydlrm.ingestion._arrow import is_list, is_string
+from raydlrm.ingestion._arrow import decoded_type, is_list, is_string
 from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.storage import StorageError, list_files
@@ -87,6 +87,8 @@ def _is_number(type_: pa.DataType) -> bool:
 
 
 def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> None:
+    stored = type_
+    type_ = decoded_type(type_)  # dictionary-encoded columns are checked by their values
     if kind == "label":
         ok = pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_boolean(type_)
         expected = "integer, float or bool"
@@ -101,7 +103,7 @@ def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> Non
         expected = "integer or string ids, or a list of either"
     if not ok:
         raise DataValidationError(
-            f"{kind} column {column!r} in {file} has type {type_}, expected {expected}"
+            f"{kind} column {column!r} in {file} has type {stored}, expected {expected}"
         )
 
 
