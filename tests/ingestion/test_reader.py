@@ -205,3 +205,34 @@ def test_a_worker_without_row_groups_gets_an_empty_stream(data: Path, ray_cluste
     assert list(source.iter_batches(batch_size=10)) == []
     empty = source.empty_table()
     assert empty.num_rows == 0 and "dense" in empty.column_names
+
+
+def test_session_shuffle_depends_on_the_data_not_its_location(data: Path, tmp_path: Path) -> None:
+    """The same data set copied to another directory reads in the same shuffled order (the
+    shuffle was seeded by the file's full path, so a copy trained to a different model)."""
+    import shutil
+
+    from raydlrm.ingestion.reader import RowGroupReader, read_columns
+
+    copy = tmp_path / "elsewhere" / "train"
+    shutil.copytree(data, copy)
+    config = DataConfig(train_path=str(data), eval_path=None, table_size=1000, batch_size=100)
+    orders = []
+    for root in (data, copy):
+        summary = validate_data(str(root), config)
+        reader = RowGroupReader(
+            config,
+            source_path=str(root),
+            columns=read_columns(config, summary.schema),
+            schema=summary.schema,
+            seed=3,
+            epoch=1,
+            shuffle=True,
+        )
+        refs = pa.Table.from_pylist(
+            [{"group": g.to_dict(), "id": i, "skip": 0} for i, g in enumerate(summary.row_groups)]
+        )
+        orders.append(reader(refs).column("sample_id").to_pylist())
+    assert orders[0] == orders[1]
+    unshuffled = pq.read_table(data, columns=["sample_id"]).column("sample_id").to_pylist()
+    assert sorted(orders[0]) == sorted(unshuffled) and orders[0] != unshuffled

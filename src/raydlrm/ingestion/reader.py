@@ -31,6 +31,7 @@ row groups are dealt anew, still each row once.
 from __future__ import annotations
 
 import logging
+import posixpath
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -232,7 +233,7 @@ class RowGroupReader:
         self.columns = columns
         self.schema = schema
         self.seed, self.epoch, self.shuffle, self.tag = seed, epoch, shuffle, tag
-        self.filesystem = filesystem_for(source_path, config.storage)[0]
+        self.filesystem, self.root = filesystem_for(source_path, config.storage)
         self.preprocess = Preprocessor(config, quarantine_tag=tag)
 
     def __call__(self, refs: pa.Table) -> pa.Table:
@@ -272,10 +273,18 @@ class RowGroupReader:
         table = table.append_column(ROW_COLUMN, pa.array(np.arange(n)))
         session = self.config.session_column
         if self.shuffle and session is not None and session in table.column_names:
-            salt = zlib.crc32(group.file.encode())
+            # Seeded by the file's path inside the data set, not where the data set lies: the
+            # same data copied elsewhere trains to the same model.
+            salt = zlib.crc32(_relative(group.file, self.root).encode())
             rng = epoch_rng(self.seed, self.epoch, salt, group.index)
             table = table.take(pa.array(_session_order(table, session, rng)))
         return table
+
+
+def _relative(file: str, root: str) -> str:
+    """``file``'s path inside the data set at ``root`` (its name when ``root`` is the file)."""
+    inside = file[len(root) :].lstrip("/") if file.startswith(root.rstrip("/") + "/") else ""
+    return inside or posixpath.basename(file)
 
 
 def _with_position(table: pa.Table, group_id: int, total: int) -> pa.Table:
