@@ -3,6 +3,7 @@ under ``quarantine``; a quarantining training job accounts for every row."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -344,3 +345,15 @@ def test_dictionary_encoded_and_drifting_columns_are_accepted(tmp_path: Path) ->
     assert Preprocessor(config)(tagged).equals(expected)
     report = inspect_data(str(root), _config(tmp_path, "fail"))
     assert report["rows"] == 3 * N and report["sampled_rows"] == 3 * N
+
+
+def test_every_file_quarantined_names_the_reason(tmp_path: Path) -> None:
+    """A typo'd column under quarantine sets every file aside: the error says why."""
+    root = _write_files(tmp_path / "data")
+    config = dataclasses.replace(_config(tmp_path, "quarantine"), dense_columns=["I1_typo"])
+    with pytest.raises(
+        DataValidationError,
+        match=r"every file was quarantined \(2 files; the "
+        r"first: .*has no dense column 'I1_typo'",
+    ):
+        validate_data(str(root), config)

@@ -248,3 +248,15 @@ def test_failed_run_is_one_line_naming_the_workers_error() -> None:
         "FloatingPointError: training diverged: rank 0 step 3 loss is nan (lower ...)"
     )
     assert _cause(RuntimeError("plain\nsecond")) == "RuntimeError: plain"
+    # A bad row found in a Ray Data actor: Ray wraps it, the line shown names the culprit.
+    wrapped = (
+        "Training failed due to worker errors:\n"
+        "raydlrm.ingestion.badinput.BadInputError: data/part-7.parquet, row group 3, row 2: "
+        "label column 'label': label outside [0, 1] (1 bad rows in this batch)\n\n"
+        "The above exception was the direct cause of the following exception:\n"
+        "ray.exceptions.UserCodeException: UDF failed to process a data block.\n"
+    )
+    assert _cause(RuntimeError(wrapped)) == (
+        "BadInputError: data/part-7.parquet, row group 3, row 2: label column 'label': label "
+        "outside [0, 1] (1 bad rows in this batch)"
+    )

@@ -143,6 +143,7 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     first_schema: pa.Schema | None = None
     row_groups: list[RowGroup] = []
     quarantined: list[str] = []
+    reasons: list[str] = []
     for fragment in fragments:
         try:
             metadata, schema = _check_file(fragment, expected, role=role)
@@ -158,6 +159,7 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
                 num_rows=_footer_rows(fragment),
             )
             quarantined.append(fragment.path)
+            reasons.append(str(exc))
             continue
         first_schema = first_schema or schema
         num_rows += metadata.num_rows
@@ -167,7 +169,8 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
         )
     if first_schema is None:
         raise DataValidationError(
-            f"{role} data at {path!r}: every file was quarantined ({len(quarantined)} files)"
+            f"{role} data at {path!r}: every file was quarantined ({len(quarantined)} files; "
+            f"the first: {reasons[0]})"
         )
     if num_rows == 0:
         raise DataValidationError(f"{role} data set at {path!r} is empty (0 rows)")

@@ -71,12 +71,21 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
 _ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 
 
+# Errors that name their culprit (file, row group, row, column): when a worker's traceback
+# holds one, it is the line to show, not the wrapper Ray Data raises around it
+# ("UserCodeException: UDF failed to process a data block").
+_NAMING_ERRORS = ("BadInputError", "DataValidationError")
+
+
 def _cause(exc: BaseException) -> str:
     """One line for a failed run: the innermost ``SomeError: message`` line of the error's
-    text (Ray Train's worker-group errors carry the workers' tracebacks as text)."""
-    lines = [m.group(0).strip() for m in map(_ERROR_LINE.match, str(exc).splitlines()) if m]
-    if lines:
-        return lines[-1]
+    text (Ray Train's worker-group errors carry the workers' tracebacks as text), preferring a
+    bad-input error, which names the file, row and column."""
+    matches = [m for m in map(_ERROR_LINE.match, str(exc).splitlines()) if m]
+    naming = [m for m in matches if m.group(1) in _NAMING_ERRORS]
+    if naming or matches:
+        found = (naming or matches)[-1]
+        return f"{found.group(1)}: {found.group(2).strip()}"
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
