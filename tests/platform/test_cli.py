@@ -183,6 +183,33 @@ def test_a_plan_over_the_budget_stops_before_ray_starts(
         train(overrides=data, scaling_config=scaling)
 
 
+def test_unwritable_run_storage_stops_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch, tiny_data: Path, tmp_path: Path
+) -> None:
+    """A storage path that cannot be written is found before Ray starts (it took a Ray start
+    and left a FAILED MLflow run behind), in one line naming the key."""
+
+    def no_ray(job) -> None:
+        raise AssertionError("Ray started before the run storage was checked")
+
+    monkeypatch.setattr("raydlrm.platform.launch._init_ray", no_ray)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    trained = _invoke(
+        "train",
+        "--set",
+        f"data.train_path={tiny_data / 'train'}",
+        "--set",
+        f"data.eval_path={tiny_data / 'eval'}",
+        "--set",
+        f"run.storage_path={blocker / 'runs'}",
+    )
+    assert trained.exit_code == 2, trained.output
+    assert re.match(
+        r"error: run\.storage_path: cannot write checkpoints to .*a-file", _error_line(trained)
+    )
+
+
 def test_config_show_and_validate() -> None:
     shown = json.loads(_invoke("config", "show", "--set", "model.arch=dcnv2").stdout)
     assert shown["model"]["arch"] == "dcnv2"

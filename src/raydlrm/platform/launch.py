@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -272,6 +273,7 @@ def train(
     # Before the statistics: a warm start keeps the dense statistics its model was trained with.
     warm_start = _warm_start_checkpoint(job, plan) if job.run.warm_start else None
     _fill_dense_stats(job)
+    _check_run_storage(job, run_name)
 
     _init_ray(job)
     tracked = start_run(job, run_name=run_name, run_key=_join(job.run.storage_path, run_name))
@@ -340,6 +342,30 @@ def _run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
         return str(Path(path.removeprefix("file://")).resolve()), None
     filesystem, resolved = filesystem_for(path, job.run.storage_or(job.data.storage))
     return resolved, filesystem
+
+
+def _check_run_storage(job: JobConfig, run_name: str) -> None:
+    """Writes and removes a probe file in the run's storage directory, so that a storage path
+    that cannot be written (read-only, no permission, an unreachable or denied bucket) stops
+    the job before Ray starts and before an MLflow run is opened, naming the key.
+
+    Raises:
+        ConfigError: naming ``run.storage_path``, the directory and the storage's error.
+    """
+    root, filesystem = _run_storage(job)
+    filesystem = filesystem or pafs.LocalFileSystem()
+    directory = f"{root.rstrip('/')}/{run_name}"
+    probe = f"{directory}/.raydlrm-write-check-{os.getpid()}"
+    try:
+        filesystem.create_dir(directory, recursive=True)
+        with filesystem.open_output_stream(probe) as f:
+            f.write(b"ok\n")
+        filesystem.delete_file(probe)
+    except (OSError, pa.ArrowException) as exc:
+        raise ConfigError(
+            f"run.storage_path: cannot write checkpoints to {job.run.storage_path} "
+            f"({directory}): {exc}"
+        ) from exc
 
 
 def _remote_scheme(job: JobConfig) -> str | None:
