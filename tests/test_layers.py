@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raydlrm"
-COMMON = {"batch", "_config", "_versions"}
+COMMON = {"batch", "_config", "_versions", "_errors"}
 ALLOWED = {
     "batch": {"_config", "_versions"},
     "models": COMMON,

@@ -265,9 +265,17 @@ def test_quarantining_job_accounts_for_every_row(tmp_path: Path, ray_cluster) ->
     root = tmp_path / "data" / "train"
     raydlrm.ingestion.generate_synthetic(
         raydlrm.ingestion.SyntheticConfig(
-            num_train_rows=1200, num_eval_rows=0, rows_per_file=400, max_cardinality=300, seed=2
+            num_train_rows=1200, num_eval_rows=400, rows_per_file=400, max_cardinality=300, seed=2
         ),
         out_dir=tmp_path / "data",
+    )
+    # Two bad held-out rows: set aside by the evaluation of each epoch, counted once.
+    held_out = tmp_path / "data" / "eval" / "part-00000.parquet"
+    table = pq.read_table(held_out)
+    dense = table.column("I2").fill_null(0.0).to_numpy().copy()
+    dense[[3, 30]] = np.nan
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("I2"), "I2", pa.array(dense)), held_out
     )
     # Three bad rows in one file, and one truncated file.
     path = root / "part-00001.parquet"
@@ -283,13 +291,13 @@ def test_quarantining_job_accounts_for_every_row(tmp_path: Path, ray_cluster) ->
     config = {
         "data": {
             "train_path": str(root),
-            "eval_path": None,
+            "eval_path": str(held_out.parent),
             "batch_size": 100,
             "table_size": 300,
             "bad_input": "quarantine",
         },
         "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
-        "training": {"num_epochs": 2, "log_every_steps": 2},
+        "training": {"num_epochs": 2, "log_every_steps": 2, "eval_every_steps": 4},
         "run": {"storage_path": str(tmp_path / "runs"), "name": "bad-run"},
         "tracking": {
             "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
@@ -304,8 +312,11 @@ def test_quarantining_job_accounts_for_every_row(tmp_path: Path, ray_cluster) ->
     assert m["data/rows_quarantined"] == 2 * 3  # the NaN rows, once per epoch
     assert m["data/rows_trained"] == 2 * 797
     assert m["rows_unaccounted"] == 0
+    assert m["data/eval_rows_quarantined"] == 2
+    assert m["eval/num_samples"] == 398
     quarantine = tmp_path / "runs" / "bad-run" / "quarantine"
-    assert len(list(quarantine.glob("*.parquet"))) == 2
+    assert len(list(quarantine.glob("*.train-e*.parquet"))) == 2
+    assert len(list(quarantine.glob("*.eval-e*.parquet"))) == 2  # one per epoch
     logged = MlflowClient(config["tracking"]["tracking_uri"]).get_run(result.run_id).data.metrics
     assert logged["data/rows_quarantined"] == 6 and logged["data/files_quarantined"] == 1
 
@@ -357,3 +368,15 @@ def test_every_file_quarantined_names_the_reason(tmp_path: Path) -> None:
         r"first: .*has no dense column 'I1_typo'",
     ):
         validate_data(str(root), config)
+
+
+def test_held_out_rows_read_every_epoch_count_once(tmp_path: Path) -> None:
+    """The held-out set is read again every epoch: its bad rows are set aside each time (one
+    record per epoch) and counted once per row."""
+    config = _config(tmp_path, "quarantine")
+    bad = _table(I1=pa.array([1.0, 2.0, float("nan"), 4.0, 5.0, 6.0]))
+    for epoch in range(3):
+        Preprocessor(config, quarantine_tag=f"{run_tag('r', 'eval')}-e{epoch}")(bad)
+    tag = run_tag("r", "eval")
+    assert quarantine_counts(config, tag=tag)["bad_rows"] == 3
+    assert quarantine_counts(config, tag=tag, once=True)["bad_rows"] == 1

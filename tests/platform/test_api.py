@@ -95,3 +95,46 @@ def test_training_with_dedup_groups_reports_savings(tmp_path: Path, ray_cluster)
     assert "dedup/t_C9/ratio" not in m  # C9 is not deduplicated
     logged = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.run_id)
     assert logged.data.metrics["dedup/t_C1/ratio"] == pytest.approx(m["dedup/t_C1/ratio"])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bad_held_out_row_fails_the_final_evaluation_but_keeps_the_model(
+    tmp_path: Path, ray_cluster
+) -> None:
+    """Under ``fail``, a -inf in the held-out data stops the job in the final evaluation, after
+    all training: the trained model is kept (checkpointed before the evaluation, logged on the
+    run, not registered) and the error names the file, row and column."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raydlrm.platform.config import load_config
+    from raydlrm.platform.launch import EvaluationError, prepare_data
+
+    config = _config(tmp_path)
+    config["data"]["synthetic"]["num_eval_rows"] = 512
+    config["data"]["eval_path"] = str(tmp_path / "data" / "eval")
+    config["tracking"]["registered_model_name"] = "kept"
+    prepare_data(load_config(config))
+    held_out = next((tmp_path / "data" / "eval").glob("*.parquet"))
+    table = pq.read_table(held_out)
+    dense = table.column("I1").fill_null(0.0).to_numpy().copy()
+    dense[7] = -np.inf
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("I1"), "I1", pa.array(dense)), held_out
+    )
+    with pytest.raises(
+        EvaluationError,
+        match=r"final evaluation failed: BadInputError: .*"
+        rf"{held_out.name}.*row 7: dense column 'I1'.*the trained model is kept",
+    ):
+        raydlrm.train(config)
+    client = MlflowClient(config["tracking"]["tracking_uri"])
+    (run,) = client.search_runs(client.get_experiment_by_name("api").experiment_id)
+    assert run.info.status == "FAILED"
+    assert "BadInputError" in run.data.tags["raydlrm.eval_error"]
+    checkpoint = Path(run.data.tags["raydlrm.checkpoint"])
+    assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "spec.json").is_file()
+    assert client.list_artifacts(run.info.run_id, "model")  # logged: the model is kept
+    assert not client.search_registered_models()  # not registered: it was not evaluated

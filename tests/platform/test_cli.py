@@ -264,7 +264,7 @@ def test_data_inspect(tmp_path: Path, tiny_data: Path) -> None:
 
 
 def test_failed_run_is_one_line_naming_the_workers_error() -> None:
-    from raydlrm.platform.cli import _cause
+    from raydlrm._errors import cause_line as _cause
 
     text = (
         "Training failed due to worker errors:\n[Rank 0,1 Error Snippet]:\n"

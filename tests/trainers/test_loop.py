@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from raydlrm.ingestion import Preprocessor
+from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.sharding import plan_sharding
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.spec import WorkerSpec
@@ -24,13 +25,17 @@ PINNED_LOSSES = [0.664618, 0.646848, 0.650306, 0.601394]
 
 
 class _Stream:
-    """Stands in for a Ray DataIterator: yields preprocessed Arrow batches of this rank's rows."""
+    """Stands in for a Ray DataIterator: yields preprocessed Arrow batches of this rank's rows;
+    with ``fail_after``, raises a bad-input error after that many batches."""
 
-    def __init__(self, table: pa.Table):
+    def __init__(self, table: pa.Table, fail_after: int | None = None):
         self.table = table
+        self.fail_after = fail_after
 
     def iter_batches(self, *, batch_size: int, **_: object) -> Iterator[pa.Table]:
-        for start in range(0, self.table.num_rows, batch_size):
+        for i, start in enumerate(range(0, self.table.num_rows, batch_size)):
+            if i == self.fail_after:
+                raise BadInputError("data/part-7.parquet, row group 3, row 2: dense column 'I1'")
             yield self.table.slice(start, batch_size)
 
 
@@ -55,6 +60,7 @@ def _run(
     optimizer: str = "rowwise_adagrad",
     device: str = "cpu",
     pinned_types: dict[str, str] | None = None,
+    eval_fails_on_rank: int | None = None,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer)
     if pinned_types:
@@ -85,7 +91,11 @@ def _run(
     reports: list[dict] = []
     final = trainer.fit(
         train_data=_Stream(pa.concat_tables(blocks)),
-        eval_data=_Stream(evaluation.slice(rank * half, half)),
+        eval_data=_Stream(
+            evaluation.slice(rank * half, half),
+            # No periodic evaluations here: the final one fails on its second batch.
+            fail_after=None if eval_fails_on_rank != rank else 1,
+        ),
         report=lambda metrics, checkpoint_dir: reports.append(
             {**metrics, "has_checkpoint": checkpoint_dir is not None}
         ),
@@ -100,8 +110,10 @@ def test_single_process_run_pins_first_losses(data_dir: Path) -> None:
     assert len(losses) == 10
     assert losses[:4] == pytest.approx(PINNED_LOSSES, abs=1e-5)
     reports = out["reports"]
-    assert [r["step"] for r in reports] == [2, 4, 6, 8, 10, 10]
-    assert reports[-1]["has_checkpoint"] and not any(r["has_checkpoint"] for r in reports[:-1])
+    # The final checkpoint comes before the final evaluation, whose metrics come last.
+    assert [r["step"] for r in reports] == [2, 4, 6, 8, 10, 10, 10]
+    assert [r["has_checkpoint"] for r in reports] == [False] * 5 + [True, False]
+    assert "eval/auc" in reports[-1] and "eval/error" not in reports[-1]
     final = out["final"]
     assert final["eval/num_samples"] == 256
     assert "dropped_samples" not in final
@@ -119,8 +131,8 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert results[0]["final"]["eval/auc"] == pytest.approx(single["final"]["eval/auc"], abs=1e-5)
     # Every rank carries its part of the final checkpoint and reports the same number of times.
-    assert results[0]["reports"][-1]["has_checkpoint"]
-    assert results[1]["reports"][-1]["has_checkpoint"]
+    assert results[0]["reports"][-2]["has_checkpoint"]
+    assert results[1]["reports"][-2]["has_checkpoint"]
     assert len(results[0]["reports"]) == len(results[1]["reports"])
     # Wire bytes are reported, summed over ranks: ids went out, pooled vectors came back.
     final = results[0]["final"]
@@ -128,6 +140,20 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
     # Evaluation sends pooled vectors forward only, so forward exceeds backward.
     assert final["comm/forward_fp32_bytes"] > final["comm/backward_fp32_bytes"] > 0
     assert results[1]["final"]["comm/forward_fp32_bytes"] == final["comm/forward_fp32_bytes"]
+
+
+@pytest.mark.distributed
+def test_bad_eval_data_after_training_keeps_the_checkpoint(data_dir: Path) -> None:
+    """A bad held-out row found in the final evaluation on one rank: the final checkpoint was
+    already reported, every rank finishes its collectives and reports the error line."""
+    results = run_distributed(
+        _run, world_size=2, args=(str(data_dir), "rowwise_adagrad", "cpu", None, 1)
+    )
+    for r in results:
+        reports = r["reports"]
+        assert reports[-2]["has_checkpoint"] and reports[-2]["step"] == 10
+        assert reports[-1]["eval/error"].startswith("BadInputError: data/part-7.parquet")
+        assert "eval/auc" not in r["final"]
 
 
 @pytest.mark.gpu

@@ -274,9 +274,13 @@ def quarantine_source(
         stream.write(json.dumps(record).encode())
 
 
-def quarantine_counts(config: DataConfig, *, tag: str | None = None) -> dict[str, int]:
+def quarantine_counts(
+    config: DataConfig, *, tag: str | None = None, once: bool = False
+) -> dict[str, int]:
     """What the quarantine path holds (with a :func:`run_tag` ``tag``: only the records
-    written by that run's passes over that data set, every epoch).
+    written by that run's passes over that data set, every epoch; with ``once``, each source's
+    records of all epochs count once: what one pass over the data set set aside, as for the
+    held-out set, which every epoch reads again).
 
     Returns:
         ``bad_rows`` (bad rows written), ``row_groups`` and ``row_group_rows`` (unreadable row
@@ -291,11 +295,17 @@ def quarantine_counts(config: DataConfig, *, tag: str | None = None) -> dict[str
     filesystem, root = _quarantine_fs(config)
     if filesystem.get_file_info(root).type == pafs.FileType.NotFound:
         return counts
+    seen: set[str] = set()
     for info in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)):
         if info.type != pafs.FileType.File:
             continue
         if tag is not None and f".{tag}-e" not in info.base_name:
             continue
+        if once:
+            source = re.sub(r"-e\d+(?=\.(parquet|json)$)", "", info.base_name)
+            if source in seen:
+                continue
+            seen.add(source)
         if info.path.endswith(".parquet"):
             with filesystem.open_input_file(info.path) as f:
                 counts["bad_rows"] += pq.ParquetFile(f).metadata.num_rows

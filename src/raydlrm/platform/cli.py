@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from raydlrm._errors import cause_line
 from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import ConfigError, load_config
 
@@ -68,32 +68,10 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise typer.Exit(code)
 
 
-_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
-
-
-# Errors that name their culprit (file, row group, row, column): when a worker's traceback
-# holds one, it is the line to show, not the wrapper Ray Data raises around it
-# ("UserCodeException: UDF failed to process a data block").
-_NAMING_ERRORS = ("BadInputError", "DataValidationError")
-
-
-def _cause(exc: BaseException) -> str:
-    """One line for a failed run: the innermost ``SomeError: message`` line of the error's
-    text (Ray Train's worker-group errors carry the workers' tracebacks as text), preferring a
-    bad-input error, which names the file, row and column."""
-    matches = [m for m in map(_ERROR_LINE.match, str(exc).splitlines()) if m]
-    naming = [m for m in matches if m.group(1) in _NAMING_ERRORS]
-    if naming or matches:
-        found = (naming or matches)[-1]
-        return f"{found.group(1)}: {found.group(2).strip()}"
-    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 def _run_failed(exc: BaseException, what: str) -> None:
     """Logs the whole error, then stops with one line and exit code 1."""
     logging.getLogger("raydlrm").error("%s failed", what, exc_info=exc)
-    _fail(f"{what} failed: {_cause(exc)}", code=EXIT_FAILED)
+    _fail(f"{what} failed: {cause_line(exc)}", code=EXIT_FAILED)
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:

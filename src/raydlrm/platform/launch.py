@@ -46,7 +46,14 @@ from raydlrm.sharding.plan import format_bytes
 from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.state import STATE_FILE, check_state_matches
 
-__all__ = ["TrainResult", "make_plan", "prepare_data", "train", "worker_memory_budget"]
+__all__ = [
+    "EvaluationError",
+    "TrainResult",
+    "make_plan",
+    "prepare_data",
+    "train",
+    "worker_memory_budget",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -344,6 +351,11 @@ def _run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
     return resolved, filesystem
 
 
+class EvaluationError(RuntimeError):
+    """The final evaluation failed (bad held-out data) after training finished; the message
+    says where the trained model was kept."""
+
+
 def _check_run_storage(job: JobConfig, run_name: str) -> None:
     """Writes and removes a probe file in the run's storage directory, so that a storage path
     that cannot be written (read-only, no permission, an unreachable or denied bucket) stops
@@ -443,11 +455,14 @@ def _account_rows(
     now = quarantine_counts(job.data)
     q = {k: now[k] - quarantined_before.get(k, 0) for k in now}
     run = quarantine_counts(job.data, tag=run_tag(run_name, "train"))
+    held_out = quarantine_counts(job.data, tag=run_tag(run_name, "eval"), once=True)
     metrics = {
         "data/files_quarantined": q["files"],
         "data/rows_in_quarantined_files": q["file_rows"],
         "data/rows_quarantined": run["bad_rows"] + run["row_group_rows"],
         "data/row_groups_unreadable": run["row_groups"],
+        # Bad held-out rows, set aside by the evaluations (each row once).
+        "data/eval_rows_quarantined": held_out["bad_rows"] + held_out["row_group_rows"],
     }
     if job.training.max_steps is None:
         read = train.num_rows * job.training.num_epochs
@@ -468,6 +483,12 @@ def _account_rows(
             )
     result.metrics.update({k: float(v) for k, v in metrics.items()})
     tracked.log_metrics(metrics, step=int(result.metrics.get("step", 0)))
+    if metrics["data/eval_rows_quarantined"]:
+        logger.warning(
+            "quarantined %d held-out rows: the evaluation metrics leave them out (under %s)",
+            metrics["data/eval_rows_quarantined"],
+            job.data.quarantine_path,
+        )
     if metrics["data/rows_quarantined"] or q["files"]:
         logger.warning(
             "quarantined %d rows while reading and %d files when checking them under %s",
@@ -553,12 +574,21 @@ def _fit(
         example = example_rows(job.data.eval_path, job.data, role="eval")
     else:
         example = example_rows(job.data.train_path, job.data)
+    eval_error = result.metrics.get("eval/error")
     with result.checkpoint.as_directory() as checkpoint_dir:
         info = log_model(
             run_id=tracked.run_id,
             checkpoint_dir=checkpoint_dir,
             example=example,
-            registered_model_name=job.tracking.registered_model_name,
+            # A model whose final evaluation failed is kept (logged), not registered.
+            registered_model_name=None if eval_error else job.tracking.registered_model_name,
+        )
+    if eval_error:
+        tracked.set_tags({"raydlrm.eval_error": eval_error[:5000]})
+        raise EvaluationError(
+            f"final evaluation failed: {eval_error}; the trained model is kept: logged as "
+            f"{info.model_uri}, checkpoint {checkpoint_uri} (raydlrm export {checkpoint_uri} "
+            "--register <name> registers it)"
         )
     version = info.registered_model_version
     return TrainResult(

@@ -38,6 +38,7 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
+from raydlrm._errors import cause_line
 from raydlrm.batch import Batch, DedupGroup
 from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
 from raydlrm.ingestion.reader import EpochProgress, WorkerSource
@@ -220,18 +221,33 @@ class Trainer:
             )
         return StepResult(logits=logits.detach(), loss=value)
 
-    def _lockstep(self, batches: Iterable[Batch], empty: Batch | None = None) -> Iterator[Batch]:
+    def _lockstep(
+        self,
+        batches: Iterable[Batch],
+        empty: Batch | None = None,
+        errors: list[str] | None = None,
+    ) -> Iterator[Batch]:
         """Yields batches while any rank has one; a rank that ran dry yields empty batches.
 
         Args:
             batches: this rank's batches.
             empty: an empty batch of the right structure, for a rank with no batch at all
                 (otherwise the rank's first batch, emptied, is used).
+            errors: if given, an error while reading this rank's batches (bad input) is
+                appended here (one line naming the culprit) and the rank goes on as if its data
+                had ended, so the other ranks' collectives still complete; else it is raised.
         """
         iterator = iter(batches)
         template = empty
         while True:
-            batch = next(iterator, None)
+            try:
+                batch = next(iterator, None)
+            except Exception as exc:
+                if errors is None:
+                    raise
+                logger.error("rank %d: reading evaluation data failed", self.rank, exc_info=exc)
+                errors.append(cause_line(exc))
+                iterator, batch = iter(()), None
             if not _any_rank_has(batch is not None, self.device):
                 return
             if batch is None:
@@ -246,13 +262,19 @@ class Trainer:
             yield batch.to(self.device)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch], empty: Batch | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        batches: Iterable[Batch],
+        empty: Batch | None = None,
+        errors: list[str] | None = None,
+    ) -> dict[str, float]:
         """Metrics of the model on ``batches`` over all ranks (prefix ``eval/``); ``empty`` is
-        an empty batch for a rank without data (see :meth:`_lockstep`)."""
+        an empty batch for a rank without data, ``errors`` collects reading errors instead of
+        raising them (see :meth:`_lockstep`)."""
         self.model.eval()
         buffer = PredictionBuffer()
         limit = self.spec.training.max_eval_batches
-        for i, batch in enumerate(self._lockstep(batches, empty)):
+        for i, batch in enumerate(self._lockstep(batches, empty, errors)):
             buffer.add(self.model(batch), batch.labels)
             if limit is not None and i + 1 >= limit:
                 break
@@ -333,15 +355,33 @@ class Trainer:
         final["train/samples_per_second"] = self.samples_seen / max(
             _all_reduce_scalar(self.train_seconds, self.device, op=dist.ReduceOp.MAX), 1e-9
         )
-        if eval_data is not None:
-            final.update(self._evaluate_data(eval_data))
-        final.update(self._comm_metrics())
-        final.update(self._dedup_metrics())
         final["data/first_batch_seconds"] = _all_reduce_scalar(
             self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
         )
+        # The trained model is stored before the final evaluation: bad held-out data must not
+        # lose a finished run.
         self._report(final, report=report, checkpoint=True, with_model=True)
+        if eval_data is not None:
+            final.update(self._final_evaluation(eval_data))
+        final.update(self._comm_metrics())
+        final.update(self._dedup_metrics())
+        self._report(final, report=report)
         return final
+
+    def _final_evaluation(self, data: Any) -> dict[str, Any]:
+        """The final evaluation's metrics; if reading the held-out data failed on any rank,
+        ``eval/error`` (the first rank's error line) instead, on every rank, so the driver can
+        report it while the model, already checkpointed, is kept."""
+        errors: list[str] = []
+        metrics = self.evaluate(self._batches(data), self._empty_batch(data), errors)
+        gathered = [errors]
+        if _distributed():
+            gathered = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, errors)
+        failed = [e for rank_errors in gathered for e in rank_errors]
+        if failed:
+            return {"eval/error": failed[0]}
+        return metrics
 
     def _done(self) -> bool:
         max_steps = self.spec.training.max_steps

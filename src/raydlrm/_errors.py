@@ -1,0 +1,29 @@
+"""One line for an error: what a failed run shows its user.
+
+Errors raised inside Ray workers and Ray Data actors reach the driver as text (Ray Train's
+worker-group errors carry the workers' tracebacks; Ray Data wraps a UDF's error in
+``UserCodeException: UDF failed to process a data block``). The line to show is the innermost
+``SomeError: message`` line, preferring an error that names its culprit (file, row group, row,
+column).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["cause_line"]
+
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
+_NAMING_ERRORS = ("BadInputError", "DataValidationError")
+
+
+def cause_line(exc: BaseException) -> str:
+    """``ErrorName: message`` of the innermost error line of ``exc``'s text, a bad-input error's
+    when there is one; else the type and the first line of the text."""
+    matches = [m for m in map(_ERROR_LINE.match, str(exc).splitlines()) if m]
+    naming = [m for m in matches if m.group(1) in _NAMING_ERRORS]
+    if naming or matches:
+        found = (naming or matches)[-1]
+        return f"{found.group(1)}: {found.group(2).strip()}"
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
