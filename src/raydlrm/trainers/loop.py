@@ -6,8 +6,10 @@ from the seed), then stream batches from this worker's split of the data: forwar
 backward (the embedding rows are updated inside the backward by fbgemm's fused optimizer),
 dense optimizer step. Metrics are computed over all
 workers and reported every ``log_every_steps``; the held-out set is evaluated every
-``eval_every_steps`` and at the end; the last report carries the final checkpoint, whose
-shards are also the model's weights (exported table by table, never gathered on one rank).
+``eval_every_steps`` and at the end. The final checkpoint is reported before the final
+evaluation (its shards are also the model's weights: exported table by table, never gathered
+on one rank), so bad held-out data cannot lose a finished run; the final evaluation's metrics,
+or its error line (``eval/error``), come in the last report.
 
 Checkpoints (``[checkpoint]``, by steps or minutes, and always at the end) hold the whole
 training state (``raydlrm.trainers.state``): a run restarted by Ray Train after a worker died,
@@ -282,7 +284,7 @@ class Trainer:
 
     def fit(
         self, *, train_data: Any, eval_data: Any | None, report: Any = _ray.report
-    ) -> dict[str, float]:
+    ) -> dict[str, Any]:
         """Trains for the configured epochs or steps; returns the final metrics.
 
         Args:
