@@ -313,3 +313,52 @@ def test_model_loads_mapped_from_training_state_and_old_model_pt(
             torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         write_model_weights(tmp_path / "legacy" / "..", tmp_path / "x.safetensors")
+
+
+def test_damaged_checkpoints_are_found_named_and_passed_over(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """A truncated shard or state file, or a rank's missing part, is named (verify, show, load:
+    no bare EOFError); a resume takes the newest intact checkpoint: a complete one Ray never
+    registered before the registered one, and the one before a damaged one."""
+    import ray.train
+    from typer.testing import CliRunner
+
+    from raydlrm.platform.cli import app
+    from raydlrm.trainers._ray import latest_checkpoint
+    from raydlrm.trainers.state import CheckpointDamagedError, verify_checkpoint
+
+    trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
+    position = {"epoch": 0, "consumed": {}, "totals": {}}
+    runs = tmp_path / "run"
+    names = [f"checkpoint_2026-11-23_10-00-0{i}.000000" for i in range(3)]
+    for name in names:
+        save_training_state(trainer, runs / name, position=position)
+    old, registered, unregistered = (runs / n for n in names)
+    assert verify_checkpoint(old) == []
+    shard = max(registered.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated
+    problems = verify_checkpoint(registered)
+    assert len(problems) == 1 and shard.name in problems[0] and "bytes" in problems[0]
+    with pytest.raises(CheckpointDamagedError, match=rf"{registered}.*{shard.name}"):
+        load_training_state(trainer, registered)
+    runner = CliRunner()
+    verified = runner.invoke(app, ["checkpoint", "verify", str(registered)])
+    assert verified.exit_code == 1 and shard.name in verified.output
+    assert runner.invoke(app, ["checkpoint", "verify", str(old)]).exit_code == 0
+    assert "DAMAGED" in runner.invoke(app, ["checkpoint", "show", str(registered)]).output
+
+    def pick(latest: Path) -> str | None:
+        checkpoint = ray.train.Checkpoint(path=str(latest))
+        with latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False), checkpoint) as d:
+            return d
+
+    # The newest complete one wins even though Ray registered an older (here damaged) one.
+    assert pick(registered) == str(unregistered)
+    (unregistered / "manifest.rank00000.json").unlink()  # rank 0's part never completed
+    assert pick(registered) == str(old)  # and the damaged registered one is passed over
+    (old / "trainer_state.json").write_text("{not json")
+    with pytest.raises(RuntimeError, match="no intact checkpoint"):
+        pick(registered)
+    with pytest.raises(CheckpointDamagedError, match=r"trainer_state\.json is damaged"):
+        load_training_state(trainer, old)

@@ -436,15 +436,19 @@ def _checkpoint_dir(checkpoint: str) -> Iterator[Path]:
 
 @checkpoint_app.command("show")
 def checkpoint_show(checkpoint: CheckpointArg) -> None:
-    """Print a checkpoint's step, epoch, world size, plan summary and data position."""
+    """Print a checkpoint's step, epoch, world size, plan summary, data position and whether
+    its files match their manifests (sizes; `checkpoint verify` also checks the checksums)."""
     from raydlrm.sharding import ShardingPlan
-    from raydlrm.trainers.state import read_state_file
+    from raydlrm.trainers.state import CheckpointDamagedError, read_state_file, verify_checkpoint
 
     try:
         with _checkpoint_dir(checkpoint) as directory:
             state = read_state_file(directory)
-    except FileNotFoundError as e:
+            problems = verify_checkpoint(directory, checksums=False)
+    except (FileNotFoundError, CheckpointDamagedError) as e:
         _fail(str(e))
+    if problems:
+        typer.echo(f"DAMAGED: {'; '.join(problems)}")
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
     position = state["position"]
     typer.echo(
@@ -456,6 +460,24 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
         f"{position['epoch']} trained, in {len(position['consumed'])} row groups"
     )
     typer.echo(plan.format_summary())
+
+
+@checkpoint_app.command("verify")
+def checkpoint_verify(checkpoint: CheckpointArg) -> None:
+    """Check a checkpoint against its manifests: every rank's part present, every file with
+    its size and CRC-32. Exit 0 when intact, 1 (naming each problem) when damaged."""
+    from raydlrm.trainers.state import verify_checkpoint
+
+    try:
+        with _checkpoint_dir(checkpoint) as directory:
+            problems = verify_checkpoint(directory)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    if problems:
+        for problem in problems:
+            typer.echo(f"damaged: {problem}")
+        _fail(f"checkpoint {checkpoint} is damaged ({len(problems)} problems)", code=EXIT_FAILED)
+    typer.echo(f"checkpoint {checkpoint} is intact")
 
 
 @checkpoint_app.command("unshard")

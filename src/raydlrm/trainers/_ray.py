@@ -8,14 +8,18 @@ processes and tests.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 
 __all__ = ["WorkerContext", "latest_checkpoint", "report", "worker_context"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,15 +54,64 @@ def report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> Non
 
 
 @contextlib.contextmanager
-def latest_checkpoint() -> Iterator[str | None]:
-    """The run's latest complete checkpoint as a local directory (downloaded if remote), or
-    None when the run has none (a fresh start)."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+def latest_checkpoint(
+    problems_of: Callable[[str], list[str]], latest: ray.train.Checkpoint | None = None
+) -> Iterator[str | None]:
+    """The run's newest intact checkpoint as a local directory (downloaded if remote), or None
+    when the run has none (a fresh start).
+
+    Ray Train's latest registered checkpoint and every other ``checkpoint_*`` directory of the
+    run are tried newest first (Ray names them by time): one complete but never registered
+    (a crash between writing and registering) is taken rather than redoing its steps, and a
+    damaged one (``problems_of`` names what is wrong) is passed over with a warning naming it.
+    Every rank checks the same directories the same way, so all ranks pick the same one.
+
+    Args:
+        problems_of: what is wrong with a checkpoint directory (empty when intact).
+        latest: the run's latest registered checkpoint (default: Ray Train's).
+
+    Raises:
+        RuntimeError: the run has checkpoints but none is intact (each named with its damage).
+    """
+    latest = latest or ray.train.get_checkpoint()
+    if latest is None:
         yield None
         return
-    with checkpoint.as_directory() as directory:
-        yield directory
+    damaged = []
+    for checkpoint in _newest_first(latest):
+        with checkpoint.as_directory() as directory:
+            problems = problems_of(directory)
+            if not problems:
+                if damaged or checkpoint.path != latest.path:
+                    logger.warning(
+                        "resuming from %s instead of the latest registered checkpoint %s",
+                        checkpoint.path,
+                        latest.path,
+                    )
+                yield directory
+                return
+        damaged.append(f"{checkpoint.path}: {'; '.join(problems[:3])}")
+        logger.warning("checkpoint %s is damaged, passed over: %s", checkpoint.path, damaged[-1])
+    raise RuntimeError("no intact checkpoint to resume from: " + " | ".join(damaged))
+
+
+def _newest_first(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """Every ``checkpoint_*`` directory beside ``latest``, newest first (by Ray's time-stamped
+    names)."""
+    filesystem = latest.filesystem
+    parent = latest.path.rstrip("/").rsplit("/", 1)[0]
+    infos = filesystem.get_file_info(pafs.FileSelector(parent))
+    paths = sorted(
+        (
+            i.path
+            for i in infos
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+        ),
+        reverse=True,
+    )
+    if latest.path.rstrip("/") not in paths:
+        paths.insert(0, latest.path)
+    return [ray.train.Checkpoint(path=p, filesystem=filesystem) for p in paths]
 
 
 @contextlib.contextmanager

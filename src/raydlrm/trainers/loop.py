@@ -52,7 +52,7 @@ from raydlrm.trainers import _ray
 from raydlrm.trainers.checkpoint import save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
-from raydlrm.trainers.state import load_training_state, save_training_state
+from raydlrm.trainers.state import load_training_state, save_training_state, verify_checkpoint
 
 __all__ = ["StepResult", "Trainer", "train_loop_per_worker"]
 
@@ -529,11 +529,11 @@ class Trainer:
             dist.all_gather_object(gathered, self.progress.to_dict())
         position = EpochProgress.merged([EpochProgress.from_dict(g) for g in gathered]).to_dict()
         with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
-            save_training_state(self, tmp, position=position)
             if with_model and self.rank == 0:
                 # The model's weights are the training state's shards (stored once); exporting
                 # assembles them table by table (raydlrm.trainers.checkpoint).
                 save_model_metadata(tmp, spec=self.spec, plan=self.plan, metrics=metrics)
+            save_training_state(self, tmp, position=position)  # its manifest covers the dir
             self._inject_fault("checkpoint")
             report(metrics, checkpoint_dir=tmp)
         self._last_checkpoint = time.monotonic()
@@ -585,7 +585,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     trainer.fault_marker = config.get("fault_marker")
     if config.get("fault_storage") is not None:
         trainer.fault_storage = StorageConfig(**config["fault_storage"])
-    with _ray.latest_checkpoint() as checkpoint_dir:
+    with _ray.latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False)) as checkpoint_dir:
         if checkpoint_dir is not None:
             trainer.load(checkpoint_dir)
         elif config.get("warm_start") is not None:

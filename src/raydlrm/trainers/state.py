@@ -10,13 +10,20 @@ resume restores each rank's own; another world size starts every rank from rank 
 worker config and the data position (which rows of the current epoch every worker has trained
 on; see ``raydlrm.ingestion.reader.EpochProgress``).
 
-Only tensors go through DCP and only JSON sits beside them: nothing is unpickled on load.
+Only tensors go through DCP and only JSON sits beside them.
+
+Every rank writes ``manifest.rank<r>.json`` last: the size and CRC-32 of each file it wrote.
+:func:`verify_checkpoint` checks a checkpoint against its manifests (every rank's present, every
+file there with its size, and with ``checksums`` its CRC-32): a truncated shard or state file
+is found before a load fails on it, and a resume falls back to the newest intact checkpoint
+(``raydlrm.trainers._ray``).
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,19 +47,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE_FILE",
+    "CheckpointDamagedError",
     "check_state_matches",
     "load_model_tensor",
     "load_training_state",
     "model_tensors",
     "read_state_file",
     "save_training_state",
+    "verify_checkpoint",
+    "write_manifest",
 ]
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_PREFIX = "manifest.rank"
 _DENSE = "dense."
 _DENSE_OPTIMIZER = "dense_optimizer."
 _RNG = "rng"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: every rank writes a manifest (version 1 checkpoints have none and are checked for their
+state file only)."""
 
 
 @contextmanager
@@ -91,7 +104,9 @@ def _tensor_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def save_training_state(trainer: Trainer, directory: str | Path, *, position: dict) -> Path:
-    """Writes this rank's part of the training state into ``directory``; every rank must call.
+    """Writes this rank's part of the training state into ``directory``, then this rank's
+    manifest of every file in it (files written there before, such as the model's config,
+    included); every rank must call.
 
     Args:
         trainer: the worker's trainer.
@@ -125,14 +140,91 @@ def save_training_state(trainer: Trainer, directory: str | Path, *, position: di
             "spec": redact(trainer.spec.to_dict()),
         }
         (path / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    write_manifest(path, rank=trainer.rank, world_size=trainer.plan.world_size)  # last
     return path
 
 
+class CheckpointDamagedError(ValueError):
+    """A checkpoint whose files do not match its manifests, or cannot be read."""
+
+
 def read_state_file(directory: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``trainer_state.json``.
+
+    Raises:
+        FileNotFoundError: naming the checkpoint when it has none.
+        CheckpointDamagedError: naming the file when it is not readable JSON.
+    """
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointDamagedError(
+            f"checkpoint {directory}: {STATE_FILE} is damaged: {exc}"
+        ) from exc
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(directory: str | Path, *, rank: int, world_size: int) -> Path:
+    """Writes ``manifest.rank<rank>.json`` into ``directory``: the size and CRC-32 of every
+    file this rank wrote there (call it last, once the rank's files are complete)."""
+    path = Path(directory)
+    files = {
+        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+        for p in sorted(path.iterdir())
+        if p.is_file() and not p.name.startswith(MANIFEST_PREFIX)
+    }
+    manifest = path / f"{MANIFEST_PREFIX}{rank:05d}.json"
+    manifest.write_text(json.dumps({"rank": rank, "world_size": world_size, "files": files}))
+    return manifest
+
+
+def verify_checkpoint(directory: str | Path, *, checksums: bool = True) -> list[str]:
+    """What is wrong with a checkpoint, one line per problem (empty when it is intact): a
+    missing or unreadable ``trainer_state.json``, a missing rank manifest, a file missing,
+    of another size or (with ``checksums``) another CRC-32 than its manifest says. A
+    checkpoint written before manifests existed (format version 1) is checked for its state
+    file only."""
+    path = Path(directory)
+    try:
+        state = read_state_file(path)
+    except (FileNotFoundError, CheckpointDamagedError) as exc:
+        return [str(exc)]
+    manifests = sorted(path.glob(f"{MANIFEST_PREFIX}*.json"))
+    if state.get("format_version", 1) < 2:
+        return []  # written before manifests: nothing more to check against
+    problems = []
+    seen = set()
+    for manifest in manifests:
+        try:
+            record = json.loads(manifest.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            problems.append(f"{manifest.name} is damaged: {exc}")
+            continue
+        seen.add(int(record["rank"]))
+        for name, expected in record["files"].items():
+            file = path / name
+            if not file.is_file():
+                problems.append(f"{name} is missing")
+            elif file.stat().st_size != expected["bytes"]:
+                problems.append(
+                    f"{name} has {file.stat().st_size} bytes, its manifest says {expected['bytes']}"
+                )
+            elif checksums and _crc32(file) != expected["crc32"]:
+                problems.append(f"{name} does not match its checksum")
+    missing = sorted(set(range(int(state["world_size"]))) - seen)
+    if missing:
+        problems.append(f"no manifest of ranks {missing} (their part was not completed)")
+    return problems
 
 
 def check_state_matches(
@@ -168,14 +260,26 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
         ValueError: the checkpoint's tables or optimizer do not match the trainer's.
     """
     state = read_state_file(directory)
+    problems = verify_checkpoint(directory, checksums=False)
+    if problems:
+        raise CheckpointDamagedError(f"checkpoint {directory} is damaged: {'; '.join(problems)}")
     optimizer = trainer.spec.sharding.optimizer
     check_state_matches(state, trainer.plan, optimizer, source=str(directory))
-    reader = dcp.FileSystemReader(str(directory))
-    metadata = reader.read_metadata().state_dict_metadata
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as exc:  # EOFError, unpickling errors of a damaged .metadata
+        raise CheckpointDamagedError(
+            f"checkpoint {directory}: its DCP metadata is not readable: {exc!r}"
+        ) from exc
 
     def load(state_dict: dict[str, Any]) -> None:
-        with _quiet():
-            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(directory)))
+        try:
+            with _quiet():
+                dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(directory)))
+        except Exception as exc:  # a shard that cannot be read: name the checkpoint
+            raise CheckpointDamagedError(
+                f"checkpoint {directory}: reading its shards failed: {exc!r}"
+            ) from exc
 
     load_embedding_state(
         trainer.model.embedding_bags,
