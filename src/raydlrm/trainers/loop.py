@@ -6,10 +6,10 @@ from the seed), then stream batches from this worker's split of the data: forwar
 backward (the embedding rows are updated inside the backward by fbgemm's fused optimizer),
 dense optimizer step. Metrics are computed over all
 workers and reported every ``log_every_steps``; the held-out set is evaluated every
-``eval_every_steps`` and at the end. The final checkpoint is reported before the final
-evaluation (its shards are also the model's weights: exported table by table, never gathered
-on one rank), so bad held-out data cannot lose a finished run; the final evaluation's metrics,
-or its error line (``eval/error``), come in the last report.
+``eval_every_steps`` and at the end; the last report carries the final checkpoint (its shards
+are also the model's weights: exported table by table, never gathered on one rank) with the
+final evaluation's metrics, or, when reading the held-out data failed, its error line
+(``eval/error``): bad held-out data cannot lose a finished run.
 
 Checkpoints (``[checkpoint]``, by steps or minutes, and always at the end) hold the whole
 training state (``raydlrm.trainers.state``): a run restarted by Ray Train after a worker died,
@@ -360,14 +360,14 @@ class Trainer:
         final["data/first_batch_seconds"] = _all_reduce_scalar(
             self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
         )
-        # The trained model is stored before the final evaluation: bad held-out data must not
-        # lose a finished run.
-        self._report(final, report=report, checkpoint=True, with_model=True)
         if eval_data is not None:
+            # Bad held-out data cannot lose a finished run: a reading error ends the evaluation
+            # (on every rank alike) and is reported, and the final checkpoint is written anyway.
             final.update(self._final_evaluation(eval_data))
         final.update(self._comm_metrics())
         final.update(self._dedup_metrics())
-        self._report(final, report=report)
+        # Last, with every final metric: Ray Train's result carries the checkpoint's metrics.
+        self._report(final, report=report, checkpoint=True, with_model=True)
         return final
 
     def _final_evaluation(self, data: Any) -> dict[str, Any]:
