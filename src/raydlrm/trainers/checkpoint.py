@@ -124,9 +124,11 @@ class ModelWeights:
                 )
             self.form = "safetensors"
         elif (self.directory / state.STATE_FILE).is_file():
+            # Read once: every tensor's DCP key and metadata.
+            self._dcp = state.model_tensors(self.directory)
             self.tensors = [
-                TensorInfo(name, dtype, shape)
-                for name, dtype, shape in state.model_tensors(self.directory)
+                TensorInfo(name, meta.properties.dtype, tuple(meta.size))
+                for name, (_, meta) in self._dcp.items()
             ]
             self.form = "training_state"
         elif self._legacy.is_file():
@@ -153,7 +155,7 @@ class ModelWeights:
             return self._open.get_tensor(name)
         if self.form == "legacy":
             return self._state_dict[name]
-        return state.load_model_tensor(self.directory, name)
+        return state.load_model_tensor(self.directory, *self._dcp[name])
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one at a time (drop each before taking the next to bound memory)."""

@@ -320,9 +320,10 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     return state
 
 
-def _model_keys(directory: str | Path) -> dict[str, tuple[str, Any]]:
-    """Model state-dict key -> (DCP key, DCP metadata) of a training checkpoint's model: every
-    table (``embedding_bags.weights.<table>``) and rank 0's dense model (``dense.*``)."""
+def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
+    """Every tensor of a training checkpoint's unsharded model, from its metadata alone: the
+    key of the unsharded ``RecModel`` (``embedding_bags.weights.<table>``, ``dense.*`` of rank
+    0) -> (its DCP key, its DCP metadata: ``size``, ``properties.dtype``)."""
     state = read_state_file(directory)
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
@@ -339,24 +340,10 @@ def _model_keys(directory: str | Path) -> dict[str, tuple[str, Any]]:
     return keys
 
 
-def model_tensors(directory: str | Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """Name, dtype and shape of every tensor of a training checkpoint's unsharded model (keys of
-    the unsharded ``RecModel``: ``embedding_bags.weights.<table>``, ``dense.*``), from its
-    metadata alone."""
-    return [
-        (name, meta.properties.dtype, tuple(meta.size))
-        for name, (_, meta) in _model_keys(directory).items()
-    ]
-
-
-def load_model_tensor(directory: str | Path, name: str) -> torch.Tensor:
-    """One tensor of a training checkpoint's unsharded model (see :func:`model_tensors`), in
-    one process: a table is assembled from the chunks every rank wrote; nothing else is read.
-
-    Raises:
-        KeyError: ``name`` is not a tensor of the model.
-    """
-    key, meta = _model_keys(directory)[name]
+def load_model_tensor(directory: str | Path, key: str, meta: Any) -> torch.Tensor:
+    """One tensor of a training checkpoint (its DCP ``key`` and ``meta`` from
+    :func:`model_tensors`), in one process: a table is assembled from the chunks every rank
+    wrote; nothing else is read."""
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     # Without a process group DCP reads in this process.
     with _quiet():
