@@ -4,7 +4,10 @@ on as if it had never stopped."""
 
 from __future__ import annotations
 
+import os
+import pickle
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -326,7 +329,7 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
 
     from raydlrm.platform.cli import app
     from raydlrm.trainers._ray import latest_checkpoint
-    from raydlrm.trainers.state import CheckpointDamagedError, verify_checkpoint
+    from raydlrm.trainers.state import CheckpointDamagedError, CheckpointReader, verify_checkpoint
 
     trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
     position = {"epoch": 0, "consumed": {}, "totals": {}}
@@ -362,3 +365,16 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
         pick(registered)
     with pytest.raises(CheckpointDamagedError, match=r"trainer_state\.json is damaged"):
         load_training_state(trainer, old)
+    # DCP's .metadata is a pickle: ours is read by an unpickler that builds DCP's metadata only.
+    planted = tmp_path / "planted"
+    save_training_state(trainer, planted, position=position)
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    (planted / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(pickle.UnpicklingError, match=r"may not refer to (posix|os)\.system"):
+        CheckpointReader(str(planted)).read_metadata()
+    assert not marker.exists()

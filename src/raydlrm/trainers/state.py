@@ -10,7 +10,10 @@ resume restores each rank's own; another world size starts every rank from rank 
 worker config and the data position (which rows of the current epoch every worker has trained
 on; see ``raydlrm.ingestion.reader.EpochProgress``).
 
-Only tensors go through DCP and only JSON sits beside them.
+Only tensors go through DCP and only JSON sits beside them. DCP's own ``.metadata`` file is a
+pickle (``FileSystemReader`` unpickles it with no restriction); :class:`CheckpointReader` reads it
+with an unpickler that can build only DCP's metadata classes, ``torch.Size``, dtypes, layouts,
+memory formats and paths, so a planted ``.metadata`` cannot run code.
 
 Every rank writes ``manifest.rank<r>.json`` last: the size and CRC-32 of each file it wrote.
 :func:`verify_checkpoint` checks a checkpoint against its manifests (every rank's present, every
@@ -21,7 +24,10 @@ is found before a load fails on it, and a resume falls back to the newest intact
 
 from __future__ import annotations
 
+import io
 import json
+import pathlib
+import pickle
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -32,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+from torch.distributed.checkpoint import metadata as _dcp_metadata
 
 from raydlrm.ingestion.storage import redact
 from raydlrm.sharding import ShardingPlan
@@ -48,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STATE_FILE",
     "CheckpointDamagedError",
+    "CheckpointReader",
     "check_state_matches",
     "load_model_tensor",
     "load_training_state",
@@ -66,6 +75,60 @@ _RNG = "rng"
 FORMAT_VERSION = 2
 """2: every rank writes a manifest (version 1 checkpoints have none and are checked for their
 state file only)."""
+
+
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(_dcp_metadata, name)
+    for name in (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _dcp_filesystem._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    # torch pickles a layout as _get_layout("torch.strided"): a lookup in a table of layouts.
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # written on Windows, read here
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: any other global is refused (the "restricting
+    globals" recipe of the ``pickle`` docs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return _METADATA_GLOBALS[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"DCP metadata may not refer to {module}.{name}: refused (not a checkpoint's metadata)"
+        )
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file-system reader, reading ``.metadata`` with :class:`_MetadataUnpickler` instead
+    of an unrestricted ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if not isinstance(metadata, _dcp_metadata.Metadata):
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = _dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 @contextmanager
@@ -266,7 +329,7 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     optimizer = trainer.spec.sharding.optimizer
     check_state_matches(state, trainer.plan, optimizer, source=str(directory))
     try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+        metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
     except Exception as exc:  # EOFError, unpickling errors of a damaged .metadata
         raise CheckpointDamagedError(
             f"checkpoint {directory}: its DCP metadata is not readable: {exc!r}"
@@ -275,7 +338,7 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     def load(state_dict: dict[str, Any]) -> None:
         try:
             with _quiet():
-                dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(directory)))
+                dcp.load(state_dict, storage_reader=CheckpointReader(str(directory)))
         except Exception as exc:  # a shard that cannot be read: name the checkpoint
             raise CheckpointDamagedError(
                 f"checkpoint {directory}: reading its shards failed: {exc!r}"
@@ -325,7 +388,7 @@ def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
     key of the unsharded ``RecModel`` (``embedding_bags.weights.<table>``, ``dense.*`` of rank
     0) -> (its DCP key, its DCP metadata: ``size``, ``properties.dtype``)."""
     state = read_state_file(directory)
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
     keys = {}
     for table in plan.tables:
@@ -347,5 +410,5 @@ def load_model_tensor(directory: str | Path, key: str, meta: Any) -> torch.Tenso
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     # Without a process group DCP reads in this process.
     with _quiet():
-        dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+        dcp.load({key: tensor}, storage_reader=CheckpointReader(str(directory)), no_dist=True)
     return tensor
