@@ -124,7 +124,9 @@ class CheckpointReader(dcp.FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
         if not isinstance(metadata, _dcp_metadata.Metadata):
-            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+            raise pickle.UnpicklingError(
+                f"{path} holds a {type(metadata).__name__}, not DCP metadata"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = _dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
