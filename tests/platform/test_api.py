@@ -138,3 +138,57 @@ def test_bad_held_out_row_fails_the_final_evaluation_but_keeps_the_model(
     assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "spec.json").is_file()
     assert client.list_artifacts(run.info.run_id, "model")  # logged: the model is kept
     assert not client.search_registered_models()  # not registered: it was not evaluated
+
+
+_DRIVER = """
+import sys, time
+from raydlrm.platform.config import load_config
+from raydlrm.platform.launch import _init_ray
+_init_ray(load_config({"ray": {"num_cpus": 2, "object_store_memory": 80 * 1024**2}}))
+import ray
+ray.get(ray.remote(lambda: None).remote())  # a worker process too
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_local_cluster_is_torn_down_when_its_driver_is_killed(tmp_path: Path) -> None:
+    """A SIGKILLed driver's local Ray instance goes with it: without the watcher, Ray's
+    dashboard and runtime-env agents outlive the driver by about a minute."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = {**os.environ, "RAY_API_SERVER_ADDRESS": ""}
+    env.pop("RAY_API_SERVER_ADDRESS")
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "READY"
+        processes = psutil.Process(driver.pid).children(recursive=True)
+        names = {p.name() for p in processes}
+        assert any("raylet" in n for n in names) and any("Agent" in n for n in names), names
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + 15  # measured: 5 s
+    while time.monotonic() < deadline and any(running(p) for p in processes):
+        time.sleep(0.5)
+    left = [p for p in processes if running(p)]
+    for p in left:
+        p.kill()
+    assert not left, [p.name() for p in left]

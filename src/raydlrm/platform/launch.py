@@ -36,6 +36,7 @@ from raydlrm.ingestion import (
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.ingestion.storage import filesystem_for
+from raydlrm.platform import _reaper
 from raydlrm.platform.config import ConfigError, JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.progress import TrainingProgress, progress_mode
@@ -212,9 +213,36 @@ def _init_ray(job: JobConfig) -> None:
             "num_cpus": config.num_cpus or _local_num_cpus(job),
             "object_store_memory": config.object_store_memory,
         }
+        kwargs["dashboard_port"] = _pin_state_api()
     elif address != "auto":
         _check_reachable(address, source="ray.address" if config.address else "$RAY_ADDRESS")
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
+    if address == "local":
+        _reaper.start()
+
+
+# The State API address this process pinned for the local instance it started (None: none).
+_pinned_state_api: str | None = None
+
+
+def _pin_state_api() -> int | None:
+    """Points the State API of a new local instance at its own dashboard: returns the dashboard
+    port to start it on (None: the user's ``$RAY_API_SERVER_ADDRESS`` stands).
+
+    Without an address the State API asks the newest Ray instance on the machine
+    (``/tmp/ray/ray_current_cluster``). Ray Train's placement-group cleaner asks it whether the
+    run's controller is alive: with another Ray instance on the machine (another user's job, a
+    test suite) that instance answers "no such actor", and the cleaner removes the live run's
+    placement group, killing its workers. Every Ray process inherits the driver's environment."""
+    global _pinned_state_api
+    current = os.environ.get("RAY_API_SERVER_ADDRESS")
+    if current is not None and current != _pinned_state_api:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _pinned_state_api = os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return port
 
 
 # How long to wait for a TCP connection to a cluster's address before calling it unreachable.
