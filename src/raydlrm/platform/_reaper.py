@@ -18,6 +18,7 @@ a Ctrl-C in the driver's terminal reaches the driver, not the watcher.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -81,16 +82,12 @@ def watch(driver_pid: int) -> None:
         left.update({p.pid: p for p in _descendants(process) if p.pid != me})
     left = {pid: p for pid, p in left.items() if _running(p)}
     for process in left.values():
-        try:
+        with contextlib.suppress(psutil.Error):
             process.terminate()
-        except psutil.Error:
-            pass
     _, alive = psutil.wait_procs(list(left.values()), timeout=GRACE_S)
     for process in alive:
-        try:
+        with contextlib.suppress(psutil.Error):
             process.kill()
-        except psutil.Error:
-            pass
 
 
 if __name__ == "__main__":
