@@ -7,10 +7,12 @@ same MLflow run."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pytest
 import torch
@@ -181,3 +183,45 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
     assert f"step {clean.metrics['step']}, epoch {EPOCHS - 1}" in shown.output
     missing = CliRunner().invoke(app, ["checkpoint", "show", "s3://ckpt/runs/nothing"])
     assert missing.exit_code == 2 and "s3://ckpt/runs/nothing does not exist" in missing.output
+
+
+def test_worker_killed_in_the_final_evaluation_keeps_the_final_checkpoint(
+    uninterrupted, monkeypatch
+) -> None:
+    """The final checkpoint precedes the final evaluation: a worker dying there is restarted
+    from it (no step redone, no second final checkpoint) and only the evaluation is redone; the
+    result, the checkpoint (final_metrics.json) and the registered model carry its metrics."""
+    root, _ = uninterrupted
+    config = _config(root, "eval-killed", max_failures=1)
+    config["data"].update(
+        train_path=str(root / "with-eval" / "train"), eval_path=str(root / "with-eval" / "eval")
+    )
+    config["data"]["synthetic"].update(num_train_rows=1024, num_eval_rows=256)
+    config["training"].update(num_epochs=1, sample_log_dir=None)
+    config["tracking"]["registered_model_name"] = "eval-killed"
+    last = 1024 // 256  # the last step: one epoch of global batches of 2 x 128 rows
+    monkeypatch.setenv("RAYDLRM_FAULT", f"rank=1,step={last},during=eval")
+    result = raydlrm.train(config)
+    run_dir = Path(root, "runs", "eval-killed")
+    assert Path(run_dir, f"fault-injected.rank1.step{last}.eval").is_file()
+    assert result.metrics["step"] == last and result.metrics["samples_seen"] == 1024
+    assert result.metrics["eval/num_samples"] == 256 and 0 < result.metrics["eval/auc"] < 1
+    checkpoints = [p for p in run_dir.glob("checkpoint_*") if p.is_dir()]
+    finals = [p for p in checkpoints if read_state_file(p)["step"] == last]
+    assert [str(p) for p in finals] == [result.checkpoint_path]
+    final_metrics = json.loads(Path(result.checkpoint_path, "final_metrics.json").read_text())
+    assert final_metrics["eval/auc"] == result.metrics["eval/auc"]
+    client = MlflowClient(result.tracking_uri)
+    history = client.get_metric_history(result.run_id, "restore/from_step")
+    assert {m.value for m in history} == {last}
+    assert (
+        client.get_metric_history(result.run_id, "eval/auc")[-1].value == final_metrics["eval/auc"]
+    )
+    assert result.registered_model_version == "1"
+    model = mlflow.artifacts.download_artifacts(
+        artifact_uri=result.model_uri,
+        dst_path=str(root / "eval-killed-model"),
+        tracking_uri=result.tracking_uri,
+    )
+    (metrics_file,) = Path(model).rglob("metrics.json")
+    assert json.loads(metrics_file.read_text())["eval/auc"] == final_metrics["eval/auc"]

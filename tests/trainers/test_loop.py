@@ -110,8 +110,9 @@ def test_single_process_run_pins_first_losses(data_dir: Path) -> None:
     assert len(losses) == 10
     assert losses[:4] == pytest.approx(PINNED_LOSSES, abs=1e-5)
     reports = out["reports"]
-    assert [r["step"] for r in reports] == [2, 4, 6, 8, 10, 10]
-    assert reports[-1]["has_checkpoint"] and not any(r["has_checkpoint"] for r in reports[:-1])
+    # The final checkpoint (step 10), then the final evaluation's metrics.
+    assert [r["step"] for r in reports] == [2, 4, 6, 8, 10, 10, 10]
+    assert [r["has_checkpoint"] for r in reports] == [False] * 5 + [True, False]
     assert "eval/auc" in reports[-1] and "eval/error" not in reports[-1]
     final = out["final"]
     assert final["eval/num_samples"] == 256
@@ -130,8 +131,8 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert results[0]["final"]["eval/auc"] == pytest.approx(single["final"]["eval/auc"], abs=1e-5)
     # Every rank carries its part of the final checkpoint and reports the same number of times.
-    assert results[0]["reports"][-1]["has_checkpoint"]
-    assert results[1]["reports"][-1]["has_checkpoint"]
+    assert results[0]["reports"][-2]["has_checkpoint"]
+    assert results[1]["reports"][-2]["has_checkpoint"]
     assert len(results[0]["reports"]) == len(results[1]["reports"])
     # Wire bytes are reported, summed over ranks: ids went out, pooled vectors came back.
     final = results[0]["final"]
@@ -143,15 +144,17 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
 
 @pytest.mark.distributed
 def test_bad_eval_data_after_training_keeps_the_checkpoint(data_dir: Path) -> None:
-    """A bad held-out row found in the final evaluation on one rank: every rank finishes its
-    collectives and reports the final checkpoint with the error line."""
+    """The final checkpoint is reported before the final evaluation; a bad held-out row found
+    there on one rank: every rank finishes its collectives and reports the error line."""
     results = run_distributed(
         _run, world_size=2, args=(str(data_dir), "rowwise_adagrad", "cpu", None, 1)
     )
     for r in results:
-        reports = r["reports"]
-        assert reports[-1]["has_checkpoint"] and reports[-1]["step"] == 10
-        assert reports[-1]["eval/error"].startswith("BadInputError: data/part-7.parquet")
+        checkpoint, last = r["reports"][-2:]
+        assert checkpoint["has_checkpoint"] and checkpoint["step"] == 10
+        assert not any(k.startswith("eval/") for k in checkpoint)
+        assert not last["has_checkpoint"] and last["step"] == 10
+        assert last["eval/error"].startswith("BadInputError: data/part-7.parquet")
         assert "eval/auc" not in r["final"]
 
 

@@ -353,8 +353,9 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
 
     def pick(latest: Path) -> str | None:
         checkpoint = ray.train.Checkpoint(path=str(latest))
-        with latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False), checkpoint) as d:
-            return d
+        intact = latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False), checkpoint)
+        with intact as (directory, _):
+            return directory
 
     # The newest complete one wins even though Ray registered an older (here damaged) one.
     assert pick(registered) == str(unregistered)

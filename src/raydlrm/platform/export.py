@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -31,12 +30,7 @@ from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.storage import list_files
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
-from raydlrm.trainers.checkpoint import (
-    METADATA_FILES,
-    SPEC_FILE,
-    WEIGHTS_FILE,
-    write_model_weights,
-)
+from raydlrm.trainers.checkpoint import SPEC_FILE, write_model_dir
 
 __all__ = [
     "RecModelPythonModel",
@@ -117,17 +111,8 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
 
 
 def _model_only(checkpoint_dir: str | Path, into: Path) -> Path:
-    """Writes the model of a checkpoint into ``into/checkpoint``: its weights as
-    ``model.safetensors`` (streamed, one table at a time) and its config, plan and metrics;
-    not the training state's optimizer state."""
-    target = into / "checkpoint"
-    target.mkdir(parents=True)
-    for name in METADATA_FILES:
-        source = Path(checkpoint_dir, name)
-        if source.is_file():
-            shutil.copy2(source, target / name)
-    write_model_weights(checkpoint_dir, target / WEIGHTS_FILE)
-    return target
+    """The model of a checkpoint in ``into/checkpoint`` (see ``write_model_dir``)."""
+    return write_model_dir(checkpoint_dir, into / "checkpoint")
 
 
 def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:

@@ -44,8 +44,10 @@ from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.sharding.plan import format_bytes
+from raydlrm.trainers._ray import latest_checkpoint
+from raydlrm.trainers.checkpoint import model_metrics
 from raydlrm.trainers.loop import train_loop_per_worker
-from raydlrm.trainers.state import STATE_FILE, check_state_matches
+from raydlrm.trainers.state import STATE_FILE, check_state_matches, verify_checkpoint
 
 __all__ = [
     "EvaluationError",
@@ -595,15 +597,19 @@ def _fit(
         result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
-    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
-    checkpoint_uri = storage_uri(result.checkpoint.path, scheme)
-    tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
     if job.data.eval_path:
         example = example_rows(job.data.eval_path, job.data, role="eval")
     else:
         example = example_rows(job.data.train_path, job.data)
-    eval_error = result.metrics.get("eval/error")
-    with result.checkpoint.as_directory() as checkpoint_dir:
+    # The run's newest intact checkpoint, as the workers resume from: a worker that died in
+    # the final evaluation may have kept Ray Train from registering the final checkpoint.
+    newest = latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False), result.checkpoint)
+    with newest as (checkpoint_dir, checkpoint):
+        checkpoint_uri = storage_uri(checkpoint.path, scheme)
+        tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
+        # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
+        final = {**result.metrics, **model_metrics(checkpoint_dir)}
+        eval_error = final.get("eval/error")
         info = log_model(
             run_id=tracked.run_id,
             checkpoint_dir=checkpoint_dir,
@@ -620,7 +626,7 @@ def _fit(
         )
     version = info.registered_model_version
     return TrainResult(
-        metrics=metrics,
+        metrics={k: v for k, v in final.items() if isinstance(v, int | float)},
         checkpoint_path=checkpoint_uri,
         run_id=tracked.run_id,
         tracking_uri=tracked.tracking_uri,

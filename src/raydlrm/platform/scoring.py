@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from raydlrm.trainers.checkpoint import (
     SPEC_FILE,
     WEIGHTS_FILE,
     find_model_dir,
-    write_model_weights,
+    write_model_dir,
 )
 
 __all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]
@@ -123,13 +122,7 @@ def model_files(model: str) -> ModelFiles:
         if not (directory / WEIGHTS_FILE).is_file():
             # A training checkpoint (or an old model.pt): its tables, one at a time, into a
             # safetensors file that the actors can map.
-            converted = Path(tmp.name, "model")
-            converted.mkdir()
-            for name in METADATA_FILES:
-                if (directory / name).is_file():
-                    shutil.copy2(directory / name, converted / name)
-            write_model_weights(directory, converted / WEIGHTS_FILE)
-            directory = converted
+            directory = write_model_dir(directory, Path(tmp.name, "model"))
         spec = json.loads((directory / SPEC_FILE).read_text())
     except BaseException:
         tmp.cleanup()

@@ -42,23 +42,33 @@ def worker_context() -> WorkerContext:
     )
 
 
-def report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> None:
-    """Reports metrics (and, from the ranks that pass one, a checkpoint directory).
+def report(
+    metrics: dict[str, Any], *, checkpoint_dir: str | None = None
+) -> ray.train.Checkpoint | None:
+    """Reports metrics (and, from the ranks that pass one, a checkpoint directory); returns the
+    checkpoint as stored in the run storage (None for a metrics-only report).
 
     Every worker must call this the same number of times.
     """
-    checkpoint = (
-        ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir is not None else None
-    )
-    ray.train.report(metrics, checkpoint=checkpoint)
+    if checkpoint_dir is None:
+        ray.train.report(metrics, checkpoint=None)
+        return None
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir))
+    return ray.train.get_checkpoint()  # Ray Train's latest: the one just stored
+
+
+def add_file(checkpoint: ray.train.Checkpoint, name: str, text: str) -> None:
+    """Writes ``text`` as the file ``name`` of a stored checkpoint (local or remote)."""
+    with checkpoint.filesystem.open_output_stream(f"{checkpoint.path.rstrip('/')}/{name}") as f:
+        f.write(text.encode())
 
 
 @contextlib.contextmanager
 def latest_checkpoint(
     problems_of: Callable[[str], list[str]], latest: ray.train.Checkpoint | None = None
-) -> Iterator[str | None]:
-    """The run's newest intact checkpoint as a local directory (downloaded if remote), or None
-    when the run has none (a fresh start).
+) -> Iterator[tuple[str, ray.train.Checkpoint] | tuple[None, None]]:
+    """The run's newest intact checkpoint as a local directory (downloaded if remote) and as
+    stored, or (None, None) when the run has none (a fresh start).
 
     Ray Train's latest registered checkpoint and every other ``checkpoint_*`` directory of the
     run are tried newest first (Ray names them by time): one complete but never registered
@@ -75,7 +85,7 @@ def latest_checkpoint(
     """
     latest = latest or ray.train.get_checkpoint()
     if latest is None:
-        yield None
+        yield None, None
         return
     damaged = []
     for checkpoint in _newest_first(latest):
@@ -84,11 +94,11 @@ def latest_checkpoint(
             if not problems:
                 if damaged or checkpoint.path != latest.path:
                     logger.warning(
-                        "resuming from %s instead of the latest registered checkpoint %s",
+                        "taking %s rather than the latest registered checkpoint %s",
                         checkpoint.path,
                         latest.path,
                     )
-                yield directory
+                yield directory, checkpoint
                 return
         damaged.append(f"{checkpoint.path}: {'; '.join(problems[:3])}")
         logger.warning("checkpoint %s is damaged, passed over: %s", checkpoint.path, damaged[-1])

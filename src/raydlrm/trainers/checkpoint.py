@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,8 +43,10 @@ __all__ = [
     "ModelWeights",
     "find_model_dir",
     "load_model_checkpoint",
+    "model_metrics",
     "model_weights",
     "save_model_metadata",
+    "write_model_dir",
     "write_model_weights",
 ]
 
@@ -51,6 +55,9 @@ LEGACY_MODEL_FILE = "model.pt"
 SPEC_FILE = "spec.json"
 PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.json"
+FINAL_METRICS_FILE = "final_metrics.json"
+"""The run's final metrics, the final evaluation's included, written into the final checkpoint
+after the evaluation (its ``metrics.json`` is written before: the checkpoint precedes it)."""
 METADATA_FILES = (SPEC_FILE, PLAN_FILE, METRICS_FILE)
 """The small files of a model directory, beside its weights."""
 
@@ -66,6 +73,32 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+def model_metrics(directory: str | Path) -> dict[str, Any]:
+    """A model directory's metrics: ``metrics.json`` with ``final_metrics.json`` (the final
+    evaluation's, when the run wrote them) over it; empty if it has neither."""
+    metrics: dict[str, Any] = {}
+    for name in (METRICS_FILE, FINAL_METRICS_FILE):
+        file = Path(directory, name)
+        if file.is_file():
+            metrics.update(json.loads(file.read_text()))
+    return metrics
+
+
+def write_model_dir(checkpoint_dir: str | Path, target: str | Path) -> Path:
+    """Writes the model of a model directory or training checkpoint into ``target`` (created):
+    ``model.safetensors`` (streamed, one table at a time), its config and plan, and its metrics
+    (:func:`model_metrics`); not the training state's optimizer state."""
+    target = Path(target)
+    target.mkdir(parents=True)
+    for name in (SPEC_FILE, PLAN_FILE):
+        if Path(checkpoint_dir, name).is_file():
+            shutil.copy2(Path(checkpoint_dir, name), target / name)
+    metrics = model_metrics(checkpoint_dir)
+    (target / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    write_model_weights(checkpoint_dir, target / WEIGHTS_FILE)
+    return target
 
 
 def save_model_metadata(
@@ -253,8 +286,7 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
             raise FileNotFoundError(f"checkpoint {path} has no {name}")
     spec = WorkerSpec(**json.loads((path / SPEC_FILE).read_text()))
     plan = ShardingPlan.from_json((path / PLAN_FILE).read_text())
-    metrics_path = path / METRICS_FILE
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    metrics = model_metrics(path)
     model = build_model(
         spec.model,
         tables=spec.tables(),

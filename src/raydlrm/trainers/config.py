@@ -81,7 +81,7 @@ class CheckpointConfig:
 
 
 FAULT_ENV = "RAYDLRM_FAULT"
-"""``rank=R,step=S[,during=step|checkpoint]``: a fault to inject, overriding ``[fault]``."""
+"""``rank=R,step=S[,during=step|checkpoint|eval]``: a fault to inject, overriding ``[fault]``."""
 
 
 @config_dataclass
@@ -97,9 +97,10 @@ class FaultConfig:
     """Kill after this training step (None: no fault)."""
     rank: int = 0
     """The worker that dies."""
-    during: Literal["step", "checkpoint"] = "step"
+    during: Literal["step", "checkpoint", "eval"] = "step"
     """``step``: right after the step; ``checkpoint``: in the middle of writing the checkpoint
-    of that step (its shards partly written, never reported)."""
+    of that step (its shards partly written, never reported); ``eval``: at the start of the
+    final evaluation (``at_step`` the last step; the final checkpoint is already stored)."""
 
     def __post_init__(self) -> None:
         if self.at_step is not None and self.at_step <= 0:
@@ -119,7 +120,7 @@ class FaultConfig:
             key, sep, v = part.partition("=")
             if not sep or key not in ("rank", "step", "during"):
                 raise ValueError(
-                    f"{FAULT_ENV}={value!r}: expected rank=R,step=S[,during=step|checkpoint], "
+                    f"{FAULT_ENV}={value!r}: expected rank=R,step=S[,during=step|checkpoint|eval], "
                     f"got {part!r}"
                 )
             fields[key] = v

@@ -26,6 +26,7 @@ every rank is done. Every row of the epoch is trained on; none is dropped.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,7 +51,7 @@ from raydlrm.ingestion.storage import StorageConfig, filesystem_for
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.trainers import _ray
-from raydlrm.trainers.checkpoint import save_model_metadata
+from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
 from raydlrm.trainers.state import load_training_state, save_training_state, verify_checkpoint
@@ -105,6 +107,15 @@ class StepResult:
     """Detached logits, shape ``(B,)``."""
     loss: float
     """This rank's mean loss over the batch."""
+
+
+@dataclass
+class FinishedRun:
+    """The run's final checkpoint, loaded to redo the final evaluation only."""
+
+    step: int
+    metrics: dict[str, Any]  # the checkpoint's (final training) metrics
+    checkpoint: Any  # where it is stored (a Ray Train checkpoint), or None
 
 
 class Trainer:
@@ -166,13 +177,21 @@ class Trainer:
         self._pending_samples = 0  # trained here, not yet added to samples_seen
         self._last_metrics: dict[str, float] = {}
         self._last_checkpoint = time.monotonic()
+        # Set when the loaded checkpoint is the run's final one (see fit).
+        self.finished: FinishedRun | None = None
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, *, stored: Any = None) -> None:
         """Continues from a training-state checkpoint (any world size or plan); all ranks.
+        ``stored`` is the checkpoint in the run storage (``directory`` may be a local copy):
+        when it is the run's final checkpoint, the final evaluation's metrics go there.
 
         The reports that follow carry ``restore/from_step`` and ``restore/load_seconds``."""
         started = time.perf_counter()
         state = load_training_state(self, directory)
+        metrics_file = Path(directory, METRICS_FILE)
+        if metrics_file.is_file():  # only final checkpoints hold the model's metadata
+            metrics = json.loads(metrics_file.read_text())
+            self.finished = FinishedRun(step=self.step, metrics=metrics, checkpoint=stored)
         self._last_metrics["restore/from_step"] = float(self.step)
         self._last_metrics["restore/load_seconds"] = time.perf_counter() - started
         self.resume = EpochProgress.from_dict(state["position"])
@@ -360,14 +379,25 @@ class Trainer:
         final["data/first_batch_seconds"] = _all_reduce_scalar(
             self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
         )
-        if eval_data is not None:
-            # Bad held-out data cannot lose a finished run: a reading error ends the evaluation
-            # (on every rank alike) and is reported, and the final checkpoint is written anyway.
-            final.update(self._final_evaluation(eval_data))
         final.update(self._comm_metrics())
         final.update(self._dedup_metrics())
-        # Last, with every final metric: Ray Train's result carries the checkpoint's metrics.
-        self._report(final, report=report, checkpoint=True, with_model=True)
+        if self.finished is not None and self.step == self.finished.step:
+            # Resumed from this run's final checkpoint (a worker died in the final evaluation):
+            # nothing left to train, the checkpoint stands; only the evaluation is redone.
+            final, persisted = dict(self.finished.metrics), self.finished.checkpoint
+        else:
+            # The finished training state first: nothing after it can lose the trained model.
+            persisted = self._report(final, report=report, checkpoint=True, with_model=True)
+        if eval_data is not None:
+            self._inject_fault("eval")
+            # A reading error ends the evaluation on every rank alike and is reported.
+            final.update(self._final_evaluation(eval_data))
+            final.update(self._comm_metrics())  # the evaluation's all-to-alls included
+            if self.rank == 0 and persisted is not None:
+                # Ray Train's result holds the metrics of the last checkpoint report: the final
+                # evaluation's go into the checkpoint (beside the files its manifests cover).
+                _ray.add_file(persisted, FINAL_METRICS_FILE, json.dumps(final, sort_keys=True))
+            self._report(final, report=report)
         return final
 
     def _final_evaluation(self, data: Any) -> dict[str, Any]:
@@ -497,11 +527,12 @@ class Trainer:
         report: Any,
         checkpoint: bool = False,
         with_model: bool = False,
-    ) -> None:
+    ) -> Any:
         """Reports metrics from every rank; with ``checkpoint``, every rank writes its part of
         the training state (and, ``with_model``, rank 0 the model's config, plan and metrics)
         into a directory of its own, reported with the metrics (Ray Train merges the ranks'
-        directories into one checkpoint, registered only once every rank's part is stored)."""
+        directories into one checkpoint, registered only once every rank's part is stored) and
+        returns what ``report`` returns for it (where it is stored)."""
         if checkpoint:
             self._flush_samples()
         # The last value of every metric rides along, so that a checkpoint-only report still
@@ -522,7 +553,7 @@ class Trainer:
             logger.info("step %d epoch %d: %s", self.step, self.epoch, shown)
         if not checkpoint:
             report(metrics, checkpoint_dir=None)
-            return
+            return None
         gathered: list[Any] = [self.progress.to_dict()]
         if _distributed():
             gathered = [None] * dist.get_world_size()
@@ -535,8 +566,9 @@ class Trainer:
                 save_model_metadata(tmp, spec=self.spec, plan=self.plan, metrics=metrics)
             save_training_state(self, tmp, position=position)  # its manifest covers the dir
             self._inject_fault("checkpoint")
-            report(metrics, checkpoint_dir=tmp)
+            stored = report(metrics, checkpoint_dir=tmp)
         self._last_checkpoint = time.monotonic()
+        return stored
 
     def unsharded_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full, unsharded model state on rank 0 (None elsewhere); all ranks must call.
@@ -585,9 +617,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     trainer.fault_marker = config.get("fault_marker")
     if config.get("fault_storage") is not None:
         trainer.fault_storage = StorageConfig(**config["fault_storage"])
-    with _ray.latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False)) as checkpoint_dir:
+    intact = _ray.latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False))
+    with intact as (checkpoint_dir, stored):
         if checkpoint_dir is not None:
-            trainer.load(checkpoint_dir)
+            trainer.load(checkpoint_dir, stored=stored)
         elif config.get("warm_start") is not None:
             # A run's own checkpoint wins: a warm-started run that restarts continues from it.
             with _ray.checkpoint_directory(config["warm_start"]) as warm_dir:
