@@ -6,10 +6,12 @@ from the seed), then stream batches from this worker's split of the data: forwar
 backward (the embedding rows are updated inside the backward by fbgemm's fused optimizer),
 dense optimizer step. Metrics are computed over all
 workers and reported every ``log_every_steps``; the held-out set is evaluated every
-``eval_every_steps`` and at the end; the last report carries the final checkpoint (its shards
-are also the model's weights: exported table by table, never gathered on one rank) with the
-final evaluation's metrics, or, when reading the held-out data failed, its error line
-(``eval/error``): bad held-out data cannot lose a finished run.
+``eval_every_steps`` and at the end. The final checkpoint (its shards are also the model's
+weights: exported table by table, never gathered on one rank) is stored *before* the final
+evaluation, so nothing there can lose a finished run: a worker dying in it is restarted from
+that checkpoint and redoes only the evaluation, and a reading error of the held-out data ends
+the evaluation on every rank alike with its error line (``eval/error``). The evaluation's
+metrics go into the stored checkpoint (``final_metrics.json``) and a last, metrics-only report.
 
 Checkpoints (``[checkpoint]``, by steps or minutes, and always at the end) hold the whole
 training state (``raydlrm.trainers.state``): a run restarted by Ray Train after a worker died,
