@@ -24,13 +24,25 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=4,
-            object_store_memory=512 * 1024 * 1024,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        # No dashboard: the cluster's processes (which inherit the environment at ray.init)
+        # point the State API where nothing answers, so that Ray Train's placement-group
+        # cleaner cannot ask another Ray instance on the machine (which knows no such
+        # controller) and remove a live test run's workers. Subprocesses do not inherit it.
+        previous = os.environ.get("RAY_API_SERVER_ADDRESS")
+        os.environ["RAY_API_SERVER_ADDRESS"] = "http://127.0.0.1:9"
+        try:
+            ray.init(
+                address="local",
+                num_cpus=4,
+                object_store_memory=512 * 1024 * 1024,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+        finally:
+            if previous is None:
+                del os.environ["RAY_API_SERVER_ADDRESS"]
+            else:
+                os.environ["RAY_API_SERVER_ADDRESS"] = previous
     yield ray
     ray.shutdown()
 

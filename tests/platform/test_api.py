@@ -144,9 +144,12 @@ _DRIVER = """
 import sys, time
 from raydlrm.platform.config import load_config
 from raydlrm.platform.launch import _init_ray
-_init_ray(load_config({"ray": {"num_cpus": 2, "object_store_memory": 80 * 1024**2}}))
+ray_config = {"num_cpus": 2, "object_store_memory": 80 * 1024**2, "include_dashboard": False}
+_init_ray(load_config({"ray": ray_config}))
 import ray
-ray.get(ray.remote(lambda: None).remote())  # a worker process too
+# A worker process too (it runs raydlrm._ray_setup.without_dashboard as it starts).
+assert ray.get(ray.remote(lambda: __import__("logging").getLogger(
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner").level).remote()) == 40
 print("READY", flush=True)
 time.sleep(600)
 """
@@ -155,7 +158,8 @@ time.sleep(600)
 @pytest.mark.slow
 def test_local_cluster_is_torn_down_when_its_driver_is_killed(tmp_path: Path) -> None:
     """A SIGKILLed driver's local Ray instance goes with it: without the watcher, Ray's
-    dashboard and runtime-env agents outlive the driver by about a minute."""
+    dashboard and runtime-env agents outlive the driver by about a minute. (The instance is
+    started without its dashboard: its workers run raydlrm's set-up hook.)"""
     import os
     import signal
     import subprocess

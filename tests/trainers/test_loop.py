@@ -3,6 +3,8 @@ that change numerics are seen), on 1 process and on 2 gloo ranks with sharded ta
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +63,7 @@ def _run(
     device: str = "cpu",
     pinned_types: dict[str, str] | None = None,
     eval_fails_on_rank: int | None = None,
+    report_seconds: float = 0.0,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer)
     if pinned_types:
@@ -96,16 +99,22 @@ def _run(
             # No periodic evaluations here: the final one fails on its second batch.
             fail_after=None if eval_fails_on_rank != rank else 1,
         ),
-        report=lambda metrics, checkpoint_dir: reports.append(
-            {**metrics, "has_checkpoint": checkpoint_dir is not None}
-        ),
+        report=lambda metrics, checkpoint_dir: (
+            reports.append({**metrics, "has_checkpoint": checkpoint_dir is not None}),
+            time.sleep(report_seconds),
+        )[0],
     )
     state = trainer.unsharded_state_dict()  # a collective; the full model on rank 0
     return {"losses": losses, "final": final, "reports": reports, "state": state}
 
 
-def test_single_process_run_pins_first_losses(data_dir: Path) -> None:
-    out = _run(0, 1, str(data_dir))
+def test_single_process_run_pins_first_losses(data_dir: Path, caplog) -> None:
+    """Also: reports that take far longer than the steps between them are warned about once
+    (Ray Train's report barrier would dominate the run)."""
+    with caplog.at_level(logging.WARNING, logger="raydlrm"):
+        out = _run(0, 1, str(data_dir), report_seconds=0.3)
+    (warning,) = [r.getMessage() for r in caplog.records if "log_every_steps" in r.getMessage()]
+    assert "metrics reports take 0.3" in warning and "at least" in warning
     losses = out["losses"]
     assert len(losses) == 10
     assert losses[:4] == pytest.approx(PINNED_LOSSES, abs=1e-5)

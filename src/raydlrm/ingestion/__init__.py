@@ -1,12 +1,14 @@
 """Data ingestion: Parquet in, ``Batch`` es out.
 
-Synthetic data (:func:`generate_synthetic`), schema checks (:func:`validate_data`), the Ray Data
-pipeline (:func:`build_dataset` with :class:`Preprocessor` on an actor pool) and the worker-side
-conversion to :class:`raydlrm.batch.Batch` (:func:`iter_train_batches`, :func:`arrow_to_batch`).
+Synthetic data (:func:`generate_synthetic`), schema checks (:func:`validate_data`), the
+per-worker row-group readers (``raydlrm.ingestion.reader``: each training worker reads its own
+row groups and preprocesses them with :class:`Preprocessor` on a Ray Data actor pool), a plain
+Ray Data pipeline for batch jobs (:func:`build_dataset`) and the conversion to
+:class:`raydlrm.batch.Batch` (:func:`iter_train_batches`, :func:`arrow_to_batch`).
 
 The names are loaded lazily (PEP 562): importing one submodule, e.g.
 ``raydlrm.ingestion.preprocess`` in a Ray Data actor that unpickles :class:`Preprocessor`, runs
-this package's ``__init__`` but does not import torch (``loader``) or Ray (``dataset``); that
+this package's ``__init__`` but does not import torch (``loader``) or Ray; that
 keeps the start-up of every preprocessing actor (one pool per pass over a data set) short.
 """
 
@@ -17,23 +19,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from raydlrm.ingestion.config import DataConfig, SyntheticConfig
-    from raydlrm.ingestion.dataset import build_dataset, default_num_actors
+    from raydlrm.ingestion.dataset import build_dataset
     from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
     from raydlrm.ingestion.preprocess import Preprocessor, hash_ids, mix64
+    from raydlrm.ingestion.reader import default_num_actors
     from raydlrm.ingestion.schema import (
         SAMPLE_ID_COLUMN,
         DataSummary,
         DataValidationError,
         validate_data,
     )
-    from raydlrm.ingestion.synthetic import SyntheticInfo, generate_synthetic, planted_auc
+    from raydlrm.ingestion.synthetic import SyntheticInfo, generate_synthetic
 
 # Public name -> the submodule that defines it.
 _EXPORTS: dict[str, str] = {
     "DataConfig": "config",
     "SyntheticConfig": "config",
     "build_dataset": "dataset",
-    "default_num_actors": "dataset",
+    "default_num_actors": "reader",
     "arrow_to_batch": "loader",
     "iter_train_batches": "loader",
     "Preprocessor": "preprocess",
@@ -45,7 +48,6 @@ _EXPORTS: dict[str, str] = {
     "validate_data": "schema",
     "SyntheticInfo": "synthetic",
     "generate_synthetic": "synthetic",
-    "planted_auc": "synthetic",
 }
 
 __all__ = [
@@ -63,7 +65,6 @@ __all__ = [
     "hash_ids",
     "iter_train_batches",
     "mix64",
-    "planted_auc",
     "validate_data",
 ]
 

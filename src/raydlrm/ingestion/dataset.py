@@ -4,38 +4,28 @@
 columns the model needs with ``ray.data.read_parquet`` and preprocesses them with
 :class:`Preprocessor` on an actor pool (actors keep their state between batches and let the pool
 size be bounded independently of the number of read tasks). The result is lazy: nothing runs until
-it is iterated, e.g. by ``streaming_split`` or a Ray Train worker's ``get_dataset_shard``.
+it is iterated. Training does not use it (each worker reads its own row groups:
+``raydlrm.ingestion.reader``); it is the plain Ray Data path for batch jobs over a data set
+(``benchmarks/ingest_startup.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 
 import ray
 import ray.data
 
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import Preprocessor
+from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS, default_num_actors
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, validate_data
 from raydlrm.ingestion.storage import list_files
 
-__all__ = ["build_dataset", "default_num_actors"]
+__all__ = ["build_dataset"]
 
 logger = logging.getLogger(__name__)
-
-_ACTOR_NUM_CPUS = 0.5
-_MAX_AUTO_ACTORS = 4
-
-
-def default_num_actors() -> int:
-    """Preprocessing actors for this cluster: half its CPUs, between 1 and 4."""
-    if ray.is_initialized():
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-    else:
-        cpus = os.cpu_count() or 1
-    return max(1, min(_MAX_AUTO_ACTORS, cpus // 2))
 
 
 def build_dataset(
@@ -79,7 +69,7 @@ def build_dataset(
         batch_format="pyarrow",
         batch_size=config.preprocess_batch_size,
         compute=_actor_pool(max_size),
-        num_cpus=_ACTOR_NUM_CPUS,
+        num_cpus=PREPROCESS_ACTOR_CPUS,
     )
 
 

@@ -14,8 +14,8 @@ preprocessing batches of the actor pool are re-sliced into training batches on t
 Because tensors may share the Arrow batch's read-only memory, consumers must not modify a
 batch's tensors in place; moving a batch to a device (or ``.clone()``) gives writable tensors.
 
-The loader receives the Ray ``DataIterator`` (what ``ray.train.get_dataset_shard`` returns) from
-its caller; it does not talk to Ray Train itself.
+The loader receives its rows from its caller (in training, the worker's own row-group reader,
+``raydlrm.ingestion.reader.WorkerSource``); it does not talk to Ray Train itself.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def iter_train_batches(
     """Yields ``Batch`` es from a Ray Data iterator over preprocessed rows.
 
     Args:
-        iterator: a ``ray.data.DataIterator`` (e.g. from ``ray.train.get_dataset_shard``) or a
-            ``ray.data.Dataset`` over the output of ``build_dataset``.
+        iterator: a worker's :class:`WorkerSource` (training), a ``ray.data.DataIterator`` or a
+            ``ray.data.Dataset`` of preprocessed rows (e.g. from ``build_dataset``).
         config: the data config (``batch_size``, ``prefetch_batches``, column names).
         progress: counts each batch's rows as trained when the batch is taken (its rows carry
             their row group, see ``raydlrm.ingestion.reader``).

@@ -55,12 +55,14 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 __all__ = [
+    "PREPROCESS_ACTOR_CPUS",
     "RG_ID_COLUMN",
     "RG_ROWS_COLUMN",
     "EpochProgress",
     "RowGroupReader",
     "WorkerSource",
     "assign_row_groups",
+    "default_num_actors",
     "empty_raw_table",
     "epoch_rng",
     "read_columns",
@@ -68,7 +70,24 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ACTOR_NUM_CPUS = 0.5
+PREPROCESS_ACTOR_CPUS = 0.5
+"""Ray ``num_cpus`` of a preprocessing (or scoring) actor: on a small machine two of them share
+a core, leaving CPU for Ray Data's read tasks and the training workers."""
+_MAX_AUTO_ACTORS = 4
+
+
+def default_num_actors() -> int:
+    """Preprocessing actors for this cluster: half its CPUs, between 1 and 4."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+    else:
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_AUTO_ACTORS, cpus // 2))
+
 
 RG_ID_COLUMN = "__rg_id"
 """Index of the row's row group in the data set's list of row groups."""
@@ -405,7 +424,7 @@ class WorkerSource:
             compute=ray.data.ActorPoolStrategy(
                 min_size=1, max_size=max(1, min(self.num_actors, len(mine))), initial_size=1
             ),
-            num_cpus=_ACTOR_NUM_CPUS,
+            num_cpus=PREPROCESS_ACTOR_CPUS,
         )
 
     def iter_batches(self, **kwargs: Any) -> Iterator[pa.Table]:

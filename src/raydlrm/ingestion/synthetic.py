@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 from raydlrm.ingestion.config import SyntheticConfig
 from raydlrm.ingestion.preprocess import mix64
 
-__all__ = ["SyntheticInfo", "generate_synthetic", "planted_auc"]
+__all__ = ["SyntheticInfo", "generate_synthetic"]
 
 logger = logging.getLogger(__name__)
 
@@ -363,25 +363,6 @@ class _HistogramAUC:
         below = np.cumsum(self.negatives) - self.negatives
         wins = (self.positives * (below + 0.5 * self.negatives)).sum()
         return float(wins / (num_pos * num_neg))
-
-
-def planted_auc(config: SyntheticConfig, *, num_rows: int = 50_000) -> float:
-    """AUC of the planted model on ``num_rows`` fresh eval-split rows, without writing files.
-
-    Args:
-        config: the synthetic data set's config.
-        num_rows: rows to sample (the first eval file's stream).
-
-    Returns:
-        The AUC of the planted logits against the sampled labels.
-    """
-    model = _plant(config)
-    table, logit = _file_table(config, model, split="eval", index=0, first_id=0, num_rows=num_rows)
-    auc = _HistogramAUC()
-    auc.update(logit, table.column("label").to_numpy())
-    result = auc.compute()
-    assert result is not None, "sample has only one class"
-    return result
 
 
 def _read_info(out_dir: Path) -> tuple[SyntheticInfo, dict] | None:

@@ -159,6 +159,14 @@ class RayInitConfig:
     """CPUs of a new local instance (default: the machine's)."""
     object_store_memory: int | None = None
     """Object store bytes of a new local instance."""
+    include_dashboard: bool | None = None
+    """Start Ray's dashboard with a new local instance (default: Ray's choice, on when it is
+    installed). It serves the Jobs API (``ray job submit``), the web UI and the State API; a job
+    run directly needs none of them, and off saves its start-up time and processes."""
+    log_to_driver: bool = True
+    """Forward the output of Ray's worker processes (the training workers' log lines) to the
+    driver's screen; off in a notebook keeps the cell's output to raydlrm's own lines (the
+    workers' output stays in Ray's log files, ``/tmp/ray/session_latest/logs``)."""
 
 
 @config_dataclass

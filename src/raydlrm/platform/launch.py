@@ -214,10 +214,20 @@ def _init_ray(job: JobConfig) -> None:
         kwargs = {
             "num_cpus": config.num_cpus or _local_num_cpus(job),
             "object_store_memory": config.object_store_memory,
+            "include_dashboard": config.include_dashboard,
         }
-        kwargs["dashboard_port"] = _pin_state_api()
+        port = _pin_state_api()
+        if config.include_dashboard is False:
+            # Nothing listens on the pinned port: the State API fails (and is quiet) rather
+            # than asking another instance.
+            kwargs["runtime_env"] = {
+                "worker_process_setup_hook": "raydlrm._ray_setup.without_dashboard"
+            }
+        else:
+            kwargs["dashboard_port"] = port
     elif address != "auto":
         _check_reachable(address, source="ray.address" if config.address else "$RAY_ADDRESS")
+    kwargs["log_to_driver"] = config.log_to_driver
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
     if address == "local":
         _reaper.start()

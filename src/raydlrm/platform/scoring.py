@@ -32,8 +32,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
+import torch
 
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
 from raydlrm.ingestion.storage import (
     PartitionSelector,
     StorageConfig,
@@ -48,13 +50,13 @@ from raydlrm.trainers.checkpoint import (
     find_model_dir,
     write_model_dir,
 )
+from raydlrm.trainers.metrics import binary_metrics
 
 __all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]
 
 logger = logging.getLogger(__name__)
 
 PREDICTION_COLUMN = "prediction"
-_ACTOR_NUM_CPUS = 0.5
 _PATH_COLUMN = "path"  # Ray Data's include_paths column
 
 
@@ -306,7 +308,7 @@ def _score(
         batch_size=batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
-        num_cpus=_ACTOR_NUM_CPUS,
+        num_cpus=PREPROCESS_ACTOR_CPUS,
     )
     out_fs, out_path = filesystem_for(output, storage)
     try:
@@ -340,8 +342,6 @@ def evaluate(
     Raises:
         ValueError: the data set has no label column.
     """
-    from sklearn.metrics import log_loss, roc_auc_score
-
     if not isinstance(model, ModelFiles):
         with model_files(model) as files:
             return evaluate(
@@ -370,12 +370,16 @@ def evaluate(
         )
         out_fs, out_path = filesystem_for(target, storage)
         table = pads.dataset(out_path, filesystem=out_fs, format="parquet").to_table()
-    labels = table.column(label).to_numpy()
-    probs = table.column(PREDICTION_COLUMN).to_numpy().astype(np.float64)
+    labels = torch.from_numpy(table.column(label).to_numpy().astype(np.float64))
+    probs = torch.from_numpy(table.column(PREDICTION_COLUMN).to_numpy().astype(np.float64))
     result.output = output
+    # The training metrics' definitions (raydlrm.trainers.metrics), on the predicted
+    # probabilities' logits (clipped to 1e-7 from 0 and 1 as the log loss needs).
+    metrics = binary_metrics(torch.logit(probs, eps=1e-7), labels)
     result.metrics = {
-        "auc": float(roc_auc_score(labels, probs)),
-        "log_loss": float(log_loss(labels, np.clip(probs, 1e-7, 1 - 1e-7), labels=[0, 1])),
+        "auc": metrics.auc,
+        "log_loss": metrics.log_loss,
+        "normalized_entropy": metrics.normalized_entropy,
         "rows": float(result.rows),
     }
     return result

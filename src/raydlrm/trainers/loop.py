@@ -111,6 +111,11 @@ class StepResult:
     """This rank's mean loss over the batch."""
 
 
+_OVERHEAD_REPORTS = 3
+"""Metrics reports timed before the report overhead is judged (the first may wait for the
+controller's start)."""
+
+
 @dataclass
 class FinishedRun:
     """The run's final checkpoint, loaded to redo the final evaluation only."""
@@ -179,6 +184,8 @@ class Trainer:
         self._pending_samples = 0  # trained here, not yet added to samples_seen
         self._last_metrics: dict[str, float] = {}
         self._last_checkpoint = time.monotonic()
+        self._report_seconds: list[float] = []  # wall time of each metrics-only report
+        self._overhead_warned = False
         # Set when the loaded checkpoint is the run's final one (see fit).
         self.finished: FinishedRun | None = None
 
@@ -554,7 +561,9 @@ class Trainer:
             )
             logger.info("step %d epoch %d: %s", self.step, self.epoch, shown)
         if not checkpoint:
+            started = time.perf_counter()
             report(metrics, checkpoint_dir=None)
+            self._check_report_overhead(time.perf_counter() - started)
             return None
         gathered: list[Any] = [self.progress.to_dict()]
         if _distributed():
@@ -571,6 +580,30 @@ class Trainer:
             stored = report(metrics, checkpoint_dir=tmp)
         self._last_checkpoint = time.monotonic()
         return stored
+
+    def _check_report_overhead(self, seconds: float) -> None:
+        """Warns once (rank 0) when metrics reports cost more than 10% of the training time
+        between them: Ray Train's report is a barrier across workers that the controller polls
+        about every 2 s, so a report every few fast steps makes the run mostly waiting."""
+        self._report_seconds.append(seconds)
+        if self._overhead_warned or len(self._report_seconds) < _OVERHEAD_REPORTS:
+            return
+        self._overhead_warned = True
+        every = self.spec.training.log_every_steps
+        per_report = float(np.median(self._report_seconds))
+        per_step = self.train_seconds / max(self.step, 1)
+        if self.rank != 0 or per_report <= 0.1 * (per_report + every * per_step):
+            return
+        logger.warning(
+            "metrics reports take %.2f s each (Ray Train's report is a barrier polled about "
+            "every 2 s) against %.2f s of training between them (%d steps of %.3f s): raise "
+            "training.log_every_steps to at least %d to keep reports under 10%% of the run",
+            per_report,
+            every * per_step,
+            every,
+            per_step,
+            math.ceil(9 * per_report / max(per_step, 1e-6)),
+        )
 
     def unsharded_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full, unsharded model state on rank 0 (None elsewhere); all ranks must call.
