@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python -m raydlrm train --config configs/quickstart.toml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" --timeout=900 tests
+	$(BIN)/python -m pytest -q -m "not gpu" --timeout=900 --durations=25 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu and not ray and not slow" tests
