@@ -137,10 +137,15 @@ class CheckpointReader(dcp.FileSystemReader):
 def _quiet() -> Iterator[None]:
     """DCP warns on every call that ShardedTensor is deprecated in favour of DTensor. DTensor
     places even splits only; table-wise and planner-chosen row ranges need ShardedTensor's
-    arbitrary shard offsets (as TorchRec's checkpoints do)."""
+    arbitrary shard offsets (as TorchRec's checkpoints do). A load in one process
+    (``no_dist=True``: exporting a model, one tensor per call) also warns each time that it
+    assumes a single process, which is what it asked for."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
         )
         yield
 
