@@ -110,11 +110,6 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
     )
 
 
-def _model_only(checkpoint_dir: str | Path, into: Path) -> Path:
-    """The model of a checkpoint in ``into/checkpoint`` (see ``write_model_dir``)."""
-    return write_model_dir(checkpoint_dir, into / "checkpoint")
-
-
 def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
     """What ``mlflow.pyfunc.log_model`` and ``save_model`` take to store the model."""
     # The raydlrm source travels with the model (code_paths); these are what it imports.
@@ -140,7 +135,7 @@ def save_model(checkpoint_dir: str | Path, path: str | Path, example: pd.DataFra
     """Writes the checkpoint's model as a self-contained MLflow pyfunc model directory
     (``mlflow.pyfunc.load_model(path)`` scores raw rows; no Ray, no MLflow server)."""
     with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
-        model_dir = _model_only(checkpoint_dir, Path(tmp))
+        model_dir = write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
         mlflow.pyfunc.save_model(path=str(path), **_pyfunc_kwargs(model_dir, example))
     logger.info("saved model to %s", path)
     return Path(path)
@@ -163,7 +158,8 @@ def log_model(
         registered_model_name: registry name, or None to log without registering.
     """
     with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
-        kwargs = _pyfunc_kwargs(_model_only(checkpoint_dir, Path(tmp)), example)
+        model_dir = write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
+        kwargs = _pyfunc_kwargs(model_dir, example)
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(
                 name=MODEL_ARTIFACT, registered_model_name=registered_model_name, **kwargs

@@ -380,21 +380,22 @@ class Trainer:
                 if self._done():
                     break
         self._flush_samples()
-        # Final metrics: training metrics over the last epoch, throughput over the whole run.
-        final = epoch_buffer.compute().to_dict("train/")
-        final["train/samples_per_second"] = self.samples_seen / max(
-            _all_reduce_scalar(self.train_seconds, self.device, op=dist.ReduceOp.MAX), 1e-9
-        )
-        final["data/first_batch_seconds"] = _all_reduce_scalar(
-            self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
-        )
-        final.update(self._comm_metrics())
-        final.update(self._dedup_metrics())
         if self.finished is not None and self.step == self.finished.step:
-            # Resumed from this run's final checkpoint (a worker died in the final evaluation):
-            # nothing left to train, the checkpoint stands; only the evaluation is redone.
+            # Resumed from this run's final checkpoint (a worker died in the final evaluation;
+            # every rank loaded the same one): nothing was trained, the checkpoint and its
+            # metrics stand; only the evaluation is redone.
             final, persisted = dict(self.finished.metrics), self.finished.checkpoint
         else:
+            # Training metrics over the last epoch, throughput over the whole run.
+            final = epoch_buffer.compute().to_dict("train/")
+            final["train/samples_per_second"] = self.samples_seen / max(
+                _all_reduce_scalar(self.train_seconds, self.device, op=dist.ReduceOp.MAX), 1e-9
+            )
+            final["data/first_batch_seconds"] = _all_reduce_scalar(
+                self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
+            )
+            final.update(self._comm_metrics())
+            final.update(self._dedup_metrics())
             # The finished training state first: nothing after it can lose the trained model.
             persisted = self._report(final, report=report, checkpoint=True, with_model=True)
         if eval_data is not None:
