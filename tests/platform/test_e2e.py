@@ -68,8 +68,13 @@ def finished_run(
 ) -> tuple[Path, subprocess.CompletedProcess]:
     workdir = tmp_path_factory.mktemp("e2e")
     (workdir / "run.toml").write_text(CONFIG)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    env["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+    # What the screen shows depends on none of the suite's settings (Ray Data's progress).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAYDLRM_LOG_LEVEL")
+        and not k.startswith("RAY_DATA_")
+    }
     proc = subprocess.run(
         [
             sys.executable,
@@ -83,11 +88,12 @@ def finished_run(
         ],
         cwd=workdir,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # the screen as a user sees it, in order
         text=True,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-5000:]
     return workdir, proc
 
 
@@ -104,6 +110,30 @@ def test_summary_is_printed(finished_run) -> None:
         "registered model: e2e-model",
     ):
         assert needle in out, out
+
+
+def test_the_screen_is_quiet_and_ends_with_the_summary(finished_run) -> None:
+    """What ``raydlrm train`` prints by default: progress lines, warnings and the summary,
+    last; not fbgemm's, Ray Train's, Ray Data's or MLflow's INFO chatter (issue: a first
+    screen of ~145 lines, most of them noise, worker lines after the summary)."""
+    _, proc = finished_run
+    lines = proc.stdout.splitlines()
+    assert len(lines) <= 40, proc.stdout
+    assert lines[-1].startswith("open the MLflow UI:"), proc.stdout
+    for noise in (
+        "TBE",  # fbgemm's argument dump, per table group and worker
+        "Execution plan",  # Ray Data, per data set
+        "progress UI",
+        "Reporting training result",  # Ray Train, per report
+        "Started training worker group",
+        "Creating initial MLflow database tables",
+        "Successfully registered model",
+        "CloudPickle",
+        "Inferred schema contains integer",
+        "Token authentication",
+        "Started a local Ray instance",
+    ):
+        assert noise not in proc.stdout, proc.stdout
 
 
 def test_one_mlflow_run_with_params_metrics_and_model(finished_run) -> None:

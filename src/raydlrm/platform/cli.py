@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Annotated
 import typer
 
 from raydlrm._errors import cause_line
+from raydlrm._logs import configure_driver
 from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import ConfigError, load_config
 
@@ -48,19 +48,25 @@ _MAX_RANK_LINES = 32
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML run file (defaults if omitted).")
 ]
+VerboseOption = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Show the workers' and libraries' INFO lines too (RAYDLRM_LOG_LEVEL=DEBUG).",
+    ),
+]
 SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config key: section.key=value (repeatable)."),
 ]
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("raydlrm").setLevel(logging.INFO)
+def _setup_logging(verbose: bool = False) -> None:
+    try:
+        configure_driver(verbose=verbose)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
@@ -81,9 +87,11 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
 
 
 @app.command()
-def train(config: ConfigOption = None, set_: SetOption = None) -> None:
+def train(
+    config: ConfigOption = None, set_: SetOption = None, verbose: VerboseOption = False
+) -> None:
     """Train a model: data -> sharded training on Ray -> MLflow run and registered model."""
-    _setup_logging()
+    _setup_logging(verbose)
     from raydlrm.platform.launch import train as run_training
     from raydlrm.platform.summary import print_summary
 

@@ -78,13 +78,6 @@ def score_table(
         return torch.sigmoid(model(batch)).numpy()
 
 
-class _Context:
-    """The part of MLflow's ``PythonModelContext`` that ``load_context`` reads."""
-
-    def __init__(self, artifacts: dict[str, str]):
-        self.artifacts = artifacts
-
-
 def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.DataFrame:
     """A few raw input rows (no label) of the ``train`` or ``eval`` data set (its partitions),
     for a model signature.
@@ -110,6 +103,28 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
     )
 
 
+# MLflow's column types by numpy dtype kind (int64 columns are "long", int32 "integer").
+_COLUMN_TYPES = {"b": "boolean", "f": "double", "O": "string", "U": "string"}
+
+
+def _signature(example: pd.DataFrame) -> mlflow.models.ModelSignature:
+    """The model's signature: the example's columns in, a click probability out. Written
+    from the columns' dtypes rather than inferred: inference warns about every integer column
+    (it might hold missing values; the preprocessing rejects or maps those itself)."""
+    from mlflow.types import ColSpec, Schema
+
+    columns = []
+    for name, dtype in example.dtypes.items():
+        if dtype.kind in "iu":
+            kind = "long" if dtype.itemsize == 8 else "integer"
+        elif dtype.kind == "f" and dtype.itemsize == 4:
+            kind = "float"
+        else:
+            kind = _COLUMN_TYPES.get(dtype.kind, "string")
+        columns.append(ColSpec(kind, str(name)))
+    return mlflow.models.ModelSignature(inputs=Schema(columns), outputs=Schema([ColSpec("float")]))
+
+
 def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
     """What ``mlflow.pyfunc.log_model`` and ``save_model`` take to store the model."""
     # The raydlrm source travels with the model (code_paths); these are what it imports.
@@ -118,13 +133,11 @@ def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
         "fbgemm-gpu-cpu==1.8.0",
         *(f"{name}=={metadata.version(name)}" for name in _REQUIREMENTS),
     ]
-    scorer = RecModelPythonModel()
-    scorer.load_context(_Context({"checkpoint": str(model_dir)}))
-    predictions = scorer.predict(None, example)
     return {
-        "python_model": RecModelPythonModel(),
+        # Models from code: loading runs this file (no pickled scorer in the model).
+        "python_model": str(Path(__file__).with_name("_pyfunc_model.py")),
         "artifacts": {"checkpoint": str(model_dir)},
-        "signature": mlflow.models.infer_signature(example, predictions),
+        "signature": _signature(example),
         "input_example": example,
         "pip_requirements": requirements,
         "code_paths": [str(Path(raydlrm.__file__).parent)],
@@ -161,10 +174,10 @@ def log_model(
         model_dir = write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
         kwargs = _pyfunc_kwargs(model_dir, example)
         with mlflow.start_run(run_id=run_id):
-            info = mlflow.pyfunc.log_model(
-                name=MODEL_ARTIFACT, registered_model_name=registered_model_name, **kwargs
-            )
-    logger.info(
+            info = mlflow.pyfunc.log_model(name=MODEL_ARTIFACT, **kwargs)
+    if registered_model_name:
+        info.registered_model_version = _register(info, registered_model_name, run_id)
+    logger.debug(
         "logged model %s%s",
         info.model_uri,
         f" as {registered_model_name} v{info.registered_model_version}"
@@ -172,6 +185,23 @@ def log_model(
         else "",
     )
     return info
+
+
+def _register(info: mlflow.models.model.ModelInfo, name: str, run_id: str) -> int:
+    """Registers the logged model as a new version of ``name`` (created if new) through the
+    client API (``mlflow.register_model`` prints what it does to stderr); returns the version."""
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(
+        name, source=info.model_uri, run_id=run_id, model_id=info.model_id
+    )
+    return int(version.version)
 
 
 def export_model(

@@ -24,9 +24,10 @@ import psutil
 import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from raydlrm._logs import library_level, quiet_libraries, worker_level
 from raydlrm.ingestion import (
     DataSummary,
     default_num_actors,
@@ -186,8 +187,15 @@ def make_plan(config: JobConfig) -> ShardingPlan:
 # Ray Data's Parquet reader starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (default 32) footer-reading
 # actors, each a fresh worker process, on every pass over a data set: on a small machine that is
 # most of the time before the first batch of every epoch and evaluation. Local files need one.
-# A value already in the environment wins.
-_LOCAL_RAY_ENV = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+# Ray Train's preemption watcher (an actor per run that watches for nodes about to be
+# preempted) has nothing to watch on one local machine. A value already in the environment wins.
+_LOCAL_RAY_ENV = {
+    "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+# Warns on every start of a local instance that it turned on token authentication (Ray's
+# default, which raydlrm keeps): nothing for the user to do.
+_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 # CPUs a local instance keeps beyond the training workers: a preprocessing actor, read tasks.
 _LOCAL_DATA_CPUS = 3
 
@@ -217,6 +225,8 @@ def _init_ray(job: JobConfig) -> None:
             "include_dashboard": config.include_dashboard,
         }
         port = _pin_state_api()
+        verbose = library_level() <= logging.INFO
+        logging.getLogger(_AUTH_SETUP_LOGGER).setLevel(logging.INFO if verbose else logging.ERROR)
         if config.include_dashboard is False:
             # Nothing listens on the pinned port: the State API fails (and is quiet) rather
             # than asking another instance.
@@ -228,6 +238,7 @@ def _init_ray(job: JobConfig) -> None:
     elif address != "auto":
         _check_reachable(address, source="ray.address" if config.address else "$RAY_ADDRESS")
     kwargs["log_to_driver"] = config.log_to_driver
+    kwargs["logging_level"] = library_level()  # "Started a local Ray instance" and the like
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
     if address == "local":
         _reaper.start()
@@ -301,6 +312,7 @@ def train(
         DataValidationError: missing or malformed data, before any training starts.
     """
     job = load_config(config, overrides=overrides)
+    quiet_libraries()
     if scaling_config is not None:  # what the plan and the memory budget depend on
         job.scaling.num_workers = scaling_config.num_workers
         job.scaling.use_gpu = scaling_config.use_gpu
@@ -316,7 +328,7 @@ def train(
         validate_data(job.data.eval_path, job.data, role="eval") if job.data.eval_path else None
     )
     plan = make_plan(job)
-    logger.info("sharding plan:\n%s", plan.format_table())
+    logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
     # Before the statistics: a warm start keeps the dense statistics its model was trained with.
     warm_start = _warm_start_checkpoint(job, plan) if job.run.warm_start else None
     _fill_dense_stats(job)
@@ -571,6 +583,8 @@ def _fit(
                 checkpoint_score_order=ckpt.score_order,
             ),
             callbacks=callbacks,
+            # Ray Train's own console lines (worker group start, each report, each checkpoint).
+            logging_config=LoggingConfig(log_level=logging.getLevelName(library_level())),
         )
     else:
         run_config.callbacks = callbacks
@@ -592,6 +606,8 @@ def _fit(
             "warm_start": warm_start,
             "train_source": source(train, "train"),
             "eval_source": None if evaluation is None else source(evaluation, "eval"),
+            "log_level": worker_level(),
+            "library_log_level": library_level(),
         },
         scaling_config=scaling,
         run_config=run_config,

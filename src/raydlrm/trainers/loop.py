@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from raydlrm._errors import cause_line
+from raydlrm._logs import configure_worker
 from raydlrm.batch import Batch, DedupGroup
 from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
 from raydlrm.ingestion.reader import EpochProgress, WorkerSource
@@ -625,23 +626,14 @@ class Trainer:
         return state
 
 
-def _configure_logging() -> None:
-    """INFO lines from raydlrm only (fbgemm and Ray log plenty at INFO on their own)."""
-    package = logging.getLogger("raydlrm")
-    if not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        package.addHandler(handler)
-        package.propagate = False  # Ray's root handler would print every line a second time
-    package.setLevel(logging.INFO)
-
-
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: ``config`` holds ``spec`` (a :class:`WorkerSpec` as a dict),
     ``plan`` (the plan's JSON), ``train_source`` and ``eval_source`` (the validated data sets:
     path, row groups, schema, shuffle, actors; see ``raydlrm.ingestion.reader``; eval may be
-    None)."""
-    _configure_logging()
+    None), ``log_level`` and ``library_log_level`` (see ``raydlrm._logs``)."""
+    configure_worker(
+        config.get("log_level", logging.WARNING), config.get("library_log_level", logging.WARNING)
+    )
     spec = WorkerSpec(**config["spec"])
     plan = ShardingPlan.from_json(config["plan"])
     ctx = _ray.worker_context()

@@ -1,0 +1,132 @@
+"""How much a run prints: raydlrm's own lines, the libraries' and the training workers'.
+
+Quiet by default: the driver shows raydlrm's progress lines, warnings and the summary; the
+training workers and the libraries under them (Ray, Ray Train, Ray Data, MLflow, fbgemm) show
+warnings and errors only; their INFO chatter (fbgemm's TBE argument dumps, Ray Data's execution
+plans and progress bars, Ray Train's per-report lines) stays out of the way (Ray's own log files
+under ``/tmp/ray/session_latest/logs`` still hold Ray's). ``RAYDLRM_LOG_LEVEL`` changes it:
+``INFO`` adds the workers' raydlrm lines (one per log step, restores, warm starts), ``DEBUG``
+(``raydlrm train --verbose``) everything, the libraries' INFO lines included; ``WARNING`` leaves
+warnings and the summary only.
+
+Standard library only at import: the training workers and Ray's worker processes import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = [
+    "LOG_LEVEL_ENV",
+    "configure_driver",
+    "configure_worker",
+    "driver_level",
+    "library_level",
+    "log_level",
+    "quiet_libraries",
+    "worker_level",
+]
+
+LOG_LEVEL_ENV = "RAYDLRM_LOG_LEVEL"
+
+# Loggers of the libraries a run drives (their INFO lines are chatter to a user). fbgemm's TBE
+# logs through the root logger, which the workers' quieting covers.
+_LIBRARIES = ("mlflow", "alembic", "ray", "ray.data", "ray.train", "ray.tune", "fbgemm_gpu")
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level() -> int | None:
+    """The level ``RAYDLRM_LOG_LEVEL`` asks for, None when unset (quiet defaults).
+
+    Raises:
+        ValueError: an unknown level name, naming the variable.
+    """
+    value = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
+    if not value:
+        return None
+    if value not in _LEVELS:
+        raise ValueError(f"{LOG_LEVEL_ENV}={value!r}: expected one of {', '.join(_LEVELS)}")
+    return getattr(logging, value)
+
+
+def driver_level() -> int:
+    """raydlrm's own level on the driver: INFO (progress lines) unless asked otherwise."""
+    level = log_level()
+    return logging.INFO if level is None else level
+
+
+def worker_level() -> int:
+    """raydlrm's level in the training workers: WARNING unless asked otherwise (the driver
+    shows progress; a worker's per-step lines would repeat it once per worker)."""
+    level = log_level()
+    return logging.WARNING if level is None else level
+
+
+def library_level() -> int:
+    """The libraries' level: their INFO lines only at ``DEBUG``."""
+    level = log_level()
+    return logging.INFO if level is not None and level <= logging.DEBUG else logging.WARNING
+
+
+def quiet_libraries() -> None:
+    """Sets the libraries' loggers in this process to :func:`library_level`."""
+    level = library_level()
+    for name in _LIBRARIES:
+        logging.getLogger(name).setLevel(level)
+
+
+class _DriverFormatter(logging.Formatter):
+    """raydlrm's INFO lines as they are (progress, what was written where); everything else
+    with its level and logger, so a warning stands out."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno == logging.INFO and record.name.startswith("raydlrm"):
+            return record.getMessage()
+        return f"{record.levelname} {record.name}: {super().format(record)}"
+
+
+def configure_driver(*, verbose: bool = False) -> None:
+    """The command line's logging: one stderr handler, raydlrm at :func:`driver_level`, the
+    libraries at :func:`library_level`. ``verbose`` sets ``RAYDLRM_LOG_LEVEL=DEBUG`` (for this
+    process and the Ray processes it starts).
+
+    Raises:
+        ValueError: ``RAYDLRM_LOG_LEVEL`` names no level.
+    """
+    if verbose:
+        os.environ[LOG_LEVEL_ENV] = "DEBUG"
+    handler = logging.StreamHandler()
+    handler.setFormatter(_DriverFormatter())
+    # force: importing fbgemm logs through the root logger, which gives it a default handler.
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
+    logging.getLogger("raydlrm").setLevel(driver_level())
+    quiet_libraries()
+
+
+def configure_worker(level: int, library: int) -> None:
+    """In a training worker (after Ray Train set up its logging): raydlrm's lines at ``level``
+    on their own handler, the root logger (fbgemm's TBE dumps its arguments there at INFO) and
+    the libraries at ``library``, and Ray Data's per-dataset output (progress bars, execution
+    plans) off unless ``library`` lets INFO through. Ray Data's context is this process's: the
+    workers build their data sets here."""
+    import ray.data  # first: importing it configures Ray Data's loggers
+
+    package = logging.getLogger("raydlrm")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.propagate = False  # Ray's root handler would print every line a second time
+    package.setLevel(level)
+    logging.getLogger().setLevel(library)
+    for name in _LIBRARIES:
+        logging.getLogger(name).setLevel(library)
+    if library > logging.INFO:
+        context = ray.data.DataContext.get_current()
+        context.print_on_execution_start = False  # "Execution plan of ...", "Starting ..."
+        # Ray Data's progress bars in a worker draw through the driver (tqdm_ray: blank lines
+        # when tqdm is missing); without them it logs progress, at INFO, on ray.data's logger.
+        # (Turning progress off altogether makes it warn that it is off.)
+        context.use_ray_tqdm = False

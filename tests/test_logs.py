@@ -1,0 +1,90 @@
+"""How much a run prints (``raydlrm._logs``): levels from ``RAYDLRM_LOG_LEVEL``, the driver's
+formatter, and a worker's quieting of fbgemm (root logger), Ray Data and raydlrm."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from raydlrm import _logs
+
+
+@pytest.fixture
+def restore_logging():
+    names = ["", "raydlrm", *_logs._LIBRARIES]
+    levels = {name: logging.getLogger(name).level for name in names}
+    root_handlers = list(logging.getLogger().handlers)
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger().handlers[:] = root_handlers
+
+
+@pytest.mark.parametrize(
+    ("value", "driver", "worker", "library"),
+    [
+        (None, logging.INFO, logging.WARNING, logging.WARNING),
+        ("info", logging.INFO, logging.INFO, logging.WARNING),
+        ("DEBUG", logging.DEBUG, logging.DEBUG, logging.INFO),
+        ("WARNING", logging.WARNING, logging.WARNING, logging.WARNING),
+    ],
+)
+def test_levels_follow_the_environment(monkeypatch, value, driver, worker, library) -> None:
+    if value is None:
+        monkeypatch.delenv(_logs.LOG_LEVEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_logs.LOG_LEVEL_ENV, value)
+    assert (_logs.driver_level(), _logs.worker_level(), _logs.library_level()) == (
+        driver,
+        worker,
+        library,
+    )
+
+
+def test_an_unknown_level_names_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv(_logs.LOG_LEVEL_ENV, "loud")
+    with pytest.raises(ValueError, match="RAYDLRM_LOG_LEVEL='LOUD'"):
+        _logs.log_level()
+
+
+def test_driver_shows_raydlrm_info_plainly_and_marks_the_rest(
+    monkeypatch, restore_logging, capsys
+) -> None:
+    monkeypatch.delenv(_logs.LOG_LEVEL_ENV, raising=False)
+    _logs.configure_driver()
+    logging.getLogger("raydlrm.platform.progress").info("training: 10/20 samples")
+    logging.getLogger("raydlrm.platform.launch").debug("sharding plan: hidden")
+    logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables")
+    logging.getLogger("raydlrm.trainers.loop").warning("reports dominate")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["training: 10/20 samples", "WARNING raydlrm.trainers.loop: reports dominate"]
+
+
+def test_verbose_driver_sets_debug_for_the_processes_it_starts(
+    monkeypatch, restore_logging
+) -> None:
+    monkeypatch.setenv(_logs.LOG_LEVEL_ENV, "WARNING")  # restored after the test
+    _logs.configure_driver(verbose=True)
+
+    assert os.environ[_logs.LOG_LEVEL_ENV] == "DEBUG"
+    assert logging.getLogger("mlflow").level == logging.INFO
+    assert logging.getLogger("raydlrm").level == logging.DEBUG
+
+
+def test_quiet_worker_silences_fbgemm_and_ray_data(restore_logging) -> None:
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    before = (context.print_on_execution_start, context.use_ray_tqdm)
+    try:
+        _logs.configure_worker(logging.WARNING, logging.WARNING)
+        # fbgemm's TBE logs its argument dump with logging.info on the root logger.
+        assert not logging.getLogger().isEnabledFor(logging.INFO)
+        assert not logging.getLogger("ray.data._internal.progress").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("raydlrm.trainers.loop").isEnabledFor(logging.INFO)
+        assert logging.getLogger("raydlrm.trainers.loop").isEnabledFor(logging.WARNING)
+        assert not context.print_on_execution_start and not context.use_ray_tqdm
+    finally:
+        context.print_on_execution_start, context.use_ray_tqdm = before
