@@ -24,6 +24,11 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        from raydlrm.platform.launch import LOCAL_RAY_ENV
+
+        # Set as raydlrm sets them for a local instance it starts (its processes inherit them).
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
         # No dashboard: the cluster's processes (which inherit the environment at ray.init)
         # point the State API where nothing answers, so that Ray Train's placement-group
         # cleaner cannot ask another Ray instance on the machine (which knows no such
@@ -65,7 +70,7 @@ def s3_server():
     moto_server = pytest.importorskip("moto.server")
     import boto3
 
-    from raydlrm.ingestion.storage import StorageConfig
+    from raydlrm.storage import StorageConfig
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
     server.start()

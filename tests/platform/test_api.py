@@ -48,8 +48,13 @@ def _config(tmp_path: Path) -> dict:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -> None:
+    """``raydlrm.train`` from Python: the result, the MLflow run, progress lines, and (with
+    dedup groups configured) the deduplication savings."""
     caplog.set_level(logging.INFO, logger="raydlrm.platform.progress")
-    result = raydlrm.train(_config(tmp_path))
+    config = _config(tmp_path)
+    # The synthetic user features C1-C8 repeat over a session (about 4 samples).
+    config["data"]["dedup_groups"] = [[f"C{i}" for i in range(1, 9)]]
+    result = raydlrm.train(config)
     # Not a terminal: progress comes as log lines, the last one when training ended.
     lines = [r.getMessage() for r in caplog.records if r.name == "raydlrm.platform.progress"]
     assert lines and lines[-1].startswith("training: 1024/1024 samples (100.0%)")
@@ -64,6 +69,11 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     assert run.data.params["model.arch"] == "dcnv2"
     assert [m.step for m in client.get_metric_history(result.run_id, "train/loss")] == [2, 4]
     assert result.plan.world_size == 2
+    m = result.metrics
+    assert m["dedup/t_C1/ratio"] > 1.5
+    assert m["dedup/t_C1/lookups_saved"] > 0 and m["dedup/t_C8/a2a_bytes_saved"] > 0
+    assert "dedup/t_C9/ratio" not in m  # C9 is not deduplicated
+    assert run.data.metrics["dedup/t_C1/ratio"] == pytest.approx(m["dedup/t_C1/ratio"])
 
 
 def test_bad_config_raises_before_running(tmp_path: Path) -> None:
@@ -79,22 +89,6 @@ def test_missing_data_raises_before_running(tmp_path: Path) -> None:
     with pytest.raises(DataValidationError, match=str(tmp_path / "data" / "train")):
         raydlrm.train(config)
     assert not (tmp_path / "mlflow.db").exists()  # nothing was tracked
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_training_with_dedup_groups_reports_savings(tmp_path: Path, ray_cluster) -> None:
-    config = _config(tmp_path)
-    # The synthetic user features C1-C8 repeat over a session (about 4 samples).
-    config["data"]["dedup_groups"] = [[f"C{i}" for i in range(1, 9)]]
-    config["run"]["name"] = "dedup-run"
-    result = raydlrm.train(config)
-    m = result.metrics
-    assert m["dedup/t_C1/ratio"] > 1.5
-    assert m["dedup/t_C1/lookups_saved"] > 0 and m["dedup/t_C8/a2a_bytes_saved"] > 0
-    assert "dedup/t_C9/ratio" not in m  # C9 is not deduplicated
-    logged = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.run_id)
-    assert logged.data.metrics["dedup/t_C1/ratio"] == pytest.approx(m["dedup/t_C1/ratio"])
 
 
 @pytest.mark.ray

@@ -141,7 +141,7 @@ def test_notebook_plots_loss_curve_and_sharding(executed) -> None:
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("raydlrm-notebook").experiment_id])
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert summary["loss_points"] == len(history) >= 10
+    assert summary["loss_points"] == len(history) >= 6
     assert summary["ranks_plotted"] == 2
     assert "rank" in _text(_cell(nb, "sharding-plot"))  # the plan's per-rank table
 

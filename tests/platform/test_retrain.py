@@ -17,7 +17,6 @@ from mlflow import MlflowClient
 from typer.testing import CliRunner
 
 import raydlrm
-from raydlrm.ingestion.storage import StorageError
 from raydlrm.platform.cli import app
 from raydlrm.platform.config import ConfigError, RetrainConfig
 from raydlrm.platform.retrain import (
@@ -29,6 +28,7 @@ from raydlrm.platform.retrain import (
     non_finite_tensors,
 )
 from raydlrm.platform.scoring import model_files
+from raydlrm.storage import StorageError
 
 DAYS = ["2026-11-19", "2026-11-20", "2026-11-21", "2026-11-22"]
 ROWS_PER_DAY = 2000

@@ -19,6 +19,21 @@ def test_metrics_match_sklearn() -> None:
     assert m.num_samples == 500
 
 
+def test_auc_with_tied_scores_matches_sklearn() -> None:
+    """Tied scores (a coarse model, fp16 logits, a constant stretch) share their average rank,
+    as in scikit-learn."""
+    torch.manual_seed(1)
+    labels = torch.bernoulli(torch.full((2000,), 0.2))
+    for logits in (
+        torch.round(labels + torch.randn(2000)),  # a handful of distinct values
+        (labels * 0.3 + torch.randn(2000)).half().float(),
+        torch.cat([torch.zeros(1000), labels[1000:] + torch.randn(1000)]),
+    ):
+        expected = roc_auc_score(labels.numpy(), logits.numpy())
+        assert math.isclose(binary_metrics(logits, labels).auc, expected, rel_tol=1e-12)
+    assert binary_metrics(torch.zeros(4), torch.tensor([0.0, 1.0, 0.0, 1.0])).auc == 0.5
+
+
 def test_normalized_entropy_is_one_for_base_rate_predictor() -> None:
     labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
     p = 0.25

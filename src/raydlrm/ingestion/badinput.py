@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from raydlrm.ingestion._arrow import decode_dictionaries, is_list
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.storage import filesystem_for
+from raydlrm.storage import filesystem_for
 
 __all__ = [
     "FILE_COLUMN",

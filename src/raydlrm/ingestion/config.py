@@ -6,7 +6,7 @@ from dataclasses import field
 from typing import Literal
 
 from raydlrm._config import config_dataclass
-from raydlrm.ingestion.storage import PartitionSelector, StorageConfig
+from raydlrm.storage import PartitionSelector, StorageConfig
 
 DEFAULT_DENSE_COLUMNS = [f"I{i}" for i in range(1, 14)]
 DEFAULT_SPARSE_COLUMNS = [f"C{i}" for i in range(1, 27)]

@@ -21,7 +21,7 @@ from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import Preprocessor
 from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS, default_num_actors
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, validate_data
-from raydlrm.ingestion.storage import list_files
+from raydlrm.storage import list_files
 
 __all__ = ["build_dataset"]
 

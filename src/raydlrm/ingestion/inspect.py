@@ -24,7 +24,7 @@ from raydlrm.ingestion.badinput import find_bad_rows
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import DEDUP_PREFIX, Preprocessor
 from raydlrm.ingestion.schema import validate_data
-from raydlrm.ingestion.storage import filesystem_for
+from raydlrm.storage import filesystem_for
 
 __all__ = ["inspect_data"]
 

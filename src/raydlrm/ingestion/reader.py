@@ -49,7 +49,7 @@ from raydlrm.ingestion.badinput import (
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import Preprocessor
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, RowGroup
-from raydlrm.ingestion.storage import filesystem_for
+from raydlrm.storage import filesystem_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from raydlrm.ingestion._arrow import decoded_type, is_list, is_string
 from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.storage import StorageError, list_files
+from raydlrm.storage import StorageError, list_files
 
 __all__ = [
     "SAMPLE_ID_COLUMN",

@@ -6,7 +6,7 @@ import pyarrow.dataset as pads
 
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.preprocess import compute_dense_stats
-from raydlrm.ingestion.storage import list_files
+from raydlrm.storage import list_files
 
 __all__ = ["dense_stats_of"]
 

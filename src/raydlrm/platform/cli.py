@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -19,8 +18,8 @@ import typer
 
 from raydlrm._errors import cause_line
 from raydlrm._logs import configure_driver
-from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import ConfigError, load_config
+from raydlrm.storage import redact
 
 app = typer.Typer(
     help="Train deep-learning recommendation models (DLRMs) on Ray.",
@@ -193,9 +192,9 @@ def retrain(
     retrained is not trained again. Exit 1 (champion untouched) when the new model has
     non-finite weights or regresses beyond retrain.max_regression."""
     _setup_logging()
-    from raydlrm.ingestion.storage import StorageError
     from raydlrm.platform.retrain import RetrainError
     from raydlrm.platform.retrain import retrain as run_retrain
+    from raydlrm.storage import StorageError
 
     try:
         result = run_retrain(config, overrides=set_ or [], slot=slot)
@@ -418,28 +417,16 @@ CheckpointArg = Annotated[
 
 @contextlib.contextmanager
 def _checkpoint_dir(checkpoint: str) -> Iterator[Path]:
-    """A local directory holding ``checkpoint`` (downloaded first when it is remote)."""
-    if "://" not in checkpoint or checkpoint.startswith("file://"):
-        yield Path(checkpoint.removeprefix("file://"))
-        return
-    import pyarrow.fs as pafs
+    """A local directory holding ``checkpoint`` (downloaded first when it is remote); stops
+    with one line when there is none."""
+    from raydlrm.storage import StorageConfig, StorageError, local_directory
 
-    from raydlrm.ingestion.storage import StorageConfig, StorageError, filesystem_for
-
-    try:
-        filesystem, path = filesystem_for(checkpoint, StorageConfig())
-        if filesystem.get_file_info(path).type != pafs.FileType.Directory:
-            _fail(f"checkpoint {checkpoint} does not exist")
-    except (StorageError, OSError) as e:
-        _fail(f"checkpoint {checkpoint} cannot be read: {e}")
-    with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
-        pafs.copy_files(
-            path,
-            tmp,
-            source_filesystem=filesystem,
-            destination_filesystem=pafs.LocalFileSystem(),
-        )
-        yield Path(tmp)
+    with contextlib.ExitStack() as stack:
+        try:
+            directory = stack.enter_context(local_directory(checkpoint, StorageConfig()))
+        except (StorageError, FileNotFoundError) as e:
+            _fail(f"checkpoint {e}")
+        yield directory
 
 
 @checkpoint_app.command("show")

@@ -21,9 +21,9 @@ import tomllib
 
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.storage import StorageConfig
 from raydlrm.models import ModelConfig
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.storage import StorageConfig
 from raydlrm.trainers import CheckpointConfig, FaultConfig, TrainingConfig, WorkerSpec
 from raydlrm.trainers.config import FAULT_ENV
 

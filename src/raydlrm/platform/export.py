@@ -28,7 +28,7 @@ import torch
 import raydlrm
 from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
-from raydlrm.ingestion.storage import list_files
+from raydlrm.storage import list_files
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
 from raydlrm.trainers.checkpoint import SPEC_FILE, write_model_dir
 

@@ -36,15 +36,15 @@ from raydlrm.ingestion import (
 )
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.ingestion.stats import dense_stats_of
-from raydlrm.ingestion.storage import filesystem_for
 from raydlrm.platform import _reaper
 from raydlrm.platform.config import ConfigError, JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.progress import TrainingProgress, progress_mode
-from raydlrm.platform.tracking import TrackedRun, start_run, storage_uri
+from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.sharding.plan import format_bytes
+from raydlrm.storage import filesystem_for, is_remote, join, scheme_of, with_scheme
 from raydlrm.trainers._ray import latest_checkpoint
 from raydlrm.trainers.checkpoint import model_metrics
 from raydlrm.trainers.loop import train_loop_per_worker
@@ -85,7 +85,7 @@ class TrainResult:
 def prepare_data(config: JobConfig) -> None:
     """Generates the configured synthetic data set if ``data.train_path`` does not exist."""
     data = config.data
-    if data.synthetic is None or "://" in data.train_path or Path(data.train_path).exists():
+    if data.synthetic is None or is_remote(data.train_path) or Path(data.train_path).exists():
         return  # synthetic data is generated locally only
     root = Path(data.train_path).parent
     logger.info("generating synthetic data into %s", root)
@@ -183,15 +183,20 @@ def make_plan(config: JobConfig) -> ShardingPlan:
         raise ConfigError(str(e)) from None
 
 
-# Environment of a local Ray cluster (its raylet and worker processes inherit the driver's).
+# Environment of a new local Ray instance (its raylet and worker processes inherit the
+# driver's).
 # Ray Data's Parquet reader starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (default 32) footer-reading
 # actors, each a fresh worker process, on every pass over a data set: on a small machine that is
 # most of the time before the first batch of every epoch and evaluation. Local files need one.
 # Ray Train's preemption watcher (an actor per run that watches for nodes about to be
-# preempted) has nothing to watch on one local machine. A value already in the environment wins.
-_LOCAL_RAY_ENV = {
+# preempted) has nothing to watch on one local machine. Ray Train's controller polls its workers
+# every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default 2 s); the poll paces the start of a
+# run, every report (a barrier the controller releases) and the end: 0.5 s takes about 2 s off a
+# small run (benchmarks/train_overhead.py). A value already in the environment wins.
+LOCAL_RAY_ENV = {
     "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
 # Warns on every start of a local instance that it turned on token authentication (Ray's
 # default, which raydlrm keeps): nothing for the user to do.
@@ -217,7 +222,7 @@ def _init_ray(job: JobConfig) -> None:
     address = _ray_address(job)
     kwargs: dict[str, Any] = {}
     if address == "local":
-        for name, value in _LOCAL_RAY_ENV.items():
+        for name, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
         kwargs = {
             "num_cpus": config.num_cpus or _local_num_cpus(job),
@@ -320,7 +325,7 @@ def train(
             job.scaling.resources_per_worker = dict(scaling_config.resources_per_worker)
     run_name = run_config.name if run_config and run_config.name else job.run_name()
     if job.data.bad_input == "quarantine" and job.data.quarantine_path is None:
-        job.data.quarantine_path = _join(job.run.storage_path, run_name, "quarantine")
+        job.data.quarantine_path = join(job.run.storage_path, run_name, "quarantine")
     quarantined_before = quarantine_counts(job.data)
     prepare_data(job)
     train_summary = validate_data(job.data.train_path, job.data, role="train")
@@ -335,7 +340,7 @@ def train(
     _check_run_storage(job, run_name)
 
     _init_ray(job)
-    tracked = start_run(job, run_name=run_name, run_key=_join(job.run.storage_path, run_name))
+    tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
     try:
         tracked.log_plan(plan)
         tracked.log_params(
@@ -385,19 +390,12 @@ def _source(
     }
 
 
-def _join(root: str, *parts: str) -> str:
-    """``root/parts...`` for a local path or a URI."""
-    if "://" in root:
-        return "/".join([root.rstrip("/"), *parts])
-    return str(Path(root, *parts).resolve())
-
-
 def _run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
     """Ray Train's ``storage_path`` and ``storage_filesystem`` for ``run.storage_path``: an
     absolute local path, or an object-store path (no scheme) with its filesystem, which carries
     the endpoint and credentials of ``[run.storage]`` (or ``[data.storage]``)."""
     path = job.run.storage_path
-    if _remote_scheme(job) is None:
+    if not is_remote(path):
         return str(Path(path.removeprefix("file://")).resolve()), None
     filesystem, resolved = filesystem_for(path, job.run.storage_or(job.data.storage))
     return resolved, filesystem
@@ -430,12 +428,6 @@ def _check_run_storage(job: JobConfig, run_name: str) -> None:
             f"run.storage_path: cannot write checkpoints to {job.run.storage_path} "
             f"({directory}): {exc}"
         ) from exc
-
-
-def _remote_scheme(job: JobConfig) -> str | None:
-    """``s3`` for an object-store run storage; None for a local one."""
-    root = job.run.storage_path
-    return root.split("://", 1)[0] if "://" in root and not root.startswith("file:") else None
 
 
 def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> ray.train.Checkpoint:
@@ -567,7 +559,7 @@ def _fit(
         use_gpu=job.scaling.use_gpu,
         resources_per_worker=dict(job.scaling.resources_per_worker),
     )
-    scheme = _remote_scheme(job)
+    scheme = scheme_of(job.run.storage_path)
     callbacks = [*(run_config.callbacks or [] if run_config else []), tracked.callback(scheme)]
     ckpt = job.checkpoint
     if run_config is None:
@@ -591,7 +583,7 @@ def _fit(
     # The injected fault fires once per run: its marker lives with the run.
     fault_marker = None
     if job.fault.at_step is not None:
-        fault_marker = _join(job.run.storage_path, run_name, "fault-injected")
+        fault_marker = join(job.run.storage_path, run_name, "fault-injected")
 
     def source(summary: DataSummary, role: str) -> dict[str, Any]:
         return _source(summary, job, run_name=run_name, role=role, num_workers=scaling.num_workers)
@@ -631,7 +623,7 @@ def _fit(
     # the final evaluation may have kept Ray Train from registering the final checkpoint.
     newest = latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False), result.checkpoint)
     with newest as (checkpoint_dir, checkpoint):
-        checkpoint_uri = storage_uri(checkpoint.path, scheme)
+        checkpoint_uri = with_scheme(checkpoint.path, scheme)
         tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
         # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
         final = {**result.metrics, **model_metrics(checkpoint_dir)}

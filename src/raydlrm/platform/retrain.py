@@ -37,7 +37,6 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from raydlrm.ingestion.storage import PartitionSelector, StorageError, partition_values
 from raydlrm.platform.config import (
     ConfigError,
     JobConfig,
@@ -48,6 +47,7 @@ from raydlrm.platform.config import (
 from raydlrm.platform.launch import TrainResult, prepare_data
 from raydlrm.platform.launch import train as run_training
 from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
+from raydlrm.storage import PartitionSelector, StorageError, partition_values
 from raydlrm.trainers.checkpoint import model_weights
 
 __all__ = ["RetrainError", "RetrainResult", "decide", "non_finite_tensors", "retrain"]

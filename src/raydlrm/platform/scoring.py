@@ -36,7 +36,7 @@ import torch
 
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
-from raydlrm.ingestion.storage import (
+from raydlrm.storage import (
     PartitionSelector,
     StorageConfig,
     filesystem_for,

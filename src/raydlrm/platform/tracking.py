@@ -23,11 +23,11 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
-from raydlrm.ingestion.storage import redact
 from raydlrm.platform.config import JobConfig, default_tracking_uri, flatten
 from raydlrm.sharding import ShardingPlan
+from raydlrm.storage import redact, with_scheme
 
-__all__ = ["MLflowReportCallback", "TrackedRun", "start_run", "storage_uri"]
+__all__ = ["MLflowReportCallback", "TrackedRun", "start_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +160,6 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
     return tracked
 
 
-def storage_uri(path: str, scheme: str | None) -> str:
-    """A path in the run storage as a URI: Ray names paths on an object store without their
-    scheme (``bucket/run/checkpoint_...``); the run records ``s3://bucket/...``."""
-    return f"{scheme}://{path}" if scheme and "://" not in path else path
-
-
 class MLflowReportCallback(UserCallback):
     """Logs every ``ray.train.report`` to the job's MLflow run (runs in the Train controller).
 
@@ -236,7 +230,7 @@ class MLflowReportCallback(UserCallback):
             _log_batch(self._client, self.run_id, metrics=self._pending)
             self._pending = []
             if checkpoint is not None:
-                uri = storage_uri(checkpoint.path, self.storage_scheme)
+                uri = with_scheme(checkpoint.path, self.storage_scheme)
                 self._client.set_tag(self.run_id, "raydlrm.checkpoint", uri)
         except Exception as exc:
             if self._lost and self._pending and self._pending[-1].key == "tracking/metrics_lost":

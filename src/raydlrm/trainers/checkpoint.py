@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from raydlrm.ingestion.storage import redact
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
+from raydlrm.storage import redact
 from raydlrm.trainers import state
 from raydlrm.trainers.spec import WorkerSpec
 

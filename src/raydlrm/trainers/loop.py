@@ -50,10 +50,9 @@ from raydlrm.batch import Batch, DedupGroup
 from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
 from raydlrm.ingestion.reader import EpochProgress, WorkerSource
 from raydlrm.ingestion.schema import RowGroup
-from raydlrm.ingestion.storage import StorageConfig, filesystem_for
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
-from raydlrm.trainers import _ray
+from raydlrm.storage import StorageConfig, filesystem_for
 from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
@@ -311,17 +310,18 @@ class Trainer:
                 break
         return buffer.compute().to_dict("eval/")
 
-    def fit(
-        self, *, train_data: Any, eval_data: Any | None, report: Any = _ray.report
-    ) -> dict[str, Any]:
+    def fit(self, *, train_data: Any, eval_data: Any | None, report: Any = None) -> dict[str, Any]:
         """Trains for the configured epochs or steps; returns the final metrics.
 
         Args:
             train_data: this worker's stream of training data (a Ray ``DataIterator``), iterated
                 once per epoch.
             eval_data: the same for held-out data, or None.
-            report: called as ``report(metrics, checkpoint_dir=...)`` on every rank.
+            report: called as ``report(metrics, checkpoint_dir=...)`` on every rank (default:
+                Ray Train's, through ``raydlrm.trainers._ray``).
         """
+        if report is None:
+            report = _seam().report
         cfg = self.spec.training
         window = PredictionBuffer()  # predictions since the last report
         epoch_buffer = PredictionBuffer()  # predictions of the current epoch
@@ -407,7 +407,7 @@ class Trainer:
             if self.rank == 0 and persisted is not None:
                 # Ray Train's result holds the metrics of the last checkpoint report: the final
                 # evaluation's go into the checkpoint (beside the files its manifests cover).
-                _ray.add_file(persisted, FINAL_METRICS_FILE, json.dumps(final, sort_keys=True))
+                _seam().add_file(persisted, FINAL_METRICS_FILE, json.dumps(final, sort_keys=True))
             self._report(final, report=report)
         return final
 
@@ -584,9 +584,12 @@ class Trainer:
         return stored
 
     def _check_report_overhead(self, seconds: float) -> None:
-        """Warns once (rank 0) when metrics reports cost more than 10% of the training time
-        between them: Ray Train's report is a barrier across workers that the controller polls
-        about every 2 s, so a report every few fast steps makes the run mostly waiting."""
+        """Warns once (rank 0) when metrics reports dominate the run (each takes longer than
+        the training between two of them): Ray Train's report is a barrier across workers that
+        the controller releases when it next polls them (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``:
+        Ray's default 2 s, 0.5 s on a local instance raydlrm starts), so a report every few
+        fast steps makes the run mostly waiting. Names the ``log_every_steps`` that would keep
+        reports under a tenth of the run."""
         self._report_seconds.append(seconds)
         if self._overhead_warned or len(self._report_seconds) < _OVERHEAD_REPORTS:
             return
@@ -594,12 +597,13 @@ class Trainer:
         every = self.spec.training.log_every_steps
         per_report = float(np.median(self._report_seconds))
         per_step = self.train_seconds / max(self.step, 1)
-        if self.rank != 0 or per_report <= 0.1 * (per_report + every * per_step):
+        if self.rank != 0 or per_report <= every * per_step:
             return
         logger.warning(
-            "metrics reports take %.2f s each (Ray Train's report is a barrier polled about "
-            "every 2 s) against %.2f s of training between them (%d steps of %.3f s): raise "
-            "training.log_every_steps to at least %d to keep reports under 10%% of the run",
+            "metrics reports take %.2f s each (Ray Train's report is a barrier its controller "
+            "releases when it polls the workers) against %.2f s of training between them (%d "
+            "steps of %.3f s): raise training.log_every_steps to at least %d to keep reports "
+            "under 10%% of the run",
             per_report,
             every * per_step,
             every,
@@ -626,6 +630,14 @@ class Trainer:
         return state
 
 
+def _seam() -> Any:
+    """The one module that talks to Ray Train, imported when first needed: processes that
+    drive a :class:`Trainer` themselves (gloo tests, tools) never pay for ``ray.train``."""
+    from raydlrm.trainers import _ray
+
+    return _ray
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: ``config`` holds ``spec`` (a :class:`WorkerSpec` as a dict),
     ``plan`` (the plan's JSON), ``train_source`` and ``eval_source`` (the validated data sets:
@@ -636,6 +648,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     spec = WorkerSpec(**config["spec"])
     plan = ShardingPlan.from_json(config["plan"])
+    _ray = _seam()
     ctx = _ray.worker_context()
     if plan.world_size != ctx.world_size:
         raise ValueError(

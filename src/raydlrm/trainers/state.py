@@ -41,7 +41,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 
-from raydlrm.ingestion.storage import redact
 from raydlrm.sharding import ShardingPlan
 from raydlrm.sharding.state import (
     column_blocks,
@@ -49,6 +48,7 @@ from raydlrm.sharding.state import (
     load_embedding_state,
     weight_key,
 )
+from raydlrm.storage import redact
 
 if TYPE_CHECKING:
     from raydlrm.trainers.loop import Trainer

@@ -12,9 +12,9 @@ import pytest
 from raydlrm.ingestion import DataConfig, DataValidationError, validate_data
 from raydlrm.ingestion.reader import WorkerSource
 from raydlrm.ingestion.stats import dense_stats_of
-from raydlrm.ingestion.storage import StorageConfig, StorageError, list_files, redact
 from raydlrm.ingestion.synthetic import SyntheticConfig, generate_synthetic
 from raydlrm.platform.config import flatten, load_config
+from raydlrm.storage import StorageConfig, StorageError, list_files, redact
 from tests.conftest import S3_SECRET as SECRET
 
 DAYS = ["2026-11-18", "2026-11-19", "2026-11-20"]
@@ -159,3 +159,38 @@ def test_credentials_are_never_logged_or_tracked(s3, caplog) -> None:
     assert params["data.storage.access_key_id"] == "***"
     assert SECRET not in str(redact(job.to_dict()))
     assert job.data.storage.secret_access_key == SECRET  # the job itself still has them
+
+
+def test_uri_helpers() -> None:
+    from raydlrm.storage import is_remote, join, scheme_of, with_scheme
+
+    assert scheme_of("s3://b/runs") == "s3" and is_remote("s3://b/runs")
+    assert scheme_of("file:///tmp/x") is None and not is_remote("/tmp/x")
+    assert scheme_of("models:/name/1") is None  # an MLflow URI is not a storage path
+    assert join("s3://b/runs/", "r1", "quarantine") == "s3://b/runs/r1/quarantine"
+    assert join("file:///tmp/runs", "r1") == "/tmp/runs/r1"
+    assert with_scheme("b/runs/checkpoint_1", "s3") == "s3://b/runs/checkpoint_1"
+    assert with_scheme("/tmp/runs/checkpoint_1", None) == "/tmp/runs/checkpoint_1"
+    assert with_scheme("s3://b/c", "s3") == "s3://b/c"
+
+
+def test_local_directory_downloads_a_remote_directory(s3, tmp_path) -> None:
+    from raydlrm.storage import local_directory
+
+    storage, root = s3
+    with local_directory("s3://data/train", storage) as directory:
+        names = sorted(p.name for p in directory.glob("*.parquet"))
+        assert names == sorted(p.name for p in (root / "synthetic" / "train").glob("*.parquet"))
+    assert not directory.exists()  # the copy is removed
+    with local_directory(str(tmp_path), storage) as directory:
+        assert directory == tmp_path  # local: itself
+    with (
+        pytest.raises(FileNotFoundError, match="s3://data/nothing does not exist"),
+        local_directory("s3://data/nothing", storage),
+    ):
+        pass
+    with (
+        pytest.raises(StorageError, match="unsupported storage scheme"),
+        local_directory("gs://data/train", storage),
+    ):
+        pass

@@ -1,4 +1,9 @@
-"""Where the data lives: local paths or ``s3://`` (any S3-compatible store), hive partitions.
+"""Where data, checkpoints and models live: local paths or ``s3://`` (any S3-compatible
+store); the one home of raydlrm's storage and URI helpers, used by every layer.
+
+:func:`is_remote`, :func:`scheme_of`, :func:`join` and :func:`with_scheme` answer what a path
+or URI is and build others from it; :func:`local_directory` makes a remote directory (a
+checkpoint on S3) a local one for as long as it is needed.
 
 :func:`filesystem_for` gives the pyarrow filesystem of a path: the local one, or S3 through
 ``s3fs`` with the endpoint, region and credentials of :class:`StorageConfig` (pyarrow itself
@@ -22,9 +27,13 @@ correctly as strings).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import field
+from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -37,9 +46,14 @@ __all__ = [
     "StorageConfig",
     "StorageError",
     "filesystem_for",
+    "is_remote",
+    "join",
     "list_files",
+    "local_directory",
     "partition_values",
     "redact",
+    "scheme_of",
+    "with_scheme",
 ]
 
 SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token")
@@ -135,18 +149,70 @@ def _less(a: str | int, b: str | int) -> bool:
     return ia < ib if ia is not None and ib is not None else str(a) < str(b)
 
 
+def scheme_of(uri: str) -> str | None:
+    """The scheme of a remote URI (``s3`` for ``s3://bucket/x``); None for a local path
+    (``file://`` included)."""
+    scheme, sep, _ = uri.partition("://")
+    return scheme if sep and scheme != "file" else None
+
+
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store rather than the local filesystem."""
+    return scheme_of(uri) is not None
+
+
+def join(root: str, *parts: str) -> str:
+    """``root/parts...``: a URI stays a URI; a local path becomes absolute."""
+    if is_remote(root):
+        return "/".join([root.rstrip("/"), *parts])
+    return str(Path(root.removeprefix("file://"), *parts).resolve())
+
+
+def with_scheme(path: str, scheme: str | None) -> str:
+    """A path on a filesystem as a URI: pyarrow and Ray name object-store paths without their
+    scheme (``bucket/run/checkpoint_...``); records and users need ``s3://bucket/...``."""
+    return f"{scheme}://{path}" if scheme and "://" not in path else path
+
+
+@contextlib.contextmanager
+def local_directory(uri: str, storage: StorageConfig) -> Iterator[Path]:
+    """A local directory holding the directory ``uri``: itself when local, else a temporary
+    copy (removed on exit).
+
+    Raises:
+        FileNotFoundError: ``uri`` is not a directory (naming it).
+        StorageError: the store cannot be read (naming ``uri`` and the store's error).
+    """
+    if not is_remote(uri):
+        yield Path(uri.removeprefix("file://"))
+        return
+    try:
+        filesystem, path = filesystem_for(uri, storage)
+        kind = filesystem.get_file_info(path).type
+    except OSError as exc:
+        raise StorageError(f"{uri} cannot be read: {exc}") from exc
+    if kind != pafs.FileType.Directory:
+        raise FileNotFoundError(f"{uri} does not exist")
+    with tempfile.TemporaryDirectory(prefix="raydlrm-download-") as tmp:
+        pafs.copy_files(
+            path, tmp, source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem()
+        )
+        yield Path(tmp)
+
+
 def filesystem_for(path: str, storage: StorageConfig) -> tuple[pafs.FileSystem, str]:
     """The filesystem of ``path`` and the path as that filesystem names it.
 
     Raises:
         StorageError: for a URI scheme other than ``s3://`` and local paths.
     """
-    if path.startswith("s3://") or path.startswith("s3a://"):
+    scheme = scheme_of(path)
+    if scheme in ("s3", "s3a"):
         import s3fs
 
         fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.split("://", 1)[1].rstrip("/")
-    if "://" in path and not path.startswith("file://"):
+    if scheme is not None:
         raise StorageError(f"unsupported storage scheme in {path!r} (use a local path or s3://)")
     return pafs.LocalFileSystem(), os.path.abspath(path.removeprefix("file://"))
 
