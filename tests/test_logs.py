@@ -88,3 +88,21 @@ def test_quiet_worker_silences_fbgemm_and_ray_data(restore_logging) -> None:
         assert not context.print_on_execution_start and not context.use_ray_tqdm
     finally:
         context.print_on_execution_start, context.use_ray_tqdm = before
+
+
+def test_cli_takes_verbose_and_rejects_an_unknown_level(monkeypatch, restore_logging) -> None:
+    from typer.testing import CliRunner
+
+    from raydlrm.platform.cli import app
+
+    monkeypatch.setenv(_logs.LOG_LEVEL_ENV, "WARNING")  # restored after the test
+    bad_key = ["--set", "training.learnig_rate=0.1"]  # stops before anything runs
+    result = CliRunner().invoke(app, ["train", "--verbose", *bad_key])
+    assert result.exit_code == 2 and "training.learnig_rate" in result.output
+    assert os.environ[_logs.LOG_LEVEL_ENV] == "DEBUG"
+    monkeypatch.setenv(_logs.LOG_LEVEL_ENV, "chatty")
+    result = CliRunner().invoke(app, ["score", "m", "d", "o"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: RAYDLRM_LOG_LEVEL='CHATTY': expected one of DEBUG, INFO, WARNING, ERROR"
+    )

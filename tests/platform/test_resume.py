@@ -183,6 +183,14 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
     assert f"step {clean.metrics['step']}, epoch {EPOCHS - 1}" in shown.output
     missing = CliRunner().invoke(app, ["checkpoint", "show", "s3://ckpt/runs/nothing"])
     assert missing.exit_code == 2 and "s3://ckpt/runs/nothing does not exist" in missing.output
+    # Scoring takes the checkpoint on S3 too (downloaded, then its tables written out).
+    from raydlrm.platform.scoring import model_files
+
+    with model_files(result.checkpoint_path) as files:
+        copy = files.directory
+        assert (copy / "model.safetensors").is_file()
+        assert files.spec["model"] == read_state_file(final)["spec"]["model"]
+    assert not copy.exists()
 
 
 def test_worker_killed_in_the_final_evaluation_keeps_the_final_checkpoint(

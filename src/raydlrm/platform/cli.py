@@ -134,10 +134,11 @@ def score(
     ] = None,
     batch_size: BatchSizeOption = 4096,
     num_actors: ActorsOption = 2,
+    verbose: VerboseOption = False,
 ) -> None:
     """Score every row of a Parquet data set with a trained model (Ray Data), writing
     Parquet with the kept columns and `prediction` (click probability)."""
-    _setup_logging()
+    _setup_logging(verbose)
     from raydlrm.platform.scoring import score as run_scoring
 
     try:
@@ -158,9 +159,10 @@ def evaluate(
     ] = None,
     batch_size: BatchSizeOption = 4096,
     num_actors: ActorsOption = 2,
+    verbose: VerboseOption = False,
 ) -> None:
     """Evaluate a trained model on a labelled Parquet data set: AUC and log loss."""
-    _setup_logging()
+    _setup_logging(verbose)
     from raydlrm.platform.scoring import evaluate as run_evaluation
 
     try:
@@ -185,13 +187,14 @@ def retrain(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Scheduled retraining for one slot: train on the newest partitions warm-started from the
     registry's champion, evaluate both on the held-out partition, register the new version and
     move the champion alias only if it is better (else it is the challenger). A slot already
     retrained is not trained again. Exit 1 (champion untouched) when the new model has
     non-finite weights or regresses beyond retrain.max_regression."""
-    _setup_logging()
+    _setup_logging(verbose)
     from raydlrm.platform.retrain import RetrainError
     from raydlrm.platform.retrain import retrain as run_retrain
     from raydlrm.storage import StorageError
@@ -250,10 +253,11 @@ def export(
         str | None,
         typer.Option("--data", help="Data for the signature's example rows (default: config's)."),
     ] = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Export a checkpoint's model, unsharded, as an MLflow pyfunc model that scores raw rows
     without Ray (to a directory and/or the registry)."""
-    _setup_logging()
+    _setup_logging(verbose)
     from raydlrm.platform.export import export_model
 
     if output is None and register is None:

@@ -24,7 +24,8 @@ import psutil
 import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig as RayCheckpointConfig
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raydlrm._logs import library_level, quiet_libraries, worker_level
@@ -569,7 +570,7 @@ def _fit(
             storage_path=storage_path,
             storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=job.run.max_failures),
-            checkpoint_config=CheckpointConfig(
+            checkpoint_config=RayCheckpointConfig(
                 num_to_keep=ckpt.num_to_keep,
                 checkpoint_score_attribute=ckpt.score_metric,
                 checkpoint_score_order=ckpt.score_order,

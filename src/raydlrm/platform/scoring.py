@@ -19,6 +19,7 @@ naming its file and column, instead of being dropped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -39,8 +40,11 @@ from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
 from raydlrm.storage import (
     PartitionSelector,
     StorageConfig,
+    StorageError,
     filesystem_for,
+    is_remote,
     list_files,
+    local_directory,
 )
 from raydlrm.trainers.checkpoint import (
     METADATA_FILES,
@@ -84,12 +88,10 @@ class ModelFiles:
     """The model directory."""
     spec: dict[str, Any]
     """Its worker config (``spec.json``)."""
-    _tmp: tempfile.TemporaryDirectory | None = None
+    _copies: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
     def close(self) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._copies.close()
 
     def __enter__(self) -> ModelFiles:
         return self
@@ -99,21 +101,32 @@ class ModelFiles:
 
 
 def model_files(model: str) -> ModelFiles:
-    """The model of a checkpoint or exported model directory, or of an MLflow model URI, as a
-    local directory with ``model.safetensors`` (see :class:`ModelFiles`).
+    """The model of a checkpoint or exported model directory (local or ``s3://``, the store
+    from the standard AWS variables), or of an MLflow model URI, as a local directory with
+    ``model.safetensors`` (see :class:`ModelFiles`).
 
     Raises:
         FileNotFoundError: naming the model when it holds no raydlrm model.
     """
-    tmp = tempfile.TemporaryDirectory(prefix="raydlrm-model-")
+    copies = contextlib.ExitStack()
+
+    def scratch() -> str:
+        return copies.enter_context(tempfile.TemporaryDirectory(prefix="raydlrm-model-"))
+
     try:
-        root = Path(model)
-        if not root.is_dir():
+        if is_remote(model):
+            try:
+                root = copies.enter_context(local_directory(model, StorageConfig()))
+            except (StorageError, FileNotFoundError) as exc:
+                raise FileNotFoundError(f"model {exc}") from exc
+        elif Path(model).is_dir():
+            root = Path(model)
+        else:
             import mlflow
 
             try:
                 root = Path(
-                    mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=tmp.name)
+                    mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=scratch())
                 )
             except Exception as exc:  # MlflowException, OSError: a model that is not there
                 raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
@@ -124,15 +137,12 @@ def model_files(model: str) -> ModelFiles:
         if not (directory / WEIGHTS_FILE).is_file():
             # A training checkpoint (or an old model.pt): its tables, one at a time, into a
             # safetensors file that the actors can map.
-            directory = write_model_dir(directory, Path(tmp.name, "model"))
+            directory = write_model_dir(directory, Path(scratch(), "model"))
         spec = json.loads((directory / SPEC_FILE).read_text())
     except BaseException:
-        tmp.cleanup()
+        copies.close()
         raise
-    is_copy = directory.is_relative_to(tmp.name)
-    if not is_copy:
-        tmp.cleanup()
-    return ModelFiles(directory=directory, spec=spec, _tmp=tmp if is_copy else None)
+    return ModelFiles(directory=directory, spec=spec, _copies=copies)
 
 
 def _model_for_actors(files: ModelFiles) -> dict[str, Any]:

@@ -56,7 +56,12 @@ from raydlrm.storage import StorageConfig, filesystem_for
 from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.spec import WorkerSpec
-from raydlrm.trainers.state import load_training_state, save_training_state, verify_checkpoint
+from raydlrm.trainers.state import (
+    dense_module,
+    load_training_state,
+    save_training_state,
+    verify_checkpoint,
+)
 
 __all__ = ["StepResult", "Trainer", "train_loop_per_worker"]
 
@@ -623,8 +628,7 @@ class Trainer:
         tables = self.model.embedding_bags.gather_full_tables(dst=0)
         if self.rank != 0:
             return None
-        dense = self.model.dense
-        dense = getattr(dense, "module", dense)  # unwrap DDP
+        dense = dense_module(self)
         state = {f"embedding_bags.weights.{name}": t.cpu() for name, t in tables.items()}
         state.update({f"dense.{k}": v.detach().cpu() for k, v in dense.state_dict().items()})
         return state

@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointDamagedError",
     "CheckpointReader",
     "check_state_matches",
+    "dense_module",
     "load_model_tensor",
     "load_training_state",
     "model_tensors",
@@ -150,9 +151,10 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _dense_module(trainer: Trainer) -> torch.nn.Module:
+def dense_module(trainer: Trainer) -> torch.nn.Module:
+    """The trainer's dense part, without its DDP wrapper."""
     dense = trainer.model.dense
-    return getattr(dense, "module", dense)  # unwrap DDP
+    return getattr(dense, "module", dense)
 
 
 def _tensor_state(trainer: Trainer) -> dict[str, Any]:
@@ -164,7 +166,7 @@ def _tensor_state(trainer: Trainer) -> dict[str, Any]:
         optimizer=spec.sharding.optimizer,
     )
     mine = f"rank{trainer.rank}."
-    state.update({mine + _DENSE + k: v for k, v in _dense_module(trainer).state_dict().items()})
+    state.update({mine + _DENSE + k: v for k, v in dense_module(trainer).state_dict().items()})
     for index, values in trainer.optimizer.state_dict()["state"].items():
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
@@ -361,7 +363,7 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
     )
     same_world = state["world_size"] == trainer.plan.world_size
     source = f"rank{trainer.rank if same_world else 0}."
-    dense = {source + _DENSE + k: v for k, v in _dense_module(trainer).state_dict().items()}
+    dense = {source + _DENSE + k: v for k, v in dense_module(trainer).state_dict().items()}
     optim = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items()
