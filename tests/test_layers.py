@@ -1,6 +1,7 @@
 """The import layering of DESIGN.md, checked by parsing every module's imports.
 
-platform -> trainers -> sharding -> models -> batch, trainers -> ingestion -> batch;
+platform -> trainers -> sharding -> models -> batch, trainers -> ingestion -> batch; every
+layer may use the layer-neutral ``storage`` and ``_logs`` modules;
 ingestion and sharding never import each other; only ingestion, platform and trainers/_ray.py
 import ray.
 """
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raydlrm"
-COMMON = {"batch", "_config", "_versions", "_errors"}
+COMMON = {"batch", "_config", "_versions", "_errors", "storage", "_logs"}
 ALLOWED = {
     "batch": {"_config", "_versions"},
+    "storage": {"_config"},
+    "_logs": set(),
     "models": COMMON,
     "sharding": COMMON | {"models"},
     "ingestion": COMMON,

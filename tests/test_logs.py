@@ -76,10 +76,13 @@ def test_verbose_driver_sets_debug_for_the_processes_it_starts(
 def test_quiet_worker_silences_fbgemm_and_ray_data(restore_logging) -> None:
     import ray.data
 
+    from raydlrm.trainers._ray import configure_data_output
+
     context = ray.data.DataContext.get_current()
     before = (context.print_on_execution_start, context.use_ray_tqdm)
     try:
         _logs.configure_worker(logging.WARNING, logging.WARNING)
+        configure_data_output(logging.WARNING)
         # fbgemm's TBE logs its argument dump with logging.info on the root logger.
         assert not logging.getLogger().isEnabledFor(logging.INFO)
         assert not logging.getLogger("ray.data._internal.progress").isEnabledFor(logging.INFO)

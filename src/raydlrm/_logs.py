@@ -108,11 +108,8 @@ def configure_driver(*, verbose: bool = False) -> None:
 def configure_worker(level: int, library: int) -> None:
     """In a training worker (after Ray Train set up its logging): raydlrm's lines at ``level``
     on their own handler, the root logger (fbgemm's TBE dumps its arguments there at INFO) and
-    the libraries at ``library``, and Ray Data's per-dataset output (progress bars, execution
-    plans) off unless ``library`` lets INFO through. Ray Data's context is this process's: the
-    workers build their data sets here."""
-    import ray.data  # first: importing it configures Ray Data's loggers
-
+    the libraries at ``library``. (Ray Data's per-data-set output is the Ray seam's:
+    ``raydlrm.trainers._ray.configure_data_output``.)"""
     package = logging.getLogger("raydlrm")
     if not package.handlers:
         handler = logging.StreamHandler()
@@ -123,10 +120,3 @@ def configure_worker(level: int, library: int) -> None:
     logging.getLogger().setLevel(library)
     for name in _LIBRARIES:
         logging.getLogger(name).setLevel(library)
-    if library > logging.INFO:
-        context = ray.data.DataContext.get_current()
-        context.print_on_execution_start = False  # "Execution plan of ...", "Starting ..."
-        # Ray Data's progress bars in a worker draw through the driver (tqdm_ray: blank lines
-        # when tqdm is missing); without them it logs progress, at INFO, on ray.data's logger.
-        # (Turning progress off altogether makes it warn that it is off.)
-        context.use_ray_tqdm = False

@@ -95,12 +95,30 @@ def train(
     from raydlrm.platform.summary import print_summary
 
     try:
-        result = run_training(config, overrides=set_ or [])
+        with _ray_ends_first():
+            result = run_training(config, overrides=set_ or [])
     except _bad_input_errors() as e:
         _fail(str(e))
     except Exception as e:
         _run_failed(e, "training")
     print_summary(result)
+
+
+@contextlib.contextmanager
+def _ray_ends_first() -> Iterator[None]:
+    """Disconnects from (and so stops a local) Ray that the command itself started, before the
+    command prints its result: the workers' output reaches the screen through Ray's log
+    monitor, seconds late (a worker's last lines are flushed when its process exits), and
+    would otherwise land after the summary. What was not printed yet stays in Ray's log files.
+    A Ray the caller had already initialized (a notebook, a test session) is left running."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    try:
+        yield
+    finally:
+        if started_here and ray.is_initialized():
+            ray.shutdown()
 
 
 ModelArg = Annotated[
@@ -200,7 +218,8 @@ def retrain(
     from raydlrm.storage import StorageError
 
     try:
-        result = run_retrain(config, overrides=set_ or [], slot=slot)
+        with _ray_ends_first():
+            result = run_retrain(config, overrides=set_ or [], slot=slot)
     except (*_bad_input_errors(), StorageError) as e:
         _fail(str(e))
     except RetrainError as e:

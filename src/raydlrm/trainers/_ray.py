@@ -17,7 +17,13 @@ import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 
-__all__ = ["WorkerContext", "latest_checkpoint", "report", "worker_context"]
+__all__ = [
+    "WorkerContext",
+    "configure_data_output",
+    "latest_checkpoint",
+    "report",
+    "worker_context",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,21 @@ def worker_context() -> WorkerContext:
         local_rank=ctx.get_local_rank(),
         device=ray.train.torch.get_device(),
     )
+
+
+def configure_data_output(library_level: int) -> None:
+    """Ray Data's per-data-set output in this worker (it builds its data sets here): execution
+    plans and progress bars only when ``library_level`` lets INFO through. Without bars Ray
+    Data logs its progress at INFO on its own logger (bars drawn through the driver print blank
+    lines when tqdm is missing; turning progress off altogether makes Ray Data warn that it is
+    off)."""
+    import ray.data
+
+    if library_level <= logging.INFO:
+        return
+    context = ray.data.DataContext.get_current()
+    context.print_on_execution_start = False  # "Execution plan of ...", "Starting execution"
+    context.use_ray_tqdm = False
 
 
 def report(

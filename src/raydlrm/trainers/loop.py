@@ -647,12 +647,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ``plan`` (the plan's JSON), ``train_source`` and ``eval_source`` (the validated data sets:
     path, row groups, schema, shuffle, actors; see ``raydlrm.ingestion.reader``; eval may be
     None), ``log_level`` and ``library_log_level`` (see ``raydlrm._logs``)."""
-    configure_worker(
-        config.get("log_level", logging.WARNING), config.get("library_log_level", logging.WARNING)
-    )
+    library_level = config.get("library_log_level", logging.WARNING)
+    configure_worker(config.get("log_level", logging.WARNING), library_level)
+    _ray = _seam()
+    _ray.configure_data_output(library_level)
     spec = WorkerSpec(**config["spec"])
     plan = ShardingPlan.from_json(config["plan"])
-    _ray = _seam()
     ctx = _ray.worker_context()
     if plan.world_size != ctx.world_size:
         raise ValueError(
