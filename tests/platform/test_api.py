@@ -54,7 +54,14 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     config = _config(tmp_path)
     # The synthetic user features C1-C8 repeat over a session (about 4 samples).
     config["data"]["dedup_groups"] = [[f"C{i}" for i in range(1, 9)]]
+    # Two tables on the SSD tier, one of them deduplicated: trained, checkpointed, exported.
+    config["sharding"] = {"placement": {"t_C1": "ssd", "t_C20": "ssd"}}
     result = raydlrm.train(config)
+    assert [t.name for t in result.plan.tables if t.placement == "ssd"] == ["t_C1", "t_C20"]
+    for name in ("t_C1", "t_C20"):  # the page cache holds the tables (small, just trained)
+        assert 0 < result.metrics[f"tier/{name}/resident_fraction"] <= 1
+    assert result.metrics["tier/major_page_faults"] >= 0
+    assert "tier/t_C2/resident_fraction" not in result.metrics  # in DRAM
     # Not a terminal: progress comes as log lines, the last one when training ended.
     lines = [r.getMessage() for r in caplog.records if r.name == "raydlrm.platform.progress"]
     assert lines and lines[-1].startswith("training: 1024/1024 samples (100.0%)")

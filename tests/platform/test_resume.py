@@ -101,10 +101,15 @@ def _assert_restored_from(result: raydlrm.TrainResult, step: int) -> None:
 
 
 def test_worker_killed_mid_epoch_resumes_exactly(uninterrupted, monkeypatch) -> None:
+    """Also: every table on the SSD tier (the uninterrupted run's are in DRAM): the same bits."""
     root, clean = uninterrupted
     # Step 11 is in the second epoch, two steps after the checkpoint of step 9.
     monkeypatch.setenv("RAYDLRM_FAULT", "rank=1,step=11")
-    result = raydlrm.train(_config(root, "killed", max_failures=1))
+    config = _config(root, "killed", max_failures=1)
+    config["sharding"] = {"default_placement": "ssd", "ssd_path": str(root / "ssd")}
+    result = raydlrm.train(config)
+    assert {t.placement for t in result.plan.tables} == {"ssd"}
+    assert not list((root / "ssd").iterdir())  # the tables' files are gone with the workers
     assert Path(root, "runs", "killed", "fault-injected.rank1.step11.step").is_file()
     _assert_same_run(root, clean, result, "killed")
     assert result.metrics["samples_seen"] == ROWS * EPOCHS

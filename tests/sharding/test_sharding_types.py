@@ -41,6 +41,24 @@ SCENARIOS += [
 FP16 = {"name": "mixed/fp16", "mixed": True, "optimizer": "rowwise_adagrad", "weighted": False}
 FP16_TOL = {"atol": 2e-3, "rtol": 1e-2}
 SCENARIOS.append({**FP16, "fp16": True})
+# Tables on the SSD tier (weights in mapped files; Adagrad's per-weight state beside them,
+# row-wise Adagrad's per-row state in memory) train exactly like tables in DRAM.
+SCENARIOS += [
+    {
+        "name": "mixed/ssd/rowwise_adagrad",
+        "mixed": True,
+        "optimizer": "rowwise_adagrad",
+        "weighted": False,
+        "ssd": ["t0", "t1", "t2"],
+    },
+    {
+        "name": "mixed/ssd/adagrad",
+        "mixed": True,
+        "optimizer": "adagrad",
+        "weighted": True,
+        "ssd": ["t3", "t4"],
+    },
+]
 GROUPED = {
     "name": "table_row_wise/group2",
     "default_type": "table_row_wise",
@@ -76,6 +94,7 @@ def _config(sc: dict) -> ShardingConfig:
         eps=EPS,
         weights_precision="fp16" if sc.get("fp16") else "fp32",
         weights_precision_per_table={"t4": "fp32"} if sc.get("fp16") else {},
+        placement=dict.fromkeys(sc.get("ssd", []), "ssd"),
     )
 
 
@@ -95,6 +114,9 @@ def _run_scenario(rank: int, world_size: int, sc: dict) -> dict:
     record["states"] = ebc.gather_full_optimizer_states(dst=0)
     replicated = [t.name for t in plan.tables if t.sharding_type == "data_parallel"]
     record["replicas"] = {n: ebc.local_tables()[n].clone() for n in replicated}
+    # The SSD tier's buffers are mapped files (unlinked at once: "(deleted)" in the maps).
+    maps = open("/proc/self/maps").read()  # noqa: SIM115
+    record["mapped"] = sum("raydlrm-ssd-" in line for line in maps.splitlines())
     return record
 
 
@@ -179,6 +201,8 @@ def _check(results: list[list[dict]], scenarios: list[dict], world_size: int) ->
                 assert torch.equal(replica, results[0][i]["replicas"][name]), (sc["name"], name)
             if rank:
                 assert got["tables"] is None and got["states"] is None
+            if sc.get("ssd"):
+                assert got["mapped"] > 0, sc["name"]
         got = results[0][i]
         assert got["tables"].keys() == ref["tables"].keys()
         for name, weight in ref["tables"].items():

@@ -45,6 +45,7 @@ from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.sharding.plan import format_bytes
+from raydlrm.sharding.tiers import TierError, check_space, disk_bytes_per_rank, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join, scheme_of, with_scheme
 from raydlrm.trainers._ray import latest_checkpoint
 from raydlrm.trainers.checkpoint import model_metrics
@@ -335,6 +336,7 @@ def train(
     )
     plan = make_plan(job)
     logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
+    _check_ssd_space(job, plan)
     # Before the statistics: a warm start keeps the dense statistics its model was trained with.
     warm_start = _warm_start_checkpoint(job, plan) if job.run.warm_start else None
     _fill_dense_stats(job)
@@ -461,6 +463,24 @@ def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> ray.train.Chec
     if isinstance(filesystem, pafs.LocalFileSystem):
         return ray.train.Checkpoint(path)
     return ray.train.Checkpoint(path, filesystem=filesystem)
+
+
+def _check_ssd_space(job: JobConfig, plan: ShardingPlan) -> None:
+    """For a local Ray instance (every worker on this machine): the ``ssd`` tables' directory
+    can be written and holds all the ranks' files, checked before Ray starts. (Each worker
+    checks its own files again when it maps them, on any cluster.)
+
+    Raises:
+        ConfigError: naming the tables, ``sharding.ssd_path`` and the shortfall.
+    """
+    per_rank = disk_bytes_per_rank(plan, job.sharding)
+    if not any(per_rank) or _ray_address(job) != "local":
+        return
+    tables = [t.name for t in plan.tables if t.placement == "ssd"]
+    try:
+        check_space(ssd_directory(job.sharding.ssd_path), sum(per_rank), tables=tables)
+    except TierError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _fill_dense_stats(job: JobConfig) -> None:

@@ -6,10 +6,10 @@ shard, a row-wise table one per feature and row shard, a data-parallel table one
 rank. Every rank derives the same layout from the plan, so senders and receivers agree on the
 order of what they exchange without talking.
 
-On each rank, units are ordered by (replicated, kernel pooling mode, weights precision, table,
-feature): the sharded units come first (their pooled output goes through the output all-to-all)
-and the data-parallel ones last (their output stays local), and units looked up by the same
-fbgemm TBE (one pooling mode and one weights precision) are contiguous.
+On each rank, units are ordered by (replicated, kernel pooling mode, weights precision,
+placement, table, feature): the sharded units come first (their pooled output goes through the
+output all-to-all) and the data-parallel ones last (their output stays local), and units looked
+up by the same fbgemm TBE (one pooling mode, weights precision and placement) are contiguous.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class LookupUnit:
         shard: the shard looked up (its rank is where the lookup runs).
         sharding_type: the table's sharding type.
         precision: the table's weights precision (``fp32`` or ``fp16``).
+        placement: where the table's weights live (``dram`` or ``ssd``).
     """
 
     feature: str
@@ -48,6 +49,7 @@ class LookupUnit:
     shard: Shard
     sharding_type: str
     precision: str = "fp32"
+    placement: str = "dram"
 
     @property
     def replicated(self) -> bool:
@@ -79,6 +81,7 @@ class TbeGroup:
         shards: ``(table, shard)`` of each TBE table, in TBE order.
         feature_table_map: TBE table of each unit.
         precision: the weights precision of the TBE's tables.
+        placement: where the TBE's weights live (``dram`` or ``ssd``).
         num_units: units (TBE features) of the group.
     """
 
@@ -86,6 +89,7 @@ class TbeGroup:
     shards: list[tuple[EmbeddingBagConfig, Shard]]
     feature_table_map: list[int]
     precision: str = "fp32"
+    placement: str = "dram"
 
     @property
     def num_units(self) -> int:
@@ -114,6 +118,7 @@ def rank_units(
                         shard=shard,
                         sharding_type=table_plan.sharding_type,
                         precision=precision_of(table.name),
+                        placement=table_plan.placement,
                     )
                 )
             feature_index += 1
@@ -124,6 +129,7 @@ def rank_units(
                 u.replicated,
                 u.kernel_pooling != "sum",
                 u.precision,
+                u.placement,
                 u.table_index,
                 u.feature_index,
             ),
@@ -133,10 +139,11 @@ def rank_units(
 
 
 def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
-    """Splits one rank's units into TBEs: one per (replicated, kernel pooling, precision) run."""
+    """Splits one rank's units into TBEs: one per (replicated, kernel pooling, precision,
+    placement) run."""
     groups = []
-    runs = groupby(units, key=lambda u: (u.replicated, u.kernel_pooling, u.precision))
-    for (_, pooling, precision), run in runs:
+    runs = groupby(units, key=lambda u: (u.replicated, u.kernel_pooling, u.precision, u.placement))
+    for (_, pooling, precision, placement), run in runs:
         run = list(run)
         names = list(dict.fromkeys(u.table.name for u in run))
         shards = {u.table.name: (u.table, u.shard) for u in run}
@@ -146,6 +153,7 @@ def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
                 shards=[shards[n] for n in names],
                 feature_table_map=[names.index(u.table.name) for u in run],
                 precision=precision,
+                placement=placement,
             )
         )
     return groups

@@ -25,6 +25,14 @@ CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
 """Precision of the pooled embeddings and their gradients on the wire (see
 :mod:`raydlrm.sharding.codecs`): ``fp32`` is uncompressed."""
 
+Placement = Literal["dram", "ssd"]
+"""Where a table's weights live on a CPU worker (see :mod:`raydlrm.sharding.tiers`):
+
+- ``dram``: in the worker's memory.
+- ``ssd``: in a file on local disk (``sharding.ssd_path``), read and updated in place through
+  the operating system's page cache: DRAM holds the hot rows, the disk the rest.
+"""
+
 WeightsPrecision = Literal["fp32", "fp16"]
 """Precision of the embedding table weights held by each rank; fbgemm's TBE trains ``fp16``
 weights with fp32 optimizer state."""
@@ -73,6 +81,18 @@ class ShardingConfig:
     """Precision of the embedding table weights (optimizer state stays fp32)."""
     weights_precision_per_table: dict[str, WeightsPrecision] = field(default_factory=dict)
     """Table name -> weights precision, overriding ``weights_precision`` for that table."""
+    default_placement: Placement = "dram"
+    """Where every table not named in ``placement`` lives (see :data:`Placement`)."""
+    placement: dict[str, Placement] = field(default_factory=dict)
+    """Table name -> ``dram`` or ``ssd``, overriding ``default_placement`` for that table."""
+    ssd_path: str | None = None
+    """Directory of the ``ssd`` tables' files on each worker (local disk; created if missing).
+    Default: ``raydlrm-ssd`` in the worker's temporary directory. The files are removed as soon
+    as they are mapped, so nothing is left behind, even by a killed worker."""
+
+    def placement_of(self, table_name: str) -> Placement:
+        """The placement of table ``table_name``."""
+        return self.placement.get(table_name, self.default_placement)
 
     def weights_precision_of(self, table_name: str) -> WeightsPrecision:
         """The weights precision of table ``table_name``."""

@@ -111,22 +111,41 @@ def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
 
 
 def table_memory_bytes(
-    table: EmbeddingBagConfig, *, optimizer: str, weights_precision: str = "fp32"
+    table: EmbeddingBagConfig,
+    *,
+    optimizer: str,
+    weights_precision: str = "fp32",
+    placement: str = "dram",
 ) -> int:
-    """Bytes of the table's weights plus its fused optimizer state (always fp32).
+    """Bytes of worker memory the table takes: its weights plus its fused optimizer state
+    (always fp32); for an ``ssd`` table only the state that stays in memory (row-wise Adagrad's
+    one float per row; a per-weight state goes to disk with the weights).
 
     Args:
         table: the table.
         optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
             ``sgd`` (no state).
         weights_precision: ``fp32`` (4 bytes per weight) or ``fp16`` (2 bytes).
+        placement: ``dram`` or ``ssd``.
     """
     weights = table.num_embeddings * table.embedding_dim
+    if placement == "ssd":
+        return table.num_embeddings * _FP32_BYTES if optimizer == "rowwise_adagrad" else 0
     state = {
         "rowwise_adagrad": table.num_embeddings * _FP32_BYTES,
         "adagrad": weights * _FP32_BYTES,
         "sgd": 0,
     }[optimizer]
+    return weights * _WEIGHT_BYTES[weights_precision] + state
+
+
+def table_disk_bytes(
+    table: EmbeddingBagConfig, *, optimizer: str, weights_precision: str = "fp32"
+) -> int:
+    """Bytes of local disk an ``ssd`` table takes: its weights, and a per-weight optimizer
+    state (Adagrad's) beside them."""
+    weights = table.num_embeddings * table.embedding_dim
+    state = weights * _FP32_BYTES if optimizer == "adagrad" else 0
     return weights * _WEIGHT_BYTES[weights_precision] + state
 
 

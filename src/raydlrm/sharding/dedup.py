@@ -99,6 +99,7 @@ def plan_feature_sets(
             weights_precision_per_table={
                 k: v for k, v in config.weights_precision_per_table.items() if k in names
             },
+            placement={k: v for k, v in config.placement.items() if k in names},
         )
         plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
         planned.update({t.name: t for t in plan.tables})

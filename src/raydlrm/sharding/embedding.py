@@ -59,6 +59,7 @@ from raydlrm.sharding._output_dist import OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
+from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
 
 import_fbgemm()
 
@@ -218,6 +219,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         self._groups = tbe_groups(local)
         self.local_table_configs = [t for t, _ in self._rank_pieces[self._rank]]
+        self._ssd_directory = ssd_directory(config.ssd_path)
         self.tbes = nn.ModuleList(self._build_tbe(g, config) for g in self._groups)
         self._init_weights(ebc)
 
@@ -232,6 +234,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
         return SplitTableBatchedEmbeddingBagsCodegen(
+            preallocated_host_buffers=self._tier_buffers(group, config),
             embedding_specs=[
                 (s.row_end - s.row_start, s.col_end - s.col_start, location, compute)
                 for _, s in group.shards
@@ -250,6 +253,32 @@ class ShardedEmbeddingBagCollection(nn.Module):
             bounds_check_mode=BoundsCheckMode.NONE,
             device=self._device,
         )
+
+    def _tier_buffers(
+        self, group: TbeGroup, config: ShardingConfig
+    ) -> dict[str, torch.Tensor] | None:
+        """The host buffers of an ``ssd`` group, mapped from files (see
+        :mod:`raydlrm.sharding.tiers`): its weights, and Adagrad's per-weight state (row-wise
+        Adagrad's per-row state stays in memory); None for a ``dram`` group."""
+        if group.placement == "dram":
+            return None
+        names = [t.name for t, _ in group.shards]
+        if self._device.type != "cpu":
+            raise TierError(
+                f"tables {names}: placement {group.placement!r} is for CPU workers; this "
+                f"worker's device is {self._device}"
+            )
+        numel = sum((s.row_end - s.row_start) * (s.col_end - s.col_start) for _, s in group.shards)
+        buffers = {
+            "weights": mapped_buffer(
+                self._ssd_directory, numel, WEIGHT_DTYPES[group.precision], tables=names
+            )
+        }
+        if config.optimizer == "adagrad":
+            buffers["momentum1"] = mapped_buffer(
+                self._ssd_directory, numel, torch.float32, tables=names
+            )
+        return buffers
 
     @torch.no_grad()
     def _init_weights(self, ebc: EmbeddingBagCollection) -> None:

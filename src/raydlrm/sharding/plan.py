@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import get_args
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding.config import ShardingType
+from raydlrm.sharding.config import Placement, ShardingType
 
 __all__ = ["MemoryBudget", "Shard", "ShardingPlan", "TablePlan", "format_bytes"]
 
@@ -47,7 +47,10 @@ class TablePlan:
             ``data_parallel`` one full-table replica per rank.
         cost: estimated seconds per step of the table's lookups and communication, all shards
             together (see :mod:`raydlrm.sharding.cost`).
-        memory_bytes: weights plus fused optimizer state, in bytes.
+        memory_bytes: worker memory of its weights plus fused optimizer state, in bytes (for
+            an ``ssd`` table, the optimizer state kept in memory only).
+        placement: where its weights live: ``dram`` or ``ssd`` (a file on each worker's
+            local disk, through the page cache; see :mod:`raydlrm.sharding.tiers`).
     """
 
     name: str
@@ -57,6 +60,7 @@ class TablePlan:
     shards: list[Shard]
     cost: float = 0.0
     memory_bytes: int = 0
+    placement: Placement = "dram"
 
     @property
     def ranks(self) -> list[int]:
@@ -232,8 +236,18 @@ class ShardingPlan:
         budget, whose source is the last line, if the plan has one)."""
         costs = self.per_rank_cost()
         memory_header, memory = self._memory_cells()
+        tiers = {t.name: t.placement for t in self.tables}
+
+        def named(table: str) -> str:
+            return table if tiers[table] == "dram" else f"{table} ({tiers[table]})"
+
         rows = [
-            (str(r), ", ".join(self.tables_on_rank(r)) or "-", f"{costs[r]:.4g}", memory[r])
+            (
+                str(r),
+                ", ".join(named(t) for t in self.tables_on_rank(r)) or "-",
+                f"{costs[r]:.4g}",
+                memory[r],
+            )
             for r in range(self.world_size)
         ]
         header = ("rank", "tables", "est. cost", memory_header)

@@ -98,6 +98,7 @@ def check_table_names(
         ("sharding.pinned_ranks", config.pinned_ranks),
         ("sharding.pinned_types", config.pinned_types),
         ("sharding.weights_precision_per_table", config.weights_precision_per_table),
+        ("sharding.placement", config.placement),
         ("pooling_factors", pooling_factors or {}),
     ):
         unknown = sorted(set(keys) - names)
@@ -222,7 +223,9 @@ class _Planner:
                     t,
                     optimizer=config.optimizer,
                     weights_precision=config.weights_precision_of(t.name),
+                    placement=config.placement_of(t.name),
                 ),
+                placement=config.placement_of(t.name),
             )
         for p in self.plans.values():
             p.cost = self._cost(p, "table_wise", 1)

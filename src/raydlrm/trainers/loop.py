@@ -52,6 +52,7 @@ from raydlrm.ingestion.reader import EpochProgress, WorkerSource
 from raydlrm.ingestion.schema import RowGroup
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
+from raydlrm.sharding.tiers import major_page_faults, resident_bytes
 from raydlrm.storage import StorageConfig, filesystem_for
 from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
@@ -376,6 +377,7 @@ class Trainer:
                         and (self.step % cfg.eval_every_steps == 0)
                     ):
                         metrics.update(self._evaluate_data(eval_data))
+                    metrics.update(self._tier_metrics())
                     window_loss, window_steps, window_samples = 0.0, 0, 0
                     window_start = time.perf_counter()
                 if self._checkpoint_due(log_step):
@@ -402,6 +404,7 @@ class Trainer:
             )
             final.update(self._comm_metrics())
             final.update(self._dedup_metrics())
+            final.update(self._tier_metrics())
             # The finished training state first: nothing after it can lose the trained model.
             persisted = self._report(final, report=report, checkpoint=True, with_model=True)
         if eval_data is not None:
@@ -507,6 +510,31 @@ class Trainer:
             for kind, n in by_kind.items()
         }
         return {name: _all_reduce_scalar(local.get(name, 0.0), self.device) for name in names}
+
+    def _tier_metrics(self) -> dict[str, float]:
+        """For the tables on the SSD tier (none: no metrics): ``tier/<table>/resident_fraction``,
+        the share of the table's rows (all ranks' shards) the page cache holds now, and
+        ``tier/major_page_faults``, the reads from disk the workers waited for so far (the
+        misses, summed over ranks); a collective."""
+        ssd = [t.name for t in self.plan.tables if t.placement == "ssd"]
+        if not ssd:
+            return {}
+        local = self.model.embedding_bags.local_tables()
+        mine = {
+            name: (resident_bytes(local[name]), local[name].numel() * local[name].element_size())
+            for name in ssd
+            if name in local
+        }
+        gathered = [(mine, major_page_faults())]
+        if _distributed():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (mine, major_page_faults()))
+        metrics = {"tier/major_page_faults": float(sum(faults for _, faults in gathered))}
+        for name in ssd:
+            held = [per_rank[name] for per_rank, _ in gathered if name in per_rank]
+            total = sum(size for _, size in held)
+            metrics[f"tier/{name}/resident_fraction"] = sum(r for r, _ in held) / max(total, 1)
+        return metrics
 
     def _dedup_metrics(self) -> dict[str, float]:
         """Per deduplicated table: ``dedup/<table>/ratio`` (samples per unique row, over all
