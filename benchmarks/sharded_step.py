@@ -17,20 +17,25 @@ Variants:
   kernel with the same row-wise Adagrad through the sharder's fused params.
 - ``raydlrm-tw-fp16`` (any codec name after the type): the same with compressed all-to-all
   (``sharding.comm_precision``); not in the default set.
+- ``raydlrm-tw-ssd`` (``ssd`` after the type, with or without a codec): every table on the SSD
+  tier (``sharding.default_placement = "ssd"``, files under ``--ssd-path``); the timing line
+  adds each repeat's major page faults per step on rank 0 (reads the page cache missed), and
+  the end the share of rank 0's table bytes in the page cache. Not in the default set.
 - ``limit``: one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` over all tables in each
   process, on that rank's batch, with no communication: the same work per rank as the sharded
   variants, minus the communication (the upper bound on their throughput).
 
 Ids follow a power law (log-uniform, Zipf's law with exponent 1: id ``k`` has probability about
-``1 / (k + 1)``); bag lengths are uniform in ``[1, 2 * pooling - 1]``. Each rank cycles through a
-few pre-built batches of its own. TorchRec is only needed here (``make bench-deps``); a failure
-to import or run it is reported and the other variants still run.
+``1 / (k + 1)``), or with ``--ids uniform`` are uniform over the rows; bag lengths are uniform
+in ``[1, 2 * pooling - 1]``. Each rank cycles through a few pre-built batches of its own.
+TorchRec is only needed here (``make bench-deps``); a failure to import or run it is reported
+and the other variants still run.
 
 Usage::
 
     python benchmarks/sharded_step.py [--batch-size 2048] [--rows 100000] [--steps 10]
         [--repeats 5] [--variants raydlrm-tw,raydlrm-cw,torchrec-tw,torchrec-cw,limit]
-        [--profile]
+        [--profile] [--ids powerlaw|uniform] [--ssd-path DIR]
 """
 
 from __future__ import annotations
@@ -60,14 +65,19 @@ def _tables(rows: int) -> list[tuple[str, int, int]]:
     return [(f"t{t}", rows, DIMS[t % len(DIMS)]) for t in range(NUM_TABLES)]
 
 
-def _batches(rank: int, *, rows: int, batch_size: int, pooling: int) -> list[dict]:
+def _batches(
+    rank: int, *, rows: int, batch_size: int, pooling: int, distribution: str = "powerlaw"
+) -> list[dict]:
     """``NUM_BATCHES`` batches of this rank: feature-major ids and lengths, shape (F, B, L)."""
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = []
     for _ in range(NUM_BATCHES):
         lengths = torch.randint(1, 2 * pooling, (NUM_TABLES * batch_size,), generator=gen)
         u = torch.rand(int(lengths.sum()), generator=gen, dtype=torch.float64)
-        ids = (torch.exp(u * math.log(rows)) - 1).long().clamp_(0, rows - 1)
+        if distribution == "uniform":
+            ids = (u * rows).long().clamp_(0, rows - 1)
+        else:
+            ids = (torch.exp(u * math.log(rows)) - 1).long().clamp_(0, rows - 1)
         batches.append({"values": ids, "lengths": lengths})
     return batches
 
@@ -80,7 +90,15 @@ def _loss(pooled: torch.Tensor) -> torch.Tensor:
 # Variants: each builder returns a step function of one batch (dict of values and lengths).
 
 
-def _raydlrm(sharding_type: str, *, rows: int, pooling: int, comm_precision: str = "fp32"):
+def _raydlrm(
+    sharding_type: str,
+    *,
+    rows: int,
+    pooling: int,
+    comm_precision: str = "fp32",
+    placement: str = "dram",
+    ssd_path: str | None = None,
+):
     from raydlrm.batch import KeyedJaggedTensor
     from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
     from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
@@ -95,6 +113,8 @@ def _raydlrm(sharding_type: str, *, rows: int, pooling: int, comm_precision: str
         learning_rate=LEARNING_RATE,
         eps=EPS,
         comm_precision=comm_precision,
+        default_placement=placement,
+        ssd_path=ssd_path,
     )
     plan = plan_sharding(
         tables,
@@ -110,6 +130,7 @@ def _raydlrm(sharding_type: str, *, rows: int, pooling: int, comm_precision: str
         kjt = KeyedJaggedTensor.from_lengths(keys, batch["values"], batch["lengths"])
         _loss(sebc(kjt).values).backward()
 
+    step.tables = sebc.local_tables  # type: ignore[attr-defined]
     return step, plan.format_table()
 
 
@@ -207,14 +228,21 @@ def _limit(*, rows: int, pooling: int):
     return step, f"{NUM_TABLES} tables in one TBE on every rank"
 
 
-def _build(variant: str, *, rows: int, pooling: int):
+def _build(variant: str, *, rows: int, pooling: int, ssd_path: str | None = None):
     if variant == "limit":
         return _limit(rows=rows, pooling=pooling)
-    library, kind, *codec = variant.split("-")
+    library, kind, *options = variant.split("-")
     sharding_type = {"tw": "table_wise", "cw": "column_wise"}[kind]
     if library == "raydlrm":
-        precision = codec[0] if codec else "fp32"
-        return _raydlrm(sharding_type, rows=rows, pooling=pooling, comm_precision=precision)
+        codecs = [o for o in options if o != "ssd"]
+        return _raydlrm(
+            sharding_type,
+            rows=rows,
+            pooling=pooling,
+            comm_precision=codecs[0] if codecs else "fp32",
+            placement="ssd" if "ssd" in options else "dram",
+            ssd_path=ssd_path,
+        )
     return _torchrec(sharding_type, rows=rows, pooling=pooling)
 
 
@@ -234,12 +262,20 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
-    batches = _batches(rank, rows=args.rows, batch_size=args.batch_size, pooling=args.pooling)
+    batches = _batches(
+        rank,
+        rows=args.rows,
+        batch_size=args.batch_size,
+        pooling=args.pooling,
+        distribution=args.ids,
+    )
     steps, errors = {}, {}
     for variant in args.variants.split(","):
         start = time.perf_counter()
         try:
-            steps[variant], plan = _build(variant, rows=args.rows, pooling=args.pooling)
+            steps[variant], plan = _build(
+                variant, rows=args.rows, pooling=args.pooling, ssd_path=args.ssd_path
+            )
             for i in range(args.warmup):
                 steps[variant](batches[i % NUM_BATCHES])
         except Exception as e:  # a variant that fails (TorchRec on CPU) is reported, not fatal
@@ -259,22 +295,41 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
             if args.show_plans and plan:
                 print(plan, flush=True)
 
+    from raydlrm.sharding.tiers import major_page_faults, resident_bytes
+
     times: dict[str, list[float]] = {v: [] for v in steps}
+    faults: dict[str, list[float]] = {v: [] for v in steps if "ssd" in v.split("-")}
     names = list(steps)
     for repeat in range(args.repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)] if names else []
         for variant in order:
             dist.barrier()
+            before = major_page_faults()
             start = time.perf_counter()
             for i in range(args.steps):
                 steps[variant](batches[i % NUM_BATCHES])
             dist.barrier()
             times[variant].append(time.perf_counter() - start)
+            if variant in faults:
+                faults[variant].append((major_page_faults() - before) / args.steps)
         if rank == 0:
             shown = " ".join(
                 f"{v}={args.batch_size * args.steps / times[v][-1]:,.0f}" for v in names
             )
+            missed = " ".join(f"{v}={f[-1]:,.0f}" for v, f in faults.items())
             print(f"[repeat {repeat}] samples/s per rank: {shown}", flush=True)
+            if missed:
+                print(f"[repeat {repeat}] major page faults per step, rank 0: {missed}", flush=True)
+    if rank == 0:
+        for variant in faults:
+            tables = steps[variant].tables().values()
+            held = sum(resident_bytes(t) for t in tables)
+            total = sum(t.numel() * t.element_size() for t in tables)
+            print(
+                f"[page cache] {variant}: {held / 2**30:.2f} of {total / 2**30:.2f} GiB of rank "
+                f"0's tables resident ({held / max(total, 1):.1%})",
+                flush=True,
+            )
 
     if args.profile and rank == 0:
         _profile(steps, batches, args)
@@ -319,6 +374,8 @@ def main() -> None:
     parser.add_argument("--show-plans", action="store_true")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--profile", action="store_true", help="profile raydlrm on rank 0")
+    parser.add_argument("--ids", choices=["powerlaw", "uniform"], default="powerlaw")
+    parser.add_argument("--ssd-path", default=None, help="directory of the -ssd variants' files")
     args = parser.parse_args()
 
     ctx = multiprocessing.get_context("spawn")
