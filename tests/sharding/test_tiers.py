@@ -74,3 +74,34 @@ def test_resident_bytes_counts_pages_in_memory(tmp_path: Path) -> None:
     assert 4 << 20 <= held <= 16 << 20
     assert resident_bytes(mapped[:0]) == 0
     assert major_page_faults() >= 0
+
+
+def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> None:
+    from raydlrm.models.embedding import EmbeddingBagConfig
+    from raydlrm.sharding import MemoryBudget
+    from raydlrm.sharding.planner import BudgetError
+
+    def table(name: str, rows: int) -> EmbeddingBagConfig:
+        return EmbeddingBagConfig(
+            name=name, num_embeddings=rows, embedding_dim=16, feature_names=(f"f_{name}",)
+        )
+
+    # 68 bytes a row in DRAM (16 fp32 weights + the row-wise state), 4 on SSD.
+    tables = [table("hot", 1_000), table("warm", 20_000), table("cold", 40_000)]
+    pooling = {"hot": 4.0, "warm": 2.0, "cold": 1.0}
+    config = ShardingConfig(default_placement="auto", pinned_ranks={"cold": [0], "warm": [0]})
+
+    def placements(budget_bytes: int | None) -> dict[str, str]:
+        budget = None if budget_bytes is None else MemoryBudget(budget_bytes, "test")
+        plan = plan_sharding(
+            tables, world_size=2, config=config, pooling_factors=pooling, memory_budget=budget
+        )
+        return {t.name: t.placement for t in plan.tables}
+
+    assert placements(None) == dict.fromkeys(("hot", "warm", "cold"), "dram")
+    assert placements(10_000_000) == dict.fromkeys(("hot", "warm", "cold"), "dram")
+    # Rank 0 holds warm and cold (4.08 MB in DRAM): 2 MB forces the coldest rows out first.
+    assert placements(2_000_000) == {"hot": "dram", "warm": "dram", "cold": "ssd"}
+    assert placements(1_000_000) == {"hot": "dram", "warm": "ssd", "cold": "ssd"}
+    with pytest.raises(BudgetError, match="does not fit|cannot fit"):
+        placements(100_000)  # even on SSD, 240 KB of row-wise state stays in DRAM on rank 0

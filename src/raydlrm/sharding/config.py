@@ -81,17 +81,20 @@ class ShardingConfig:
     """Precision of the embedding table weights (optimizer state stays fp32)."""
     weights_precision_per_table: dict[str, WeightsPrecision] = field(default_factory=dict)
     """Table name -> weights precision, overriding ``weights_precision`` for that table."""
-    default_placement: Placement = "dram"
-    """Where every table not named in ``placement`` lives (see :data:`Placement`)."""
-    placement: dict[str, Placement] = field(default_factory=dict)
-    """Table name -> ``dram`` or ``ssd``, overriding ``default_placement`` for that table."""
+    default_placement: Placement | Literal["auto"] = "dram"
+    """Where every table not named in ``placement`` lives (see :data:`Placement`). ``auto``:
+    in DRAM while the plan fits the memory budget; when it does not, the planner moves tables to
+    ``ssd``, those with the fewest lookups per row first (pooling factor x features / rows),
+    until it fits (without a budget: DRAM)."""
+    placement: dict[str, Placement | Literal["auto"]] = field(default_factory=dict)
+    """Table name -> ``dram``, ``ssd`` or ``auto``, overriding ``default_placement``."""
     ssd_path: str | None = None
     """Directory of the ``ssd`` tables' files on each worker (local disk; created if missing).
     Default: ``raydlrm-ssd`` in the worker's temporary directory. The files are removed as soon
     as they are mapped, so nothing is left behind, even by a killed worker."""
 
-    def placement_of(self, table_name: str) -> Placement:
-        """The placement of table ``table_name``."""
+    def placement_of(self, table_name: str) -> Placement | Literal["auto"]:
+        """The placement of table ``table_name`` (``auto``: the planner's choice)."""
         return self.placement.get(table_name, self.default_placement)
 
     def weights_precision_of(self, table_name: str) -> WeightsPrecision:

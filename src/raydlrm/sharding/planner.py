@@ -33,6 +33,7 @@ The maximum per-rank cost never increases after the greedy placement.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
@@ -45,6 +46,7 @@ from raydlrm.sharding.plan import MemoryBudget, Shard, ShardingPlan, TablePlan, 
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
+    "BudgetError",
     "check_table_names",
     "plan_sharding",
     "table_cost",
@@ -106,6 +108,11 @@ def check_table_names(
             raise ValueError(f"{what} names unknown tables {unknown} (tables: {sorted(names)})")
 
 
+class BudgetError(ValueError):
+    """The tables do not fit the memory budget (the message names a table, a rank and the
+    shortfall)."""
+
+
 def plan_sharding(
     tables: Sequence[EmbeddingBagConfig],
     *,
@@ -163,6 +170,50 @@ def plan_sharding(
         )
     if memory_budget is None and config.device_memory_bytes is not None:
         memory_budget = MemoryBudget(config.device_memory_bytes, "sharding.device_memory_bytes")
+    auto = [t for t in tables if config.placement_of(t.name) == "auto"]
+    resolved = {t.name: config.placement_of(t.name) for t in tables}
+    resolved.update(dict.fromkeys((t.name for t in auto), "dram"))
+    # ``auto`` tables go to SSD, coldest rows first, while the plan does not fit the budget.
+    coldest_first = sorted(
+        auto,
+        key=lambda t: (
+            pooling_factors.get(t.name, 1.0) * len(t.feature_names) / t.num_embeddings,
+            -t.num_embeddings * t.embedding_dim,
+            t.name,
+        ),
+    )
+    while True:
+        placed = dataclasses.replace(config, default_placement="dram", placement=resolved)
+        try:
+            return _plan(
+                tables,
+                world_size=world_size,
+                config=placed,
+                pooling_factors=pooling_factors,
+                batch_size=batch_size,
+                constants=constants,
+                search=search,
+                memory_budget=memory_budget,
+                group_size=group_size,
+            )
+        except BudgetError:
+            if memory_budget is None or not coldest_first:
+                raise
+            resolved = {**resolved, coldest_first.pop(0).name: "ssd"}
+
+
+def _plan(
+    tables: Sequence[EmbeddingBagConfig],
+    *,
+    world_size: int,
+    config: ShardingConfig,
+    pooling_factors: dict[str, float],
+    batch_size: int,
+    constants: CostConstants | None,
+    search: str,
+    memory_budget: MemoryBudget | None,
+    group_size: int,
+) -> ShardingPlan:
     planner = _Planner(
         tables,
         world_size=world_size,
@@ -268,13 +319,13 @@ class _Planner:
             self.load[s.rank] += sign * p.cost / len(p.shards)
             self.memory[s.rank] += sign * p.shard_memory(s)
 
-    def _too_large(self, p: TablePlan, shards: list[Shard]) -> ValueError:
+    def _too_large(self, p: TablePlan, shards: list[Shard]) -> BudgetError:
         """The error of ``p`` whose ``shards`` do not all fit: names the rank short the most."""
         assert self.budget is not None
         room = self._room()
         worst = max(shards, key=lambda s: (p.shard_memory(s) - room[s.rank], -s.rank))
         need, free = p.shard_memory(worst), int(room[worst.rank])
-        return ValueError(
+        return BudgetError(
             f"table {p.name!r} ({p.sharding_type}, {p.memory_bytes} bytes of weights and "
             f"optimizer state) does not fit on rank {worst.rank}: its shard needs {need} bytes, "
             f"{free} bytes of the budget are free there, short by {need - free} bytes "
@@ -303,7 +354,9 @@ class _Planner:
                     f"short by {short} bytes ({format_bytes(short)}) on any rank"
                 )
         if misfits:
-            raise ValueError(f"{'; '.join(misfits)}: cannot fit anywhere, {self.budget.describe()}")
+            raise BudgetError(
+                f"{'; '.join(misfits)}: cannot fit anywhere, {self.budget.describe()}"
+            )
 
     def greedy(self) -> None:
         self._check_fits_somewhere()
