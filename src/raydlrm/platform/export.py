@@ -11,9 +11,11 @@ Ray nor a process group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -144,12 +146,23 @@ def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _model_dir(checkpoint_dir: str | Path) -> Iterator[Path]:
+    """The checkpoint's model directory (weights assembled from the shards one table at a
+    time), in a temporary directory for the duration of the block."""
+    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
+        yield write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
+
+
 def save_model(checkpoint_dir: str | Path, path: str | Path, example: pd.DataFrame) -> Path:
     """Writes the checkpoint's model as a self-contained MLflow pyfunc model directory
     (``mlflow.pyfunc.load_model(path)`` scores raw rows; no Ray, no MLflow server)."""
-    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
-        model_dir = write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
-        mlflow.pyfunc.save_model(path=str(path), **_pyfunc_kwargs(model_dir, example))
+    with _model_dir(checkpoint_dir) as model_dir:
+        return _save(model_dir, path, example)
+
+
+def _save(model_dir: Path, path: str | Path, example: pd.DataFrame) -> Path:
+    mlflow.pyfunc.save_model(path=str(path), **_pyfunc_kwargs(model_dir, example))
     logger.info("saved model to %s", path)
     return Path(path)
 
@@ -170,11 +183,15 @@ def log_model(
         example: a few raw input rows, used for the model signature and input example.
         registered_model_name: registry name, or None to log without registering.
     """
-    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
-        model_dir = write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
-        kwargs = _pyfunc_kwargs(model_dir, example)
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pyfunc.log_model(name=MODEL_ARTIFACT, **kwargs)
+    with _model_dir(checkpoint_dir) as model_dir:
+        return _log(model_dir, run_id, example, registered_model_name)
+
+
+def _log(
+    model_dir: Path, run_id: str, example: pd.DataFrame, registered_model_name: str | None
+) -> mlflow.models.model.ModelInfo:
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pyfunc.log_model(name=MODEL_ARTIFACT, **_pyfunc_kwargs(model_dir, example))
     if registered_model_name:
         info.registered_model_version = _register(info, registered_model_name, run_id)
     logger.debug(
@@ -244,23 +261,20 @@ def export_model(
     else:
         example = example_rows(example_path or data.train_path, data)
     out: dict[str, str] = {}
-    if output is not None:
-        out["path"] = str(save_model(checkpoint_dir, output, example))
-    if registered_model_name is not None:
-        if tracking_uri:
-            mlflow.set_tracking_uri(tracking_uri)
-        experiment = mlflow.set_experiment(experiment_name)
-        with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
-            mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
-        info = log_model(
-            run_id=run.info.run_id,
-            checkpoint_dir=checkpoint_dir,
-            example=example,
-            registered_model_name=registered_model_name,
-        )
-        out.update(
-            model_uri=info.model_uri,
-            run_id=run.info.run_id,
-            version=str(info.registered_model_version),
-        )
+    # The weights are assembled from the checkpoint's shards once, for both destinations.
+    with _model_dir(checkpoint_dir) as model_dir:
+        if output is not None:
+            out["path"] = str(_save(model_dir, output, example))
+        if registered_model_name is not None:
+            if tracking_uri:
+                mlflow.set_tracking_uri(tracking_uri)
+            experiment = mlflow.set_experiment(experiment_name)
+            with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
+                mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
+            info = _log(model_dir, run.info.run_id, example, registered_model_name)
+            out.update(
+                model_uri=info.model_uri,
+                run_id=run.info.run_id,
+                version=str(info.registered_model_version),
+            )
     return out
