@@ -48,6 +48,9 @@ def test_planner_counts_only_the_memory_an_ssd_table_keeps_in_dram() -> None:
     assert plan.table(t0.name).memory_bytes == t0.num_embeddings * 4
     assert table_memory_bytes(t0, optimizer="adagrad", placement="ssd") == 0
     assert f"{t0.name} (ssd)" in plan.format_table()
+    # The ssd column: the table's weights on disk (row-wise Adagrad's state stays in DRAM).
+    assert sum(plan.per_rank_disk()) == t0.num_embeddings * t0.embedding_dim * 4
+    assert plan.format_table().splitlines()[0].split()[-1] == "ssd"
     restored = ShardingPlan.from_json(plan.to_json())
     assert restored.table(t0.name).placement == "ssd"
     with pytest.raises(ValueError, match=r"sharding\.placement names unknown tables \['nope'\]"):
@@ -103,5 +106,5 @@ def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> 
     # Rank 0 holds warm and cold (4.08 MB in DRAM): 2 MB forces the coldest rows out first.
     assert placements(2_000_000) == {"hot": "dram", "warm": "dram", "cold": "ssd"}
     assert placements(1_000_000) == {"hot": "dram", "warm": "ssd", "cold": "ssd"}
-    with pytest.raises(BudgetError, match="does not fit|cannot fit"):
+    with pytest.raises(BudgetError, match=r"does not fit|cannot fit"):
         placements(100_000)  # even on SSD, 240 KB of row-wise state stays in DRAM on rank 0

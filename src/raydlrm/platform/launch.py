@@ -45,7 +45,7 @@ from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.dedup import plan_feature_sets
 from raydlrm.sharding.plan import format_bytes
-from raydlrm.sharding.tiers import TierError, check_space, disk_bytes_per_rank, ssd_directory
+from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join, scheme_of, with_scheme
 from raydlrm.trainers._ray import latest_checkpoint
 from raydlrm.trainers.checkpoint import model_metrics
@@ -473,7 +473,7 @@ def _check_ssd_space(job: JobConfig, plan: ShardingPlan) -> None:
     Raises:
         ConfigError: naming the tables, ``sharding.ssd_path`` and the shortfall.
     """
-    per_rank = disk_bytes_per_rank(plan, job.sharding)
+    per_rank = plan.per_rank_disk()
     if not any(per_rank) or _ray_address(job) != "local":
         return
     tables = [t.name for t in plan.tables if t.placement == "ssd"]

@@ -51,6 +51,8 @@ class TablePlan:
             an ``ssd`` table, the optimizer state kept in memory only).
         placement: where its weights live: ``dram`` or ``ssd`` (a file on each worker's
             local disk, through the page cache; see :mod:`raydlrm.sharding.tiers`).
+        disk_bytes: bytes of local disk an ``ssd`` table takes (its weights, and Adagrad's
+            per-weight state); 0 in DRAM.
     """
 
     name: str
@@ -61,6 +63,7 @@ class TablePlan:
     cost: float = 0.0
     memory_bytes: int = 0
     placement: Placement = "dram"
+    disk_bytes: int = 0
 
     @property
     def ranks(self) -> list[int]:
@@ -69,8 +72,15 @@ class TablePlan:
 
     def shard_memory(self, shard: Shard) -> int:
         """Bytes of weights plus optimizer state of ``shard`` (its share of the table's area)."""
+        return self._share(self.memory_bytes, shard)
+
+    def shard_disk(self, shard: Shard) -> int:
+        """Bytes of local disk of ``shard`` (its share of the table's area)."""
+        return self._share(self.disk_bytes, shard)
+
+    def _share(self, total: int, shard: Shard) -> int:
         area = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start)
-        return self.memory_bytes * area // (self.num_embeddings * self.embedding_dim)
+        return total * area // (self.num_embeddings * self.embedding_dim)
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,14 @@ class ShardingPlan:
             for s in t.shards:
                 memory[s.rank] += t.shard_memory(s)
         return memory
+
+    def per_rank_disk(self) -> list[int]:
+        """Bytes of local disk per rank: its ``ssd`` shards' files."""
+        disk = [0] * self.world_size
+        for t in self.tables:
+            for s in t.shards:
+                disk[s.rank] += t.shard_disk(s)
+        return disk
 
     def check_memory_budget(self) -> None:
         """Checks every rank's memory against :attr:`memory_budget` (if any).
@@ -241,16 +259,18 @@ class ShardingPlan:
         def named(table: str) -> str:
             return table if tiers[table] == "dram" else f"{table} ({tiers[table]})"
 
+        disk = self.per_rank_disk()
         rows = [
             (
                 str(r),
                 ", ".join(named(t) for t in self.tables_on_rank(r)) or "-",
                 f"{costs[r]:.4g}",
                 memory[r],
+                *([format_bytes(disk[r])] if any(disk) else []),
             )
             for r in range(self.world_size)
         ]
-        header = ("rank", "tables", "est. cost", memory_header)
+        header = ("rank", "tables", "est. cost", memory_header, *(["ssd"] if any(disk) else []))
         widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
         lines = [
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()

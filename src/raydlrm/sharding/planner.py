@@ -41,7 +41,12 @@ import numpy as np
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.cost import CostConstants, estimate_table_cost, table_memory_bytes
+from raydlrm.sharding.cost import (
+    CostConstants,
+    estimate_table_cost,
+    table_disk_bytes,
+    table_memory_bytes,
+)
 from raydlrm.sharding.plan import MemoryBudget, Shard, ShardingPlan, TablePlan, format_bytes
 
 __all__ = [
@@ -277,6 +282,13 @@ class _Planner:
                     placement=config.placement_of(t.name),
                 ),
                 placement=config.placement_of(t.name),
+                disk_bytes=table_disk_bytes(
+                    t,
+                    optimizer=config.optimizer,
+                    weights_precision=config.weights_precision_of(t.name),
+                )
+                if config.placement_of(t.name) == "ssd"
+                else 0,
             )
         for p in self.plans.values():
             p.cost = self._cost(p, "table_wise", 1)

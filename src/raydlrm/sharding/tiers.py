@@ -33,20 +33,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.plan import ShardingPlan, format_bytes
+from raydlrm.sharding.plan import format_bytes
 
 __all__ = [
     "TierError",
     "check_space",
-    "disk_bytes_per_rank",
     "major_page_faults",
     "mapped_buffer",
     "resident_bytes",
     "ssd_directory",
 ]
-
-_WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
 
 
 class TierError(ValueError):
@@ -60,20 +56,6 @@ def ssd_directory(ssd_path: str | None) -> Path:
     if ssd_path:
         return Path(ssd_path).expanduser()
     return Path(tempfile.gettempdir(), "raydlrm-ssd")
-
-
-def disk_bytes_per_rank(plan: ShardingPlan, config: ShardingConfig) -> list[int]:
-    """Bytes of local disk each rank's ``ssd`` shards take: their weights (at their precision)
-    and, under Adagrad, its per-weight state beside them."""
-    per_rank = [0] * plan.world_size
-    for table in plan.tables:
-        if table.placement != "ssd":
-            continue
-        per_weight = _WEIGHT_BYTES[config.weights_precision_of(table.name)]
-        per_weight += 4 if config.optimizer == "adagrad" else 0
-        for s in table.shards:
-            per_rank[s.rank] += (s.row_end - s.row_start) * (s.col_end - s.col_start) * per_weight
-    return per_rank
 
 
 def check_space(directory: Path, nbytes: int, *, tables: list[str]) -> None:
