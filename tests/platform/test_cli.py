@@ -210,6 +210,36 @@ def test_unwritable_run_storage_stops_before_ray_starts(
     )
 
 
+def test_unwritable_or_too_small_ssd_path_stops_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch, tiny_data: Path, tmp_path: Path
+) -> None:
+    """SSD-tier tables whose directory cannot be written, or whose disk is too small, stop the
+    job before Ray starts, in one line naming the tables and the path."""
+
+    def no_ray(job) -> None:
+        raise AssertionError("Ray started before the SSD path was checked")
+
+    monkeypatch.setattr("raydlrm.platform.launch._init_ray", no_ray)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    data = ["--set", f"data.train_path={tiny_data / 'train'}"]
+    data += ["--set", f"data.eval_path={tiny_data / 'eval'}"]
+    ssd = ["--set", 'sharding.placement={ t_C1 = "ssd" }']
+    unwritable = _invoke("train", *data, *ssd, "--set", f"sharding.ssd_path={blocker / 'ssd'}")
+    assert unwritable.exit_code == 2, unwritable.output
+    assert re.match(
+        r"error: ssd tables \['t_C1'\]: cannot write to .*a-file/ssd \(sharding\.ssd_path\)",
+        _error_line(unwritable),
+    )
+    huge = ["--set", "data.table_size=100000000000", "--set", "sharding.memory_budget=off"]
+    too_small = _invoke("train", *data, *ssd, *huge, "--set", f"sharding.ssd_path={tmp_path}")
+    assert too_small.exit_code == 2, too_small.output
+    assert re.match(
+        rf"error: ssd tables \['t_C1'\] need .* TiB on {tmp_path} \(sharding\.ssd_path\) but",
+        _error_line(too_small),
+    )
+
+
 def test_config_show_and_validate() -> None:
     shown = json.loads(_invoke("config", "show", "--set", "model.arch=dcnv2").stdout)
     assert shown["model"]["arch"] == "dcnv2"
