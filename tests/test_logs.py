@@ -13,7 +13,7 @@ from raydlrm import _logs
 
 @pytest.fixture
 def restore_logging():
-    names = ["", "raydlrm", *_logs._LIBRARIES]
+    names = ["", "raydlrm", *_logs._LIBRARIES, *_logs._NOTICES]
     levels = {name: logging.getLogger(name).level for name in names}
     root_handlers = list(logging.getLogger().handlers)
     yield
@@ -88,6 +88,8 @@ def test_quiet_worker_silences_fbgemm_and_ray_data(restore_logging) -> None:
         assert not logging.getLogger("ray.data._internal.progress").isEnabledFor(logging.INFO)
         assert not logging.getLogger("raydlrm.trainers.loop").isEnabledFor(logging.INFO)
         assert logging.getLogger("raydlrm.trainers.loop").isEnabledFor(logging.WARNING)
+        # Ray's token-auth notice on every local start: errors only.
+        assert not logging.getLogger(_logs._NOTICES[0]).isEnabledFor(logging.WARNING)
         assert not context.print_on_execution_start and not context.use_ray_tqdm
     finally:
         context.print_on_execution_start, context.use_ray_tqdm = before

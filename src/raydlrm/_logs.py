@@ -34,6 +34,11 @@ LOG_LEVEL_ENV = "RAYDLRM_LOG_LEVEL"
 # logs through the root logger, which the workers' quieting covers.
 _LIBRARIES = ("mlflow", "alembic", "ray", "ray.data", "ray.train", "ray.tune", "fbgemm_gpu")
 
+# Loggers whose warnings need no action from the user, kept to errors unless verbose: Ray warns
+# on every start of a local instance that it turned on token authentication (its default,
+# which raydlrm keeps).
+_NOTICES = ("ray._private.authentication.authentication_token_setup",)
+
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -70,11 +75,14 @@ def library_level() -> int:
     return logging.INFO if level is not None and level <= logging.DEBUG else logging.WARNING
 
 
-def quiet_libraries() -> None:
-    """Sets the libraries' loggers in this process to :func:`library_level`."""
-    level = library_level()
+def quiet_libraries(level: int | None = None) -> None:
+    """Sets the libraries' loggers in this process to ``level`` (default
+    :func:`library_level`); their notices to errors unless ``level`` lets INFO through."""
+    level = library_level() if level is None else level
     for name in _LIBRARIES:
         logging.getLogger(name).setLevel(level)
+    for name in _NOTICES:
+        logging.getLogger(name).setLevel(level if level <= logging.INFO else logging.ERROR)
 
 
 class _DriverFormatter(logging.Formatter):
@@ -118,5 +126,4 @@ def configure_worker(level: int, library: int) -> None:
         package.propagate = False  # Ray's root handler would print every line a second time
     package.setLevel(level)
     logging.getLogger().setLevel(library)
-    for name in _LIBRARIES:
-        logging.getLogger(name).setLevel(library)
+    quiet_libraries(library)

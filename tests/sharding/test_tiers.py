@@ -71,6 +71,8 @@ def test_resident_bytes_counts_pages_in_memory(tmp_path: Path) -> None:
 
     touched = torch.ones(1 << 20)  # 4 MiB written: all resident
     assert resident_bytes(touched) == touched.numel() * 4
+    untouched = torch.empty(1 << 24)  # 64 MiB allocated, never written: not in memory yet
+    assert resident_bytes(untouched) < (1 << 26) // 2
     mapped = mapped_buffer(tmp_path, 1 << 22, torch.float32, tables=["t0"])  # 16 MiB
     mapped[: 1 << 20] = 1.0  # the first 4 MiB written through the page cache
     held = resident_bytes(mapped)

@@ -200,9 +200,6 @@ LOCAL_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
-# Warns on every start of a local instance that it turned on token authentication (Ray's
-# default, which raydlrm keeps): nothing for the user to do.
-_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 # CPUs a local instance keeps beyond the training workers: a preprocessing actor, read tasks.
 _LOCAL_DATA_CPUS = 3
 
@@ -232,8 +229,7 @@ def _init_ray(job: JobConfig) -> None:
             "include_dashboard": config.include_dashboard,
         }
         port = _pin_state_api()
-        verbose = library_level() <= logging.INFO
-        logging.getLogger(_AUTH_SETUP_LOGGER).setLevel(logging.INFO if verbose else logging.ERROR)
+        quiet_libraries()  # Ray's start-up notices (a Python API call may not have set them)
         if config.include_dashboard is False:
             # Nothing listens on the pinned port: the State API fails (and is quiet) rather
             # than asking another instance.

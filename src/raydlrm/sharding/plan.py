@@ -10,7 +10,7 @@ rank's memory against the budget.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import get_args
 
@@ -146,19 +146,18 @@ class ShardingPlan:
 
     def per_rank_memory(self) -> list[int]:
         """Bytes of weights plus optimizer state per rank (split over shards by area)."""
-        memory = [0] * self.world_size
-        for t in self.tables:
-            for s in t.shards:
-                memory[s.rank] += t.shard_memory(s)
-        return memory
+        return self._per_rank(TablePlan.shard_memory)
 
     def per_rank_disk(self) -> list[int]:
         """Bytes of local disk per rank: its ``ssd`` shards' files."""
-        disk = [0] * self.world_size
+        return self._per_rank(TablePlan.shard_disk)
+
+    def _per_rank(self, bytes_of: Callable[[TablePlan, Shard], int]) -> list[int]:
+        total = [0] * self.world_size
         for t in self.tables:
             for s in t.shards:
-                disk[s.rank] += t.shard_disk(s)
-        return disk
+                total[s.rank] += bytes_of(t, s)
+        return total
 
     def check_memory_budget(self) -> None:
         """Checks every rank's memory against :attr:`memory_budget` (if any).

@@ -527,8 +527,8 @@ class Trainer:
         }
         gathered = [(mine, major_page_faults())]
         if _distributed():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (mine, major_page_faults()))
+            entry, gathered = gathered[0], [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, entry)
         metrics = {"tier/major_page_faults": float(sum(faults for _, faults in gathered))}
         for name in ssd:
             held = [per_rank[name] for per_rank, _ in gathered if name in per_rank]
