@@ -250,6 +250,12 @@ def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
     expected = np.asarray(mlflow.pyfunc.load_model("models:/e2e-model/1").predict(features))
     for uri in (str(workdir / "exported"), "models:/e2e-exported/1"):
         np.testing.assert_array_equal(mlflow.pyfunc.load_model(uri).predict(features), expected)
+    # The signature types each column: ids, dense values, and the multi-valued C26 as a list.
+    types = {
+        c.name: str(c.type).removeprefix("DataType.")
+        for c in mlflow.models.get_model_info("models:/e2e-exported/1").signature.inputs.inputs
+    }
+    assert (types["C1"], types["I1"], types["C26"]) == ("long", "float", "Array(long)"), types
     exported = {p.name for p in (workdir / "exported").rglob("*") if p.is_file()}
     assert "model.safetensors" in exported and not any(n.endswith(".distcp") for n in exported)
     assert "trainer_state.json" not in exported

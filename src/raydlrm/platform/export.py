@@ -105,26 +105,32 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
     )
 
 
-# MLflow's column types by numpy dtype kind (int64 columns are "long", int32 "integer").
-_COLUMN_TYPES = {"b": "boolean", "f": "double", "O": "string", "U": "string"}
-
-
 def _signature(example: pd.DataFrame) -> mlflow.models.ModelSignature:
     """The model's signature: the example's columns in, a click probability out. Written
-    from the columns' dtypes rather than inferred: inference warns about every integer column
-    (it might hold missing values; the preprocessing rejects or maps those itself)."""
+    from the columns rather than inferred: inference warns about every integer column (it might
+    hold missing values; the preprocessing rejects or maps those itself)."""
     from mlflow.types import ColSpec, Schema
 
-    columns = []
-    for name, dtype in example.dtypes.items():
-        if dtype.kind in "iu":
-            kind = "long" if dtype.itemsize == 8 else "integer"
-        elif dtype.kind == "f" and dtype.itemsize == 4:
-            kind = "float"
-        else:
-            kind = _COLUMN_TYPES.get(dtype.kind, "string")
-        columns.append(ColSpec(kind, str(name)))
+    columns = [ColSpec(_column_type(example[name]), str(name)) for name in example.columns]
     return mlflow.models.ModelSignature(inputs=Schema(columns), outputs=Schema([ColSpec("float")]))
+
+
+def _column_type(values: pd.Series) -> Any:
+    """MLflow's type of a column: ``long``/``integer``, ``double``/``float``, ``boolean``,
+    ``string``, or an ``Array`` of one of them for a multi-valued (list) column."""
+    from mlflow.types.schema import Array
+
+    dtype = values.dtype
+    if dtype.kind in "iu":
+        return "long" if dtype.itemsize == 8 else "integer"
+    if dtype.kind == "f":
+        return "double" if dtype.itemsize == 8 else "float"
+    if dtype.kind == "b":
+        return "boolean"
+    first = next((v for v in values if v is not None), None)
+    if isinstance(first, list | tuple | np.ndarray):
+        return Array(_column_type(pd.Series(list(first))))
+    return "string"
 
 
 def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
