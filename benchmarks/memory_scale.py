@@ -17,7 +17,9 @@ process, all its descendants (``psutil``: a local Ray instance's GCS server and 
 driver's children, every Ray worker process the raylet's), and any process whose initial
 environment carries a tag variable set for the run. For each it reads ``/proc/<pid>/status``
 ``VmHWM`` (the process's peak resident set since it started: the last value read before it
-exits is its peak, unless it grew in the last poll interval) and ``VmRSS`` (the sum over all
+exits is its peak, unless it grew in the last poll interval; mapped file pages included),
+``RssAnon`` (its anonymous memory, the largest value polled: what it holds of its own, without
+the page cache's pages of files it maps, e.g. ``ssd`` tables) and ``VmRSS`` (the sum over all
 processes at one poll, whose maximum is the tree's "peak concurrent RSS"; shared pages such as
 libraries and the object store's shared memory count once per process). Processes are
 classified by their titles (Ray's ``setproctitle`` in ``/proc/<pid>/cmdline``; a process's
@@ -99,7 +101,7 @@ _SYSTEM_TITLES = (
 
 
 def _status(pid: int) -> dict[str, Any] | None:
-    """Name, VmHWM and VmRSS (kB) of a live process; None once it is gone."""
+    """Name, VmHWM, VmRSS and RssAnon (kB) of a live process; None once it is gone."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
@@ -109,7 +111,7 @@ def _status(pid: int) -> dict[str, Any] | None:
         key, _, value = line.partition(":")
         if key == "Name":
             found["name"] = value.strip()
-        elif key in ("VmHWM", "VmRSS"):
+        elif key in ("VmHWM", "VmRSS", "RssAnon"):
             found[key] = int(value.split()[0])
     return found
 
@@ -190,6 +192,7 @@ class Poller(threading.Thread):
                 rec["titles"].append(title)
             rec["name"] = status.get("name", rec["name"])  # a fork's name changes on exec
             rec["hwm_kb"] = max(rec.get("hwm_kb", 0), status["VmHWM"])
+            rec["anon_kb"] = max(rec.get("anon_kb", 0), status.get("RssAnon", 0))
             rec["last_s"] = now
             total += status.get("VmRSS", 0)
         self.polls += 1
@@ -281,6 +284,7 @@ def _measure(
                 "name": rec["name"],
                 "titles": [_short(t) for t in rec["titles"]],
                 "peak_rss_gb": rec["hwm_kb"] * 1024 / GB,
+                "peak_anon_gb": rec.get("anon_kb", 0) * 1024 / GB,
                 "seen_s": [round(rec["first_s"], 1), round(rec["last_s"], 1)],
             }
         )
@@ -318,7 +322,15 @@ def _worker_peaks(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The workers' peaks, by rank (workers whose rank is unknown last, by pid)."""
     workers = [p for p in result["processes"] if p["role"] == "worker"]
     workers.sort(key=lambda p: (p["rank"] is None, p["rank"] or 0, p["pid"]))
-    return [{"rank": p["rank"], "pid": p["pid"], "peak_rss_gb": p["peak_rss_gb"]} for p in workers]
+    return [
+        {
+            "rank": p["rank"],
+            "pid": p["pid"],
+            "peak_rss_gb": p["peak_rss_gb"],
+            "peak_anon_gb": p.get("peak_anon_gb", 0.0),
+        }
+        for p in workers
+    ]
 
 
 def _peaks_gb(result: dict[str, Any]) -> list[float]:
@@ -570,7 +582,8 @@ def main() -> None:
                     f"workers {workers}, {rows} rows/table: embeddings "
                     f"{_fmt(row['embedding_fp32_gb'], 3)} GB fp32; train rc {train['rc']} in "
                     f"{train['wall_s']:.0f} s, driver {_fmt(_peak(train, 'driver'))} GB, "
-                    f"workers {_peaks_gb(train)} GB, "
+                    f"workers {_peaks_gb(train)} GB (anonymous "
+                    f"{[round(w['peak_anon_gb'], 2) for w in _worker_peaks(train)]} GB), "
                     f"tree {_fmt(train['tree_peak_concurrent_rss_gb'])} GB"
                     + (
                         f"; resume on {row['resume']['workers']} rc {row['resume']['rc']}, "

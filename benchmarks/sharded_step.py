@@ -21,13 +21,24 @@ Variants:
   tier (``sharding.default_placement = "ssd"``, files under ``--ssd-path``); the timing line
   adds each repeat's major page faults per step on rank 0 (reads the page cache missed), and
   the end the share of rank 0's table bytes in the page cache. Not in the default set.
+- ``-ssd`` and ``-auto`` variants put a DRAM row cache of ``--cache-load-factor`` of each
+  ssd shard's rows (``sharding.ssd_cache_load_factor``, default 0.2) in front of the files;
+  ``-nocache`` after them turns it off (the kernels update the mapped files in place). The end
+  adds the cache's hit rate over the distinct ids looked up on rank 0.
+- ``raydlrm-tw-auto``: the planner's tiers (``sharding.default_placement = "auto"``) within a
+  memory budget of ``--budget-gb`` per rank: tables stay in DRAM until the budget is full, the
+  rest go to SSD (the planner's order). With ``--budget-gb``, every raydlrm variant prints its
+  plan's modelled step time (the most loaded rank's estimated cost, with the constants of
+  ``--constants``, e.g. written by ``raydlrm plan --calibrate``), beside the measured one.
 - ``limit``: one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` over all tables in each
   process, on that rank's batch, with no communication: the same work per rank as the sharded
   variants, minus the communication (the upper bound on their throughput).
 
 Ids follow a power law (log-uniform, Zipf's law with exponent 1: id ``k`` has probability about
 ``1 / (k + 1)``), or with ``--ids uniform`` are uniform over the rows; bag lengths are uniform
-in ``[1, 2 * pooling - 1]``. Each rank cycles through a few pre-built batches of its own.
+in ``[1, 2 * pooling - 1]``. Each rank cycles through a few pre-built batches of its own, or
+with ``--fresh-batches`` (for caches: a few batches cycled are a small working set) takes a new
+one every step, the same sequence for every variant.
 TorchRec is only needed here (``make bench-deps``); a failure to import or run it is reported
 and the other variants still run.
 
@@ -35,7 +46,8 @@ Usage::
 
     python benchmarks/sharded_step.py [--batch-size 2048] [--rows 100000] [--steps 10]
         [--repeats 5] [--variants raydlrm-tw,raydlrm-cw,torchrec-tw,torchrec-cw,limit]
-        [--profile] [--ids powerlaw|uniform] [--ssd-path DIR]
+        [--profile] [--ids powerlaw|uniform] [--ssd-path DIR] [--budget-gb G]
+        [--constants PATH]
 """
 
 from __future__ import annotations
@@ -66,12 +78,18 @@ def _tables(rows: int) -> list[tuple[str, int, int]]:
 
 
 def _batches(
-    rank: int, *, rows: int, batch_size: int, pooling: int, distribution: str = "powerlaw"
+    rank: int,
+    *,
+    rows: int,
+    batch_size: int,
+    pooling: int,
+    distribution: str = "powerlaw",
+    count: int = NUM_BATCHES,
 ) -> list[dict]:
-    """``NUM_BATCHES`` batches of this rank: feature-major ids and lengths, shape (F, B, L)."""
+    """``count`` batches of this rank: feature-major ids and lengths, shape (F, B, L)."""
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = []
-    for _ in range(NUM_BATCHES):
+    for _ in range(count):
         lengths = torch.randint(1, 2 * pooling, (NUM_TABLES * batch_size,), generator=gen)
         u = torch.rand(int(lengths.sum()), generator=gen, dtype=torch.float64)
         if distribution == "uniform":
@@ -98,10 +116,20 @@ def _raydlrm(
     comm_precision: str = "fp32",
     placement: str = "dram",
     ssd_path: str | None = None,
+    budget_gb: float | None = None,
+    constants_path: str | None = None,
+    batch_size: int = 2048,
+    cache_load_factor: float = 0.2,
 ):
     from raydlrm.batch import KeyedJaggedTensor
     from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-    from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
+    from raydlrm.sharding import (
+        MemoryBudget,
+        ShardedEmbeddingBagCollection,
+        ShardingConfig,
+        load_constants,
+        plan_sharding,
+    )
 
     tables = [
         EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=(f"f{n[1:]}",))
@@ -115,12 +143,19 @@ def _raydlrm(
         comm_precision=comm_precision,
         default_placement=placement,
         ssd_path=ssd_path,
+        ssd_cache_load_factor=cache_load_factor,
     )
+    budget = None
+    if budget_gb is not None and placement != "dram":  # all in DRAM need not fit the budget
+        budget = MemoryBudget(int(budget_gb * 2**30), f"--budget-gb {budget_gb}")
     plan = plan_sharding(
         tables,
         world_size=WORLD_SIZE,
         config=config,
         pooling_factors={t.name: float(pooling) for t in tables},
+        batch_size=WORLD_SIZE * batch_size,
+        constants=load_constants(constants_path) if constants_path else None,
+        memory_budget=budget,
     )
     ebc = EmbeddingBagCollection(tables, device="meta")
     sebc = ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
@@ -130,7 +165,8 @@ def _raydlrm(
         kjt = KeyedJaggedTensor.from_lengths(keys, batch["values"], batch["lengths"])
         _loss(sebc(kjt).values).backward()
 
-    step.tables = sebc.local_tables  # type: ignore[attr-defined]
+    step.ssd_tables = sebc.ssd_tables  # type: ignore[attr-defined]
+    step.modelled_s = max(plan.per_rank_cost())  # type: ignore[attr-defined]
     return step, plan.format_table()
 
 
@@ -228,20 +264,26 @@ def _limit(*, rows: int, pooling: int):
     return step, f"{NUM_TABLES} tables in one TBE on every rank"
 
 
-def _build(variant: str, *, rows: int, pooling: int, ssd_path: str | None = None):
+def _build(variant: str, *, args: argparse.Namespace):
+    rows, pooling = args.rows, args.pooling
     if variant == "limit":
         return _limit(rows=rows, pooling=pooling)
     library, kind, *options = variant.split("-")
     sharding_type = {"tw": "table_wise", "cw": "column_wise"}[kind]
     if library == "raydlrm":
-        codecs = [o for o in options if o != "ssd"]
+        tiers = [o for o in options if o in ("ssd", "auto")]
+        codecs = [o for o in options if o not in (*tiers, "nocache")]
         return _raydlrm(
             sharding_type,
             rows=rows,
             pooling=pooling,
             comm_precision=codecs[0] if codecs else "fp32",
-            placement="ssd" if "ssd" in options else "dram",
-            ssd_path=ssd_path,
+            placement=tiers[0] if tiers else "dram",
+            ssd_path=args.ssd_path,
+            budget_gb=args.budget_gb,
+            constants_path=args.constants,
+            batch_size=args.batch_size,
+            cache_load_factor=0.0 if "nocache" in options else args.cache_load_factor,
         )
     return _torchrec(sharding_type, rows=rows, pooling=pooling)
 
@@ -268,16 +310,19 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
         batch_size=args.batch_size,
         pooling=args.pooling,
         distribution=args.ids,
+        count=args.warmup + args.steps * args.repeats if args.fresh_batches else NUM_BATCHES,
     )
+
+    def batch(i: int) -> dict:  # the i-th batch a variant trains on (every variant alike)
+        return batches[i % len(batches)]
+
     steps, errors = {}, {}
     for variant in args.variants.split(","):
         start = time.perf_counter()
         try:
-            steps[variant], plan = _build(
-                variant, rows=args.rows, pooling=args.pooling, ssd_path=args.ssd_path
-            )
+            steps[variant], plan = _build(variant, args=args)
             for i in range(args.warmup):
-                steps[variant](batches[i % NUM_BATCHES])
+                steps[variant](batch(i))
         except Exception as e:  # a variant that fails (TorchRec on CPU) is reported, not fatal
             errors[variant] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
             steps.pop(variant, None)
@@ -292,13 +337,17 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
             took = time.perf_counter() - start
             status = "ok" if variant in steps else "FAILED"
             print(f"[build] {variant}: {status} ({took:.1f}s build + warm-up)", flush=True)
+            modelled = getattr(steps.get(variant), "modelled_s", None)
+            if modelled is not None and args.budget_gb is not None:
+                print(f"[model] {variant}: {1000 * modelled:.1f} ms/step modelled", flush=True)
             if args.show_plans and plan:
                 print(plan, flush=True)
 
     from raydlrm.sharding.tiers import major_page_faults, resident_bytes
 
     times: dict[str, list[float]] = {v: [] for v in steps}
-    faults: dict[str, list[float]] = {v: [] for v in steps if "ssd" in v.split("-")}
+    tiered = {v for v in steps if {"ssd", "auto"} & set(v.split("-"))}
+    faults: dict[str, list[float]] = {v: [] for v in steps if v in tiered}
     names = list(steps)
     for repeat in range(args.repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)] if names else []
@@ -306,8 +355,9 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
             dist.barrier()
             before = major_page_faults()
             start = time.perf_counter()
+            first = args.warmup + repeat * args.steps if args.fresh_batches else 0
             for i in range(args.steps):
-                steps[variant](batches[i % NUM_BATCHES])
+                steps[variant](batch(first + i))
             dist.barrier()
             times[variant].append(time.perf_counter() - start)
             if variant in faults:
@@ -322,14 +372,18 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
                 print(f"[repeat {repeat}] major page faults per step, rank 0: {missed}", flush=True)
     if rank == 0:
         for variant in faults:
-            tables = steps[variant].tables().values()
-            held = sum(resident_bytes(t) for t in tables)
-            total = sum(t.numel() * t.element_size() for t in tables)
+            ssd = steps[variant].ssd_tables()
+            held = sum(resident_bytes(rows) for rows, _ in ssd.values())
+            total = sum(rows.numel() * rows.element_size() for rows, _ in ssd.values())
             print(
                 f"[page cache] {variant}: {held / 2**30:.2f} of {total / 2**30:.2f} GiB of rank "
-                f"0's tables resident ({held / max(total, 1):.1%})",
+                f"0's ssd tables' files resident ({held / max(total, 1):.1%})",
                 flush=True,
             )
+            counts = [hits for _, hits in ssd.values() if hits is not None]
+            if counts:
+                hit_rate = sum(h for h, _ in counts) / max(sum(n for _, n in counts), 1)
+                print(f"[row cache] {variant}: {hit_rate:.1%} of distinct ids hit", flush=True)
 
     if args.profile and rank == 0:
         _profile(steps, batches, args)
@@ -337,7 +391,7 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> tuple[dict, dic
         for variant in steps:
             if variant.startswith("raydlrm"):
                 for i in range(args.steps):
-                    steps[variant](batches[i % NUM_BATCHES])
+                    steps[variant](batches[i % len(batches)])
     dist.barrier()
     dist.destroy_process_group()
     return times, errors
@@ -351,7 +405,7 @@ def _profile(steps: dict, batches: list[dict], args: argparse.Namespace) -> None
             continue
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(args.steps):
-                steps[variant](batches[i % NUM_BATCHES])
+                steps[variant](batches[i % len(batches)])
         print(f"\n[profile rank 0] {variant}, {args.steps} steps, by self CPU time", flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
@@ -376,6 +430,21 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile raydlrm on rank 0")
     parser.add_argument("--ids", choices=["powerlaw", "uniform"], default="powerlaw")
     parser.add_argument("--ssd-path", default=None, help="directory of the -ssd variants' files")
+    parser.add_argument(
+        "--budget-gb", type=float, default=None, help="memory budget per rank of -ssd/-auto"
+    )
+    parser.add_argument("--constants", default=None, help="cost constants JSON for the plans")
+    parser.add_argument(
+        "--fresh-batches",
+        action="store_true",
+        help=f"every step a batch not seen before (default: {NUM_BATCHES} batches, cycled)",
+    )
+    parser.add_argument(
+        "--cache-load-factor",
+        type=float,
+        default=0.2,
+        help="sharding.ssd_cache_load_factor of the -ssd/-auto variants (-nocache: 0)",
+    )
     args = parser.parse_args()
 
     ctx = multiprocessing.get_context("spawn")
@@ -420,6 +489,15 @@ def main() -> None:
                 if other in times:
                     paired = [o / r for r, o in zip(times[ours], times[other], strict=True)]
                     print(f"{ours} / {other}: {statistics.median(paired):.2f}")
+    # The tiers against the same sharding type in DRAM.
+    for kind in ("tw", "cw"):
+        dram = f"raydlrm-{kind}"
+        for tier in [
+            v for v in times if v.startswith(f"{dram}-") and {"ssd", "auto"} & set(v.split("-"))
+        ]:
+            if dram in times:
+                paired = [d / t for d, t in zip(times[dram], times[tier], strict=True)]
+                print(f"{tier} / {dram}: {statistics.median(paired):.2f}")
 
 
 if __name__ == "__main__":

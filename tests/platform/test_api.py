@@ -54,12 +54,18 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     config = _config(tmp_path)
     # The synthetic user features C1-C8 repeat over a session (about 4 samples).
     config["data"]["dedup_groups"] = [[f"C{i}" for i in range(1, 9)]]
-    # Two tables on the SSD tier, one of them deduplicated: trained, checkpointed, exported.
-    config["sharding"] = {"placement": {"t_C1": "ssd", "t_C20": "ssd"}}
+    # Two tables on the SSD tier, one of them deduplicated, behind DRAM row caches of 250 of
+    # their 500 rows (rows evicted and read back): trained, checkpointed, exported.
+    config["sharding"] = {
+        "placement": {"t_C1": "ssd", "t_C20": "ssd"},
+        "ssd_cache_load_factor": 0.5,
+        "ssd_cache_min_rows": 200,
+    }
     result = raydlrm.train(config)
     assert [t.name for t in result.plan.tables if t.placement == "ssd"] == ["t_C1", "t_C20"]
     for name in ("t_C1", "t_C20"):  # the page cache holds the tables (small, just trained)
         assert 0 < result.metrics[f"tier/{name}/resident_fraction"] <= 1
+        assert 0 < result.metrics[f"tier/{name}/cache_hit_rate"] < 1
     assert result.metrics["tier/major_page_faults"] >= 0
     assert "tier/t_C2/resident_fraction" not in result.metrics  # in DRAM
     # Not a terminal: progress comes as log lines, the last one when training ended.

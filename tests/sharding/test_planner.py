@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -16,9 +17,11 @@ from raydlrm.sharding.cost import (
     CostConstants,
     calibrate,
     estimate_table_cost,
+    expected_distinct_rows,
     load_constants,
     save_constants,
 )
+from raydlrm.sharding.tiers import TierError
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,13 +206,24 @@ def test_constants_round_trip_and_tiny_calibration(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"nope": 1}')
     with pytest.raises(ValueError, match="not a cost constants file"):
         load_constants(tmp_path / "bad.json")
-    measured = calibrate(
-        sizes=CalibrationSizes(lookups=((1000, 16, 1024), (1000, 32, 4096)), repeats=1),
-        comm=False,
+    sizes = CalibrationSizes(
+        lookups=((1000, 16, 1024), (1000, 32, 4096)),
+        repeats=1,
+        ssd_file_bytes=4 << 20,
+        ssd_pages=64,
     )
+    measured = calibrate(sizes=sizes, comm=False, ssd_directory=tmp_path / "ssd")
     assert measured.lookup_bytes_per_s > 0
     assert "comm calibration skipped" in measured.source
+    assert f"ssd: random 4 KiB pages of a mapped file in {tmp_path / 'ssd'}" in measured.source
+    defaults = CostConstants()
+    assert measured.ssd_row_reads_per_s != defaults.ssd_row_reads_per_s
+    assert measured.ssd_row_writes_per_s != defaults.ssd_row_writes_per_s
+    assert not list((tmp_path / "ssd").iterdir())  # the test file is gone
     assert load_constants(save_constants(measured, tmp_path / "m.json")) == measured
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(TierError, match=r"cannot write to .*a-file/ssd \(sharding\.ssd_path\)"):
+        calibrate(sizes=sizes, comm=False, ssd_directory=tmp_path / "a-file" / "ssd")
 
 
 def test_cost_formulas() -> None:
@@ -250,3 +264,36 @@ def test_cost_formulas() -> None:
     )
     assert half.compute_bytes == tw.compute_bytes / 2
     assert half.output_comm_bytes == tw.output_comm_bytes
+
+
+def test_ssd_tier_cost_is_the_disk_time_of_the_rows_a_step_touches() -> None:
+    t = EmbeddingBagConfig(name="t", num_embeddings=1000, embedding_dim=8, feature_names=("a",))
+    disk = CostConstants(ssd_row_reads_per_s=100.0, ssd_row_writes_per_s=400.0)
+
+    def cost(kind: str = "table_wise", k: int = 1, **kwargs):
+        return estimate_table_cost(
+            t,
+            sharding_type=kind,
+            num_shards=k,
+            world_size=2,
+            batch_size=500,
+            pooling_factor=2.0,
+            constants=disk,
+            **kwargs,
+        )
+
+    dram, cold = cost(), cost(placement="ssd")
+    distinct = 1000 * (1 - math.exp(-1000 / 1000))  # 1,000 uniform ids over 1,000 rows
+    assert expected_distinct_rows(1000, 1000) == pytest.approx(distinct)
+    assert dram.disk_rows == dram.disk_seconds == 0.0
+    assert cold.disk_rows == pytest.approx(distinct)
+    assert cold.disk_seconds == pytest.approx(distinct * (1 / 100 + 1 / 400))
+    assert cold.seconds == pytest.approx(dram.seconds + cold.disk_seconds)
+    assert cold.memory_bytes == 1000 * 4  # only row-wise Adagrad's state stays in DRAM
+    # Rows the page cache holds are not read; every updated page is still written back.
+    warm = cost(placement="ssd", page_cache_hit=0.75)
+    assert warm.disk_seconds == pytest.approx(distinct * (0.25 / 100 + 1 / 400))
+    assert cost("column_wise", 2, placement="ssd").disk_rows == pytest.approx(2 * distinct)
+    assert cost("row_wise", 2, placement="ssd").disk_rows == pytest.approx(distinct)
+    per_replica = 1000 * (1 - math.exp(-500 / 1000))
+    assert cost("data_parallel", 2, placement="ssd").disk_rows == pytest.approx(2 * per_replica)

@@ -42,7 +42,9 @@ FP16 = {"name": "mixed/fp16", "mixed": True, "optimizer": "rowwise_adagrad", "we
 FP16_TOL = {"atol": 2e-3, "rtol": 1e-2}
 SCENARIOS.append({**FP16, "fp16": True})
 # Tables on the SSD tier (weights in mapped files; Adagrad's per-weight state beside them,
-# row-wise Adagrad's per-row state in memory) train exactly like tables in DRAM.
+# row-wise Adagrad's per-row state in memory) train exactly like tables in DRAM: behind a DRAM
+# row cache smaller than the shards (rows evicted and read back between steps), and without one
+# (the kernels update the mapped files in place).
 SCENARIOS += [
     {
         "name": "mixed/ssd/rowwise_adagrad",
@@ -50,6 +52,7 @@ SCENARIOS += [
         "optimizer": "rowwise_adagrad",
         "weighted": False,
         "ssd": ["t0", "t1", "t2"],
+        "cache": 0.5,
     },
     {
         "name": "mixed/ssd/adagrad",
@@ -57,6 +60,7 @@ SCENARIOS += [
         "optimizer": "adagrad",
         "weighted": True,
         "ssd": ["t3", "t4"],
+        "cache": 0.0,
     },
 ]
 GROUPED = {
@@ -95,6 +99,8 @@ def _config(sc: dict) -> ShardingConfig:
         weights_precision="fp16" if sc.get("fp16") else "fp32",
         weights_precision_per_table={"t4": "fp32"} if sc.get("fp16") else {},
         placement=dict.fromkeys(sc.get("ssd", []), "ssd"),
+        ssd_cache_load_factor=sc.get("cache", 0.2),
+        ssd_cache_min_rows=36,
     )
 
 

@@ -40,13 +40,19 @@ def test_unwritable_or_too_small_directory_names_tables_and_path(tmp_path: Path)
 def test_planner_counts_only_the_memory_an_ssd_table_keeps_in_dram() -> None:
     tables = make_tables()
     t0 = tables[0]
-    config = ShardingConfig(placement={t0.name: "ssd"})
+    config = ShardingConfig(placement={t0.name: "ssd"}, ssd_cache_load_factor=0.0)
     plan = plan_sharding(tables, world_size=2, config=config)
     assert plan.table(t0.name).placement == "ssd"
     assert {t.placement for t in plan.tables if t.name != t0.name} == {"dram"}
     # Row-wise Adagrad's per-row state stays in memory; Adagrad's per-weight state goes to disk.
     assert plan.table(t0.name).memory_bytes == t0.num_embeddings * 4
     assert table_memory_bytes(t0, optimizer="adagrad", placement="ssd") == 0
+    # With a DRAM row cache of 20 rows: their weights, state and bookkeeping, and the row map.
+    cached = ShardingConfig(
+        placement={t0.name: "ssd"}, ssd_cache_load_factor=0.4, ssd_cache_min_rows=10
+    )
+    plan_cached = plan_sharding(tables, world_size=2, config=cached)
+    assert plan_cached.table(t0.name).memory_bytes == 50 * 4 + 50 * 4 + 20 * (8 * 4 + 4 + 16)
     assert f"{t0.name} (ssd)" in plan.format_table()
     # The ssd column: the table's weights on disk (row-wise Adagrad's state stays in DRAM).
     assert sum(plan.per_rank_disk()) == t0.num_embeddings * t0.embedding_dim * 4
@@ -94,7 +100,11 @@ def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> 
     # 68 bytes a row in DRAM (16 fp32 weights + the row-wise state), 4 on SSD.
     tables = [table("hot", 1_000), table("warm", 20_000), table("cold", 40_000)]
     pooling = {"hot": 4.0, "warm": 2.0, "cold": 1.0}
-    config = ShardingConfig(default_placement="auto", pinned_ranks={"cold": [0], "warm": [0]})
+    config = ShardingConfig(
+        default_placement="auto",
+        pinned_ranks={"cold": [0], "warm": [0]},
+        ssd_cache_load_factor=0.0,  # no row cache: all but the row-wise state leaves DRAM
+    )
 
     def placements(budget_bytes: int | None) -> dict[str, str]:
         budget = None if budget_bytes is None else MemoryBudget(budget_bytes, "test")
@@ -110,3 +120,129 @@ def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> 
     assert placements(1_000_000) == {"hot": "dram", "warm": "ssd", "cold": "ssd"}
     with pytest.raises(BudgetError, match=r"does not fit|cannot fit"):
         placements(100_000)  # even on SSD, 240 KB of row-wise state stays in DRAM on rank 0
+
+
+def test_the_plan_costs_ssd_tables_with_their_disk_time_and_spreads_them() -> None:
+    from raydlrm.models.embedding import EmbeddingBagConfig
+    from raydlrm.sharding import CostConstants, MemoryBudget
+    from raydlrm.sharding.planner import page_cache_hit
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=10_000, embedding_dim=16, feature_names=(f"f{i}",)
+        )
+        for i in range(6)
+    ]
+    # t4 and t5 on SSD: each 640 KB of weights on disk and 40 KB of row-wise state in DRAM.
+    config = ShardingConfig(placement={"t4": "ssd", "t5": "ssd"}, ssd_cache_load_factor=0.0)
+    slow_disk = CostConstants(ssd_row_reads_per_s=1e3, ssd_row_writes_per_s=1e3)
+    budget = MemoryBudget(1_800_000, "test")
+
+    def plan(constants: CostConstants, budget: MemoryBudget | None = budget):
+        return plan_sharding(
+            tables, world_size=2, config=config, constants=constants, memory_budget=budget
+        )
+
+    # The ranks leave 3.6 MB - 4 x 680 KB - 2 x 40 KB = 800 KB for 1.28 MB on disk.
+    hit = page_cache_hit(tables, config=config, world_size=2, memory_budget=budget)
+    assert hit == pytest.approx(800_000 / 1_280_000)
+    tiered = plan(slow_disk)
+    assert tiered.page_cache_hit == pytest.approx(hit)
+    assert plan(slow_disk, None).page_cache_hit == 0.0  # no budget: nothing known of memory
+    assert plan_sharding(tables, world_size=2, config=ShardingConfig()).page_cache_hit is None
+    ssd_cost = tiered.table("t4").cost
+    assert ssd_cost > 100 * tiered.table("t0").cost  # the disk dominates on a slow disk
+    # Each rank gets one of the two costly tables, and the rest balance around them.
+    assert {tuple(tiered.table(t).ranks) for t in ("t4", "t5")} == {(0,), (1,)}
+    assert max(tiered.per_rank_cost()) == pytest.approx(min(tiered.per_rank_cost()))
+    assert "assuming the page cache holds 62% of the rows they touch" in tiered.format_table()
+    assert ShardingPlan.from_json(tiered.to_json()).page_cache_hit == tiered.page_cache_hit
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_the_dram_row_cache_trains_exactly_like_dram(tmp_path: Path, optimizer: str) -> None:
+    """An ``ssd`` table behind a cache of 150 of its 1,000 rows: rows are evicted and read back
+    every step, checkpoint-style reads (``local_tables``) flush the cache mid-run, and the
+    outputs, rows and optimizer state equal the DRAM table's bit for bit."""
+    from raydlrm.batch import KeyedJaggedTensor
+    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+    from raydlrm.sharding import ShardedEmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(
+            name="big", num_embeddings=1000, embedding_dim=16, feature_names=("a", "b")
+        ),
+        EmbeddingBagConfig(name="small", num_embeddings=40, embedding_dim=8, feature_names=("c",)),
+    ]
+
+    def build(placement: str) -> ShardedEmbeddingBagCollection:
+        config = ShardingConfig(
+            optimizer=optimizer,
+            learning_rate=0.1,
+            default_placement=placement,
+            ssd_path=str(tmp_path),
+            ssd_cache_load_factor=0.1,
+            ssd_cache_min_rows=150,
+        )
+        plan = plan_sharding(tables, world_size=1, config=config)
+        ebc = EmbeddingBagCollection(tables, device="meta", seed=3)
+        return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
+
+    dram, ssd = build("dram"), build("ssd")
+    gen = torch.Generator().manual_seed(0)
+    for step in range(12):
+        lengths = torch.randint(0, 3, (3 * 32,), generator=gen)
+        u = torch.rand(int(lengths.sum()), generator=gen)
+        ids = (torch.exp(u * 6.9) - 1).long().clamp(0, 999)  # log-uniform over the rows
+        c = int(lengths[:64].sum())
+        ids[c:] = ids[c:] % 40  # feature c: the small table
+        outputs = []
+        for collection in (dram, ssd):
+            kjt = KeyedJaggedTensor.from_lengths(["a", "b", "c"], ids, lengths)
+            pooled = collection(kjt).values
+            (pooled * torch.arange(pooled.shape[1])).square().sum().backward()
+            outputs.append(pooled.detach())
+        assert torch.equal(outputs[0], outputs[1]), step
+        if step in (5, 11):  # a checkpoint's reads: the cache is flushed and emptied
+            for name, weight in dram.local_tables().items():
+                assert torch.equal(ssd.local_tables()[name], weight), (step, name)
+            for name, states in dram.optimizer_states().items():
+                got = ssd.optimizer_states()[name]
+                assert len(got) == len(states)
+                for g, r in zip(got, states, strict=True):
+                    assert torch.equal(g.reshape(r.shape), r), (step, name)
+    cache = next(c for c in ssd._caches if c is not None)
+    hits, lookups = cache.hit_rates()["big"]
+    assert lookups - hits > 150  # more rows read in than the cache holds: evictions happened
+    assert 0 < hits < lookups
+    statistics = ssd.ssd_tables()
+    assert statistics["big"][1] == (hits, lookups) and statistics["big"][0].shape == (1000, 16)
+
+
+def test_a_step_larger_than_the_row_cache_names_the_table(tmp_path: Path) -> None:
+    from raydlrm.batch import KeyedJaggedTensor
+    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+    from raydlrm.sharding import ShardedEmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(name="t_big", num_embeddings=100, embedding_dim=4, feature_names=("a",))
+    ]
+    config = ShardingConfig(
+        default_placement="ssd",
+        ssd_path=str(tmp_path),
+        ssd_cache_load_factor=0.05,
+        ssd_cache_min_rows=10,
+    )
+    plan = plan_sharding(tables, world_size=1, config=config)
+    sebc = ShardedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables, device="meta"), plan=plan, config=config, device="cpu"
+    )
+    kjt = KeyedJaggedTensor.from_lengths(["a"], torch.arange(20), torch.ones(20, dtype=torch.long))
+    with pytest.raises(
+        TierError,
+        match=r"ssd table 't_big': a step looks up 20 distinct rows "
+        r"of its shard but its DRAM cache holds 10; raise sharding\.ssd_cache_min",
+    ):
+        sebc(kjt)
+    with pytest.raises(ValueError, match=r"sharding\.ssd_cache_load_factor must be in \[0, 1\]"):
+        ShardingConfig(ssd_cache_load_factor=1.5)

@@ -302,7 +302,8 @@ def plan(
         typer.Option(
             "--calibrate",
             help="First measure the cost-model constants on this machine (TBE lookups, gloo "
-            "all-to-all) and store them at sharding.cost_constants_path.",
+            "all-to-all, random page reads and write-backs of the SSD tier in "
+            "sharding.ssd_path) and store them at sharding.cost_constants_path.",
         ),
     ] = False,
 ) -> None:
@@ -314,14 +315,17 @@ def plan(
         if calibrate:
             from raydlrm.sharding import calibrate as measure
             from raydlrm.sharding import save_constants
+            from raydlrm.sharding.tiers import ssd_directory
 
-            constants = measure()
+            constants = measure(ssd_directory=ssd_directory(job.sharding.ssd_path))
             path = save_constants(constants, job.sharding.cost_constants_path)
             typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
             typer.echo(
                 f"  lookups {constants.lookup_bytes_per_s:.3g} B/s, comm "
                 f"{constants.comm_bytes_per_s:.3g} B/s, latency "
-                f"{constants.collective_latency_s:.3g} s",
+                f"{constants.collective_latency_s:.3g} s, ssd rows "
+                f"{constants.ssd_row_reads_per_s:.3g} reads/s, "
+                f"{constants.ssd_row_writes_per_s:.3g} write-backs/s",
                 err=True,
             )
         sharding_plan = make_plan(job)

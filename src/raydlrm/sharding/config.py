@@ -84,10 +84,20 @@ class ShardingConfig:
     default_placement: Placement | Literal["auto"] = "dram"
     """Where every table not named in ``placement`` lives (see :data:`Placement`). ``auto``:
     in DRAM while the plan fits the memory budget; when it does not, the planner moves tables to
-    ``ssd``, those with the fewest lookups per row first (pooling factor x features / rows),
-    until it fits (without a budget: DRAM)."""
+    ``ssd`` until it fits, first those whose steps touch the fewest distinct rows per byte of
+    memory moved (the least disk time per byte; from the pooling factors, features, batch size
+    and rows), and costs them with their disk time (without a budget: DRAM)."""
     placement: dict[str, Placement | Literal["auto"]] = field(default_factory=dict)
     """Table name -> ``dram``, ``ssd`` or ``auto``, overriding ``default_placement``."""
+    ssd_cache_load_factor: float = 0.2
+    """Share of each ``ssd`` table shard's rows held in a DRAM cache in front of its file
+    (at least ``ssd_cache_min_rows``, at most the whole shard; see
+    :mod:`raydlrm.sharding.row_cache`): the kernels train on the cache, and the file sees only
+    the rows the cache evicts (least recently used first). ``0``: no cache; the kernels update
+    the mapped file in place and the page cache alone keeps the hot rows."""
+    ssd_cache_min_rows: int = 65536
+    """Fewest rows of an ``ssd`` table shard's DRAM cache: the distinct ids one step looks up
+    in the shard must fit (a step that needs more stops with an error naming the table)."""
     ssd_path: str | None = None
     """Directory of the ``ssd`` tables' files on each worker (local disk; created if missing).
     Default: ``raydlrm-ssd`` in the worker's temporary directory. The files are removed as soon
@@ -116,6 +126,15 @@ class ShardingConfig:
             raise ValueError(
                 "sharding.device_memory_bytes is a budget but sharding.memory_budget is 'off': "
                 "unset one of them"
+            )
+        if not 0.0 <= self.ssd_cache_load_factor <= 1.0:
+            raise ValueError(
+                "sharding.ssd_cache_load_factor must be in [0, 1], got "
+                f"{self.ssd_cache_load_factor}"
+            )
+        if self.ssd_cache_min_rows < 1:
+            raise ValueError(
+                f"sharding.ssd_cache_min_rows must be positive, got {self.ssd_cache_min_rows}"
             )
         if self.worker_overhead_bytes < 0:
             raise ValueError(

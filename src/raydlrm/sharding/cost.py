@@ -19,7 +19,13 @@ features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on
   optimizer state (row-wise Adagrad one float per row, Adagrad one per weight, SGD none).
 
 Its estimated time is ``compute / lookup_bytes_per_s + comm / comm_bytes_per_s + k *
-collective_latency_s`` (each shard takes part in the collectives). The constants come from
+collective_latency_s`` (each shard takes part in the collectives). A table on the ``ssd`` tier
+adds its disk time: each distinct row a step touches (``N (1 - exp(-ids / N))`` of ``ids``
+lookups drawn uniformly: the most a step can touch; skewed ids touch fewer) misses the page
+cache with probability ``1 - page_cache_hit`` and is then read from disk, and every updated
+row's page is written back once (``ssd_row_reads_per_s``, ``ssd_row_writes_per_s``: random 4
+KiB pages through a mapped file). Column-wise shards each touch every distinct row;
+data-parallel replicas each touch their own samples' rows. The constants come from
 :class:`CostConstants`: defaults, or :func:`calibrate` on this machine (saved as JSON).
 The planner charges each shard ``1 / k`` of the table's time.
 """
@@ -40,8 +46,10 @@ from raydlrm.models.embedding import EmbeddingBagConfig
 __all__ = [
     "CostConstants",
     "TableCost",
+    "cache_rows",
     "calibrate",
     "estimate_table_cost",
+    "expected_distinct_rows",
     "load_constants",
     "save_constants",
     "table_memory_bytes",
@@ -68,16 +76,27 @@ class CostConstants:
             plus backward with the optimizer update.
         comm_bytes_per_s: bytes per second of an all-to-all between ranks.
         collective_latency_s: fixed seconds per collective a shard takes part in.
+        ssd_row_reads_per_s: rows of an ``ssd`` table read per second when the page cache
+            misses them (random 4 KiB pages faulted in from the disk).
+        ssd_row_writes_per_s: updated rows of an ``ssd`` table written back per second
+            (random dirty 4 KiB pages synced to the disk).
         source: where the numbers come from (``default`` or a calibration note).
     """
 
     lookup_bytes_per_s: float = 8e8
     comm_bytes_per_s: float = 5e8
     collective_latency_s: float = 1e-4
+    ssd_row_reads_per_s: float = 5e4
+    ssd_row_writes_per_s: float = 2e4
     source: str = "default"
 
     def __post_init__(self) -> None:
-        for name in ("lookup_bytes_per_s", "comm_bytes_per_s"):
+        for name in (
+            "lookup_bytes_per_s",
+            "comm_bytes_per_s",
+            "ssd_row_reads_per_s",
+            "ssd_row_writes_per_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(
                     f"CostConstants.{name} must be positive, got {getattr(self, name)}"
@@ -102,6 +121,10 @@ class TableCost:
     """Weights plus optimizer state of one copy of the table."""
     seconds: float
     """Estimated step time of the table, summed over its shards."""
+    disk_rows: float = 0.0
+    """Distinct rows the step touches on the ``ssd`` tier (0 in DRAM), all shards."""
+    disk_seconds: float = 0.0
+    """The part of ``seconds`` spent reading and writing back those rows."""
 
 
 def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
@@ -110,16 +133,28 @@ def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
     return dim * per_value + per_row
 
 
+def cache_rows(rows: int, *, load_factor: float, min_rows: int) -> int:
+    """Rows of the DRAM cache of an ``ssd`` table (shard) of ``rows`` rows: ``load_factor``
+    of them, at least ``min_rows``, at most all; 0 when ``load_factor`` is 0 (no cache)
+    (``sharding.ssd_cache_load_factor``, ``ssd_cache_min_rows``)."""
+    if load_factor <= 0:
+        return 0
+    return min(rows, max(math.ceil(load_factor * rows), min_rows))
+
+
 def table_memory_bytes(
     table: EmbeddingBagConfig,
     *,
     optimizer: str,
     weights_precision: str = "fp32",
     placement: str = "dram",
+    cache_rows: int = 0,
 ) -> int:
     """Bytes of worker memory the table takes: its weights plus its fused optimizer state
-    (always fp32); for an ``ssd`` table only the state that stays in memory (row-wise Adagrad's
-    one float per row; a per-weight state goes to disk with the weights).
+    (always fp32); for an ``ssd`` table only what stays in memory: row-wise Adagrad's one float
+    per row (a per-weight state goes to disk with the weights) and, with a DRAM row cache of
+    ``cache_rows`` rows, the cached rows with their state, plus 4 bytes per row and 16 per
+    cached row of bookkeeping.
 
     Args:
         table: the table.
@@ -127,16 +162,17 @@ def table_memory_bytes(
             ``sgd`` (no state).
         weights_precision: ``fp32`` (4 bytes per weight) or ``fp16`` (2 bytes).
         placement: ``dram`` or ``ssd``.
+        cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`).
     """
-    weights = table.num_embeddings * table.embedding_dim
-    if placement == "ssd":
-        return table.num_embeddings * _FP32_BYTES if optimizer == "rowwise_adagrad" else 0
-    state = {
-        "rowwise_adagrad": table.num_embeddings * _FP32_BYTES,
-        "adagrad": weights * _FP32_BYTES,
-        "sgd": 0,
-    }[optimizer]
-    return weights * _WEIGHT_BYTES[weights_precision] + state
+    rows, dim = table.num_embeddings, table.embedding_dim
+    state_per_row = {"rowwise_adagrad": _FP32_BYTES, "adagrad": dim * _FP32_BYTES, "sgd": 0}
+    row_bytes = dim * _WEIGHT_BYTES[weights_precision] + state_per_row[optimizer]
+    if placement != "ssd":
+        return rows * row_bytes
+    in_memory = rows * _FP32_BYTES if optimizer == "rowwise_adagrad" else 0
+    if cache_rows:
+        in_memory += rows * _FP32_BYTES + cache_rows * (row_bytes + 16)
+    return in_memory
 
 
 def table_disk_bytes(
@@ -147,6 +183,21 @@ def table_disk_bytes(
     weights = table.num_embeddings * table.embedding_dim
     state = weights * _FP32_BYTES if optimizer == "adagrad" else 0
     return weights * _WEIGHT_BYTES[weights_precision] + state
+
+
+def expected_distinct_rows(num_rows: int, lookups: float) -> float:
+    """Expected distinct rows among ``lookups`` ids drawn uniformly from ``num_rows`` rows:
+    ``N (1 - exp(-ids / N))``, the most a step can touch (skewed ids touch fewer)."""
+    if num_rows <= 0 or lookups <= 0:
+        return 0.0
+    return num_rows * -math.expm1(-lookups / num_rows)
+
+
+def ssd_seconds_per_row(constants: CostConstants, *, page_cache_hit: float) -> float:
+    """Disk seconds per distinct row an ``ssd`` table's step touches: a read when the page
+    cache misses it, and one write-back of its page."""
+    miss = 1.0 - min(max(page_cache_hit, 0.0), 1.0)
+    return miss / constants.ssd_row_reads_per_s + 1.0 / constants.ssd_row_writes_per_s
 
 
 def estimate_table_cost(
@@ -161,6 +212,9 @@ def estimate_table_cost(
     weights_precision: str = "fp32",
     comm_precision: str = "fp32",
     constants: CostConstants | None = None,
+    placement: str = "dram",
+    page_cache_hit: float = 0.0,
+    cache_rows: int = 0,
 ) -> TableCost:
     """The cost of ``table`` sharded as ``sharding_type`` in ``num_shards`` shards.
 
@@ -176,9 +230,14 @@ def estimate_table_cost(
             reads).
         comm_precision: codec of the pooled vectors on the wire.
         constants: throughputs and latency (defaults if None).
+        placement: ``dram`` or ``ssd`` (adds the disk time of the rows a step touches).
+        page_cache_hit: for ``ssd``, the fraction of touched rows the page cache holds.
+        cache_rows: for ``ssd``, rows of its DRAM row cache (0: none): with ids drawn
+            uniformly, ``cache_rows / rows`` of the touched rows are there, cost no disk time,
+            and each other one is read in and evicts one row, written back.
 
     Returns:
-        The table's compute, communication, memory and estimated seconds per step.
+        The table's compute, communication, disk, memory and estimated seconds per step.
     """
     constants = constants or CostConstants()
     bags = len(table.feature_names) * batch_size
@@ -202,19 +261,35 @@ def estimate_table_cost(
         assert sharding_type == "table_wise", sharding_type
         inputs = ids * _ID_BYTES + bags * _LENGTH_BYTES
         outputs = vectors
+    disk_rows = 0.0
+    if placement == "ssd":
+        if sharding_type == "data_parallel":
+            disk_rows = world_size * expected_distinct_rows(table.num_embeddings, ids / world_size)
+        else:
+            per_copy = expected_distinct_rows(table.num_embeddings, ids)
+            disk_rows = per_copy * (num_shards if sharding_type == "column_wise" else 1)
+        disk_rows *= 1.0 - min(cache_rows / table.num_embeddings, 1.0)
+    disk_seconds = disk_rows * ssd_seconds_per_row(constants, page_cache_hit=page_cache_hit)
     seconds = (
         compute / constants.lookup_bytes_per_s
         + (inputs + outputs) / constants.comm_bytes_per_s
         + num_shards * constants.collective_latency_s
+        + disk_seconds
     )
     return TableCost(
         compute_bytes=compute,
         input_comm_bytes=inputs,
         output_comm_bytes=outputs,
         memory_bytes=table_memory_bytes(
-            table, optimizer=optimizer, weights_precision=weights_precision
+            table,
+            optimizer=optimizer,
+            weights_precision=weights_precision,
+            placement=placement,
+            cache_rows=cache_rows,
         ),
         seconds=seconds,
+        disk_rows=disk_rows,
+        disk_seconds=disk_seconds,
     )
 
 
@@ -351,47 +426,100 @@ class CalibrationSizes:
     """Bytes each rank sends its peer in each measured all-to-all."""
     repeats: int = 5
     """Timed repetitions of each size (the fastest is kept)."""
+    ssd_file_bytes: int = 256 << 20
+    """Size of the file whose random pages the SSD tier's calibration reads and writes."""
+    ssd_pages: int = 4096
+    """Random pages read, and written back, in each of its measurements."""
 
 
-def calibrate(*, sizes: CalibrationSizes | None = None, comm: bool = True) -> CostConstants:
+def _ssd_rates(directory: Path, *, file_bytes: int, pages: int) -> tuple[float, float]:
+    """(rows read per second, rows written back per second) of the ``ssd`` tier: random 4 KiB
+    pages of a mapped file in ``directory``, read from the disk (dropped from the page cache
+    first), and dirtied then synced (``msync``), as a table's rows are."""
+    import mmap
+
+    import numpy as np
+
+    from raydlrm.sharding.tiers import check_space
+
+    page = mmap.PAGESIZE
+    n_pages = max(file_bytes // page, 2 * pages)
+    check_space(directory, n_pages * page, tables=["(plan --calibrate)"])
+    rng = np.random.default_rng(0)
+    reads, writes = rng.permutation(n_pages)[: 2 * pages].reshape(2, pages) * page
+    fd, path = tempfile.mkstemp(prefix="raydlrm-calibrate-", dir=directory)
+    try:
+        os.unlink(path)
+        # Written for real: unwritten (fallocated) blocks read as zeros without the disk.
+        block = b"\1" * (8 << 20)
+        for offset in range(0, n_pages * page, len(block)):
+            os.pwrite(fd, block[: n_pages * page - offset], offset)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with mmap.mmap(fd, n_pages * page) as mapped:
+            view = np.frombuffer(mapped, dtype=np.uint8)
+            start = time.perf_counter()
+            int(view[reads].sum())  # each a page fault served by the disk
+            read_s = time.perf_counter() - start
+            int(view[writes].sum())  # in the page cache before the write-back is timed
+            start = time.perf_counter()
+            view[writes] = 2
+            mapped.flush()  # msync: the dirty pages written back
+            write_s = time.perf_counter() - start
+            del view
+    finally:
+        os.close(fd)
+    return pages / read_s, pages / write_s
+
+
+def calibrate(
+    *,
+    sizes: CalibrationSizes | None = None,
+    comm: bool = True,
+    ssd_directory: str | Path | None = None,
+) -> CostConstants:
     """Measures the cost constants on this machine.
 
-    Fits the lookup throughput from fbgemm TBE forward + backward passes of a few sizes, and the
-    comm bandwidth and latency from a 2-process gloo all-to-all of a few sizes. When no process
-    group can be made (or ``comm`` is False) the comm constants keep their defaults and
-    ``source`` says so.
+    Fits the lookup throughput (the DRAM tier) from fbgemm TBE forward + backward passes of a
+    few sizes, the comm bandwidth and latency from a 2-process gloo all-to-all of a few sizes,
+    and, given ``ssd_directory``, the SSD tier's random row reads and write-backs per second
+    through a mapped file there. What is not measured keeps its default and ``source`` says so
+    (no process group, ``comm`` False, no directory).
 
     Args:
         sizes: the micro-benchmark sizes (defaults: a few seconds in all).
         comm: measure the all-to-all too.
+        ssd_directory: where to measure the SSD tier (the workers' ``sharding.ssd_path``).
 
     Returns:
         The measured constants.
+
+    Raises:
+        TierError: ``ssd_directory`` cannot be written or lacks the space for the test file.
     """
     sizes = sizes or CalibrationSizes()
     defaults = CostConstants()
-    lookup = _lookup_rate(list(sizes.lookups), repeats=sizes.repeats)
-    note = f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"
+    measured = {"lookup_bytes_per_s": _lookup_rate(list(sizes.lookups), repeats=sizes.repeats)}
+    notes = [f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"]
+    notes.append("lookups: fbgemm TBE fwd+bwd")
     if not comm:
-        return CostConstants(
-            lookup_bytes_per_s=lookup,
-            comm_bytes_per_s=defaults.comm_bytes_per_s,
-            collective_latency_s=defaults.collective_latency_s,
-            source=f"{note}; comm constants are defaults (comm calibration skipped)",
+        notes.append("comm constants are defaults (comm calibration skipped)")
+    else:
+        try:
+            bandwidth, latency = _comm_constants(list(sizes.comm_bytes), repeats=sizes.repeats)
+        except Exception as e:  # any failure to make a process group means: skip the comm part
+            logger.warning("comm calibration skipped, no gloo process group: %s", e)
+            notes.append(f"comm constants are defaults (no process group: {e})")
+        else:
+            measured.update(comm_bytes_per_s=bandwidth, collective_latency_s=latency)
+            notes.append("comm: 2-process gloo all_to_all")
+    if ssd_directory is None:
+        notes.append("ssd constants are defaults (no ssd directory)")
+    else:
+        directory = Path(ssd_directory).expanduser()
+        reads, writes = _ssd_rates(
+            directory, file_bytes=sizes.ssd_file_bytes, pages=sizes.ssd_pages
         )
-    try:
-        bandwidth, latency = _comm_constants(list(sizes.comm_bytes), repeats=sizes.repeats)
-    except Exception as e:  # any failure to make a process group means: skip the comm part
-        logger.warning("comm calibration skipped, no gloo process group: %s", e)
-        return CostConstants(
-            lookup_bytes_per_s=lookup,
-            comm_bytes_per_s=defaults.comm_bytes_per_s,
-            collective_latency_s=defaults.collective_latency_s,
-            source=f"{note}; comm constants are defaults (no process group: {e})",
-        )
-    return CostConstants(
-        lookup_bytes_per_s=lookup,
-        comm_bytes_per_s=bandwidth,
-        collective_latency_s=latency,
-        source=f"{note}; lookups: fbgemm TBE fwd+bwd, comm: 2-process gloo all_to_all",
-    )
+        measured.update(ssd_row_reads_per_s=reads, ssd_row_writes_per_s=writes)
+        notes.append(f"ssd: random 4 KiB pages of a mapped file in {directory}")
+    return CostConstants(**{**asdict(defaults), **measured, "source": "; ".join(notes)})

@@ -86,7 +86,7 @@ def plan_feature_sets(
         return plan_sharding(tables, world_size=world_size, config=config, **kwargs)
     # Each set sees only its own tables' entries: an unknown name would pass unnoticed.
     check_table_names(tables, config=config, pooling_factors=kwargs.get("pooling_factors"))
-    planned = {}
+    planned, hits = {}, []
     for set_tables in feature_sets(tables, dedup_groups).values():
         names = {t.name for t in set_tables}
         set_config = dataclasses.replace(
@@ -103,10 +103,12 @@ def plan_feature_sets(
         )
         plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
         planned.update({t.name: t for t in plan.tables})
+        hits += [] if plan.page_cache_hit is None else [plan.page_cache_hit]
     combined = ShardingPlan(
         world_size=world_size,
         tables=[planned[t.name] for t in tables],
         memory_budget=plan.memory_budget,
+        page_cache_hit=min(hits, default=None),  # each set counted the whole budget as its own
     )
     combined.check_memory_budget()
     return combined
@@ -276,6 +278,9 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
 
     def local_tables(self) -> dict[str, torch.Tensor]:
         return {k: v for part in self.parts for k, v in part.local_tables().items()}
+
+    def ssd_tables(self) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+        return {k: v for part in self.parts for k, v in part.ssd_tables().items()}
 
     def local_shards(self) -> dict[str, Shard]:
         return {k: v for part in self.parts for k, v in part.local_shards().items()}

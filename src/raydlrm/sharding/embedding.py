@@ -58,7 +58,9 @@ from raydlrm.sharding._layout import LookupUnit, TbeGroup, rank_units, tbe_group
 from raydlrm.sharding._output_dist import OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.cost import cache_rows
 from raydlrm.sharding.plan import Shard, ShardingPlan
+from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
 
 import_fbgemm()
@@ -220,7 +222,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._groups = tbe_groups(local)
         self.local_table_configs = [t for t, _ in self._rank_pieces[self._rank]]
         self._ssd_directory = ssd_directory(config.ssd_path)
+        self._cache_load_factor = config.ssd_cache_load_factor
+        self._cache_min_rows = config.ssd_cache_min_rows
+        self._backing: list[dict[str, torch.Tensor] | None] = []
         self.tbes = nn.ModuleList(self._build_tbe(g, config) for g in self._groups)
+        self._caches = [
+            self._row_cache(*args)
+            for args in zip(self._groups, self.tbes, self._backing, strict=True)
+        ]
         self._init_weights(ebc)
 
     def _register(self, name: str, value: torch.Tensor) -> None:
@@ -233,10 +242,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
         else:
             location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
+        buffers = self._tier_buffers(group, config)
+        cached = buffers is not None and self._cache_load_factor > 0
+        self._backing.append(buffers if cached else None)
         return SplitTableBatchedEmbeddingBagsCodegen(
-            preallocated_host_buffers=self._tier_buffers(group, config),
+            preallocated_host_buffers=None if cached else buffers,
             embedding_specs=[
-                (s.row_end - s.row_start, s.col_end - s.col_start, location, compute)
+                (
+                    cache_rows(
+                        s.row_end - s.row_start,
+                        load_factor=self._cache_load_factor,
+                        min_rows=self._cache_min_rows,
+                    )
+                    if cached
+                    else s.row_end - s.row_start,
+                    s.col_end - s.col_start,
+                    location,
+                    compute,
+                )
                 for _, s in group.shards
             ],
             feature_table_map=group.feature_table_map,
@@ -280,6 +303,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         return buffers
 
+    def _row_cache(
+        self,
+        group: TbeGroup,
+        tbe: SplitTableBatchedEmbeddingBagsCodegen,
+        backing: dict[str, torch.Tensor] | None,
+    ) -> RowCache | None:
+        """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`), else None:
+        the TBE's weights are its slots, ``backing`` the mapped files of the whole shards."""
+        if backing is None:
+            return None
+        slot_states = row_states = None
+        if self._optimizer != "sgd":
+            slot_states = [states[0] for states in tbe.split_optimizer_states()]
+            if self._optimizer == "rowwise_adagrad":  # one float per row: in DRAM
+                row_states = [torch.zeros(sh.row_end - sh.row_start) for _, sh in group.shards]
+            else:
+                row_states = self._split_rows(backing["momentum1"], group)
+        return RowCache(
+            [t.name for t, _ in group.shards],
+            slots=list(tbe.split_embedding_weights()),
+            slot_states=slot_states,
+            rows=self._split_rows(backing["weights"], group),
+            row_states=row_states,
+            unit_tables=group.feature_table_map,
+        )
+
+    @staticmethod
+    def _split_rows(flat: torch.Tensor, group: TbeGroup) -> list[torch.Tensor]:
+        """Per-table ``(rows, cols)`` views of a group's flat buffer, in TBE order."""
+        views, start = [], 0
+        for _, sh in group.shards:
+            rows, cols = sh.row_end - sh.row_start, sh.col_end - sh.col_start
+            views.append(flat[start : start + rows * cols].view(rows, cols))
+            start += rows * cols
+        return views
+
     @torch.no_grad()
     def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
         """Fills this rank's shards: copied from ``ebc``'s tables, or, for tables on the meta
@@ -318,11 +377,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
             Table name -> ``(row_end - row_start, col_end - col_start)`` weights of the shard
             (see :meth:`local_shards`); a data-parallel table's full replica.
         """
-        return {
-            t.name: w
-            for group, tbe in zip(self._groups, self.tbes, strict=True)
-            for (t, _), w in zip(group.shards, tbe.split_embedding_weights(), strict=True)
-        }
+        tables = {}
+        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
+            if cache is not None:  # the whole shard is in the file once the cache is flushed
+                cache.flush()
+                tables.update(cache.rows())
+            else:
+                tables.update(
+                    (t.name, w)
+                    for (t, _), w in zip(group.shards, tbe.split_embedding_weights(), strict=True)
+                )
+        return tables
+
+    def ssd_tables(self) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+        """This rank's ``ssd`` shards, as they are (no flush): table name -> (the rows in the
+        file, (distinct ids found in the DRAM cache, distinct ids looked up) so far, or None
+        for a table without a cache)."""
+        out = {}
+        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
+            if cache is not None:
+                hits = cache.hit_rates()
+                out.update((name, (rows, hits[name])) for name, rows in cache.rows().items())
+            elif group.placement == "ssd":
+                views = tbe.split_embedding_weights()
+                out.update(
+                    (t.name, (w, None)) for (t, _), w in zip(group.shards, views, strict=True)
+                )
+        return out
 
     def local_shards(self) -> dict[str, Shard]:
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
@@ -341,7 +422,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             tensor, SGD none.
         """
         states: dict[str, list[torch.Tensor]] = {}
-        for group, tbe in zip(self._groups, self.tbes, strict=True):
+        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
+            if cache is not None:
+                cache.flush()
+                states.update(cache.row_states())
+                continue
             split = tbe.split_optimizer_states() or [[] for _ in group.shards]
             states.update({t.name: list(s) for (t, _), s in zip(group.shards, split, strict=True)})
         return states
@@ -502,13 +587,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return torch.zeros(total_batch, 0, device=self._device, requires_grad=True)
         offsets = lengths_to_offsets(bags.lengths)
         pooled, first = [], 0
-        for group, tbe in zip(self._groups, self.tbes, strict=True):
+        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
             lo, hi = first * total_batch, (first + group.num_units) * total_batch
             id_lo, id_hi = int(offsets[lo]), int(offsets[hi])
             weights = bags.weights
+            indices = bags.values[id_lo:id_hi].to(torch.int64)
+            if cache is not None:  # ids become the slots of their rows in the DRAM cache
+                ids_per_unit = offsets[lo : hi + 1 : total_batch].diff()
+                indices = cache.prefetch(indices, ids_per_unit)
             pooled.append(
                 tbe(
-                    bags.values[id_lo:id_hi].to(torch.int64),
+                    indices,
                     offsets[lo : hi + 1] - id_lo,
                     per_sample_weights=None if weights is None else weights[id_lo:id_hi],
                 )

@@ -115,11 +115,15 @@ class ShardingPlan:
         world_size: number of ranks the plan is for.
         tables: one :class:`TablePlan` per table.
         memory_budget: the per-rank budget the planner kept to; None if it had none.
+        page_cache_hit: the share of the ``ssd`` tables' touched rows the planner's costs
+            assume the page cache holds (see :func:`raydlrm.sharding.planner.page_cache_hit`);
+            None without ``ssd`` tables.
     """
 
     world_size: int
     tables: list[TablePlan] = field(default_factory=list)
     memory_budget: MemoryBudget | None = None
+    page_cache_hit: float | None = None
 
     def table(self, name: str) -> TablePlan:
         """The plan of table ``name``.
@@ -238,6 +242,7 @@ class ShardingPlan:
             world_size=data["world_size"],
             tables=tables,
             memory_budget=None if budget is None else MemoryBudget(**budget),
+            page_cache_hit=data.get("page_cache_hit"),
         )
 
     def _memory_cells(self) -> tuple[str, list[str]]:
@@ -278,7 +283,16 @@ class ShardingPlan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         if self.memory_budget is not None:
             lines.append(f"memory {self.memory_budget.describe()}")
+        lines.extend(self._tier_lines())
         return "\n".join(lines)
+
+    def _tier_lines(self) -> list[str]:
+        if self.page_cache_hit is None:
+            return []
+        return [
+            f"ssd tables' est. cost includes their disk time, assuming the page cache holds "
+            f"{100 * self.page_cache_hit:.0f}% of the rows they touch"
+        ]
 
     def imbalance(self) -> float:
         """Max over mean of the per-rank cost (1.0 is perfectly balanced; the slowest rank sets
@@ -305,6 +319,7 @@ class ShardingPlan:
                 "tables by sharding type: "
                 + ", ".join(f"{k} {v}" for k, v in sorted(types.items())),
                 f"shards: {sum(len(t.shards) for t in self.tables)}",
+                *self._tier_lines(),
             ]
         )
 

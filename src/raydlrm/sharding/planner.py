@@ -43,7 +43,9 @@ from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import (
     CostConstants,
+    cache_rows,
     estimate_table_cost,
+    expected_distinct_rows,
     table_disk_bytes,
     table_memory_bytes,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "BudgetError",
     "check_table_names",
+    "page_cache_hit",
     "plan_sharding",
     "table_cost",
     "table_memory_bytes",
@@ -178,14 +181,29 @@ def plan_sharding(
     auto = [t for t in tables if config.placement_of(t.name) == "auto"]
     resolved = {t.name: config.placement_of(t.name) for t in tables}
     resolved.update(dict.fromkeys((t.name for t in auto), "dram"))
-    # ``auto`` tables go to SSD, coldest rows first, while the plan does not fit the budget.
+
+    # ``auto`` tables go to SSD while the plan does not fit the budget, those whose step touches
+    # the fewest rows per byte of memory freed first (the least disk time per byte).
+    def freed_bytes(t: EmbeddingBagConfig) -> int:
+        precision = config.weights_precision_of(t.name)
+        return table_memory_bytes(
+            t, optimizer=config.optimizer, weights_precision=precision
+        ) - table_memory_bytes(
+            t,
+            optimizer=config.optimizer,
+            weights_precision=precision,
+            placement="ssd",
+            cache_rows=ssd_cache_rows(t, config),
+        )
+
+    def disk_rows_per_byte(t: EmbeddingBagConfig) -> float:
+        lookups = pooling_factors.get(t.name, 1.0) * len(t.feature_names) * batch_size
+        uncached = 1.0 - ssd_cache_rows(t, config) / t.num_embeddings
+        return expected_distinct_rows(t.num_embeddings, lookups) * uncached / freed_bytes(t)
+
+    # (A table smaller than its row cache would take more memory on SSD: it stays.)
     coldest_first = sorted(
-        auto,
-        key=lambda t: (
-            pooling_factors.get(t.name, 1.0) * len(t.feature_names) / t.num_embeddings,
-            -t.num_embeddings * t.embedding_dim,
-            t.name,
-        ),
+        (t for t in auto if freed_bytes(t) > 0), key=lambda t: (disk_rows_per_byte(t), t.name)
     )
     while True:
         placed = dataclasses.replace(config, default_placement="dram", placement=resolved)
@@ -207,6 +225,53 @@ def plan_sharding(
             resolved = {**resolved, coldest_first.pop(0).name: "ssd"}
 
 
+def ssd_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
+    """Rows of the DRAM row cache ``table`` would have on the ``ssd`` tier (counted on the
+    whole table; each shard's cache has at least ``ssd_cache_min_rows``)."""
+    return cache_rows(
+        table.num_embeddings,
+        load_factor=config.ssd_cache_load_factor,
+        min_rows=config.ssd_cache_min_rows,
+    )
+
+
+def page_cache_hit(
+    tables: Sequence[EmbeddingBagConfig],
+    *,
+    config: ShardingConfig,
+    world_size: int,
+    memory_budget: MemoryBudget | None,
+) -> float:
+    """The fraction of the ``ssd`` tables' touched rows the cost model assumes the page cache
+    holds: the budget the ranks leave unused by the tables in DRAM (and the state of the ``ssd``
+    ones), over the ``ssd`` tables' bytes on disk, at most 1; with ids drawn uniformly that is
+    the chance a row is cached (skewed ids hit more). 0 without a budget (nothing is known of
+    the memory), 1 without ``ssd`` tables."""
+    on_disk, in_memory = 0, 0
+    for t in tables:
+        kind = config.pinned_types.get(t.name, config.default_type)
+        copies = world_size if kind == "data_parallel" else 1
+        placement = config.placement_of(t.name)
+        precision = config.weights_precision_of(t.name)
+        if placement == "ssd":
+            on_disk += copies * table_disk_bytes(
+                t, optimizer=config.optimizer, weights_precision=precision
+            )
+        in_memory += copies * table_memory_bytes(
+            t,
+            optimizer=config.optimizer,
+            weights_precision=precision,
+            placement=placement,
+            cache_rows=ssd_cache_rows(t, config),
+        )
+    if not on_disk:
+        return 1.0
+    if memory_budget is None:
+        return 0.0
+    spare = world_size * memory_budget.bytes_per_rank - in_memory
+    return min(max(spare / on_disk, 0.0), 1.0)
+
+
 def _plan(
     tables: Sequence[EmbeddingBagConfig],
     *,
@@ -219,6 +284,7 @@ def _plan(
     memory_budget: MemoryBudget | None,
     group_size: int,
 ) -> ShardingPlan:
+    hit = page_cache_hit(tables, config=config, world_size=world_size, memory_budget=memory_budget)
     planner = _Planner(
         tables,
         world_size=world_size,
@@ -228,6 +294,7 @@ def _plan(
         constants=constants or CostConstants(),
         group_size=group_size,
         budget=memory_budget,
+        page_cache_hit=hit,
     )
     planner.greedy()
     if search == "refine":
@@ -238,6 +305,7 @@ def _plan(
         world_size=world_size,
         tables=[planner.plans[t.name] for t in tables],
         memory_budget=memory_budget,
+        page_cache_hit=hit if any(p.placement == "ssd" for p in planner.plans.values()) else None,
     )
     plan.validate(tables)
     return plan
@@ -257,8 +325,10 @@ class _Planner:
         constants: CostConstants,
         group_size: int,
         budget: MemoryBudget | None,
+        page_cache_hit: float,
     ) -> None:
         self.world_size, self.config, self.group_size = world_size, config, group_size
+        self.page_cache_hit = page_cache_hit
         self.batch_size, self.constants = batch_size, constants
         self.pooling_factors = pooling_factors
         self.budget = budget
@@ -280,6 +350,7 @@ class _Planner:
                     optimizer=config.optimizer,
                     weights_precision=config.weights_precision_of(t.name),
                     placement=config.placement_of(t.name),
+                    cache_rows=ssd_cache_rows(t, config),
                 ),
                 placement=config.placement_of(t.name),
                 disk_bytes=table_disk_bytes(
@@ -319,6 +390,9 @@ class _Planner:
             weights_precision=self.config.weights_precision_of(p.name),
             comm_precision=precision,
             constants=self.constants,
+            placement=p.placement,
+            page_cache_hit=self.page_cache_hit,
+            cache_rows=ssd_cache_rows(self.configs[p.name], self.config),
         ).seconds
 
     def _room(self) -> np.ndarray:

@@ -513,17 +513,17 @@ class Trainer:
 
     def _tier_metrics(self) -> dict[str, float]:
         """For the tables on the SSD tier (none: no metrics): ``tier/<table>/resident_fraction``,
-        the share of the table's rows (all ranks' shards) the page cache holds now, and
-        ``tier/major_page_faults``, the reads from disk the workers waited for so far (the
-        misses, summed over ranks); a collective."""
+        the share of the table's rows (all ranks' shards) in its files that the page cache holds
+        now; ``tier/<table>/cache_hit_rate``, for a table with a DRAM row cache, the share of
+        the distinct ids looked up so far that were in it (all ranks); and
+        ``tier/major_page_faults``, the reads from disk the workers waited for so far (the page
+        cache's misses, summed over ranks); a collective."""
         ssd = [t.name for t in self.plan.tables if t.placement == "ssd"]
         if not ssd:
             return {}
-        local = self.model.embedding_bags.local_tables()
         mine = {
-            name: (resident_bytes(local[name]), local[name].numel() * local[name].element_size())
-            for name in ssd
-            if name in local
+            name: (resident_bytes(rows), rows.numel() * rows.element_size(), hits)
+            for name, (rows, hits) in self.model.embedding_bags.ssd_tables().items()
         }
         gathered = [(mine, major_page_faults())]
         if _distributed():
@@ -532,8 +532,12 @@ class Trainer:
         metrics = {"tier/major_page_faults": float(sum(faults for _, faults in gathered))}
         for name in ssd:
             held = [per_rank[name] for per_rank, _ in gathered if name in per_rank]
-            total = sum(size for _, size in held)
-            metrics[f"tier/{name}/resident_fraction"] = sum(r for r, _ in held) / max(total, 1)
+            total = sum(size for _, size, _ in held)
+            metrics[f"tier/{name}/resident_fraction"] = sum(r for r, _, _ in held) / max(total, 1)
+            cached = [hits for _, _, hits in held if hits is not None]
+            if cached:
+                lookups = sum(n for _, n in cached)
+                metrics[f"tier/{name}/cache_hit_rate"] = sum(h for h, _ in cached) / max(lookups, 1)
         return metrics
 
     def _dedup_metrics(self) -> dict[str, float]:
