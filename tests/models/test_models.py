@@ -71,19 +71,29 @@ def test_cross_layer_formula() -> None:
     torch.testing.assert_close(cross(x0), expected)
 
 
-@pytest.mark.parametrize("arch", ["dlrm", "dcnv2"])
+# Small sizes of every architecture's knobs (the tests' models).
+SMALL = {
+    "embedding_dim": 8,
+    "bottom_mlp": [16, 8],
+    "top_mlp": [16],
+    "dcn_num_layers": 1,
+    "dcn_low_rank": 4,
+    "wukong_num_layers": 2,
+    "wukong_num_fm": 3,
+    "wukong_num_lc": 2,
+    "wukong_rank": 3,
+    "wukong_fm_mlp": [16],
+    "dhen_layers": [["dot", "cross", "attention", "linear", "conv"], ["dot", "attention"]],
+}
+ARCHS = ["dlrm", "dcnv2", "wukong", "dhen"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_model_learns_a_planted_signal(arch: str) -> None:
     """A few hundred steps on a planted problem must beat chance clearly; a model whose
     embeddings or dense path were disconnected would not."""
     torch.manual_seed(0)
-    config = ModelConfig(
-        arch=arch,
-        embedding_dim=8,
-        bottom_mlp=[16, 8],
-        top_mlp=[16],
-        dcn_num_layers=1,
-        dcn_low_rank=4,
-    )
+    config = ModelConfig(arch=arch, **SMALL)
     tables = [EmbeddingBagConfig(f"t{i}", 20, 8, (f"f{i}",)) for i in range(3)]
     model = build_model(config, tables=tables, num_dense=2)
     effect = torch.randn(3, 20) * 2
@@ -114,6 +124,61 @@ def test_model_learns_a_planted_signal(arch: str) -> None:
             model.forward_features(dense, kjt), labels
         )
     assert final < 0.5  # chance level is ~0.69
+
+
+@pytest.mark.parametrize(
+    ("arch", "ensemble"), [("wukong", None), ("dhen", "concat"), ("dhen", "sum")]
+)
+def test_new_arches_shapes_and_a_gradient_reaching_every_parameter(
+    arch: str, ensemble: str | None
+) -> None:
+    knobs = {**SMALL, "bottom_mlp": [16, 16]}  # two dense vectors of 8
+    if ensemble:
+        knobs["dhen_ensemble"] = ensemble
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(f"t{i}", 20, 8, (f"f{i}",)) for i in range(3)]
+    model = build_model(ModelConfig(arch=arch, **knobs), tables=tables, num_dense=2)
+    logits = model.dense(torch.randn(5, 2), torch.randn(5, 24, requires_grad=True))
+    assert logits.shape == (5,)
+    logits.square().sum().backward()
+    missing = [n for n, p in model.dense.named_parameters() if p.grad is None or not p.grad.any()]
+    assert not missing
+    if arch == "wukong":  # 2 + 3 vectors in, 3 + 2 out of each layer: no residual projection
+        assert all(layer.residual is None for layer in model.dense.layers)
+        assert model.dense.top[0].in_features == (3 + 2) * 8
+
+
+def test_wukong_factorization_machine_is_the_low_rank_projection_of_all_dot_products() -> None:
+    from raydlrm.models.wukong import FactorizationMachineBlock
+
+    torch.manual_seed(0)
+    fmb = FactorizationMachineBlock(n_in=4, n_out=2, dim=8, rank=3, hidden=[])
+    x = torch.randn(5, 4, 8)
+    expected = torch.bmm(x, x.transpose(1, 2)) @ fmb.projection  # (X X^T) Y
+    out = fmb.mlp(fmb.norm(expected.flatten(1))).view(5, 2, 8)
+    torch.testing.assert_close(fmb(x), out)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"arch": "wukong", "bottom_mlp": [16, 12]},
+            r"model\.bottom_mlp\[-1\] \(12\) must be a multiple",
+        ),
+        ({"arch": "wukong", "wukong_rank": 0}, r"model\.wukong_rank must be positive"),
+        ({"arch": "wukong", "wukong_fm_mlp": [0]}, r"model\.wukong_fm_mlp must be positive"),
+        (
+            {"arch": "dhen", "dhen_layers": [["dot", "mlp"]]},
+            r"model\.dhen_layers\[0\] names unknown modules \['mlp'\]",
+        ),
+        ({"arch": "dhen", "dhen_layers": [[]]}, r"model\.dhen_layers must be non-empty"),
+        ({"arch": "dhen", "dhen_attention_heads": 3}, r"model\.dhen_attention_heads \(3\) must"),
+    ],
+)
+def test_invalid_knobs_are_named_with_their_dotted_key(override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**SMALL, **override})
 
 
 def test_dlrm_requires_bottom_mlp_to_match_dim() -> None:

@@ -41,7 +41,21 @@ class _Stream:
             yield self.table.slice(start, batch_size)
 
 
-def _spec(data_dir: Path, batch_size: int, optimizer: str) -> WorkerSpec:
+# Wukong and DHEN, small; their first losses on the run below, pinned like PINNED_LOSSES.
+NEW_ARCHS = {
+    "wukong": {
+        "arch": "wukong",
+        "wukong_num_fm": 4,
+        "wukong_num_lc": 4,
+        "wukong_rank": 4,
+        "wukong_fm_mlp": [16],
+    },
+    "dhen": {"arch": "dhen", "dhen_layers": [["dot", "cross", "attention", "linear", "conv"]]},
+}
+PINNED_ARCH_LOSSES = {"wukong": [0.656173, 0.508986], "dhen": [0.665496, 0.528697]}
+
+
+def _spec(data_dir: Path, batch_size: int, optimizer: str, model: dict | None = None) -> WorkerSpec:
     return WorkerSpec(
         sharding={"optimizer": optimizer, "learning_rate": 0.5 if optimizer == "sgd" else 0.05},
         data={
@@ -50,7 +64,7 @@ def _spec(data_dir: Path, batch_size: int, optimizer: str) -> WorkerSpec:
             "table_size": 1000,
             "batch_size": batch_size,
         },
-        model={"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+        model={"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16], **(model or {})},
         training={"seed": 7, "log_every_steps": 2, "learning_rate": 0.01},
     )
 
@@ -64,8 +78,9 @@ def _run(
     pinned_types: dict[str, str] | None = None,
     eval_fails_on_rank: int | None = None,
     report_seconds: float = 0.0,
+    model: dict | None = None,
 ) -> dict[str, object]:
-    spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer)
+    spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
     if pinned_types:
         spec.sharding.pinned_types = pinned_types
     table = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "train"))
@@ -152,6 +167,29 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
 
 
 @pytest.mark.distributed
+def _run_new_archs(rank: int, world_size: int, data_dir: str) -> dict[str, dict]:
+    return {
+        name: _run(rank, world_size, data_dir, model=knobs) for name, knobs in NEW_ARCHS.items()
+    }
+
+
+@pytest.mark.distributed
+def test_wukong_and_dhen_on_two_ranks_match_one_process_and_pin_first_losses(
+    data_dir: Path,
+) -> None:
+    """Both models' dense sides are data-parallel over sharded tables: 2 ranks train exactly
+    like one process on the global batch."""
+    single = _run_new_archs(0, 1, str(data_dir))
+    results = run_distributed(_run_new_archs, world_size=2, args=(str(data_dir),))
+    for name, pinned in PINNED_ARCH_LOSSES.items():
+        assert single[name]["losses"][:2] == pytest.approx(pinned, abs=1e-5), name
+        for r in results:
+            assert r[name]["losses"] == pytest.approx(single[name]["losses"], abs=1e-5), name
+        assert results[0][name]["final"]["eval/auc"] == pytest.approx(
+            single[name]["final"]["eval/auc"], abs=1e-5
+        )
+
+
 def test_bad_eval_data_after_training_keeps_the_checkpoint(data_dir: Path) -> None:
     """The final checkpoint is reported before the final evaluation; a bad held-out row found
     there on one rank: every rank finishes its collectives and reports the error line."""

@@ -28,7 +28,7 @@ from raydlrm.trainers.checkpoint import (
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.state import load_training_state, read_state_file, save_training_state
 from tests._multiprocess import run_distributed
-from tests.trainers.test_loop import _spec
+from tests.trainers.test_loop import NEW_ARCHS, _spec
 
 GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4 ranks
 STEPS_BEFORE, STEPS_AFTER = 3, 2
@@ -40,9 +40,19 @@ def _global_batches(data_dir: str, spec) -> list[pa.Table]:
     return [table.slice(i * GLOBAL_BATCH, GLOBAL_BATCH) for i in range(STEPS_BEFORE + STEPS_AFTER)]
 
 
-def _trainer(rank: int, world_size: int, data_dir: str, types: str, optimizer: str, seed: int):
+def _trainer(
+    rank: int,
+    world_size: int,
+    data_dir: str,
+    types: str,
+    optimizer: str,
+    seed: int,
+    model: dict | None = None,
+):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables)."""
-    spec = _spec(Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer)
+    spec = _spec(
+        Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
+    )
     spec.training.seed = seed
     types, _, precision = types.partition("+")
     spec.sharding.default_type = types
@@ -282,14 +292,19 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     assert missing.exit_code == 2 and "trainer_state.json" in missing.output
 
 
-@pytest.mark.parametrize("types", ["row_wise", "table_wise+fp16"])
+@pytest.mark.parametrize(
+    ("types", "arch"),
+    [("row_wise", "dlrm"), ("table_wise+fp16", "wukong"), ("column_wise", "dhen")],
+)
 def test_model_loads_mapped_from_training_state_and_old_model_pt(
-    data_dir: Path, tmp_path: Path, types: str
+    data_dir: Path, tmp_path: Path, types: str, arch: str
 ) -> None:
     """The model of a final checkpoint (weights only in the training state's shards) rebuilt
     unsharded, its tables memory-mapped from model.safetensors in their precision, predicts as
-    the sharded trainer does; a model.pt of an older release loads the same."""
-    trainer = _trainer(0, 1, str(data_dir), types, "rowwise_adagrad", seed=7)
+    the sharded trainer does; a model.pt of an older release loads the same. For every
+    architecture: what export and scoring load."""
+    model = NEW_ARCHS.get(arch)
+    trainer = _trainer(0, 1, str(data_dir), types, "rowwise_adagrad", seed=7, model=model)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
     ckpt = tmp_path / "ckpt"
     save_training_state(trainer, ckpt, position={"epoch": 0, "consumed": {}, "totals": {}})

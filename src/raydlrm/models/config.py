@@ -7,14 +7,21 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
+DHEN_MODULES = ("dot", "cross", "attention", "linear", "conv")
+"""The interaction modules a DHEN layer can hold (:mod:`raydlrm.models.dhen`)."""
+
 
 @config_dataclass
 class ModelConfig:
     """Which model, and its sizes."""
 
-    arch: Literal["dlrm", "dcnv2"] = "dlrm"
+    arch: Literal["dlrm", "dcnv2", "wukong", "dhen"] = "dlrm"
     """``dlrm``: bottom MLP, dot interaction, top MLP. ``dcnv2``: the MLPerf DLRMv2 model (low-rank
-    cross layers over the concatenated bottom output and embeddings, then the top MLP)."""
+    cross layers over the concatenated bottom output and embeddings, then the top MLP).
+    ``wukong``: stacked factorization machine and linear compress blocks
+    (:mod:`raydlrm.models.wukong`). ``dhen``: layers of an ensemble of interaction modules
+    (:mod:`raydlrm.models.dhen`). For ``wukong`` and ``dhen`` the bottom MLP's output is cut into
+    ``embedding_dim``-wide vectors that join the embeddings."""
     embedding_dim: int = 16
     """Dimension of every embedding table (a multiple of 4, as fbgemm's kernels require)."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
@@ -24,7 +31,26 @@ class ModelConfig:
     dcn_num_layers: int = 3
     """Cross layers (``dcnv2``)."""
     dcn_low_rank: int = 64
-    """Rank of each cross layer's factorized weight (``dcnv2``)."""
+    """Rank of each cross layer's factorized weight (``dcnv2``; ``dhen``'s ``cross`` modules)."""
+    wukong_num_layers: int = 2
+    """Wukong layers (``wukong``)."""
+    wukong_num_fm: int = 8
+    """``n_F``: vectors out of each factorization machine block (``wukong``)."""
+    wukong_num_lc: int = 8
+    """``n_L``: vectors out of each linear compress block (``wukong``)."""
+    wukong_rank: int = 8
+    """``k``: rank of the factorization machine's low-rank projection (``wukong``)."""
+    wukong_fm_mlp: list[int] = field(default_factory=lambda: [64])
+    """Hidden sizes of each factorization machine block's MLP (``wukong``)."""
+    dhen_layers: list[list[str]] = field(
+        default_factory=lambda: [["dot", "cross", "attention", "linear", "conv"]] * 2
+    )
+    """Each DHEN layer's interaction modules: ``dot``, ``cross``, ``attention``, ``linear``,
+    ``conv`` (``dhen``)."""
+    dhen_ensemble: Literal["concat", "sum"] = "concat"
+    """How a DHEN layer combines its modules' outputs (``dhen``)."""
+    dhen_attention_heads: int = 2
+    """Heads of the ``attention`` modules; must divide ``embedding_dim`` (``dhen``)."""
 
     def __post_init__(self) -> None:
         if self.embedding_dim <= 0 or self.embedding_dim % 4:
@@ -42,3 +68,34 @@ class ModelConfig:
             )
         if self.dcn_num_layers < 0 or self.dcn_low_rank <= 0:
             raise ValueError("model.dcn_num_layers must be >= 0 and model.dcn_low_rank > 0")
+        if self.arch in ("wukong", "dhen") and self.bottom_mlp[-1] % self.embedding_dim:
+            raise ValueError(
+                f"model.bottom_mlp[-1] ({self.bottom_mlp[-1]}) must be a multiple of "
+                f"model.embedding_dim ({self.embedding_dim}) for arch {self.arch!r} (it is cut "
+                "into embedding-wide vectors)"
+            )
+        for name in ("wukong_num_layers", "wukong_num_fm", "wukong_num_lc", "wukong_rank"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if any(n <= 0 for n in self.wukong_fm_mlp):
+            raise ValueError(
+                f"model.wukong_fm_mlp must be positive sizes, got {self.wukong_fm_mlp}"
+            )
+        from raydlrm.models.dhen import DHEN_MODULES
+
+        if not self.dhen_layers or any(not modules for modules in self.dhen_layers):
+            raise ValueError(
+                f"model.dhen_layers must be non-empty lists of modules, got {self.dhen_layers}"
+            )
+        for i, modules in enumerate(self.dhen_layers):
+            unknown = sorted(set(modules) - set(DHEN_MODULES))
+            if unknown:
+                raise ValueError(
+                    f"model.dhen_layers[{i}] names unknown modules {unknown} (known: "
+                    f"{', '.join(DHEN_MODULES)})"
+                )
+        if self.dhen_attention_heads <= 0 or self.embedding_dim % self.dhen_attention_heads:
+            raise ValueError(
+                f"model.dhen_attention_heads ({self.dhen_attention_heads}) must be positive and "
+                f"divide model.embedding_dim ({self.embedding_dim})"
+            )

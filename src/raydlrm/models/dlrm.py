@@ -1,4 +1,5 @@
-"""DLRM and DCNv2, written unsharded.
+"""The recommendation model (:class:`RecModel`), DLRM and DCNv2, written unsharded;
+:func:`build_model` also builds Wukong (:mod:`.wukong`) and DHEN (:mod:`.dhen`).
 
 Every model here is a :class:`RecModel`: an :class:`EmbeddingBagCollection` (``embedding_bags``,
 the sparse, model-parallel part) and a dense module (``dense``, the data-parallel part) that takes
@@ -15,27 +16,17 @@ and wraps ``dense`` in DDP. No parallelism lives here.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import nn
 
 from raydlrm.batch import Batch, KeyedJaggedTensor
 from raydlrm.models.config import ModelConfig
+from raydlrm.models.dhen import DHENDense
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.models.layers import CrossNet, mlp
+from raydlrm.models.wukong import WukongDense
 
 __all__ = ["CrossNet", "DCNv2Dense", "DLRMDense", "RecModel", "build_model", "mlp"]
-
-
-def mlp(sizes: list[int], *, final_activation: bool) -> nn.Sequential:
-    """Linear layers of ``sizes[i] -> sizes[i+1]`` with ReLU between them (and after the last
-    one when ``final_activation``)."""
-    layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
-        layers.append(nn.Linear(n_in, n_out))
-        if final_activation or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 class DLRMDense(nn.Module):
@@ -82,29 +73,6 @@ class DLRMDense(nn.Module):
         dots = torch.bmm(vectors, vectors.transpose(1, 2))  # B x (F+1) x (F+1)
         interactions = dots[:, self._triu_rows, self._triu_cols]
         return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
-
-
-class CrossNet(nn.Module):
-    """Low-rank cross layers (DCNv2): ``x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l``.
-
-    Args:
-        in_features: width of ``x_0``.
-        num_layers: cross layers.
-        low_rank: rank of each layer's ``U_l V_l`` factorization.
-    """
-
-    def __init__(self, *, in_features: int, num_layers: int, low_rank: int):
-        super().__init__()
-        self.down = nn.ModuleList(
-            nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers)
-        )
-        self.up = nn.ModuleList(nn.Linear(low_rank, in_features) for _ in range(num_layers))
-
-    def forward(self, x0: torch.Tensor) -> torch.Tensor:
-        x = x0
-        for down, up in zip(self.down, self.up, strict=True):
-            x = x0 * up(down(x)) + x
-        return x
 
 
 class DCNv2Dense(nn.Module):
@@ -203,7 +171,7 @@ def build_model(
                 bottom_mlp=config.bottom_mlp,
                 top_mlp=config.top_mlp,
             )
-        else:
+        elif config.arch == "dcnv2":
             dense = DCNv2Dense(
                 num_dense=num_dense,
                 num_sparse=num_sparse,
@@ -212,5 +180,31 @@ def build_model(
                 top_mlp=config.top_mlp,
                 num_layers=config.dcn_num_layers,
                 low_rank=config.dcn_low_rank,
+            )
+        elif config.arch == "wukong":
+            dense = WukongDense(
+                num_dense=num_dense,
+                num_sparse=num_sparse,
+                embedding_dim=config.embedding_dim,
+                bottom_mlp=config.bottom_mlp,
+                top_mlp=config.top_mlp,
+                num_layers=config.wukong_num_layers,
+                num_fm=config.wukong_num_fm,
+                num_lc=config.wukong_num_lc,
+                rank=config.wukong_rank,
+                fm_mlp=config.wukong_fm_mlp,
+            )
+        else:
+            assert config.arch == "dhen", config.arch
+            dense = DHENDense(
+                num_dense=num_dense,
+                num_sparse=num_sparse,
+                embedding_dim=config.embedding_dim,
+                bottom_mlp=config.bottom_mlp,
+                top_mlp=config.top_mlp,
+                layers=config.dhen_layers,
+                ensemble=config.dhen_ensemble,
+                low_rank=config.dcn_low_rank,
+                heads=config.dhen_attention_heads,
             )
     return RecModel(embedding_bags, dense)

@@ -224,14 +224,27 @@ class EmbeddingBagCollection(nn.Module):
                     f"table {table.name}: ids must be in [0, {table.num_embeddings}), got range "
                     f"[{int(ids.min())}, {int(ids.max())}]"
                 )
-            per_sample = None if kjt.weights is None else kjt.weights[start:end].to(weight.dtype)
-            # Tables may be stored in fp16 (sharding.weights_precision); pooled vectors are fp32.
-            pooled[feature] = nn.functional.embedding_bag(
-                ids,
-                weight,
-                bag_offsets[:-1],
-                mode=table.pooling,
-                per_sample_weights=per_sample,
-                include_last_offset=False,
-            ).float()
+            if weight.dtype == torch.float32:
+                per_sample = None if kjt.weights is None else kjt.weights[start:end]
+                pooled[feature] = nn.functional.embedding_bag(
+                    ids,
+                    weight,
+                    bag_offsets[:-1],
+                    mode=table.pooling,
+                    per_sample_weights=per_sample,
+                    include_last_offset=False,
+                )
+                continue
+            # fp16 tables (sharding.weights_precision): the looked-up rows pooled in fp32, as
+            # fbgemm's kernels do (fp16 sums would drift from the trained model's outputs).
+            rows = weight.index_select(0, ids).float()
+            if kjt.weights is not None:
+                rows = rows * kjt.weights[start:end].float().unsqueeze(1)
+            bags = torch.repeat_interleave(
+                torch.arange(b, device=lengths.device), lengths, output_size=ids.numel()
+            )
+            sums = torch.zeros(b, weight.shape[1], device=rows.device).index_add_(0, bags, rows)
+            if table.pooling == "mean":
+                sums = sums / lengths.clamp(min=1).unsqueeze(1).to(sums.dtype)
+            pooled[feature] = sums
         return pooled
