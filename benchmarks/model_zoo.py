@@ -1,0 +1,234 @@
+"""DLRM, DCNv2, Wukong and DHEN side by side: eval AUC and log loss, throughput, parameters.
+
+Every (data set, architecture, seed) trains with ``raydlrm.train`` on ``--workers`` CPU workers
+in one local Ray instance (started once), the runs interleaved seed by seed so that a change
+in the machine's load falls on every architecture alike:
+
+- ``synthetic``: ``configs/quickstart.toml``'s data (generated on first use), ``--epochs`` epochs;
+- ``adult``: ``configs/adult.toml`` (the Adult census-income table; write it first with
+  ``python benchmarks/adult.py``), its own epochs.
+
+Each architecture's knobs are :data:`ARCHS` (sized to comparable dense parameter counts at the
+data set's embedding dim; the models' tables are identical). Reported per data set and
+architecture: eval AUC and log loss (mean and the spread, max - min, over the seeds), training
+samples per second (the run's ``train/samples_per_second``, median over the seeds), dense and
+embedding parameters. ``--sweep`` adds a Wukong scaling sweep on the synthetic data (quality
+against layers and width).
+
+Usage::
+
+    python benchmarks/model_zoo.py [--datasets synthetic,adult] [--archs dlrm,dcnv2,wukong,dhen]
+        [--seeds 0,1,2] [--workers 2] [--epochs 1] [--sweep] [--out /tmp/model_zoo.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "synthetic": ROOT / "configs" / "quickstart.toml",
+    "adult": ROOT / "configs" / "adult.toml",
+}
+
+# Dense-side knobs per architecture, as a function of the embedding dim ``d``.
+ARCHS = {
+    "dlrm": lambda d: {"arch": "dlrm", "bottom_mlp": [64, d], "top_mlp": [64, 32]},
+    "dcnv2": lambda d: {
+        "arch": "dcnv2",
+        "bottom_mlp": [64, d],
+        "top_mlp": [64, 32],
+        "dcn_num_layers": 2,
+        "dcn_low_rank": 16,
+    },
+    "wukong": lambda d: {
+        "arch": "wukong",
+        "bottom_mlp": [64, d],
+        "top_mlp": [64, 32],
+        "wukong_num_layers": 2,
+        "wukong_num_fm": 8,
+        "wukong_num_lc": 8,
+        "wukong_rank": 8,
+        "wukong_fm_mlp": [64],
+    },
+    "dhen": lambda d: {
+        "arch": "dhen",
+        "bottom_mlp": [64, d],
+        "top_mlp": [64, 32],
+        "dhen_layers": [["dot", "cross", "attention", "linear", "conv"]] * 2,
+        "dcn_low_rank": 16,
+        "dhen_attention_heads": 2,
+    },
+}
+SWEEP = [
+    {"wukong_num_layers": layers, "wukong_num_fm": width, "wukong_num_lc": width}
+    for layers in (1, 2, 3)
+    for width in (4, 8, 16)
+]
+
+
+def _config(dataset: str, model: dict, *, seed: int, workdir: Path, epochs: int | None) -> dict:
+    config = tomllib.loads(CONFIGS[dataset].read_text())
+    for section in ("train_path", "eval_path"):  # paths relative to the repository
+        config["data"][section] = str(ROOT / config["data"][section])
+    config["model"] = {"embedding_dim": config["model"]["embedding_dim"], **model}
+    config["training"]["seed"] = seed
+    config["training"]["log_every_steps"] = 100
+    if epochs is not None:
+        config["training"]["num_epochs"] = epochs
+    config["run"] = {"storage_path": str(workdir / "runs"), "progress": "off"}
+    config["tracking"] = {
+        "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
+        "experiment_name": f"model-zoo-{dataset}",
+        "registered_model_name": None,
+    }
+    config["ray"] = {"include_dashboard": False, "log_to_driver": False}
+    return config
+
+
+def _parameters(config: dict) -> tuple[int, int]:
+    """(dense, embedding) parameters of the config's model, counted on the meta device."""
+    from raydlrm import load_config
+    from raydlrm.models import build_model
+
+    spec = load_config(config).worker_spec()
+    model = build_model(
+        spec.model,
+        tables=spec.tables(),
+        num_dense=len(spec.data.dense_columns),
+        device="meta",
+    )
+    dense = sum(p.numel() for p in model.dense.parameters())
+    embedding = sum(t.num_embeddings * t.embedding_dim for t in spec.tables())
+    return dense, embedding
+
+
+def _train(config: dict, workers: int) -> dict:
+    import raydlrm
+
+    config = copy.deepcopy(config)
+    config["scaling"] = {"num_workers": workers, "resources_per_worker": {"CPU": 0.5}}
+    start = time.perf_counter()
+    result = raydlrm.train(config)
+    metrics = result.metrics
+    return {
+        "auc": metrics["eval/auc"],
+        "log_loss": metrics["eval/log_loss"],
+        "samples_per_s": metrics["train/samples_per_second"],
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def _summary(runs: list[dict]) -> dict:
+    auc = [r["auc"] for r in runs]
+    loss = [r["log_loss"] for r in runs]
+    return {
+        "auc_mean": statistics.fmean(auc),
+        "auc_spread": max(auc) - min(auc),
+        "log_loss_mean": statistics.fmean(loss),
+        "log_loss_spread": max(loss) - min(loss),
+        "samples_per_s_median": statistics.median(r["samples_per_s"] for r in runs),
+        "seeds": len(runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", default="synthetic,adult")
+    parser.add_argument("--archs", default=",".join(ARCHS))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=1, help="epochs on the synthetic data")
+    parser.add_argument("--sweep", action="store_true", help="add the Wukong scaling sweep")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/raydlrm-model-zoo.json"))
+    args = parser.parse_args()
+
+    import ray
+
+    from raydlrm.platform.launch import LOCAL_RAY_ENV
+
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    archs = args.archs.split(",")
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "zoo": {}, "sweep": []}
+    with tempfile.TemporaryDirectory(prefix="raydlrm-zoo-") as tmp:
+        workdir = Path(tmp)
+        for dataset in args.datasets.split(","):
+            dim = tomllib.loads(CONFIGS[dataset].read_text())["model"]["embedding_dim"]
+            epochs = args.epochs if dataset == "synthetic" else None
+            runs: dict[str, list[dict]] = {a: [] for a in archs}
+            for seed in seeds:  # interleaved: every architecture once per seed
+                for arch in archs:
+                    config = _config(
+                        dataset, ARCHS[arch](dim), seed=seed, workdir=workdir, epochs=epochs
+                    )
+                    run = _train(config, args.workers)
+                    runs[arch].append(run)
+                    print(
+                        f"[{dataset}] {arch} seed {seed}: AUC {run['auc']:.4f}, log loss "
+                        f"{run['log_loss']:.4f}, {run['samples_per_s']:,.0f} samples/s",
+                        flush=True,
+                    )
+            for arch in archs:
+                config = _config(dataset, ARCHS[arch](dim), seed=0, workdir=workdir, epochs=epochs)
+                dense, embedding = _parameters(config)
+                results["zoo"].setdefault(dataset, {})[arch] = {
+                    **_summary(runs[arch]),
+                    "dense_parameters": dense,
+                    "embedding_parameters": embedding,
+                    "runs": runs[arch],
+                }
+            args.out.write_text(json.dumps(results, indent=1))
+        if args.sweep:
+            dim = tomllib.loads(CONFIGS["synthetic"].read_text())["model"]["embedding_dim"]
+            for knobs in SWEEP:
+                model = {**ARCHS["wukong"](dim), **knobs}
+                config = _config("synthetic", model, seed=0, workdir=workdir, epochs=args.epochs)
+                run = {**_train(config, args.workers), **knobs}
+                run["dense_parameters"] = _parameters(config)[0]
+                results["sweep"].append(run)
+                print(f"[sweep] {knobs}: AUC {run['auc']:.4f}", flush=True)
+                args.out.write_text(json.dumps(results, indent=1))
+    ray.shutdown()
+
+    print(
+        f"\n{args.workers} CPU workers; AUC and log loss: mean (spread = max - min) over seeds "
+        f"{args.seeds}; samples/s: median"
+    )
+    print(
+        "| data | model | eval AUC | eval log loss | train samples/s | dense params | "
+        "embedding params |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for dataset, per_arch in results["zoo"].items():
+        for arch, r in per_arch.items():
+            print(
+                f"| {dataset} | {arch} | {r['auc_mean']:.4f} ({r['auc_spread']:.4f}) | "
+                f"{r['log_loss_mean']:.4f} ({r['log_loss_spread']:.4f}) | "
+                f"{r['samples_per_s_median']:,.0f} | {r['dense_parameters']:,} | "
+                f"{r['embedding_parameters']:,} |"
+            )
+    if results["sweep"]:
+        print("\n| Wukong layers | n_F = n_L | dense params | eval AUC | eval log loss |")
+        print("|---|---|---|---|---|")
+        for r in results["sweep"]:
+            print(
+                f"| {r['wukong_num_layers']} | {r['wukong_num_fm']} | {r['dense_parameters']:,} "
+                f"| {r['auc']:.4f} | {r['log_loss']:.4f} |"
+            )
+    print(f"\nresults: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
