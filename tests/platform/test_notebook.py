@@ -123,6 +123,11 @@ def test_notebook_model_learns(executed) -> None:
     assert float(shown.group(1)) > 0.55
     assert summary["eval_auc"] > 0.55  # raydlrm.evaluate on the registered model
     assert summary["eval_auc"] == pytest.approx(summary["train_eval_auc"], abs=0.02)
+    # The architecture comparison trained the other three models on the same data.
+    compared = summary["compared_auc"]
+    assert set(compared) == {"dlrm", "dcnv2", "wukong", "dhen"}
+    assert all(auc > 0.55 for auc in compared.values()), compared
+    assert compared["dlrm"] == summary["train_eval_auc"]
     assert 0 < summary["eval_log_loss"] < 0.69
     assert summary["eval_rows"] == 4000
     assert re.search(r"^AUC\s+0\.\d{4}", _text(_cell(nb, "evaluate")), re.MULTILINE)

@@ -44,7 +44,15 @@ def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
                 "max_cardinality": 400,
             },
         },
-        "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+        # DHEN: its dense side (attention, convolution, cross, ...) resumes exactly too.
+        "model": {
+            "arch": "dhen",
+            "embedding_dim": 8,
+            "bottom_mlp": [16, 8],
+            "top_mlp": [16],
+            "dhen_layers": [["dot", "cross", "attention", "linear", "conv"]],
+            "dcn_low_rank": 8,
+        },
         "training": {
             "num_epochs": EPOCHS,
             "log_every_steps": 2,

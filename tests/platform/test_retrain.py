@@ -52,7 +52,17 @@ def _config(root: Path, tracking_uri: str) -> dict:
                 "partitions": DAYS,
             },
         },
-        "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+        # Wukong: warm start, evaluation, registration and scoring of its dense side.
+        "model": {
+            "arch": "wukong",
+            "embedding_dim": 8,
+            "bottom_mlp": [16, 8],
+            "top_mlp": [16],
+            "wukong_num_fm": 4,
+            "wukong_num_lc": 4,
+            "wukong_rank": 4,
+            "wukong_fm_mlp": [16],
+        },
         "training": {"num_epochs": 1, "log_every_steps": 1},
         "run": {"storage_path": str(root / "runs")},
         "tracking": {

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from raydlrm.models.config import DHEN_MODULES
-from raydlrm.models.layers import CrossNet, mlp
+from raydlrm.models.layers import CrossNet, FeatureVectors, mlp
 from raydlrm.models.wukong import LinearCompressBlock
 
 __all__ = ["DHEN_MODULES", "DHENDense", "DHENLayer"]
@@ -159,14 +159,14 @@ class DHENDense(nn.Module):
         heads: int,
     ):
         super().__init__()
-        if bottom_mlp[-1] % embedding_dim:
-            raise ValueError(
-                f"DHEN's bottom MLP must end at a multiple of embedding_dim={embedding_dim}, "
-                f"got {bottom_mlp}"
-            )
-        self.dim = embedding_dim
-        self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
-        n = bottom_mlp[-1] // embedding_dim + num_sparse
+        self.vectors = FeatureVectors(
+            model="DHEN",
+            num_dense=num_dense,
+            num_sparse=num_sparse,
+            dim=embedding_dim,
+            bottom_mlp=bottom_mlp,
+        )
+        n = self.vectors.count
         self.layers = nn.Sequential(
             *(
                 DHENLayer(
@@ -184,5 +184,4 @@ class DHENDense(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
-        x = torch.cat([self.bottom(dense), pooled], dim=1).view(dense.shape[0], -1, self.dim)
-        return self.top(self.layers(x).flatten(1)).squeeze(1)
+        return self.top(self.layers(self.vectors(dense, pooled)).flatten(1)).squeeze(1)

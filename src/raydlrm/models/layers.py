@@ -1,4 +1,5 @@
-"""Building blocks the dense arches share: MLPs and DCNv2's low-rank cross layers."""
+"""Building blocks the dense arches share: MLPs, DCNv2's low-rank cross layers, and the
+vectors Wukong and DHEN interact."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import torch
 from torch import nn
 
-__all__ = ["CrossNet", "mlp"]
+__all__ = ["CrossNet", "FeatureVectors", "mlp"]
 
 
 def mlp(sizes: list[int], *, final_activation: bool) -> nn.Sequential:
@@ -42,3 +43,29 @@ class CrossNet(nn.Module):
         for down, up in zip(self.down, self.up, strict=True):
             x = x0 * up(down(x)) + x
         return x
+
+
+class FeatureVectors(nn.Module):
+    """The dense features through the bottom MLP, cut into ``dim``-wide vectors, then the
+    pooled embeddings: ``(B, n, dim)`` with ``n = bottom_mlp[-1] / dim + num_sparse``.
+
+    Raises:
+        ValueError: ``bottom_mlp[-1]`` is not a multiple of ``dim`` (naming ``model``, the arch).
+    """
+
+    def __init__(
+        self, *, model: str, num_dense: int, num_sparse: int, dim: int, bottom_mlp: list[int]
+    ):
+        super().__init__()
+        if bottom_mlp[-1] % dim:
+            raise ValueError(
+                f"{model}'s bottom MLP must end at a multiple of embedding_dim={dim}, "
+                f"got {bottom_mlp}"
+            )
+        self.dim = dim
+        self.count = bottom_mlp[-1] // dim + num_sparse
+        self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        vectors = torch.cat([self.bottom(dense), pooled], dim=1)
+        return vectors.view(dense.shape[0], self.count, self.dim)

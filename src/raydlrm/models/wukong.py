@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydlrm.models.layers import mlp
+from raydlrm.models.layers import FeatureVectors, mlp
 
 __all__ = ["FactorizationMachineBlock", "LinearCompressBlock", "WukongDense", "WukongLayer"]
 
@@ -123,14 +123,14 @@ class WukongDense(nn.Module):
         fm_mlp: list[int],
     ):
         super().__init__()
-        if bottom_mlp[-1] % embedding_dim:
-            raise ValueError(
-                f"Wukong's bottom MLP must end at a multiple of embedding_dim={embedding_dim}, "
-                f"got {bottom_mlp}"
-            )
-        self.dim = embedding_dim
-        self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
-        n = bottom_mlp[-1] // embedding_dim + num_sparse
+        self.vectors = FeatureVectors(
+            model="Wukong",
+            num_dense=num_dense,
+            num_sparse=num_sparse,
+            dim=embedding_dim,
+            bottom_mlp=bottom_mlp,
+        )
+        n = self.vectors.count
         layers = []
         for _ in range(num_layers):
             layers.append(
@@ -149,5 +149,4 @@ class WukongDense(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
-        x = torch.cat([self.bottom(dense), pooled], dim=1).view(dense.shape[0], -1, self.dim)
-        return self.top(self.layers(x).flatten(1)).squeeze(1)
+        return self.top(self.layers(self.vectors(dense, pooled)).flatten(1)).squeeze(1)
