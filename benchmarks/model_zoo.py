@@ -64,7 +64,9 @@ ARCHS = {
         "arch": "dhen",
         "bottom_mlp": [64, d],
         "top_mlp": [64, 32],
-        "dhen_layers": [["dot", "cross", "attention", "linear", "conv"]] * 2,
+        # cross, attention and conv modules: a dense side near DCNv2's and Wukong's size (the
+        # dot and linear modules each map all n x d values at once, ~13x the parameters).
+        "dhen_layers": [["cross", "attention", "conv"]] * 2,
         "dcn_low_rank": 16,
         "dhen_attention_heads": 2,
     },
