@@ -8,8 +8,8 @@ in the machine's load falls on every architecture alike:
 - ``adult``: ``configs/adult.toml`` (the Adult census-income table; write it first with
   ``python benchmarks/adult.py``), its own epochs.
 
-Each architecture's knobs are :data:`ARCHS` (sized to comparable dense parameter counts at the
-data set's embedding dim; the models' tables are identical). Reported per data set and
+Each architecture's knobs are :data:`ARCH_KNOBS` (sized to comparable dense parameter counts
+at the data set's embedding dim; the models' tables are identical). Reported per data set and
 architecture: eval AUC and log loss (mean and the spread, max - min, over the seeds), training
 samples per second (the run's ``train/samples_per_second``, median over the seeds), dense and
 embedding parameters. ``--sweep`` adds a Wukong scaling sweep on the synthetic data (quality
@@ -40,37 +40,32 @@ CONFIGS = {
     "adult": ROOT / "configs" / "adult.toml",
 }
 
-# Dense-side knobs per architecture, as a function of the embedding dim ``d``.
-ARCHS = {
-    "dlrm": lambda d: {"arch": "dlrm", "bottom_mlp": [64, d], "top_mlp": [64, 32]},
-    "dcnv2": lambda d: {
-        "arch": "dcnv2",
-        "bottom_mlp": [64, d],
-        "top_mlp": [64, 32],
-        "dcn_num_layers": 2,
-        "dcn_low_rank": 16,
-    },
-    "wukong": lambda d: {
-        "arch": "wukong",
-        "bottom_mlp": [64, d],
-        "top_mlp": [64, 32],
+# Each architecture's own knobs; every one has a bottom MLP [64, D] and a top MLP [64, 32].
+ARCH_KNOBS = {
+    "dlrm": {},
+    "dcnv2": {"dcn_num_layers": 2, "dcn_low_rank": 16},
+    "wukong": {
         "wukong_num_layers": 2,
         "wukong_num_fm": 8,
         "wukong_num_lc": 8,
         "wukong_rank": 8,
         "wukong_fm_mlp": [64],
     },
-    "dhen": lambda d: {
-        "arch": "dhen",
-        "bottom_mlp": [64, d],
-        "top_mlp": [64, 32],
-        # cross, attention and conv modules: a dense side near DCNv2's and Wukong's size (the
-        # dot and linear modules each map all n x d values at once, ~13x the parameters).
+    # cross, attention and conv modules: a dense side near DCNv2's and Wukong's size (the dot
+    # and linear modules each map all n x d values at once, ~13x the parameters).
+    "dhen": {
         "dhen_layers": [["cross", "attention", "conv"]] * 2,
         "dcn_low_rank": 16,
         "dhen_attention_heads": 2,
     },
 }
+
+
+def _model(arch: str, dim: int) -> dict:
+    """The ``[model]`` knobs of ``arch`` at embedding dim ``dim``."""
+    return {"arch": arch, "bottom_mlp": [64, dim], "top_mlp": [64, 32], **ARCH_KNOBS[arch]}
+
+
 SWEEP = [
     {"wukong_num_layers": layers, "wukong_num_fm": width, "wukong_num_lc": width}
     for layers in (1, 2, 3)
@@ -146,7 +141,7 @@ def _summary(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", default="synthetic,adult")
-    parser.add_argument("--archs", default=",".join(ARCHS))
+    parser.add_argument("--archs", default=",".join(ARCH_KNOBS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1, help="epochs on the synthetic data")
@@ -173,7 +168,7 @@ def main() -> None:
             for seed in seeds:  # interleaved: every architecture once per seed
                 for arch in archs:
                     config = _config(
-                        dataset, ARCHS[arch](dim), seed=seed, workdir=workdir, epochs=epochs
+                        dataset, _model(arch, dim), seed=seed, workdir=workdir, epochs=epochs
                     )
                     run = _train(config, args.workers)
                     runs[arch].append(run)
@@ -183,7 +178,7 @@ def main() -> None:
                         flush=True,
                     )
             for arch in archs:
-                config = _config(dataset, ARCHS[arch](dim), seed=0, workdir=workdir, epochs=epochs)
+                config = _config(dataset, _model(arch, dim), seed=0, workdir=workdir, epochs=epochs)
                 dense, embedding = _parameters(config)
                 results["zoo"].setdefault(dataset, {})[arch] = {
                     **_summary(runs[arch]),
@@ -195,7 +190,7 @@ def main() -> None:
         if args.sweep:
             dim = tomllib.loads(CONFIGS["synthetic"].read_text())["model"]["embedding_dim"]
             for knobs in SWEEP:
-                model = {**ARCHS["wukong"](dim), **knobs}
+                model = {**_model("wukong", dim), **knobs}
                 config = _config("synthetic", model, seed=0, workdir=workdir, epochs=args.epochs)
                 run = {**_train(config, args.workers), **knobs}
                 run["dense_parameters"] = _parameters(config)[0]

@@ -161,50 +161,32 @@ def build_model(
     embedding_bags = EmbeddingBagCollection(
         tables, device=device if embedding_device is None else embedding_device, seed=seed
     )
-    num_sparse = len(embedding_bags.feature_names)
+    # The arch's own knobs beside the sizes every dense side takes.
+    knobs: dict[str, dict] = {
+        "dlrm": {},
+        "dcnv2": {"num_layers": config.dcn_num_layers, "low_rank": config.dcn_low_rank},
+        "wukong": {
+            "num_layers": config.wukong_num_layers,
+            "num_fm": config.wukong_num_fm,
+            "num_lc": config.wukong_num_lc,
+            "rank": config.wukong_rank,
+            "fm_mlp": config.wukong_fm_mlp,
+        },
+        "dhen": {
+            "layers": config.dhen_layers,
+            "ensemble": config.dhen_ensemble,
+            "low_rank": config.dcn_low_rank,
+            "heads": config.dhen_attention_heads,
+        },
+    }
+    dense_class = {"dlrm": DLRMDense, "dcnv2": DCNv2Dense, "wukong": WukongDense, "dhen": DHENDense}
     with torch.device(device):
-        if config.arch == "dlrm":
-            dense: nn.Module = DLRMDense(
-                num_dense=num_dense,
-                num_sparse=num_sparse,
-                embedding_dim=config.embedding_dim,
-                bottom_mlp=config.bottom_mlp,
-                top_mlp=config.top_mlp,
-            )
-        elif config.arch == "dcnv2":
-            dense = DCNv2Dense(
-                num_dense=num_dense,
-                num_sparse=num_sparse,
-                embedding_dim=config.embedding_dim,
-                bottom_mlp=config.bottom_mlp,
-                top_mlp=config.top_mlp,
-                num_layers=config.dcn_num_layers,
-                low_rank=config.dcn_low_rank,
-            )
-        elif config.arch == "wukong":
-            dense = WukongDense(
-                num_dense=num_dense,
-                num_sparse=num_sparse,
-                embedding_dim=config.embedding_dim,
-                bottom_mlp=config.bottom_mlp,
-                top_mlp=config.top_mlp,
-                num_layers=config.wukong_num_layers,
-                num_fm=config.wukong_num_fm,
-                num_lc=config.wukong_num_lc,
-                rank=config.wukong_rank,
-                fm_mlp=config.wukong_fm_mlp,
-            )
-        else:
-            assert config.arch == "dhen", config.arch
-            dense = DHENDense(
-                num_dense=num_dense,
-                num_sparse=num_sparse,
-                embedding_dim=config.embedding_dim,
-                bottom_mlp=config.bottom_mlp,
-                top_mlp=config.top_mlp,
-                layers=config.dhen_layers,
-                ensemble=config.dhen_ensemble,
-                low_rank=config.dcn_low_rank,
-                heads=config.dhen_attention_heads,
-            )
+        dense = dense_class[config.arch](
+            num_dense=num_dense,
+            num_sparse=len(embedding_bags.feature_names),
+            embedding_dim=config.embedding_dim,
+            bottom_mlp=config.bottom_mlp,
+            top_mlp=config.top_mlp,
+            **knobs[config.arch],
+        )
     return RecModel(embedding_bags, dense)

@@ -38,7 +38,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from raydlrm.models.embedding import EmbeddingBagConfig
@@ -498,7 +498,6 @@ def calibrate(
         TierError: ``ssd_directory`` cannot be written or lacks the space for the test file.
     """
     sizes = sizes or CalibrationSizes()
-    defaults = CostConstants()
     measured = {"lookup_bytes_per_s": _lookup_rate(list(sizes.lookups), repeats=sizes.repeats)}
     notes = [f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"]
     notes.append("lookups: fbgemm TBE fwd+bwd")
@@ -522,4 +521,4 @@ def calibrate(
         )
         measured.update(ssd_row_reads_per_s=reads, ssd_row_writes_per_s=writes)
         notes.append(f"ssd: random 4 KiB pages of a mapped file in {directory}")
-    return CostConstants(**{**asdict(defaults), **measured, "source": "; ".join(notes)})
+    return replace(CostConstants(), **measured, source="; ".join(notes))

@@ -222,37 +222,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._groups = tbe_groups(local)
         self.local_table_configs = [t for t, _ in self._rank_pieces[self._rank]]
         self._ssd_directory = ssd_directory(config.ssd_path)
-        self._cache_load_factor = config.ssd_cache_load_factor
-        self._cache_min_rows = config.ssd_cache_min_rows
-        self._backing: list[dict[str, torch.Tensor] | None] = []
-        self.tbes = nn.ModuleList(self._build_tbe(g, config) for g in self._groups)
-        self._caches = [
-            self._row_cache(*args)
-            for args in zip(self._groups, self.tbes, self._backing, strict=True)
-        ]
+        tbes, self._caches = [], []
+        for group in self._groups:
+            buffers = self._tier_buffers(group, config)
+            cached = buffers is not None and config.ssd_cache_load_factor > 0
+            tbe = self._build_tbe(group, config, buffers=None if cached else buffers)
+            tbes.append(tbe)
+            self._caches.append(self._row_cache(group, tbe, buffers) if cached else None)
+        self.tbes = nn.ModuleList(tbes)
         self._init_weights(ebc)
 
     def _register(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.to(self._device), persistent=False)
 
     def _build_tbe(
-        self, group: TbeGroup, config: ShardingConfig
+        self,
+        group: TbeGroup,
+        config: ShardingConfig,
+        *,
+        buffers: dict[str, torch.Tensor] | None,
     ) -> SplitTableBatchedEmbeddingBagsCodegen:
+        """The group's TBE: over the shards' rows (in ``buffers`` if given: an uncached
+        ``ssd`` group's mapped files), or, for a cached ``ssd`` group (``buffers`` None), over
+        its DRAM row caches' slots."""
         if self._device.type == "cuda":
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
         else:
             location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
-        buffers = self._tier_buffers(group, config)
-        cached = buffers is not None and self._cache_load_factor > 0
-        self._backing.append(buffers if cached else None)
+        cached = group.placement == "ssd" and buffers is None
         return SplitTableBatchedEmbeddingBagsCodegen(
-            preallocated_host_buffers=None if cached else buffers,
+            preallocated_host_buffers=buffers,
             embedding_specs=[
                 (
                     cache_rows(
                         s.row_end - s.row_start,
-                        load_factor=self._cache_load_factor,
-                        min_rows=self._cache_min_rows,
+                        load_factor=config.ssd_cache_load_factor,
+                        min_rows=config.ssd_cache_min_rows,
                     )
                     if cached
                     else s.row_end - s.row_start,
@@ -307,12 +312,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self,
         group: TbeGroup,
         tbe: SplitTableBatchedEmbeddingBagsCodegen,
-        backing: dict[str, torch.Tensor] | None,
-    ) -> RowCache | None:
-        """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`), else None:
-        the TBE's weights are its slots, ``backing`` the mapped files of the whole shards."""
-        if backing is None:
-            return None
+        backing: dict[str, torch.Tensor],
+    ) -> RowCache:
+        """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`): the TBE's
+        weights are its slots, ``backing`` the mapped files of the whole shards."""
         slot_states = row_states = None
         if self._optimizer != "sgd":
             slot_states = [states[0] for states in tbe.split_optimizer_states()]

@@ -45,7 +45,6 @@ from raydlrm.sharding.cost import (
     CostConstants,
     cache_rows,
     estimate_table_cost,
-    expected_distinct_rows,
     table_disk_bytes,
     table_memory_bytes,
 )
@@ -182,24 +181,23 @@ def plan_sharding(
     resolved = {t.name: config.placement_of(t.name) for t in tables}
     resolved.update(dict.fromkeys((t.name for t in auto), "dram"))
 
-    # ``auto`` tables go to SSD while the plan does not fit the budget, those whose step touches
-    # the fewest rows per byte of memory freed first (the least disk time per byte).
+    # ``auto`` tables go to SSD while the plan does not fit the budget, those whose steps touch
+    # the fewest rows on disk per byte of memory freed first (the least disk time per byte).
     def freed_bytes(t: EmbeddingBagConfig) -> int:
-        precision = config.weights_precision_of(t.name)
-        return table_memory_bytes(
-            t, optimizer=config.optimizer, weights_precision=precision
-        ) - table_memory_bytes(
-            t,
-            optimizer=config.optimizer,
-            weights_precision=precision,
-            placement="ssd",
-            cache_rows=ssd_cache_rows(t, config),
-        )
+        return _memory_bytes(t, config, "dram") - _memory_bytes(t, config, "ssd")
 
     def disk_rows_per_byte(t: EmbeddingBagConfig) -> float:
-        lookups = pooling_factors.get(t.name, 1.0) * len(t.feature_names) * batch_size
-        uncached = 1.0 - ssd_cache_rows(t, config) / t.num_embeddings
-        return expected_distinct_rows(t.num_embeddings, lookups) * uncached / freed_bytes(t)
+        disk_rows = estimate_table_cost(
+            t,
+            sharding_type="table_wise",
+            num_shards=1,
+            world_size=world_size,
+            batch_size=batch_size,
+            pooling_factor=pooling_factors.get(t.name, 1.0),
+            placement="ssd",
+            cache_rows=ssd_cache_rows(t, config),
+        ).disk_rows
+        return disk_rows / freed_bytes(t)
 
     # (A table smaller than its row cache would take more memory on SSD: it stays.)
     coldest_first = sorted(
@@ -235,6 +233,26 @@ def ssd_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
     )
 
 
+def _memory_bytes(t: EmbeddingBagConfig, config: ShardingConfig, placement: str) -> int:
+    """Worker memory of ``t`` placed ``placement`` (with its row cache on ``ssd``)."""
+    return table_memory_bytes(
+        t,
+        optimizer=config.optimizer,
+        weights_precision=config.weights_precision_of(t.name),
+        placement=placement,
+        cache_rows=ssd_cache_rows(t, config),
+    )
+
+
+def _disk_bytes(t: EmbeddingBagConfig, config: ShardingConfig) -> int:
+    """Local disk of ``t`` as ``config`` places it (0 in DRAM)."""
+    if config.placement_of(t.name) != "ssd":
+        return 0
+    return table_disk_bytes(
+        t, optimizer=config.optimizer, weights_precision=config.weights_precision_of(t.name)
+    )
+
+
 def page_cache_hit(
     tables: Sequence[EmbeddingBagConfig],
     *,
@@ -251,19 +269,8 @@ def page_cache_hit(
     for t in tables:
         kind = config.pinned_types.get(t.name, config.default_type)
         copies = world_size if kind == "data_parallel" else 1
-        placement = config.placement_of(t.name)
-        precision = config.weights_precision_of(t.name)
-        if placement == "ssd":
-            on_disk += copies * table_disk_bytes(
-                t, optimizer=config.optimizer, weights_precision=precision
-            )
-        in_memory += copies * table_memory_bytes(
-            t,
-            optimizer=config.optimizer,
-            weights_precision=precision,
-            placement=placement,
-            cache_rows=ssd_cache_rows(t, config),
-        )
+        on_disk += copies * _disk_bytes(t, config)
+        in_memory += copies * _memory_bytes(t, config, config.placement_of(t.name))
     if not on_disk:
         return 1.0
     if memory_budget is None:
@@ -345,21 +352,9 @@ class _Planner:
                 num_embeddings=t.num_embeddings,
                 embedding_dim=t.embedding_dim,
                 shards=[],
-                memory_bytes=table_memory_bytes(
-                    t,
-                    optimizer=config.optimizer,
-                    weights_precision=config.weights_precision_of(t.name),
-                    placement=config.placement_of(t.name),
-                    cache_rows=ssd_cache_rows(t, config),
-                ),
+                memory_bytes=_memory_bytes(t, config, config.placement_of(t.name)),
                 placement=config.placement_of(t.name),
-                disk_bytes=table_disk_bytes(
-                    t,
-                    optimizer=config.optimizer,
-                    weights_precision=config.weights_precision_of(t.name),
-                )
-                if config.placement_of(t.name) == "ssd"
-                else 0,
+                disk_bytes=_disk_bytes(t, config),
             )
         for p in self.plans.values():
             p.cost = self._cost(p, "table_wise", 1)

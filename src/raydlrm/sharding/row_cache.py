@@ -2,8 +2,9 @@
 
 Without it, fbgemm's kernels update an ``ssd`` table's rows in place in the mapped file: every
 updated row dirties its 4 KiB page, and once the dirty pages reach the kernel's dirty limits
-the kernel holds training back to the disk's write-back rate (7.5x slower than DRAM on 4.8 GB
-of tables in ``benchmarks/RESULTS.md``), however much of the table the page cache holds. With
+the kernel holds training back to the disk's write-back rate (0.13 of DRAM's speed on 4.8 GB
+of tables, 0.71 with the cache, in ``benchmarks/RESULTS.md``), however much of the table the
+page cache holds. With
 it, the TBE trains on a few cache slots per table in ordinary memory, and the file only sees
 the rows the cache evicts, in id order: hot rows stay in DRAM and are written once, when they
 leave.
@@ -45,6 +46,8 @@ class _Table:
     slot_of: torch.Tensor  # (N,) int32: the slot holding each row, -1 if none
     row_of: torch.Tensor  # (C,) int64: the row each slot holds, -1 if none
     last_used: torch.Tensor  # (C,) int64: step each slot was last looked up, -1 if never
+    hits: int = 0  # distinct ids of the steps so far found in the cache
+    misses: int = 0  # distinct ids of the steps so far read in from the file
 
 
 class RowCache:
@@ -70,7 +73,10 @@ class RowCache:
         row_states: list[torch.Tensor] | None,
         unit_tables: list[int],
     ):
-        self._unit_tables = torch.tensor(unit_tables)
+        self._unit_tables = unit_tables
+        self._units_of = [
+            [u for u, t in enumerate(unit_tables) if t == i] for i in range(len(names))
+        ]
         self._tables = []
         for i, name in enumerate(names):
             n, c = rows[i].shape[0], slots[i].shape[0]
@@ -87,14 +93,6 @@ class RowCache:
                 )
             )
         self._step = 0
-        self.hits = [0] * len(names)
-        """Per table: distinct ids of the steps so far found in the cache."""
-        self.misses = [0] * len(names)
-        """Per table: distinct ids of the steps so far read in from the file."""
-
-    @property
-    def names(self) -> list[str]:
-        return [t.name for t in self._tables]
 
     def rows(self) -> dict[str, torch.Tensor]:
         """Table name -> the shard's rows in the file, as they are (without the cached
@@ -119,16 +117,12 @@ class RowCache:
                 (naming the table and ``sharding.ssd_cache_min_rows``).
         """
         self._step += 1
-        table_of_id = torch.repeat_interleave(
-            self._unit_tables, ids_per_unit, output_size=indices.numel()
-        )
-        out = torch.empty_like(indices)
-        for i, t in enumerate(self._tables):
-            mask = table_of_id == i
-            ids = indices[mask]
-            if ids.numel() == 0:
+        # The group's ids unit by unit; a table's units (its features) looked up together.
+        pieces = indices.split(ids_per_unit.tolist())
+        for t, units in zip(self._tables, self._units_of, strict=True):
+            if not units:
                 continue
-            unique = torch.unique(ids)
+            unique = torch.unique(torch.cat([pieces[u] for u in units]))
             if unique.numel() > t.row_of.numel():
                 raise TierError(
                     f"ssd table {t.name!r}: a step looks up {unique.numel()} distinct rows of "
@@ -139,12 +133,15 @@ class RowCache:
             hit = held >= 0
             t.last_used[held[hit]] = self._step
             missing = unique[~hit]
-            self.hits[i] += int(unique.numel() - missing.numel())
-            self.misses[i] += int(missing.numel())
+            t.hits += int(unique.numel() - missing.numel())
+            t.misses += int(missing.numel())
             if missing.numel():
                 self._fill(t, missing)
-            out[mask] = t.slot_of[ids].to(torch.int64)
-        return out
+        slots = [
+            self._tables[table].slot_of[p]
+            for p, table in zip(pieces, self._unit_tables, strict=True)
+        ]
+        return torch.cat(slots).to(torch.int64) if slots else indices.clone()
 
     def _fill(self, t: _Table, missing: torch.Tensor) -> None:
         """Gives the rows ``missing`` (sorted) the least recently used slots not used this
@@ -185,7 +182,4 @@ class RowCache:
 
     def hit_rates(self) -> dict[str, tuple[int, int]]:
         """Table name -> (hits, lookups) of distinct ids per step, so far."""
-        return {
-            t.name: (self.hits[i], self.hits[i] + self.misses[i])
-            for i, t in enumerate(self._tables)
-        }
+        return {t.name: (t.hits, t.hits + t.misses) for t in self._tables}
