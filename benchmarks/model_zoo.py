@@ -5,6 +5,10 @@ in one local Ray instance (started once), the runs interleaved seed by seed so t
 in the machine's load falls on every architecture alike:
 
 - ``synthetic``: ``configs/quickstart.toml``'s data (generated on first use), ``--epochs`` epochs;
+- ``synthetic-ho``: the same generator with higher-order planted interactions
+  (:data:`SYNTHETIC_HO`: a pairwise, a three-way and a four-way product of per-id factors, half
+  of the logit's variance) and 1,000,000 training rows, where the order of the interactions a
+  model expresses shows (generated on first use into ``data/synthetic-ho``);
 - ``adult``: ``configs/adult.toml`` (the Adult census-income table; write it first with
   ``python benchmarks/adult.py``), its own epochs.
 
@@ -12,13 +16,14 @@ Each architecture's knobs are :data:`ARCH_KNOBS` (sized to comparable dense para
 at the data set's embedding dim; the models' tables are identical). Reported per data set and
 architecture: eval AUC and log loss (mean and the spread, max - min, over the seeds), training
 samples per second (the run's ``train/samples_per_second``, median over the seeds), dense and
-embedding parameters. ``--sweep`` adds a Wukong scaling sweep on the synthetic data (quality
-against layers and width).
+embedding parameters. ``--sweep`` adds a Wukong scaling sweep (quality against layers and
+width) on ``--sweep-dataset`` (default ``synthetic-ho``).
 
 Usage::
 
     python benchmarks/model_zoo.py [--datasets synthetic,adult] [--archs dlrm,dcnv2,wukong,dhen]
-        [--seeds 0,1,2] [--workers 2] [--epochs 1] [--sweep] [--out /tmp/model_zoo.json]
+        [--seeds 0,1,2] [--workers 2] [--epochs 1] [--sweep] [--sweep-dataset synthetic-ho]
+        [--out /tmp/model_zoo.json]
 """
 
 from __future__ import annotations
@@ -37,7 +42,21 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "synthetic": ROOT / "configs" / "quickstart.toml",
+    "synthetic-ho": ROOT / "configs" / "quickstart.toml",
     "adult": ROOT / "configs" / "adult.toml",
+}
+# The higher-order variant: the quickstart's tables and batch, five times the training rows, and
+# half the planted logit's variance in a pairwise, a three-way and a four-way product of per-id
+# factors (its own directory).
+SYNTHETIC_HO = {
+    "train_path": "data/synthetic-ho/train",
+    "eval_path": "data/synthetic-ho/eval",
+    "synthetic": {
+        "num_train_rows": 1_000_000,
+        "rows_per_file": 100_000,
+        "interaction_orders": [2, 3, 4],
+        "interaction_share": 0.5,
+    },
 }
 
 # Each architecture's own knobs; every one has a bottom MLP [64, D] and a top MLP [64, 32].
@@ -75,6 +94,10 @@ SWEEP = [
 
 def _config(dataset: str, model: dict, *, seed: int, workdir: Path, epochs: int | None) -> dict:
     config = tomllib.loads(CONFIGS[dataset].read_text())
+    if dataset == "synthetic-ho":
+        config["data"].update(
+            SYNTHETIC_HO, synthetic={**config["data"]["synthetic"], **SYNTHETIC_HO["synthetic"]}
+        )
     for section in ("train_path", "eval_path"):  # paths relative to the repository
         config["data"][section] = str(ROOT / config["data"][section])
     config["model"] = {"embedding_dim": config["model"]["embedding_dim"], **model}
@@ -140,12 +163,13 @@ def _summary(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", default="synthetic,adult")
+    parser.add_argument("--datasets", default="synthetic,synthetic-ho,adult")
     parser.add_argument("--archs", default=",".join(ARCH_KNOBS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1, help="epochs on the synthetic data")
     parser.add_argument("--sweep", action="store_true", help="add the Wukong scaling sweep")
+    parser.add_argument("--sweep-dataset", default="synthetic-ho", choices=sorted(CONFIGS))
     parser.add_argument("--out", type=Path, default=Path("/tmp/raydlrm-model-zoo.json"))
     args = parser.parse_args()
 
@@ -163,7 +187,7 @@ def main() -> None:
         workdir = Path(tmp)
         for dataset in args.datasets.split(","):
             dim = tomllib.loads(CONFIGS[dataset].read_text())["model"]["embedding_dim"]
-            epochs = args.epochs if dataset == "synthetic" else None
+            epochs = args.epochs if dataset.startswith("synthetic") else None
             runs: dict[str, list[dict]] = {a: [] for a in archs}
             for seed in seeds:  # interleaved: every architecture once per seed
                 for arch in archs:
@@ -188,14 +212,16 @@ def main() -> None:
                 }
             args.out.write_text(json.dumps(results, indent=1))
         if args.sweep:
-            dim = tomllib.loads(CONFIGS["synthetic"].read_text())["model"]["embedding_dim"]
+            dataset = args.sweep_dataset
+            dim = tomllib.loads(CONFIGS[dataset].read_text())["model"]["embedding_dim"]
+            epochs = args.epochs if dataset.startswith("synthetic") else None
             for knobs in SWEEP:
                 model = {**_model("wukong", dim), **knobs}
-                config = _config("synthetic", model, seed=0, workdir=workdir, epochs=args.epochs)
+                config = _config(dataset, model, seed=0, workdir=workdir, epochs=epochs)
                 run = {**_train(config, args.workers), **knobs}
                 run["dense_parameters"] = _parameters(config)[0]
                 results["sweep"].append(run)
-                print(f"[sweep] {knobs}: AUC {run['auc']:.4f}", flush=True)
+                print(f"[sweep {dataset}] {knobs}: AUC {run['auc']:.4f}", flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
     ray.shutdown()
 
@@ -217,7 +243,8 @@ def main() -> None:
                 f"{r['embedding_parameters']:,} |"
             )
     if results["sweep"]:
-        print("\n| Wukong layers | n_F = n_L | dense params | eval AUC | eval log loss |")
+        print(f"\nWukong sweep on {args.sweep_dataset}:")
+        print("| Wukong layers | n_F = n_L | dense params | eval AUC | eval log loss |")
         print("|---|---|---|---|---|")
         for r in results["sweep"]:
             print(

@@ -156,3 +156,44 @@ def test_metadata_marks_complete_data_set_and_overwrite_rules(tmp_path):
     replaced = generate_synthetic(different, out_dir=tmp_path, overwrite=True)
     assert replaced.train_files == info.train_files
     assert (tmp_path / "metadata.json").exists()
+
+
+def test_interaction_terms_orders_features_and_share():
+    from raydlrm.ingestion.synthetic import _plant, _sample_rows, _terms
+
+    default = _plant(SyntheticConfig(**SMALL))
+    # The default keeps the one pairwise term: the first user feature and the first item one.
+    assert [[f for f, _ in term] for term in default.interactions] == [[0, 8]]
+
+    config = SyntheticConfig(**SMALL, interaction_orders=[2, 3, 4], interaction_share=0.5)
+    model = _plant(config)
+    assert [len(term) for term in model.interactions] == [2, 3, 4]
+    features = [f for term in model.interactions for f, _ in term]
+    assert features[:2] == [0, 8] and len(set(features)) == 9
+    rows = _sample_rows(config, model, np.random.default_rng(7), 20_000)
+    dense, effects, interaction = _terms(model, rows)
+    parts = [
+        dense @ model.dense_weights,
+        effects @ model.effect_weights,
+        model.interaction_weight * interaction,
+    ]
+    variances = np.array([p.var() for p in parts])
+    share = variances[2] / variances.sum()
+    assert 0.4 < share < 0.6, share
+
+    none = _plant(SyntheticConfig(**SMALL, interaction_orders=[]))
+    assert none.interactions == () and none.interaction_weight == 0.0
+
+
+@pytest.mark.parametrize(
+    ("knobs", "match"),
+    [
+        ({"interaction_orders": [1]}, r"synthetic\.interaction_orders: orders must be in \[2"),
+        ({"interaction_orders": [27]}, r"synthetic\.interaction_orders"),
+        ({"interaction_orders": [9, 9, 9]}, r"need 27 distinct features"),
+        ({"interaction_share": 0.95}, r"synthetic\.interaction_share"),
+    ],
+)
+def test_invalid_interaction_knobs_name_the_key(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        SyntheticConfig(**knobs)

@@ -49,6 +49,16 @@ class SyntheticConfig:
     reach it."""
     positive_rate: float = 0.25
     """Expected fraction of positive labels."""
+    interaction_orders: list[int] = field(default_factory=lambda: [2])
+    """The planted logit's interaction terms: one product of per-id factors of that many
+    categorical features per entry. ``[2]``: one pairwise product (the first user feature with
+    the first item feature), which one layer of pairwise interactions captures; orders of 3 or
+    more are what only deeper or higher-order interaction layers express exactly (e.g.
+    ``[2, 3, 4]``). A term's features beyond the first pair are drawn from the seed, each
+    feature in at most one term. ``[]``: no interaction term."""
+    interaction_share: float = 0.20
+    """Share of the planted logit's variance in the interaction terms (split equally between
+    them); the rest goes to the dense linear term (5/16 of it) and the per-id effects."""
     seed: int = 0
     """Seed; the same seed gives the same files."""
     partitions: list[str] = field(default_factory=list)
@@ -106,6 +116,21 @@ class SyntheticConfig:
         if not 0.01 <= self.positive_rate <= 0.99:
             raise ValueError(
                 f"synthetic.positive_rate must be in [0.01, 0.99], got {self.positive_rate}"
+            )
+        bad_orders = [k for k in self.interaction_orders if not 2 <= k <= max(2, self.num_sparse)]
+        if bad_orders:
+            raise ValueError(
+                f"synthetic.interaction_orders: orders must be in [2, num_sparse="
+                f"{self.num_sparse}], got {bad_orders}"
+            )
+        if sum(self.interaction_orders) > max(2, self.num_sparse):
+            raise ValueError(
+                f"synthetic.interaction_orders: the terms need {sum(self.interaction_orders)} "
+                f"distinct features, there are num_sparse={self.num_sparse}"
+            )
+        if not 0 <= self.interaction_share <= 0.9:
+            raise ValueError(
+                f"synthetic.interaction_share must be in [0, 0.9], got {self.interaction_share}"
             )
 
 

@@ -19,9 +19,11 @@ set. Columns:
 Labels are ``Bernoulli(sigmoid(logit))`` with a planted logit: a bias, a linear term on
 ``log1p`` of the (null-filled) dense features, per-id effects for half of the sparse features (a
 hash of (feature, raw id) turned into a normal deviate, the mean over the list for list
-features) and one product of two features' per-id factors, so the interaction layer matters.
-The planted model is derived from the seed alone: its term scales and bias are calibrated once on
-a sample so that its AUC is ``target_auc`` and the positive rate ``positive_rate``.
+features) and interaction terms, each a product of per-id factors of several features
+(``interaction_orders``; by default one product of two features), so the interaction layer
+matters. The planted model is derived from the seed alone: its term scales and bias are
+calibrated once on a sample so that its AUC is ``target_auc``, the positive rate
+``positive_rate`` and the interactions' share of the logit's variance ``interaction_share``.
 
 Each file is generated from its own random stream, seeded by (seed, split, file index): files are
 reproducible (the same seed gives byte-identical files), independent of each other, and only one
@@ -55,8 +57,11 @@ _SPLIT_CODES = {"train": 0, "eval": 1}
 _CALIBRATION_CODE = 2
 _CALIBRATION_ROWS = 20_000
 _MIN_CARDINALITY = 4
-# Shares of the planted logit's variance: dense linear term, per-id effects, interaction.
-_DENSE_SHARE, _SPARSE_SHARE, _INTERACTION_SHARE = 0.25, 0.55, 0.20
+# The dense linear term's part of the planted logit's variance left by the interactions (the
+# per-id effects take the rest).
+_DENSE_FRACTION = 0.3125
+# Seeds the features and factors of interaction terms beyond the first pair.
+_INTERACTION_CODE = 1
 _AUC_BINS = 1 << 16
 _AUC_RANGE = 40.0
 
@@ -101,8 +106,8 @@ class _PlantedModel:
     dense_center: np.ndarray  # (D,) mean of log1p(filled dense)
     dense_weights: np.ndarray  # (D,) per standardized log1p(dense)
     effect_weights: np.ndarray  # (F,) 0 for features without an effect
-    pair: tuple[int, int]  # the two interacting features
-    pair_salts: tuple[int, int]
+    # Per interaction term, its (feature, factor salt) pairs; the term is their factors' product.
+    interactions: tuple[tuple[tuple[int, int], ...], ...]
     interaction_weight: float
     bias: float
 
@@ -189,16 +194,18 @@ def _sample_rows(
 
 def _terms(model: _PlantedModel, rows: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The planted logit's unscaled terms: standardized log1p dense ``(N, D)``, per-id effects
-    ``(N, F)`` and the interaction product ``(N,)``."""
+    ``(N, F)`` and the sum of the interaction products ``(N,)``."""
     dense = np.log1p(np.nan_to_num(rows.dense, nan=0.0).astype(np.float64)) - model.dense_center
     effects = np.zeros((dense.shape[0], len(rows.ids)))
     for f, (raw, offs) in enumerate(zip(rows.ids, rows.offsets, strict=True)):
         if model.effect_weights[f] != 0.0:
             effects[:, f] = _per_row(_hash_normal(raw, int(model.effect_salts[f])), offs)
-    a, b = model.pair
-    interaction = _per_row(
-        _hash_normal(rows.ids[a], model.pair_salts[0]), rows.offsets[a]
-    ) * _per_row(_hash_normal(rows.ids[b], model.pair_salts[1]), rows.offsets[b])
+    interaction = np.zeros(dense.shape[0])
+    for term in model.interactions:
+        product = np.ones(dense.shape[0])
+        for f, salt in term:
+            product = product * _per_row(_hash_normal(rows.ids[f], salt), rows.offsets[f])
+        interaction = interaction + product
     return dense, effects, interaction
 
 
@@ -236,6 +243,35 @@ def _solve_bias(z: np.ndarray, rate: float) -> float:
     return bias
 
 
+def _interaction_terms(
+    config: SyntheticConfig, *, cardinalities: np.ndarray, pair_salts: tuple[int, int]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The interaction terms' (feature, salt) pairs.
+
+    The first term starts with the first feature (a user feature when there are any) and the
+    first single-valued non-user feature, or the last feature; the other features of the terms
+    are those with the fewest distinct ids, each in at most one term (their factors' salts come
+    from a random stream of their own). With one categorical
+    feature there is no interaction.
+    """
+    f_count = config.num_sparse
+    if not config.interaction_orders or f_count < 2:
+        return ()
+    first_item = config.num_user_features
+    b = first_item if 0 < first_item < _num_single(config) else f_count - 1
+    rng = np.random.default_rng([config.seed, _CALIBRATION_CODE, _INTERACTION_CODE])
+    # The fewest distinct ids first: a product of k features' factors has as many values as
+    # the product of their cardinalities, which a model can only learn when each is seen often.
+    others = [int(f) for f in np.argsort(cardinalities, kind="stable") if f not in (0, b)]
+    extra_salts = rng.integers(0, 2**63, size=f_count, dtype=np.int64).view(np.uint64)
+    terms = []
+    for index, order in enumerate(config.interaction_orders):
+        head = [(0, pair_salts[0]), (b, pair_salts[1])] if index == 0 else []
+        tail = [others.pop(0) for _ in range(order - len(head))]
+        terms.append(tuple(head + [(f, int(extra_salts[f])) for f in tail]))
+    return tuple(terms)
+
+
 def _plant(config: SyntheticConfig) -> _PlantedModel:
     """Draws the planted model from the seed and calibrates its scales on a sample."""
     rng = np.random.default_rng([config.seed, _CALIBRATION_CODE, 0])
@@ -246,11 +282,9 @@ def _plant(config: SyntheticConfig) -> _PlantedModel:
     salts = rng.integers(0, 2**63, size=(3, f_count), dtype=np.int64).view(np.uint64)
     with_effect = np.zeros(f_count, dtype=bool)
     with_effect[rng.permutation(f_count)[: max(1, f_count // 2)]] = True
-    # The interaction pairs the first feature (a user feature when there are any) with the
-    # first single-valued non-user feature, or the last feature.
-    first_item = config.num_user_features
-    b = first_item if 0 < first_item < _num_single(config) else f_count - 1
-    pair = (0, b)
+    interactions = _interaction_terms(
+        config, cardinalities=cards, pair_salts=(int(salts[2, 0]), int(salts[2, 1 % f_count]))
+    )
     draft = _PlantedModel(
         cardinalities=cards,
         id_salts=salts[0],
@@ -260,8 +294,7 @@ def _plant(config: SyntheticConfig) -> _PlantedModel:
         dense_center=np.zeros(d_count),
         dense_weights=rng.standard_normal(d_count),
         effect_weights=np.where(with_effect, rng.uniform(0.5, 1.5, f_count), 0.0),
-        pair=pair,
-        pair_salts=(int(salts[2, 0]), int(salts[2, min(1, f_count - 1)])),
+        interactions=interactions,
         interaction_weight=1.0,
         bias=0.0,
     )
@@ -270,7 +303,9 @@ def _plant(config: SyntheticConfig) -> _PlantedModel:
     center = dense.mean(axis=0)
     dense = dense - center
     parts = [dense @ draft.dense_weights, effects @ draft.effect_weights, interaction]
-    shares = [_DENSE_SHARE, _SPARSE_SHARE, _INTERACTION_SHARE if pair[0] != pair[1] else 0.0]
+    share = config.interaction_share if interactions else 0.0
+    dense_share = (1.0 - config.interaction_share) * _DENSE_FRACTION
+    shares = [dense_share, 1.0 - config.interaction_share - dense_share, share]
     scales = [math.sqrt(s) / max(float(x.std()), 1e-12) for s, x in zip(shares, parts, strict=True)]
     unit = sum(s * x for s, x in zip(scales, parts, strict=True))
     unit = unit / max(float(unit.std()), 1e-12)
