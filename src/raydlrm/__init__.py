@@ -10,10 +10,6 @@ import without Ray or MLflow.
 
 from typing import Any
 
-from raydlrm._versions import check_versions
-
-check_versions()
-
 __all__ = [
     "JobConfig",
     "RetrainResult",

@@ -3,14 +3,19 @@
 torch and fbgemm-gpu are released in lock-step; a mismatched pair fails inside fbgemm's
 native library with an undefined-symbol error that does not say what is wrong. This module checks
 the installed versions against the pinned pairs first and raises a clear message instead.
+
+fbgemm is optional: ``sharding.kernel = "torch"`` (or ``auto`` without a usable fbgemm) runs on
+PyTorch operators alone (:mod:`raydlrm.sharding.kernel`), so the lock-step binds only those who
+install the ``cpu`` or ``gpu`` extra.
 """
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 # torch release -> the fbgemm-gpu release built against it.
-COMPATIBLE_PAIRS: dict[str, str] = {"2.13": "1.8"}
+COMPATIBLE_PAIRS: dict[str, str] = {"2.13": "1.8", "2.11": "1.6"}
 _FBGEMM_DISTRIBUTIONS = ("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly")
 
 
@@ -65,3 +70,14 @@ def import_fbgemm() -> None:
     """Checks the pair, then imports fbgemm-gpu (registering its torch ops)."""
     check_versions()
     import fbgemm_gpu  # noqa: F401
+
+
+@functools.cache
+def fbgemm_problem() -> str | None:
+    """Why fbgemm-gpu cannot be used here (missing, mismatched or failing to import), or None
+    when it can (it is then imported)."""
+    try:
+        import_fbgemm()
+    except (ImportError, OSError) as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return None

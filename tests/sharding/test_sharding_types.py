@@ -63,6 +63,9 @@ SCENARIOS += [
         "cache": 0.0,
     },
 ]
+# The PyTorch kernel (sharding.kernel = "torch") against the same reference: every scenario
+# (every sharding type, optimizer, fp16 and the SSD tier), at world sizes 1 and 2.
+TORCH_KERNEL = [{**sc, "name": f"{sc['name']}/torch", "kernel": "torch"} for sc in SCENARIOS]
 GROUPED = {
     "name": "table_row_wise/group2",
     "default_type": "table_row_wise",
@@ -101,6 +104,7 @@ def _config(sc: dict) -> ShardingConfig:
         placement=dict.fromkeys(sc.get("ssd", []), "ssd"),
         ssd_cache_load_factor=sc.get("cache", 0.2),
         ssd_cache_min_rows=36,
+        kernel=sc.get("kernel", "fbgemm"),
     )
 
 
@@ -123,6 +127,7 @@ def _run_scenario(rank: int, world_size: int, sc: dict) -> dict:
     # The SSD tier's buffers are mapped files (unlinked at once: "(deleted)" in the maps).
     maps = open("/proc/self/maps").read()  # noqa: SIM115
     record["mapped"] = sum("raydlrm-ssd-" in line for line in maps.splitlines())
+    record["kernel"] = ebc.kernel
     return record
 
 
@@ -209,6 +214,7 @@ def _check(results: list[list[dict]], scenarios: list[dict], world_size: int) ->
                 assert got["tables"] is None and got["states"] is None
             if sc.get("ssd"):
                 assert got["mapped"] > 0, sc["name"]
+            assert got["kernel"] == sc.get("kernel", "fbgemm"), sc["name"]
         got = results[0][i]
         assert got["tables"].keys() == ref["tables"].keys()
         for name, weight in ref["tables"].items():
@@ -223,13 +229,15 @@ def _check(results: list[list[dict]], scenarios: list[dict], world_size: int) ->
 
 
 def test_single_process_all_types() -> None:
-    _check([_worker(0, 1, SCENARIOS)], SCENARIOS, world_size=1)
+    scenarios = SCENARIOS + TORCH_KERNEL
+    _check([_worker(0, 1, scenarios)], scenarios, world_size=1)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_multi_process_all_types(world_size: int) -> None:
     scenarios = SCENARIOS + ([GROUPED] if world_size == 4 else [])
+    scenarios += TORCH_KERNEL if world_size == 2 else []
     results = run_distributed(_worker, world_size=world_size, args=(scenarios,), timeout_s=300)
     _check(results, scenarios, world_size=world_size)
 

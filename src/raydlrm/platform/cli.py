@@ -301,7 +301,8 @@ def plan(
         bool,
         typer.Option(
             "--calibrate",
-            help="First measure the cost-model constants on this machine (TBE lookups, gloo "
+            help="First measure the cost-model constants on this machine (TBE lookups of "
+            "sharding.kernel, gloo "
             "all-to-all, random page reads and write-backs of the SSD tier in "
             "sharding.ssd_path) and store them at sharding.cost_constants_path.",
         ),
@@ -317,7 +318,9 @@ def plan(
             from raydlrm.sharding import save_constants
             from raydlrm.sharding.tiers import ssd_directory
 
-            constants = measure(ssd_directory=ssd_directory(job.sharding.ssd_path))
+            constants = measure(
+                ssd_directory=ssd_directory(job.sharding.ssd_path), kernel=job.sharding.kernel
+            )
             path = save_constants(constants, job.sharding.cost_constants_path)
             typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
             typer.echo(

@@ -136,9 +136,9 @@ def _column_type(values: pd.Series) -> Any:
 def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
     """What ``mlflow.pyfunc.log_model`` and ``save_model`` take to store the model."""
     # The raydlrm source travels with the model (code_paths); these are what it imports.
+    # Scoring runs the unsharded model in PyTorch operators: no fbgemm.
     requirements = [
-        "torch==2.13.0",
-        "fbgemm-gpu-cpu==1.8.0",
+        f"torch=={metadata.version('torch').split('+')[0]}",
         *(f"{name}=={metadata.version(name)}" for name in _REQUIREMENTS),
     ]
     return {

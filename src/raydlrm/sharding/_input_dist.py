@@ -7,7 +7,7 @@ contiguous ranges, one per unit; the id goes to the unit owning its row, with th
 row subtracted (bucketization). All of this is vectorized over the batch:
 
 Plans without row-split shards skip steps 1-3: every unit reads all its feature's bags, so one
-fbgemm ``permute_2D_sparse_data`` repeats and orders them unit by unit.
+bag permutation repeats and orders them unit by unit.
 
 1. repeat each id once per column group of its feature (``fanout``);
 2. find each copy's unit with one ``searchsorted`` over the keys ``group * stride + row_start``
@@ -16,7 +16,10 @@ fbgemm ``permute_2D_sparse_data`` repeats and orders them unit by unit.
    in bag order), count them per (unit, sample) into bag lengths;
 4. all-to-all lengths, ids and weights: every rank receives its units' bags for every rank's
    samples, ``(source rank, unit, sample)``, and permutes them to the ``(unit, global sample)``
-   layout TBE reads with fbgemm's ``permute_1D_sparse_data``.
+   layout TBE reads with a second bag permutation.
+
+The bag permutations are fbgemm's ``permute_2D_sparse_data`` / ``permute_1D_sparse_data`` with
+``sharding.kernel = "fbgemm"``, else :func:`permute_bags` (PyTorch operators, the same output).
 """
 
 from __future__ import annotations
@@ -30,7 +33,35 @@ from raydlrm.batch import KeyedJaggedTensor, lengths_to_offsets
 from raydlrm.sharding._comm import CommBytes, all_gather_ints, all_to_all
 from raydlrm.sharding._layout import LookupUnit
 
-__all__ = ["InputDistributor", "LocalBags"]
+__all__ = ["InputDistributor", "LocalBags", "permute_bags"]
+
+
+def permute_bags(
+    bags: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    *,
+    num_values: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The bags ``bags`` (indices into ``lengths``, repeats allowed) of a jagged tensor, in
+    that order: their lengths, ids and weights.
+
+    Args:
+        bags: ``(N,)`` bag indices.
+        lengths: ``(M,)`` bag lengths of ``values``.
+        values: ids, bag after bag.
+        weights: per-id weights (or None).
+        num_values: the ids of the result, when known (saves a host synchronization).
+    """
+    new_lengths = lengths[bags]
+    starts = lengths_to_offsets(lengths)[:-1][bags]
+    new_starts = lengths_to_offsets(new_lengths)
+    if num_values is None:
+        num_values = int(new_starts[-1])
+    shift = torch.repeat_interleave(starts - new_starts[:-1], new_lengths, output_size=num_values)
+    source = torch.arange(num_values, device=values.device) + shift
+    return new_lengths, values[source], None if weights is None else weights[source]
 
 
 @dataclass
@@ -61,6 +92,7 @@ class InputDistributor:
         device: where the routing tensors live.
         pg: process group.
         comm_bytes: counts the ``input`` bytes sent to other ranks.
+        fbgemm: permute bags with fbgemm's operators (else :func:`permute_bags`).
     """
 
     def __init__(
@@ -72,8 +104,10 @@ class InputDistributor:
         device: torch.device,
         pg: ProcessGroup | None,
         comm_bytes: CommBytes,
+        fbgemm: bool = False,
     ):
         self._pg, self._rank, self._device = pg, rank, device
+        self._fbgemm = fbgemm
         self._comm_bytes = comm_bytes
         self._num_units = [len(us) for us in units]
         flat = [u for us in units for u in us]
@@ -122,13 +156,23 @@ class InputDistributor:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
         """Send buffers: lengths ``(U_total * B,)`` rank-major, ids, weights, ids per rank."""
         if self._whole_rows:
-            lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-                self._unit_feature,
-                kjt.lengths.view(len(kjt.keys), kjt.batch_size),
-                kjt.values,
-                kjt.weights,
-                None,
-            )
+            if self._fbgemm:
+                lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                    self._unit_feature,
+                    kjt.lengths.view(len(kjt.keys), kjt.batch_size),
+                    kjt.values,
+                    kjt.weights,
+                    None,
+                )
+            else:
+                batch = kjt.batch_size
+                bags = self._unit_feature.to(torch.int64).unsqueeze(1) * batch + torch.arange(
+                    batch, device=self._device
+                )
+                lengths, values, weights = permute_bags(
+                    bags.reshape(-1), kjt.lengths, kjt.values, kjt.weights
+                )
+                lengths = lengths.view(-1, batch)
             ids_per_unit = lengths.sum(dim=1)
             ids_per_rank = torch.zeros(
                 len(self._num_units), dtype=ids_per_unit.dtype, device=self._device
@@ -206,7 +250,16 @@ class InputDistributor:
         values = all_to_all(values, input_splits=send_ids, output_splits=recv_ids, pg=pg)
         if weights is not None:
             weights = all_to_all(weights, input_splits=send_ids, output_splits=recv_ids, pg=pg)
-        lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-            self._bag_permutation(batch_sizes), lengths, values, weights, values.numel()
-        )
+        if self._fbgemm:
+            lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+                self._bag_permutation(batch_sizes), lengths, values, weights, values.numel()
+            )
+        else:
+            lengths, values, weights = permute_bags(
+                self._bag_permutation(batch_sizes).to(torch.int64),
+                lengths,
+                values,
+                weights,
+                num_values=values.numel(),
+            )
         return LocalBags(lengths, values, weights, batch_sizes)

@@ -27,6 +27,11 @@ one exchange per precision, :class:`ColumnBlockCodec` encodes each run of adjace
 share a precision with that precision's codec and concatenates the payloads (one all-to-all per
 direction whatever the mix). Row-wise scales are then per (row, run) rather than per table,
 which only tightens the bounds above.
+
+Kernels: with ``sharding.kernel = "fbgemm"`` the ``fp8`` decode and the ``int8`` codec run
+fbgemm's operators; with ``torch`` their PyTorch equivalents, which give the same bytes and
+values (tested against fbgemm). ``fp8`` encodes with torch's ``float8_e4m3fn`` cast on both:
+below 240 its bit layout is HFP8's, and it was faster than fbgemm's quantizer here.
 """
 
 from __future__ import annotations
@@ -39,8 +44,6 @@ import torch
 from raydlrm._versions import import_fbgemm
 from raydlrm.sharding.config import CommPrecision
 
-import_fbgemm()
-
 __all__ = [
     "CODECS",
     "CastCodec",
@@ -48,6 +51,7 @@ __all__ = [
     "Fp8Codec",
     "Int8RowwiseCodec",
     "PooledCodec",
+    "codecs_for",
 ]
 
 
@@ -106,6 +110,8 @@ class Fp8Codec:
     """
 
     name: str = "fp8"
+    fbgemm: bool = False
+    """Decode with fbgemm's operator (else torch's)."""
     ebits: int = 4
     exponent_bias: int = 7
     max_pos: float = 240.0
@@ -118,9 +124,9 @@ class Fp8Codec:
         block = block.float()
         scale = block.abs().amax(dim=1, keepdim=True) / self.max_pos
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        quantized = torch.ops.fbgemm.FloatToHFP8Quantized(
-            (block / scale).contiguous(), self.ebits, self.exponent_bias, self.max_pos
-        )
+        # Scaled to [-240, 240], where e4m3fn's bits are HFP8's (round to nearest even).
+        scaled = (block / scale).clamp(-self.max_pos, self.max_pos)
+        quantized = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
         return torch.cat([quantized.view(-1), scale.view(-1).view(torch.uint8)])
 
     def decode(
@@ -128,7 +134,12 @@ class Fp8Codec:
     ) -> torch.Tensor:
         quantized = payload[: rows * cols].view(rows, cols)
         scale = _view(payload[rows * cols :], torch.float32).view(rows, 1)
-        values = torch.ops.fbgemm.HFP8QuantizedToFloat(quantized, self.ebits, self.exponent_bias)
+        if self.fbgemm:
+            values = torch.ops.fbgemm.HFP8QuantizedToFloat(
+                quantized, self.ebits, self.exponent_bias
+            )
+        else:
+            values = quantized.view(torch.float8_e4m3fn).float()
         return (values * scale).to(dtype)
 
 
@@ -138,6 +149,8 @@ class Int8RowwiseCodec:
     row (``cols + 8`` bytes per row)."""
 
     name: str = "int8"
+    fbgemm: bool = False
+    """Run fbgemm's operators (else their torch equivalents, same bytes and values)."""
 
     def payload_bytes(self, rows: int, cols: int) -> int:
         return rows * (cols + 8)
@@ -145,8 +158,15 @@ class Int8RowwiseCodec:
     def encode(self, block: torch.Tensor) -> torch.Tensor:
         if block.numel() == 0:
             return block.new_empty(self.payload_bytes(*block.shape), dtype=torch.uint8)
-        fused = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(block.float().contiguous())
-        return fused.view(-1)
+        block = block.float().contiguous()
+        if self.fbgemm:
+            return torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(block).view(-1)
+        # fbgemm's arithmetic: scale = range / 255, q = round((x - min) * 255 / (range + 1e-8)).
+        lo = block.amin(dim=1, keepdim=True)
+        span = block.amax(dim=1, keepdim=True) - lo
+        q = torch.round((block - lo) * (255.0 / (span + 1e-8))).to(torch.uint8)
+        scale_bias = torch.cat([span / 255.0, lo], dim=1).view(torch.uint8)
+        return torch.cat([q, scale_bias], dim=1).view(-1)
 
     def decode(
         self, payload: torch.Tensor, *, rows: int, cols: int, dtype: torch.dtype
@@ -154,7 +174,12 @@ class Int8RowwiseCodec:
         if rows * cols == 0:
             return payload.new_zeros(rows, cols, dtype=dtype)
         fused = payload.view(rows, cols + 8)
-        return torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(fused).to(dtype)
+        if self.fbgemm:
+            return torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(fused).to(dtype)
+        scale_bias = _view(fused[:, cols:].reshape(-1), torch.float32).view(rows, 2)
+        # One rounding (a fused multiply-add), as fbgemm's dequantizer.
+        values = torch.addcmul(scale_bias[:, 1:], fused[:, :cols].float(), scale_bias[:, :1])
+        return values.to(dtype)
 
 
 CODECS: dict[str, PooledCodec] = {
@@ -164,7 +189,22 @@ CODECS: dict[str, PooledCodec] = {
     "fp8": Fp8Codec(),
     "int8": Int8RowwiseCodec(),
 }
-"""The codec of each :data:`CommPrecision`."""
+"""The codec of each :data:`CommPrecision`, in PyTorch operators (any kernel)."""
+
+_FBGEMM_CODECS: dict[str, PooledCodec] = {
+    **CODECS,
+    "fp8": Fp8Codec(fbgemm=True),
+    "int8": Int8RowwiseCodec(fbgemm=True),
+}
+
+
+def codecs_for(kernel: str) -> dict[str, PooledCodec]:
+    """The codec of each :data:`CommPrecision` with ``kernel``'s operators (``fbgemm`` or
+    ``torch``)."""
+    if kernel == "fbgemm":
+        import_fbgemm()
+        return _FBGEMM_CODECS
+    return CODECS
 
 
 @dataclass(frozen=True)
@@ -179,14 +219,18 @@ class ColumnBlockCodec:
     runs: tuple[tuple[PooledCodec, int], ...]
 
     @classmethod
-    def from_columns(cls, columns: list[tuple[CommPrecision, int]]) -> ColumnBlockCodec:
-        """Merges adjacent ``(precision, width)`` column groups of equal precision into runs."""
+    def from_columns(
+        cls, columns: list[tuple[CommPrecision, int]], *, kernel: str = "torch"
+    ) -> ColumnBlockCodec:
+        """Merges adjacent ``(precision, width)`` column groups of equal precision into runs,
+        each encoded by the codec of ``kernel`` (:func:`codecs_for`)."""
+        codecs = codecs_for(kernel)
         runs: list[tuple[PooledCodec, int]] = []
         for precision, width in columns:
             if runs and runs[-1][0].name == precision:
                 runs[-1] = (runs[-1][0], runs[-1][1] + width)
             elif width:
-                runs.append((CODECS[precision], width))
+                runs.append((codecs[precision], width))
         return cls(tuple(runs))
 
     @property

@@ -19,6 +19,9 @@ ShardingType = Literal["table_wise", "data_parallel", "row_wise", "column_wise",
   table-wise across groups.
 """
 
+Kernel = Literal["auto", "fbgemm", "torch"]
+"""``sharding.kernel``: the embedding kernels (see :mod:`raydlrm.sharding.kernel`)."""
+
 EmbeddingOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd"]
 
 CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
@@ -34,7 +37,7 @@ Placement = Literal["dram", "ssd"]
 """
 
 WeightsPrecision = Literal["fp32", "fp16"]
-"""Precision of the embedding table weights held by each rank; fbgemm's TBE trains ``fp16``
+"""Precision of the embedding table weights held by each rank; the kernels train ``fp16``
 weights with fp32 optimizer state."""
 
 
@@ -67,8 +70,13 @@ class ShardingConfig:
     dense model and its optimizer, batches in flight, the Ray and torch runtime."""
     cost_constants_path: str = "~/.cache/raydlrm/cost_constants.json"
     """Cost-model constants written by ``raydlrm plan --calibrate``; used when the file exists."""
+    kernel: Kernel = "auto"
+    """Embedding kernels (see :mod:`raydlrm.sharding.kernel`): ``fbgemm`` (fbgemm-gpu's
+    table-batched embeddings, the fast path; needs the ``cpu`` or ``gpu`` extra), ``torch``
+    (the same lookups and fused optimizers in PyTorch operators: any device, no fbgemm) or
+    ``auto`` (fbgemm when it imports and matches torch, else torch with a warning)."""
     optimizer: EmbeddingOptimizer = "rowwise_adagrad"
-    """fbgemm fused optimizer applied to embedding rows in the backward pass."""
+    """Fused optimizer applied to embedding rows in the backward pass."""
     learning_rate: float = 0.05
     """Learning rate of the fused embedding optimizer."""
     eps: float = 1e-8

@@ -339,27 +339,25 @@ def _best_of(fn, *, repeats: int) -> float:
     return best
 
 
-def _lookup_rate(sizes: list[tuple[int, int, int]], *, repeats: int) -> float:
-    """fp32 bytes per second of a CPU fbgemm TBE forward + backward (row-wise Adagrad)."""
+def _lookup_rate(sizes: list[tuple[int, int, int]], *, repeats: int, kernel: str) -> float:
+    """fp32 bytes per second of a CPU TBE forward + backward (row-wise Adagrad) of ``kernel``."""
     import torch
 
-    from raydlrm._versions import import_fbgemm
-
-    import_fbgemm()
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
+    from raydlrm.sharding.kernel import TableSpec, build_tbe
 
     gen = torch.Generator().manual_seed(0)
     volumes, seconds = [], []
     for rows, dim, ids_per_step in sizes:
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        tbe = build_tbe(
+            kernel,
+            tables=[TableSpec(rows, dim)],
+            feature_table_map=[0],
+            optimizer="rowwise_adagrad",
             learning_rate=0.01,
+            eps=1e-8,
+            pooling="sum",
+            precision="fp32",
+            device=torch.device("cpu"),
         )
         bags = max(ids_per_step // 8, 1)
         indices = torch.randint(0, rows, (bags * 8,), generator=gen)
@@ -477,19 +475,22 @@ def calibrate(
     sizes: CalibrationSizes | None = None,
     comm: bool = True,
     ssd_directory: str | Path | None = None,
+    kernel: str = "auto",
 ) -> CostConstants:
     """Measures the cost constants on this machine.
 
-    Fits the lookup throughput (the DRAM tier) from fbgemm TBE forward + backward passes of a
-    few sizes, the comm bandwidth and latency from a 2-process gloo all-to-all of a few sizes,
-    and, given ``ssd_directory``, the SSD tier's random row reads and write-backs per second
-    through a mapped file there. What is not measured keeps its default and ``source`` says so
-    (no process group, ``comm`` False, no directory).
+    Fits the lookup throughput (the DRAM tier) from TBE forward + backward passes of a few
+    sizes (the kernel ``kernel`` resolves to here), the comm bandwidth and latency from a
+    2-process gloo all-to-all of a few sizes, and, given ``ssd_directory``, the SSD tier's
+    random row reads and write-backs per second through a mapped file there. What is not
+    measured keeps its default and ``source`` says so (no process group, ``comm`` False, no
+    directory).
 
     Args:
         sizes: the micro-benchmark sizes (defaults: a few seconds in all).
         comm: measure the all-to-all too.
         ssd_directory: where to measure the SSD tier (the workers' ``sharding.ssd_path``).
+        kernel: the workers' ``sharding.kernel``.
 
     Returns:
         The measured constants.
@@ -497,10 +498,17 @@ def calibrate(
     Raises:
         TierError: ``ssd_directory`` cannot be written or lacks the space for the test file.
     """
+    from raydlrm.sharding.kernel import resolve_kernel
+
     sizes = sizes or CalibrationSizes()
-    measured = {"lookup_bytes_per_s": _lookup_rate(list(sizes.lookups), repeats=sizes.repeats)}
+    resolved = resolve_kernel(kernel)
+    measured = {
+        "lookup_bytes_per_s": _lookup_rate(
+            list(sizes.lookups), repeats=sizes.repeats, kernel=resolved
+        )
+    }
     notes = [f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"]
-    notes.append("lookups: fbgemm TBE fwd+bwd")
+    notes.append(f"lookups: {resolved} TBE fwd+bwd")
     if not comm:
         notes.append("comm constants are defaults (comm calibration skipped)")
     else:

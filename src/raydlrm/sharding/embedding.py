@@ -1,10 +1,11 @@
-"""Sharded embedding-bag collection on fbgemm's table-batched embedding kernels.
+"""Sharded embedding-bag collection on table-batched embedding (TBE) kernels.
 
 Every table is sharded by the :class:`~raydlrm.sharding.plan.ShardingPlan` (table-wise,
 column-wise, row-wise, table-row-wise or data-parallel; types mix freely in one collection).
 The unit of work is one feature looked up in one shard (:mod:`raydlrm.sharding._layout`); each
-rank looks up its units for the whole global batch with one fbgemm TBE per (replicated, pooling
-mode). A forward pass:
+rank looks up its units for the whole global batch with one TBE per (replicated, pooling
+mode, precision, placement): fbgemm's, or its PyTorch equivalent (``sharding.kernel``, see
+:mod:`raydlrm.sharding.kernel`). A forward pass:
 
 1. sends every id to the units that own its row, with the row offset subtracted, and receives
    this rank's units' bags for every rank's samples (:mod:`raydlrm.sharding._input_dist`);
@@ -17,7 +18,7 @@ mode). A forward pass:
 
 Design choices:
 
-- *Data-parallel update.* fbgemm's fused optimizers update rows inside the TBE backward, so the
+- *Data-parallel update.* The fused optimizers update rows inside the TBE backward, so the
   weight gradient can never be all-reduced before the update. Instead every replica looks up
   the *global* batch (its ids reach every rank through the same input all-to-all) and the
   backward of the output distribution all-gathers their pooled-output gradient rows
@@ -49,7 +50,6 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from raydlrm._versions import import_fbgemm
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
@@ -59,39 +59,24 @@ from raydlrm.sharding._output_dist import OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import cache_rows
+from raydlrm.sharding.kernel import TableSpec, build_tbe, resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
 
-import_fbgemm()
-
-from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: E402
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: E402
-    BoundsCheckMode,
-    EmbeddingLocation,
-    PoolingMode,
-)
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E402
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
-
 __all__ = ["ShardedEmbeddingBagCollection"]
 
-_OPTIMIZERS = {
-    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "adagrad": EmbOptimType.EXACT_ADAGRAD,
-    "sgd": EmbOptimType.EXACT_SGD,
-}
-_POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}
 WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 """Torch dtype of each ``sharding.weights_precision``."""
 _Piece = tuple[EmbeddingBagConfig, Shard]
 _ROW_SPLIT = ("row_wise", "table_row_wise")
 
 
-def _output_codecs(units: list[list[LookupUnit]], config: ShardingConfig) -> list[ColumnBlockCodec]:
-    """The codec of the columns of every rank's sharded units (per-table precision).
+def _output_codecs(
+    units: list[list[LookupUnit]], config: ShardingConfig, *, kernel: str
+) -> list[ColumnBlockCodec]:
+    """The codec of the columns of every rank's sharded units (per-table precision), with
+    ``kernel``'s operators.
 
     Raises:
         ValueError: if ``config.comm_precision_per_table`` names a table with no units.
@@ -114,7 +99,8 @@ def _output_codecs(units: list[list[LookupUnit]], config: ShardingConfig) -> lis
                 (per_table.get(u.table.name, config.comm_precision), u.dim)
                 for u in us
                 if not u.replicated
-            ]
+            ],
+            kernel=kernel,
         )
         for us in units
     ]
@@ -132,15 +118,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             must build it with the same seed). Tables on the meta device are created shard by
             shard from ``ebc.seed`` instead, with the values the unsharded table would have.
         plan: where each table lives; its world size must be the size of ``pg``.
-        config: the fused optimizer, its hyper-parameters, and the codecs of the pooled output
-            all-to-all (``comm_precision``, ``comm_precision_per_table``).
+        config: the kernel, the fused optimizer, its hyper-parameters, and the codecs of the
+            pooled output all-to-all (``comm_precision``, ``comm_precision_per_table``).
         device: ``cpu`` (host TBE, gloo) or a CUDA device (device TBE, NCCL).
         pg: process group (default: torch.distributed's default group; none initialized or a
             world size of 1 means no communication).
 
+    Attributes:
+        kernel: the kernel this rank runs (``fbgemm`` or ``torch``; ``sharding.kernel``
+            resolved).
+
     Raises:
         ValueError: if the plan does not match the tables or the process group's size, or
             ``comm_precision_per_table`` names an unknown table.
+        ImportError: ``sharding.kernel = "fbgemm"`` without a usable fbgemm-gpu.
     """
 
     def __init__(
@@ -164,6 +155,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._device = torch.device(device)
         self._comm_bytes = CommBytes()
         self._optimizer = config.optimizer
+        self.kernel = resolve_kernel(config.kernel)
         self.tables = list(ebc.tables)
         self.feature_names = ebc.feature_names
         self.feature_dims = ebc.feature_dims
@@ -180,6 +172,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             device=self._device,
             pg=pg,
             comm_bytes=self._comm_bytes,
+            fbgemm=self.kernel == "fbgemm",
         )
         self._rank_pieces: list[list[_Piece]] = [
             [p for g in tbe_groups(us) for p in g.shards] for us in units
@@ -202,7 +195,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 + [targets([u for u in local if u.replicated])]
             ),
             num_columns=sum(self.feature_dims),
-            codecs=_output_codecs(units, config),
+            codecs=_output_codecs(units, config, kernel=self.kernel),
             pg=pg,
             comm_bytes=self._comm_bytes,
         )
@@ -241,45 +234,34 @@ class ShardedEmbeddingBagCollection(nn.Module):
         config: ShardingConfig,
         *,
         buffers: dict[str, torch.Tensor] | None,
-    ) -> SplitTableBatchedEmbeddingBagsCodegen:
+    ) -> nn.Module:
         """The group's TBE: over the shards' rows (in ``buffers`` if given: an uncached
         ``ssd`` group's mapped files), or, for a cached ``ssd`` group (``buffers`` None), over
         its DRAM row caches' slots."""
-        if self._device.type == "cuda":
-            location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
-        else:
-            location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
         cached = group.placement == "ssd" and buffers is None
-        return SplitTableBatchedEmbeddingBagsCodegen(
-            preallocated_host_buffers=buffers,
-            embedding_specs=[
-                (
-                    cache_rows(
+        return build_tbe(
+            self.kernel,
+            tables=[
+                TableSpec(
+                    rows=cache_rows(
                         s.row_end - s.row_start,
                         load_factor=config.ssd_cache_load_factor,
                         min_rows=config.ssd_cache_min_rows,
                     )
                     if cached
                     else s.row_end - s.row_start,
-                    s.col_end - s.col_start,
-                    location,
-                    compute,
+                    dim=s.col_end - s.col_start,
                 )
                 for _, s in group.shards
             ],
             feature_table_map=group.feature_table_map,
-            optimizer=_OPTIMIZERS[config.optimizer],
-            # fp16 tables: fbgemm keeps the optimizer state in fp32 and rounds each updated
-            # row to fp16 (its stochastic_rounding default); the result does not depend on
-            # torch's seed, so replicas and reruns agree bit for bit (the parity tests check).
-            weights_precision=SparseType.FP16 if group.precision == "fp16" else SparseType.FP32,
+            optimizer=config.optimizer,
             learning_rate=config.learning_rate,
             eps=config.eps,
-            pooling_mode=_POOLING[group.pooling],
-            # Ids are checked (and errors name the table) before the input all-to-all, so
-            # fbgemm's own per-step bounds check would only repeat the work.
-            bounds_check_mode=BoundsCheckMode.NONE,
+            pooling=group.pooling,
+            precision=group.precision,
             device=self._device,
+            buffers=buffers,
         )
 
     def _tier_buffers(
@@ -311,7 +293,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _row_cache(
         self,
         group: TbeGroup,
-        tbe: SplitTableBatchedEmbeddingBagsCodegen,
+        tbe: nn.Module,
         backing: dict[str, torch.Tensor],
     ) -> RowCache:
         """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`): the TBE's

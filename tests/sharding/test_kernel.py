@@ -1,0 +1,301 @@
+"""The PyTorch embedding kernel (``sharding.kernel = "torch"``) against fbgemm's TBE and against
+a reference written with autograd; the PyTorch codecs and bag permutations against fbgemm's
+operators; the kernel choice when fbgemm cannot be imported.
+
+Sharded parity of the torch kernel for every sharding type, optimizer, fp16 and the SSD tier
+is in ``test_sharding_types.py`` (its ``/torch`` scenarios).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raydlrm.sharding import kernel as kernel_module
+from raydlrm.sharding._input_dist import permute_bags
+from raydlrm.sharding.codecs import CODECS, codecs_for
+from raydlrm.sharding.kernel import TableSpec, TorchTableBatchedEmbedding, build_tbe
+
+LR, EPS, BATCH = 0.1, 1e-8, 5
+# Tables of two dims (the torch kernel looks up each run of equal dims as one matrix); t0 is
+# read by two features.
+TABLES = [TableSpec(50, 8), TableSpec(30, 8), TableSpec(20, 4), TableSpec(40, 8)]
+FEATURE_TABLES = [0, 0, 1, 2, 3, 3]
+FP16_TOL = {"atol": 4e-3, "rtol": 2e-3}  # one fp16 rounding of the updated rows
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _batch(gen: torch.Generator, feature_tables: list[int], tables: list[TableSpec]):
+    """Ids (with repeats and empty bags), feature-major offsets, per-id weights."""
+    lengths = torch.randint(0, 4, (len(feature_tables) * BATCH,), generator=gen)
+    ids = torch.cat(
+        [
+            torch.randint(0, tables[feature_tables[i // BATCH]].rows, (int(n),), generator=gen)
+            for i, n in enumerate(lengths)
+        ]
+    )
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return ids, offsets, torch.rand(ids.numel(), generator=gen)
+
+
+def _build(kernel: str, *, optimizer: str, pooling: str, precision: str, **kwargs):
+    return build_tbe(
+        kernel,
+        tables=kwargs.get("tables", TABLES),
+        feature_table_map=kwargs.get("feature_tables", FEATURE_TABLES),
+        optimizer=optimizer,
+        learning_rate=LR,
+        eps=EPS,
+        pooling=pooling,
+        precision=precision,
+        device=torch.device("cpu"),
+    )
+
+
+def _train(tbe, steps: int, *, weighted: bool, feature_tables=FEATURE_TABLES, tables=TABLES):
+    """Outputs of ``steps`` seeded steps (each backward applies the fused update)."""
+    gen = torch.Generator().manual_seed(1)
+    outputs = []
+    for _ in range(steps):
+        ids, offsets, weights = _batch(gen, feature_tables, tables)
+        out = tbe(ids, offsets, per_sample_weights=weights if weighted else None)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        outputs.append(out.detach())
+    return outputs
+
+
+CASES = [
+    (opt, pooling, precision, weighted)
+    for opt, pooling, precision, weighted in itertools.product(
+        ["rowwise_adagrad", "adagrad", "sgd"], ["sum", "mean"], ["fp32", "fp16"], [False, True]
+    )
+    # fbgemm's CPU backward of weighted *mean* bags leaves out the 1/length its forward applies
+    # (measured with fbgemm-gpu-cpu 1.8.0); the torch kernel follows the forward, see
+    # test_weighted_mean_and_any_feature_order_match_autograd.
+    if not (weighted and pooling == "mean")
+]
+
+
+@pytest.mark.parametrize(("optimizer", "pooling", "precision", "weighted"), CASES)
+def test_torch_kernel_matches_fbgemm(optimizer, pooling, precision, weighted) -> None:
+    tbes = [
+        _build(k, optimizer=optimizer, pooling=pooling, precision=precision)
+        for k in ("fbgemm", "torch")
+    ]
+    assert isinstance(tbes[1], TorchTableBatchedEmbedding)
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    init = [
+        torch.randn(t.rows, t.dim, generator=torch.Generator().manual_seed(i))
+        for i, t in enumerate(TABLES)
+    ]
+    for tbe in tbes:
+        for weight, values in zip(tbe.split_embedding_weights(), init, strict=True):
+            assert weight.dtype == dtype
+            weight.copy_(values)
+    fb, th = (_train(tbe, 3, weighted=weighted) for tbe in tbes)
+    tol = FP16_TOL if precision == "fp16" else FP32_TOL
+    for a, b in zip(fb, th, strict=True):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, **tol)
+    for a, b in zip(*(t.split_embedding_weights() for t in tbes), strict=True):
+        torch.testing.assert_close(b.float(), a.float(), **tol)
+    states = [t.split_optimizer_states() for t in tbes]
+    assert [len(s) for s in states[1]] == [len(s) for s in states[0]]
+    for a, b in zip(*states, strict=True):
+        assert a[0].shape == b[0].shape
+        torch.testing.assert_close(b[0], a[0], **FP32_TOL)
+
+
+def _reference_step(weights, grads, states, optimizer: str) -> None:
+    for w, g, m in zip(weights, grads, states, strict=True):
+        if optimizer == "sgd":
+            w -= LR * g
+        elif optimizer == "adagrad":
+            m += g * g
+            w -= LR * g / (m.sqrt() + EPS)
+        else:
+            m += (g * g).mean(dim=1)
+            w -= LR * g / (m.sqrt() + EPS)[:, None]
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_weighted_mean_and_any_feature_order_match_autograd(optimizer: str) -> None:
+    """Features in any order (a table read by features far apart), weighted mean bags: the
+    kernel equals autograd's gradient summed over repeated ids, then one update per row."""
+    feature_tables = [2, 0, 1, 0, 3, 2]
+    tbe = _build(
+        "torch",
+        optimizer=optimizer,
+        pooling="mean",
+        precision="fp32",
+        feature_tables=feature_tables,
+    )
+    ref = [w.clone().requires_grad_() for w in tbe.split_embedding_weights()]
+    for w in tbe.split_embedding_weights():
+        w.normal_(generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for r, w in zip(ref, tbe.split_embedding_weights(), strict=True):
+            r.copy_(w)
+    states = [
+        torch.zeros(t.rows) if optimizer == "rowwise_adagrad" else torch.zeros(t.rows, t.dim)
+        for t in TABLES
+    ]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids, offsets, weights = _batch(gen, feature_tables, TABLES)
+        got = tbe(ids, offsets, per_sample_weights=weights)
+        pooled = []
+        for f, t in enumerate(feature_tables):
+            lo, hi = int(offsets[f * BATCH]), int(offsets[(f + 1) * BATCH])
+            bag_offsets = offsets[f * BATCH : (f + 1) * BATCH + 1] - lo
+            sums = F.embedding_bag(
+                ids[lo:hi],
+                ref[t],
+                bag_offsets,
+                mode="sum",
+                per_sample_weights=weights[lo:hi],
+                include_last_offset=True,
+            )
+            pooled.append(sums / bag_offsets.diff().clamp(min=1).unsqueeze(1))
+        want = torch.cat(pooled, dim=1)
+        torch.testing.assert_close(got, want.detach(), **FP32_TOL)
+        scale = torch.linspace(-1, 1, got.numel()).view(got.shape)
+        (got * scale).sum().backward()
+        (want * scale).sum().backward()
+        with torch.no_grad():
+            _reference_step(ref, [r.grad for r in ref], states, optimizer)
+        for r in ref:
+            r.grad = None
+    for r, w in zip(ref, tbe.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(w, r.detach(), **FP32_TOL)
+    if optimizer != "sgd":
+        for m, (s,) in zip(states, tbe.split_optimizer_states(), strict=True):
+            torch.testing.assert_close(s, m, **FP32_TOL)
+
+
+def test_preallocated_buffers_are_the_storage() -> None:
+    numel = sum(t.rows * t.dim for t in TABLES)
+    weights, momentum = torch.zeros(numel), torch.zeros(numel)
+    tbe = TorchTableBatchedEmbedding(
+        tables=TABLES,
+        feature_table_map=FEATURE_TABLES,
+        optimizer="adagrad",
+        learning_rate=LR,
+        eps=EPS,
+        pooling="sum",
+        buffers={"weights": weights, "momentum1": momentum},
+    )
+    weights.normal_()
+    _train(tbe, 1, weighted=False)
+    assert tbe.split_embedding_weights()[0].data_ptr() == weights.data_ptr()
+    assert momentum.abs().sum() > 0  # the update wrote Adagrad's state into the given buffer
+    with pytest.raises(ValueError, match="preallocated buffer 'weights'"):
+        TorchTableBatchedEmbedding(
+            tables=TABLES,
+            feature_table_map=FEATURE_TABLES,
+            optimizer="sgd",
+            learning_rate=LR,
+            eps=EPS,
+            pooling="sum",
+            buffers={"weights": torch.zeros(numel - 1)},
+        )
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_torch_codecs_give_fbgemm_bytes_and_values(precision: str) -> None:
+    block = torch.randn(64, 20, generator=torch.Generator().manual_seed(0))
+    block *= torch.logspace(-4, 2, 20)  # values spanning HFP8's subnormal and normal ranges
+    mine, theirs = CODECS[precision], codecs_for("fbgemm")[precision]
+    assert mine is not theirs
+    payload = mine.encode(block)
+    assert torch.equal(payload, theirs.encode(block))
+    rows, cols = block.shape
+    decoded = mine.decode(payload, rows=rows, cols=cols, dtype=torch.float32)
+    assert torch.equal(decoded, theirs.decode(payload, rows=rows, cols=cols, dtype=torch.float32))
+
+
+def test_permute_bags_matches_fbgemm() -> None:
+    from raydlrm._versions import import_fbgemm
+
+    import_fbgemm()
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (12,), generator=gen)
+    values = torch.randint(0, 100, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(values.numel(), generator=gen)
+    order = torch.randperm(12, generator=gen)
+    want = torch.ops.fbgemm.permute_1D_sparse_data(
+        order.int(), lengths, values, weights, values.numel()
+    )
+    got = permute_bags(order, lengths, values, weights, num_values=values.numel())
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    # Repeated features (2-D: features x batch), as the input distribution sends them.
+    features = torch.tensor([2, 0, 2, 1], dtype=torch.int32)
+    want = torch.ops.fbgemm.permute_2D_sparse_data(
+        features, lengths.view(3, 4), values, weights, None
+    )
+    bags = (features.long().unsqueeze(1) * 4 + torch.arange(4)).reshape(-1)
+    got = permute_bags(bags, lengths, values, None)
+    assert torch.equal(got[0].view(4, 4), want[0]) and torch.equal(got[1], want[1])
+    assert got[2] is None
+
+
+def test_auto_falls_back_to_torch_with_one_warning(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(kernel_module, "fbgemm_problem", lambda: "fbgemm-gpu is not installed")
+    kernel_module._warn_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="raydlrm.sharding.kernel"):
+        assert kernel_module.resolve_kernel("auto") == "torch"
+        assert kernel_module.resolve_kernel("auto") == "torch"
+    lines = [r.getMessage() for r in caplog.records if r.name == "raydlrm.sharding.kernel"]
+    assert lines == ["sharding.kernel 'auto': using the torch kernel (fbgemm-gpu is not installed)"]
+    assert kernel_module.resolve_kernel("torch") == "torch"
+    monkeypatch.undo()
+    assert kernel_module.resolve_kernel("auto") == "fbgemm"  # installed and matching here
+
+
+def no_fbgemm_path(tmp_path) -> str:
+    """A directory that, first on ``PYTHONPATH``, makes ``import fbgemm_gpu`` fail."""
+    package = tmp_path / "no_fbgemm" / "fbgemm_gpu"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('raise ImportError("fbgemm_gpu made unimportable")\n')
+    return str(package.parent)
+
+
+def test_without_fbgemm_the_collection_trains_on_the_torch_kernel(tmp_path) -> None:
+    """In a process where fbgemm cannot be imported: ``auto`` warns and trains with torch,
+    ``fbgemm`` is an ImportError saying why."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+        from raydlrm.sharding.kernel import resolve_kernel
+        from tests.sharding._fixtures import TinyModel, make_tables
+
+        tables = make_tables()
+        config = ShardingConfig(default_type="row_wise", comm_precision="int8")
+        plan = plan_sharding(tables, world_size=1, config=config)
+        model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
+        assert model.embedding_bags.kernel == "torch"
+        assert "fbgemm_gpu" not in sys.modules or sys.modules["fbgemm_gpu"] is None
+        try:
+            resolve_kernel("fbgemm")
+        except ImportError as e:
+            print("fbgemm refused:", e)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([no_fbgemm_path(tmp_path), os.getcwd()])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "using the torch kernel (fbgemm_gpu made unimportable)" in done.stderr
+    assert "fbgemm refused: fbgemm_gpu made unimportable" in done.stdout
