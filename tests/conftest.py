@@ -52,6 +52,16 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def no_fbgemm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A directory that, first on a process's ``PYTHONPATH``, makes ``import fbgemm_gpu`` fail
+    there (and in the Ray processes it starts): a machine without fbgemm."""
+    package = tmp_path_factory.mktemp("no_fbgemm") / "fbgemm_gpu"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise ImportError("fbgemm_gpu made unimportable")\n')
+    return str(package.parent)
+
+
 def free_port() -> int:
     """A TCP port free on loopback at the time of the call."""
     with socket.socket() as s:

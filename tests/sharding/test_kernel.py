@@ -261,15 +261,7 @@ def test_auto_falls_back_to_torch_with_one_warning(monkeypatch, caplog) -> None:
     assert kernel_module.resolve_kernel("auto") == "fbgemm"  # installed and matching here
 
 
-def no_fbgemm_path(tmp_path) -> str:
-    """A directory that, first on ``PYTHONPATH``, makes ``import fbgemm_gpu`` fail."""
-    package = tmp_path / "no_fbgemm" / "fbgemm_gpu"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text('raise ImportError("fbgemm_gpu made unimportable")\n')
-    return str(package.parent)
-
-
-def test_without_fbgemm_the_collection_trains_on_the_torch_kernel(tmp_path) -> None:
+def test_without_fbgemm_the_collection_trains_on_the_torch_kernel(no_fbgemm_path) -> None:
     """In a process where fbgemm cannot be imported: ``auto`` warns and trains with torch,
     ``fbgemm`` is an ImportError saying why."""
     script = textwrap.dedent(
@@ -292,10 +284,50 @@ def test_without_fbgemm_the_collection_trains_on_the_torch_kernel(tmp_path) -> N
             print("fbgemm refused:", e)
         """
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([no_fbgemm_path(tmp_path), os.getcwd()])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([no_fbgemm_path, os.getcwd()])}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert "using the torch kernel (fbgemm_gpu made unimportable)" in done.stderr
     assert "fbgemm refused: fbgemm_gpu made unimportable" in done.stdout
+
+
+def _empty_rank_worker(rank: int, world_size: int) -> dict:
+    """Rank 1 has no samples (a rank that ran dry steps with an empty batch)."""
+    from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+    from tests.sharding._fixtures import TinyModel, make_tables
+    from tests.sharding.test_embedding import _train
+
+    out = {}
+    mixed = {"t0": "data_parallel", "t1": "row_wise", "t2": "column_wise"}
+    for name, pinned in (("table_wise", {}), ("mixed", mixed)):
+        for kernel in ("fbgemm", "torch"):
+            tables = make_tables()
+            config = ShardingConfig(
+                pinned_types=pinned, kernel=kernel, learning_rate=LR, eps=EPS, comm_precision="fp8"
+            )
+            plan = plan_sharding(tables, world_size=world_size, config=config)
+            model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
+            rows = slice(0, 13) if rank == 0 else slice(13, 13)
+            record = _train(model, weighted=False, rows=rows, tables=tables)
+            record["tables"] = model.embedding_bags.gather_full_tables(dst=0)
+            out[name, kernel] = record
+    return out
+
+
+@pytest.mark.distributed
+def test_a_rank_without_samples_on_both_kernels() -> None:
+    from tests._multiprocess import run_distributed
+
+    results = run_distributed(_empty_rank_worker, world_size=2)
+    for name in ("table_wise", "mixed"):
+        for rank, per_rank in enumerate(results):
+            fb, th = per_rank[name, "fbgemm"], per_rank[name, "torch"]
+            assert th["pooled"][0].shape[0] == (13 if rank == 0 else 0)
+            got, want = th["pooled"] + th["pooled_grad"], fb["pooled"] + fb["pooled_grad"]
+            for a, b in zip(want, got, strict=True):
+                torch.testing.assert_close(b, a, **FP32_TOL)
+        fb, th = results[0][name, "fbgemm"]["tables"], results[0][name, "torch"]["tables"]
+        for table in fb:
+            torch.testing.assert_close(th[table], fb[table], **FP32_TOL, msg=f"{name} {table}")

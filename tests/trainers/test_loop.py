@@ -79,8 +79,10 @@ def _run(
     eval_fails_on_rank: int | None = None,
     report_seconds: float = 0.0,
     model: dict | None = None,
+    kernel: str = "auto",
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
+    spec.sharding.kernel = kernel
     if pinned_types:
         spec.sharding.pinned_types = pinned_types
     table = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "train"))
@@ -225,16 +227,22 @@ MIXED_TYPES = {
 
 @pytest.mark.distributed
 def test_same_seed_and_world_size_give_bit_identical_weights(data_dir: Path) -> None:
-    """Determinism: two runs with a mixed plan (every sharding type) end with the same bits."""
+    """Determinism: two runs with a mixed plan (every sharding type) end with the same bits.
+    The same run on the torch kernel ends with the same model within float rounding."""
     runs = [
         run_distributed(
-            _run, world_size=2, args=(str(data_dir), "rowwise_adagrad", "cpu", MIXED_TYPES)
+            _run,
+            world_size=2,
+            args=(str(data_dir), "rowwise_adagrad", "cpu", MIXED_TYPES, None, 0.0, None, kernel),
         )[0]
-        for _ in range(2)
+        for kernel in ("fbgemm", "fbgemm", "torch")
     ]
-    first, second = runs[0]["state"], runs[1]["state"]
-    assert first.keys() == second.keys()
+    first, second, torch_kernel = (r["state"] for r in runs)
+    assert first.keys() == second.keys() == torch_kernel.keys()
     assert any(k.startswith("embedding_bags.") for k in first)
     for key in first:
         assert torch.equal(first[key], second[key]), key
+        torch.testing.assert_close(torch_kernel[key], first[key], atol=1e-5, rtol=1e-4, msg=key)
     assert runs[0]["losses"] == runs[1]["losses"]
+    assert runs[2]["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5)
+    assert runs[2]["final"]["eval/auc"] == pytest.approx(runs[0]["final"]["eval/auc"], abs=1e-5)

@@ -172,7 +172,7 @@ class InputDistributor:
                 lengths, values, weights = permute_bags(
                     bags.reshape(-1), kjt.lengths, kjt.values, kjt.weights
                 )
-                lengths = lengths.view(-1, batch)
+                lengths = lengths.view(self._unit_feature.numel(), batch)
             ids_per_unit = lengths.sum(dim=1)
             ids_per_rank = torch.zeros(
                 len(self._num_units), dtype=ids_per_unit.dtype, device=self._device

@@ -384,7 +384,7 @@ class TorchTableBatchedEmbedding(nn.Module):
                 pooled = pooled / bag_offsets.diff().clamp(min=1).unsqueeze(1).to(pooled.dtype)
             count = segment.end_feature - segment.first_feature
             out[:, segment.col_start : segment.col_start + count * run.dim] = (
-                pooled.view(count, batch, run.dim).transpose(0, 1).reshape(batch, -1)
+                pooled.view(count, batch, run.dim).transpose(0, 1).reshape(batch, count * run.dim)
             )
         return out
 
