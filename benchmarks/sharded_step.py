@@ -33,6 +33,9 @@ Variants:
 - ``limit``: one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` over all tables in each
   process, on that rank's batch, with no communication: the same work per rank as the sharded
   variants, minus the communication (the upper bound on their throughput).
+- ``torch`` after a raydlrm variant or ``limit`` (``raydlrm-tw-torch``, ``limit-torch``): the
+  PyTorch embedding kernel (``sharding.kernel = "torch"``) instead of fbgemm's. Not in the
+  default set.
 
 Ids follow a power law (log-uniform, Zipf's law with exponent 1: id ``k`` has probability about
 ``1 / (k + 1)``), or with ``--ids uniform`` are uniform over the rows; bag lengths are uniform
@@ -113,6 +116,7 @@ def _raydlrm(
     *,
     rows: int,
     pooling: int,
+    kernel: str = "fbgemm",
     comm_precision: str = "fp32",
     placement: str = "dram",
     ssd_path: str | None = None,
@@ -144,6 +148,7 @@ def _raydlrm(
         default_placement=placement,
         ssd_path=ssd_path,
         ssd_cache_load_factor=cache_load_factor,
+        kernel=kernel,
     )
     budget = None
     if budget_gb is not None and placement != "dram":  # all in DRAM need not fit the budget
@@ -233,23 +238,19 @@ def _torchrec(sharding_type: str, *, rows: int, pooling: int):
     return step, str(plan)
 
 
-def _limit(*, rows: int, pooling: int):
-    from raydlrm._versions import import_fbgemm
-
-    import_fbgemm()
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
+def _limit(*, rows: int, pooling: int, kernel: str = "fbgemm"):
+    from raydlrm.sharding.kernel import TableSpec, build_tbe
 
     specs = _tables(rows)
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for _, r, d in specs],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    tbe = build_tbe(
+        kernel,
+        tables=[TableSpec(r, d) for _, r, d in specs],
+        feature_table_map=list(range(len(specs))),
+        optimizer="rowwise_adagrad",
         learning_rate=LEARNING_RATE,
         eps=EPS,
+        pooling="sum",
+        precision="fp32",
         device=torch.device("cpu"),
     )
     with torch.no_grad():
@@ -266,17 +267,22 @@ def _limit(*, rows: int, pooling: int):
 
 def _build(variant: str, *, args: argparse.Namespace):
     rows, pooling = args.rows, args.pooling
-    if variant == "limit":
-        return _limit(rows=rows, pooling=pooling)
+    if variant.startswith("limit"):
+        return _limit(
+            rows=rows,
+            pooling=pooling,
+            kernel="torch" if variant == "limit-torch" else "fbgemm",
+        )
     library, kind, *options = variant.split("-")
     sharding_type = {"tw": "table_wise", "cw": "column_wise"}[kind]
     if library == "raydlrm":
         tiers = [o for o in options if o in ("ssd", "auto")]
-        codecs = [o for o in options if o not in (*tiers, "nocache")]
+        codecs = [o for o in options if o not in (*tiers, "nocache", "torch")]
         return _raydlrm(
             sharding_type,
             rows=rows,
             pooling=pooling,
+            kernel="torch" if "torch" in options else "fbgemm",
             comm_precision=codecs[0] if codecs else "fp32",
             placement=tiers[0] if tiers else "dram",
             ssd_path=args.ssd_path,
@@ -489,6 +495,12 @@ def main() -> None:
                 if other in times:
                     paired = [o / r for r, o in zip(times[ours], times[other], strict=True)]
                     print(f"{ours} / {other}: {statistics.median(paired):.2f}")
+    # The torch kernel against fbgemm's, on the same variant.
+    for ours in [v for v in times if v.endswith("-torch")]:
+        fbgemm = ours.removesuffix("-torch")
+        if fbgemm in times:
+            paired = [f / t for t, f in zip(times[ours], times[fbgemm], strict=True)]
+            print(f"{ours} / {fbgemm}: {statistics.median(paired):.2f}")
     # The tiers against the same sharding type in DRAM.
     for kind in ("tw", "cw"):
         dram = f"raydlrm-{kind}"

@@ -371,7 +371,7 @@ class TorchTableBatchedEmbedding(nn.Module):
             matrix = self._run_matrix(run)
             if matrix.dtype != torch.float32:  # pool in fp32: gather the distinct rows first
                 distinct, rows = torch.unique(rows, return_inverse=True)
-                matrix = matrix[distinct].float()
+                matrix = matrix.index_select(0, distinct).float()
             pooled = F.embedding_bag(
                 rows,
                 matrix,
@@ -399,7 +399,9 @@ class TorchTableBatchedEmbedding(nn.Module):
         """The fused optimizer step for the output gradient ``grad_output`` ``(B, output_dim)``."""
         num_features = len(self.feature_table_map)
         batch = (offsets.numel() - 1) // max(num_features, 1)
-        per_run: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Per run: its ids' rows, bag (into the run's stacked bag gradients), scale; the bags'
+        # gradients.
+        per_run: dict[int, list[list[torch.Tensor | None]]] = {}
         for segment in self._segments:
             run = self._runs[segment.run]
             rows, bag_offsets, weights = self._segment_inputs(
@@ -409,43 +411,66 @@ class TorchTableBatchedEmbedding(nn.Module):
             grad = grad_output[:, segment.col_start : segment.col_start + count * run.dim]
             grad = grad.float().reshape(batch, count, run.dim).transpose(0, 1).reshape(-1, run.dim)
             lengths = bag_offsets.diff()
-            bag = torch.arange(lengths.numel(), device=lengths.device)
+            parts = per_run.setdefault(segment.run, [[], [], [], []])
+            first_bag = sum(g.shape[0] for g in parts[3])
+            bag = torch.arange(first_bag, first_bag + lengths.numel(), device=lengths.device)
             bag = torch.repeat_interleave(bag, lengths, output_size=rows.numel())
-            scale = None if weights is None else weights
+            scale = weights
             if self.pooling == "mean":
                 inverse = 1.0 / lengths.clamp(min=1).to(torch.float32)
-                scale = inverse[bag] if scale is None else scale * inverse[bag]
-            grad_rows = grad[bag] if scale is None else grad[bag] * scale.unsqueeze(1)
-            ids, grads = per_run.setdefault(segment.run, ([], []))
-            ids.append(rows)
-            grads.append(grad_rows)
-        for index, (ids, grads) in per_run.items():
-            self._apply(self._runs[index], torch.cat(ids), torch.cat(grads))
+                inverse = torch.repeat_interleave(inverse, lengths, output_size=rows.numel())
+                scale = inverse if scale is None else scale * inverse
+            if scale is None:
+                scale = torch.ones(rows.numel(), device=rows.device)
+            for part, value in zip(parts, (rows, bag, scale, grad), strict=True):
+                part.append(value)
+        for index, (rows, bags, scales, grads) in per_run.items():
+            self._apply(
+                self._runs[index],
+                torch.cat(rows),
+                torch.cat(bags),
+                torch.cat(scales),
+                torch.cat(grads),
+            )
 
-    def _apply(self, run: _Run, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """Sums the gradients of each distinct row, then updates those rows once."""
+    def _apply(
+        self,
+        run: _Run,
+        rows: torch.Tensor,
+        bags: torch.Tensor,
+        scales: torch.Tensor,
+        bag_grads: torch.Tensor,
+    ) -> None:
+        """Sums the gradients of each distinct row (``scales * bag_grads[bags]`` over its ids),
+        then updates those rows once."""
         if rows.numel() == 0:
             return
         distinct, inverse = torch.unique(rows, return_inverse=True)
-        grad = torch.zeros(distinct.numel(), run.dim, device=grads.device).index_add_(
-            0, inverse, grads
-        )
+        per_id = bag_grads.index_select(0, bags).mul_(scales.unsqueeze(1))
+        grad = torch.zeros(distinct.numel(), run.dim, device=rows.device)
+        grad.index_add_(0, inverse, per_id)
         matrix = self._run_matrix(run)
         if self.optimizer == "sgd":
-            step = grad * self.learning_rate
+            step = grad.mul_(self.learning_rate)
         elif self.optimizer == "rowwise_adagrad":
             state = self.momentum[run.row_start : run.row_start + run.rows]
             total = state[distinct] + grad.square().mean(dim=1)
             state[distinct] = total
-            step = grad * (self.learning_rate / (total.sqrt() + self.eps)).unsqueeze(1)
+            step = grad.mul_((self.learning_rate / (total.sqrt() + self.eps)).unsqueeze(1))
         else:
             state = self.momentum[run.elem_start : run.elem_start + run.rows * run.dim].view(
                 run.rows, run.dim
             )
-            total = state[distinct] + grad.square()
-            state[distinct] = total
-            step = grad * self.learning_rate / (total.sqrt() + self.eps)
-        matrix[distinct] = (matrix[distinct].float() - step).to(matrix.dtype)
+            total = state.index_select(0, distinct).add_(grad.square())
+            state.index_copy_(0, distinct, total)
+            step = grad.mul_(self.learning_rate).div_(total.sqrt_().add_(self.eps))
+        # (index_select / index_add_ / index_copy_: advanced indexing of a large matrix was
+        # several times slower here.)
+        if matrix.dtype == torch.float32:  # w + (-s) == w - s exactly: update in place
+            matrix.index_add_(0, distinct, step.neg_())
+        else:  # computed in fp32, rounded once
+            updated = matrix.index_select(0, distinct).float().sub_(step)
+            matrix.index_copy_(0, distinct, updated.to(matrix.dtype))
 
 
 class _FusedLookup(torch.autograd.Function):
