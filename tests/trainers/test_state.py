@@ -49,16 +49,21 @@ def _trainer(
     seed: int,
     model: dict | None = None,
 ):
-    """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables)."""
+    """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
+    ``"row_wise@torch"``: on the torch kernel)."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
     )
     spec.training.seed = seed
+    types, _, kernel = types.partition("@")
     types, _, precision = types.partition("+")
+    spec.sharding.kernel = kernel or "fbgemm"
     spec.sharding.default_type = types
     spec.sharding.weights_precision = precision or "fp32"
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
-    return Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
+    trainer = Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
+    assert trainer.model.embedding_bags.kernel == spec.sharding.kernel
+    return trainer
 
 
 def _steps(trainer: Trainer, batches: list[pa.Table], world_size: int) -> None:
@@ -159,8 +164,9 @@ def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> 
     ("optimizer", "saved", "loaded"),
     [
         ("rowwise_adagrad", (2, "column_wise"), (3, "table_wise")),
-        ("adagrad", (2, "column_wise"), (3, "row_wise")),
-        ("sgd", (3, "row_wise"), (2, "data_parallel")),
+        # Checkpoints move between the kernels, both ways (same weight and state layouts).
+        ("adagrad", (2, "column_wise"), (3, "row_wise@torch")),
+        ("sgd", (3, "row_wise@torch"), (2, "data_parallel")),
     ],
 )
 def test_reshard_column_wise_and_other_optimizers(
@@ -171,7 +177,8 @@ def test_reshard_column_wise_and_other_optimizers(
     loaded,
 ) -> None:
     """Column-wise row-wise Adagrad momenta become the whole-row momentum (their width-weighted
-    mean); Adagrad's per-element state and SGD (no state) reshard like the weights."""
+    mean); Adagrad's per-element state and SGD (no state) reshard like the weights, from the
+    fbgemm kernel to the torch kernel and back."""
     ckpt = str(tmp_path / "ckpt")
     a = run_distributed(_save, world_size=saved[0], args=(str(data_dir), ckpt, saved[1], optimizer))
     b = run_distributed(
