@@ -202,6 +202,16 @@ class KeyedJaggedTensor:
             else self.weights.to(device, non_blocking=non_blocking),
         )
 
+    def pin_memory(self) -> KeyedJaggedTensor:
+        """A copy in page-locked host memory."""
+        return KeyedJaggedTensor(
+            keys=self.keys,
+            values=self.values.pin_memory(),
+            lengths=self.lengths.pin_memory(),
+            batch_size=self.batch_size,
+            weights=None if self.weights is None else self.weights.pin_memory(),
+        )
+
     def index_rows(self, rows: torch.Tensor) -> KeyedJaggedTensor:
         """Gathers samples: the result has batch size ``rows.numel()`` and sample ``i`` is
         sample ``rows[i]`` of this KJT, for every feature. Used to expand deduplicated rows.
@@ -318,6 +328,10 @@ class Batch:
         labels: float32 click labels, shape ``(B,)``.
         dedup_groups: deduplicated feature groups (RecD); their features are not in ``sparse``.
         sample_ids: optional int64 ids of the samples, shape ``(B,)`` (accounting, tests).
+        row_groups: the data position a step on this batch advances: row group id -> (its
+            rows in this batch, its total rows); None when not tracked. Counted when the batch
+            is trained, not when it is read, so that a batch read ahead (pipelined) is not in a
+            checkpoint taken before its step.
     """
 
     dense: torch.Tensor
@@ -325,6 +339,7 @@ class Batch:
     labels: torch.Tensor
     dedup_groups: list[DedupGroup] = field(default_factory=list)
     sample_ids: torch.Tensor | None = None
+    row_groups: dict[int, tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if _DEBUG:
@@ -382,4 +397,19 @@ class Batch:
                 for g in self.dedup_groups
             ],
             sample_ids=None if self.sample_ids is None else self.sample_ids.to(device),
+            row_groups=self.row_groups,
+        )
+
+    def pin_memory(self) -> Batch:
+        """A copy in page-locked host memory (for an asynchronous copy to a GPU)."""
+        return Batch(
+            dense=self.dense.pin_memory(),
+            sparse=self.sparse.pin_memory(),
+            labels=self.labels.pin_memory(),
+            dedup_groups=[
+                DedupGroup(unique=g.unique.pin_memory(), inverse=g.inverse.pin_memory())
+                for g in self.dedup_groups
+            ],
+            sample_ids=self.sample_ids,
+            row_groups=self.row_groups,
         )

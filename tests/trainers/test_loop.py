@@ -4,6 +4,7 @@ that change numerics are seen), on 1 process and on 2 gloo ranks with sharded ta
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,9 +81,15 @@ def _run(
     report_seconds: float = 0.0,
     model: dict | None = None,
     kernel: str = "auto",
+    pipeline: str = "none",
+    dedup: bool = False,
+    short_rank: int | None = None,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
     spec.sharding.kernel = kernel
+    spec.training.pipeline = pipeline
+    if dedup:  # the synthetic user features repeat over a session
+        spec.data.dedup_groups = [[f"C{i}" for i in range(1, 9)]]
     if pinned_types:
         spec.sharding.pinned_types = pinned_types
     table = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "train"))
@@ -90,6 +97,8 @@ def _run(
     # is the same rows whatever the world size.
     b = spec.data.batch_size
     blocks = [table.slice(start, b) for start in range(rank * b, table.num_rows, world_size * b)]
+    if rank == short_rank:  # its data ends 3 steps early: it steps with empty batches
+        blocks = blocks[:-3]
     evaluation = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "eval"))
     half = evaluation.num_rows // world_size
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
@@ -108,6 +117,18 @@ def _run(
         return result
 
     trainer.train_step = recording_step
+    # Where each training step's ids were routed to their shards (the input all-to-all).
+    routed_on: list[str] = []
+    collections = getattr(trainer.model.embedding_bags, "parts", [trainer.model.embedding_bags])
+    for collection in collections:
+        route = collection._input_dist
+
+        def recording_route(*args, route=route, **kwargs):
+            if trainer.model.training:
+                routed_on.append(threading.current_thread().name)
+            return route(*args, **kwargs)
+
+        collection._input_dist = recording_route
     reports: list[dict] = []
     final = trainer.fit(
         train_data=_Stream(pa.concat_tables(blocks)),
@@ -122,7 +143,13 @@ def _run(
         )[0],
     )
     state = trainer.unsharded_state_dict()  # a collective; the full model on rank 0
-    return {"losses": losses, "final": final, "reports": reports, "state": state}
+    return {
+        "losses": losses,
+        "final": final,
+        "reports": reports,
+        "state": state,
+        "routed_on": routed_on,
+    }
 
 
 def test_single_process_run_pins_first_losses(data_dir: Path, caplog) -> None:
@@ -246,3 +273,42 @@ def test_same_seed_and_world_size_give_bit_identical_weights(data_dir: Path) -> 
     assert runs[0]["losses"] == runs[1]["losses"]
     assert runs[2]["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5)
     assert runs[2]["final"]["eval/auc"] == pytest.approx(runs[0]["final"]["eval/auc"], abs=1e-5)
+
+
+def _pipelined_pair(rank: int, world_size: int, data_dir: str) -> list[dict]:
+    """Each case run unpipelined, then pipelined: every sharding type with a rank whose data
+    ends early (it steps with empty batches); dedup groups; the torch kernel."""
+    cases = [
+        {"pinned_types": MIXED_TYPES, "short_rank": 1},
+        {"dedup": True},
+        {"kernel": "torch", "pinned_types": MIXED_TYPES},
+    ]
+    return [
+        [
+            _run(rank, world_size, data_dir, **{"pipeline": pipeline, **case})
+            for pipeline in ("none", "sparse_dist")
+        ]
+        for case in cases
+    ]
+
+
+@pytest.mark.distributed
+def test_pipelined_training_is_bit_identical(data_dir: Path) -> None:
+    """training.pipeline = "sparse_dist" (the next batch's any-rank check, copy and input
+    all-to-all during the current step) trains exactly as the plain loop."""
+    results = run_distributed(_pipelined_pair, world_size=2, args=(str(data_dir),))
+    for case in range(3):
+        plain, pipelined = results[0][case]
+        assert plain["losses"] == pipelined["losses"], case
+        assert len(plain["losses"]) == 10
+        assert plain["state"].keys() == pipelined["state"].keys()
+        for key, value in plain["state"].items():
+            assert torch.equal(value, pipelined["state"][key]), (case, key)
+        assert plain["final"]["eval/auc"] == pipelined["final"]["eval/auc"]
+        # The same number of reports on both ranks (every report is a barrier).
+        assert len(results[1][case][1]["reports"]) == len(pipelined["reports"])
+        # Pipelined, every training step's ids were routed in the background thread.
+        assert set(plain["routed_on"]) == {"MainThread"}
+        assert pipelined["routed_on"] and all(
+            name.startswith("raydlrm-pipe") for name in pipelined["routed_on"]
+        ), pipelined["routed_on"]

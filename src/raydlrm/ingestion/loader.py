@@ -36,7 +36,7 @@ from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
 if TYPE_CHECKING:
     from ray.data import DataIterator, Dataset
 
-    from raydlrm.ingestion.reader import EpochProgress, WorkerSource
+    from raydlrm.ingestion.reader import WorkerSource
 
 __all__ = ["arrow_to_batch", "iter_train_batches"]
 
@@ -191,7 +191,7 @@ def iter_train_batches(
     iterator: DataIterator | Dataset | WorkerSource,
     *,
     config: DataConfig,
-    progress: EpochProgress | None = None,
+    track_rows: bool = False,
 ) -> Iterator[Batch]:
     """Yields ``Batch`` es from a Ray Data iterator over preprocessed rows.
 
@@ -199,17 +199,21 @@ def iter_train_batches(
         iterator: a worker's :class:`WorkerSource` (training), a ``ray.data.DataIterator`` or a
             ``ray.data.Dataset`` of preprocessed rows (e.g. from ``build_dataset``).
         config: the data config (``batch_size``, ``prefetch_batches``, column names).
-        progress: counts each batch's rows as trained when the batch is taken (its rows carry
-            their row group, see ``raydlrm.ingestion.reader``).
+        track_rows: give each batch its rows per row group (``Batch.row_groups``, from the
+            row-group columns, see ``raydlrm.ingestion.reader``), which the trainer counts as
+            trained when it steps on the batch.
 
     Yields:
         Batches of ``config.batch_size`` samples; the last one may be smaller.
     """
+    from raydlrm.ingestion.reader import EpochProgress
+
     for table in iterator.iter_batches(
         batch_size=config.batch_size,
         batch_format="pyarrow",
         prefetch_batches=config.prefetch_batches,
     ):
-        if progress is not None:
-            progress.advance(table)
-        yield arrow_to_batch(table, config=config)
+        batch = arrow_to_batch(table, config=config)
+        if track_rows:
+            batch.row_groups = EpochProgress.rows_of(table)
+        yield batch

@@ -108,16 +108,29 @@ class EpochProgress:
         self.consumed: dict[int, int] = {int(k): int(v) for k, v in (consumed or {}).items()}
         self.totals: dict[int, int] = {int(k): int(v) for k, v in (totals or {}).items()}
 
-    def advance(self, table: pa.Table) -> None:
-        """Counts the rows of a batch (a table with the row-group columns) as trained."""
+    @staticmethod
+    def rows_of(table: pa.Table) -> dict[int, tuple[int, int]]:
+        """The rows of a batch (a table with the row-group columns) per row group:
+        ``{id: (rows in the batch, the row group's total rows)}``; empty without the columns."""
         if RG_ID_COLUMN not in table.column_names or not table.num_rows:
-            return
+            return {}
         ids = table.column(RG_ID_COLUMN).to_numpy()
         totals = table.column(RG_ROWS_COLUMN).to_numpy()
         unique, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        for i, f, n in zip(unique.tolist(), first.tolist(), counts.tolist(), strict=True):
+        return {
+            i: (n, int(totals[f]))
+            for i, f, n in zip(unique.tolist(), first.tolist(), counts.tolist(), strict=True)
+        }
+
+    def add(self, rows: dict[int, tuple[int, int]]) -> None:
+        """Counts a batch's rows (:meth:`rows_of`) as trained."""
+        for i, (n, total) in rows.items():
             self.consumed[i] = self.consumed.get(i, 0) + n
-            self.totals[i] = int(totals[f])
+            self.totals[i] = total
+
+    def advance(self, table: pa.Table) -> None:
+        """Counts the rows of a batch (a table with the row-group columns) as trained."""
+        self.add(self.rows_of(table))
 
     def finished(self) -> set[int]:
         return {i for i, n in self.consumed.items() if n >= self.totals.get(i, n + 1)}

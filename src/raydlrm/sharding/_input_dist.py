@@ -223,18 +223,20 @@ class InputDistributor:
         unit = torch.arange(num_units, device=device).unsqueeze(1)
         return (base.unsqueeze(0) + unit * sizes[source].unsqueeze(0)).reshape(-1).int()
 
-    def __call__(self, kjt: KeyedJaggedTensor) -> LocalBags:
+    def __call__(self, kjt: KeyedJaggedTensor, *, pg: ProcessGroup | None = None) -> LocalBags:
         """Sends this rank's samples' ids to their units; returns this rank's units' bags.
 
         Args:
             kjt: shape ``(F, B, L[f][b])``, the collection's features in collection order,
                 ids already checked against their tables.
+            pg: the process group to exchange them on (default: the collection's; a
+                pipeline's background thread passes its own).
         """
         lengths, values, weights, send_ids = self._bucketize(kjt)
         world_size = len(self._num_units)
         if world_size == 1:
             return LocalBags(lengths, values, weights, [kjt.batch_size])
-        pg, local_units = self._pg, self._num_units[self._rank]
+        pg, local_units = pg or self._pg, self._num_units[self._rank]
         batch_sizes = all_gather_ints(kjt.batch_size, device=self._device, pg=pg)
         recv_bags = [local_units * b for b in batch_sizes]
         send_bags = [n * kjt.batch_size for n in self._num_units]

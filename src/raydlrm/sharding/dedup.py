@@ -200,6 +200,18 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
         self._rows: defaultdict[int, list[int]] = defaultdict(lambda: [0, 0])  # set -> [B, U]
         self._ids_saved: defaultdict[str, int] = defaultdict(int)
 
+    def prefetch(
+        self,
+        features: KeyedJaggedTensor,
+        dedup_groups: Sequence[DedupGroup] = (),
+        *,
+        pg: ProcessGroup | None = None,
+    ) -> None:
+        """Runs every feature set's input distribution of a coming batch now, on ``pg`` (see
+        :meth:`ShardedEmbeddingBagCollection.prefetch`)."""
+        for set_id, part in zip(self._set_ids, self.parts, strict=True):
+            part.prefetch(features if set_id == 0 else dedup_groups[set_id - 1].unique, pg=pg)
+
     def forward(
         self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
     ) -> KeyedTensor:

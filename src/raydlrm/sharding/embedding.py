@@ -224,6 +224,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._caches.append(self._row_cache(group, tbe, buffers) if cached else None)
         self.tbes = nn.ModuleList(tbes)
         self._init_weights(ebc)
+        # Input distributions run ahead of their forward pass (see prefetch), by the id of the
+        # features they were made for (the features are kept, so the id is not reused).
+        self._prefetched: dict[
+            int, tuple[KeyedJaggedTensor, tuple[KeyedJaggedTensor, LocalBags]]
+        ] = {}
 
     def _register(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.to(self._device), persistent=False)
@@ -590,6 +595,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
             first += group.num_units
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
+    def _input_dist(
+        self,
+        features: KeyedJaggedTensor,
+        dedup_groups: Sequence[DedupGroup],
+        pg: ProcessGroup | None = None,
+    ) -> tuple[KeyedJaggedTensor, LocalBags]:
+        """The collection's features of ``features`` and this rank's units' bags."""
+        if dedup_groups:
+            features = KeyedJaggedTensor.concat([features] + [g.expand() for g in dedup_groups])
+        kjt = features.select(self.feature_names)
+        self._check_ids(kjt)
+        return kjt, self._input(kjt, pg=pg)
+
+    def prefetch(
+        self,
+        features: KeyedJaggedTensor,
+        dedup_groups: Sequence[DedupGroup] = (),
+        *,
+        pg: ProcessGroup | None = None,
+    ) -> None:
+        """Runs the input distribution of a coming batch now, on ``pg`` (a pipeline's
+        background thread passes a process group of its own, so that its exchanges overlap the
+        current step's); the forward pass on the same ``features`` object then starts from it.
+        Every rank must prefetch the same batches in the same order.
+
+        Raises:
+            ValueError: naming the table of an id outside ``[0, num_embeddings)``.
+        """
+        self._prefetched[id(features)] = (features, self._input_dist(features, dedup_groups, pg))
+
     def forward(
         self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
     ) -> KeyedTensor:
@@ -609,11 +644,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: naming the table of an id outside ``[0, num_embeddings)``.
         """
-        if dedup_groups:
-            features = KeyedJaggedTensor.concat([features] + [g.expand() for g in dedup_groups])
-        kjt = features.select(self.feature_names)
-        self._check_ids(kjt)
-        bags = self._input(kjt)
+        prefetched = self._prefetched.pop(id(features), None)
+        if prefetched is not None and prefetched[0] is features:
+            kjt, bags = prefetched[1]
+        else:
+            kjt, bags = self._input_dist(features, dedup_groups)
         pooled = self._lookup(bags, sum(bags.batch_sizes))
         values = self._output(pooled, bags.batch_sizes)
         if self._has_row_split_mean:

@@ -29,6 +29,11 @@ class TrainingConfig:
     """Evaluate on at most this many batches per worker (None: the whole eval set)."""
     torch_threads: int = 1
     """Intra-op threads per worker (keep CPUs for Ray Data on small machines)."""
+    pipeline: Literal["none", "sparse_dist"] = "none"
+    """``sparse_dist``: while a step trains, the next batch is copied to the device and its ids
+    are routed to their embedding shards (the input all-to-all) in the background, on a
+    process group of its own (``raydlrm.trainers.pipeline``); bit-identical results. ``none``:
+    each step does that first."""
     sample_log_dir: str | None = None
     """Audit: write the sample ids of every step to ``<dir>/rank<r>-step<s>.npy`` (a local or
     shared directory; needs a ``sample_id`` column)."""

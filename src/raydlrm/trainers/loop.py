@@ -23,7 +23,9 @@ Sharded embeddings make every forward pass a collective (all-to-all), so all ran
 same number of steps. Workers read whole row groups (``raydlrm.ingestion.reader``), so their
 row counts differ a little; before each step the loop checks whether any rank still has a
 batch, and a rank that ran dry steps with an empty batch (its loss and gradients are zero) until
-every rank is done. Every row of the epoch is trained on; none is dropped.
+every rank is done. Every row of the epoch is trained on; none is dropped. With
+``training.pipeline = "sparse_dist"`` that check, the next batch's copy to the device and its
+input all-to-all run in the background during the current step (``raydlrm.trainers.pipeline``).
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from raydlrm._errors import cause_line
 from raydlrm._logs import configure_worker
-from raydlrm.batch import Batch, DedupGroup
+from raydlrm.batch import Batch
 from raydlrm.ingestion.loader import arrow_to_batch, iter_train_batches
 from raydlrm.ingestion.reader import EpochProgress, WorkerSource
 from raydlrm.ingestion.schema import RowGroup
@@ -56,6 +57,7 @@ from raydlrm.sharding.tiers import major_page_faults, resident_bytes
 from raydlrm.storage import StorageConfig, filesystem_for
 from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
 from raydlrm.trainers.metrics import PredictionBuffer
+from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
 from raydlrm.trainers.spec import WorkerSpec
 from raydlrm.trainers.state import (
     dense_module,
@@ -71,29 +73,6 @@ logger = logging.getLogger(__name__)
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _any_rank_has(has_batch: bool, device: torch.device) -> bool:
-    """True if any rank has a batch (a MAX all-reduce of a flag)."""
-    if not _distributed():
-        return has_batch
-    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _emptied(batch: Batch) -> Batch:
-    """A batch of 0 samples with the structure (features, dedup groups) of ``batch``."""
-    none = torch.zeros(0, dtype=torch.int64)
-    return Batch(
-        dense=batch.dense[:0],
-        sparse=batch.sparse.index_rows(none),
-        labels=batch.labels[:0],
-        dedup_groups=[
-            DedupGroup(unique=g.unique.index_rows(none), inverse=none) for g in batch.dedup_groups
-        ],
-        sample_ids=None if batch.sample_ids is None else batch.sample_ids[:0],
-    )
 
 
 def _all_reduce_scalar(
@@ -263,39 +242,8 @@ class Trainer:
         empty: Batch | None = None,
         errors: list[str] | None = None,
     ) -> Iterator[Batch]:
-        """Yields batches while any rank has one; a rank that ran dry yields empty batches.
-
-        Args:
-            batches: this rank's batches.
-            empty: an empty batch of the right structure, for a rank with no batch at all
-                (otherwise the rank's first batch, emptied, is used).
-            errors: if given, an error while reading this rank's batches (bad input) is
-                appended here (one line naming the culprit) and the rank goes on as if its data
-                had ended, so the other ranks' collectives still complete; else it is raised.
-        """
-        iterator = iter(batches)
-        template = empty
-        while True:
-            try:
-                batch = next(iterator, None)
-            except Exception as exc:
-                if errors is None:
-                    raise
-                logger.error("rank %d: reading evaluation data failed", self.rank, exc_info=exc)
-                errors.append(cause_line(exc))
-                iterator, batch = iter(()), None
-            if not _any_rank_has(batch is not None, self.device):
-                return
-            if batch is None:
-                if template is None:
-                    raise RuntimeError(
-                        f"rank {self.rank} has no data at all while other ranks do, and no "
-                        "empty batch to step with"
-                    )
-                batch = template
-            elif template is None:
-                template = _emptied(batch)
-            yield batch.to(self.device)
+        """Yields batches while any rank has one (see :class:`Lockstep`)."""
+        return Lockstep(device=self.device, rank=self.rank)(batches, empty, errors)
 
     @torch.no_grad()
     def evaluate(
@@ -329,6 +277,20 @@ class Trainer:
         if report is None:
             report = _seam().report
         cfg = self.spec.training
+        # Every rank makes its pipeline here (a collective when it has a process group).
+        if cfg.pipeline == "sparse_dist":
+            stream: Lockstep = SparseDistPipeline(self.model, device=self.device, rank=self.rank)
+        else:
+            stream = Lockstep(device=self.device, rank=self.rank)
+        try:
+            return self._fit(train_data, eval_data, report=report, stream=stream)
+        finally:
+            stream.close()
+
+    def _fit(
+        self, train_data: Any, eval_data: Any | None, *, report: Any, stream: Lockstep
+    ) -> dict[str, Any]:
+        cfg = self.spec.training
         window = PredictionBuffer()  # predictions since the last report
         epoch_buffer = PredictionBuffer()  # predictions of the current epoch
         window_loss, window_steps, window_samples = 0.0, 0, 0
@@ -344,13 +306,14 @@ class Trainer:
             if hasattr(train_data, "start"):
                 train_data.start(epoch, resume=resume, world_size=self.resume_world_size)
             last = time.perf_counter()
-            batches = self._batches(train_data, progress=self.progress)
-            for batch in self._lockstep(batches, self._empty_batch(train_data)):
+            batches = self._batches(train_data, track_rows=True)
+            for batch in stream(batches, self._empty_batch(train_data)):
                 if self.first_batch_seconds is None:
                     # Start-up of the data pipeline is reported apart from the steady state.
                     self.first_batch_seconds = time.perf_counter() - last
                     last = time.perf_counter()
                 result = self.train_step(batch)
+                self.progress.add(batch.row_groups or {})  # trained: in the next checkpoint
                 # Wall time of the step including waiting for its batch (not eval or reports).
                 self.train_seconds += time.perf_counter() - last
                 self._log_samples(batch)
@@ -556,8 +519,8 @@ class Trainer:
             metrics[f"dedup/{table}/ratio"] = ratio
         return metrics
 
-    def _batches(self, data: Any, progress: EpochProgress | None = None) -> Iterator[Batch]:
-        return iter_train_batches(data, config=self.spec.data, progress=progress)
+    def _batches(self, data: Any, *, track_rows: bool = False) -> Iterator[Batch]:
+        return iter_train_batches(data, config=self.spec.data, track_rows=track_rows)
 
     def _evaluate_data(self, data: Any) -> dict[str, float]:
         return self.evaluate(self._batches(data), self._empty_batch(data))
