@@ -92,8 +92,9 @@ class StepResult:
 
     logits: torch.Tensor
     """Detached logits, shape ``(B,)``."""
-    loss: float
-    """This rank's mean loss over the batch."""
+    loss: torch.Tensor
+    """This rank's mean loss over the batch (detached, 0-d, on the device: reading it is a
+    host synchronization on a GPU)."""
 
 
 _OVERHEAD_REPORTS = 3
@@ -228,13 +229,19 @@ class Trainer:
         loss.backward()  # also applies the fused embedding optimizer
         self.optimizer.step()
         self.step += 1
-        value = float(loss.detach())
-        if not math.isfinite(value):
+        loss = loss.detach()
+        # On a GPU the loss stays there (no synchronization inside a step): it is checked when
+        # the metrics are reported.
+        if self.device.type == "cpu":
+            self._check_finite(float(loss), f"step {self.step}")
+        return StepResult(logits=logits.detach(), loss=loss)
+
+    def _check_finite(self, loss: float, when: str) -> None:
+        if not math.isfinite(loss):
             raise FloatingPointError(
-                f"training diverged: rank {self.rank} step {self.step} loss is {value} (lower "
+                f"training diverged: rank {self.rank} {when} loss is {loss} (lower "
                 "training.learning_rate or sharding.learning_rate)"
             )
-        return StepResult(logits=logits.detach(), loss=value)
 
     def _lockstep(
         self,
@@ -293,7 +300,8 @@ class Trainer:
         cfg = self.spec.training
         window = PredictionBuffer()  # predictions since the last report
         epoch_buffer = PredictionBuffer()  # predictions of the current epoch
-        window_loss, window_steps, window_samples = 0.0, 0, 0
+        window_loss = torch.zeros((), device=self.device)  # summed on the device
+        window_steps, window_samples = 0, 0
         window_start = time.perf_counter()
         for epoch in range(self.epoch, cfg.num_epochs):
             if self._done():
@@ -327,10 +335,15 @@ class Trainer:
                 metrics: dict[str, float] | None = None
                 log_step = self.step % cfg.log_every_steps == 0
                 if log_step:
+                    mean_loss = float(window_loss) / window_steps
+                    self._check_finite(
+                        mean_loss, f"steps {self.step - window_steps + 1}-{self.step}"
+                    )
                     samples = _all_reduce_scalar(float(window_samples), self.device)
+                    epoch_buffer.offload()  # the epoch's predictions wait on the host
                     metrics = {
                         **window.compute().to_dict("train/"),
-                        "train/loss": window_loss / window_steps,
+                        "train/loss": mean_loss,
                         "train/samples_per_second": samples
                         / max(time.perf_counter() - window_start, 1e-9),
                     }
@@ -341,7 +354,8 @@ class Trainer:
                     ):
                         metrics.update(self._evaluate_data(eval_data))
                     metrics.update(self._tier_metrics())
-                    window_loss, window_steps, window_samples = 0.0, 0, 0
+                    window_loss = torch.zeros((), device=self.device)
+                    window_steps, window_samples = 0, 0
                     window_start = time.perf_counter()
                 if self._checkpoint_due(log_step):
                     self._report(metrics or {}, report=report, checkpoint=True)

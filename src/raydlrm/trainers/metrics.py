@@ -93,19 +93,30 @@ def _roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 class PredictionBuffer:
-    """Collects a worker's logits and labels over a window; computes global metrics."""
+    """Collects a worker's logits and labels over a window; computes global metrics.
+
+    Added tensors stay where they are (on a GPU: no copy to the host, no synchronization, in
+    the step); :meth:`offload` moves what was added so far to the host, :meth:`compute` all.
+    """
 
     def __init__(self) -> None:
         self._logits: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self._logits.append(logits.detach().float().cpu())
-        self._labels.append(labels.detach().float().cpu())
+        self._logits.append(logits.detach().float())
+        self._labels.append(labels.detach().float())
+
+    def offload(self) -> None:
+        """Moves the predictions collected so far to the host, as one tensor each."""
+        if len(self._logits) > 1 or (self._logits and self._logits[0].device.type != "cpu"):
+            self._logits = [torch.cat(self._logits).cpu()]
+            self._labels = [torch.cat(self._labels).cpu()]
 
     def compute(self) -> BinaryMetrics:
         """Global metrics over every rank's buffer (a collective: all ranks must call); clears."""
-        logits = torch.cat(self._logits) if self._logits else torch.zeros(0)
-        labels = torch.cat(self._labels) if self._labels else torch.zeros(0)
+        self.offload()
+        logits = self._logits[0] if self._logits else torch.zeros(0)
+        labels = self._labels[0] if self._labels else torch.zeros(0)
         self._logits, self._labels = [], []
         return binary_metrics(all_gather_varlen(logits), all_gather_varlen(labels))
