@@ -33,16 +33,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import pyarrow.fs as pafs
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 
@@ -54,8 +53,9 @@ from raydlrm.ingestion.schema import RowGroup
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.sharding.tiers import major_page_faults, resident_bytes
-from raydlrm.storage import StorageConfig, filesystem_for
+from raydlrm.storage import StorageConfig
 from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
+from raydlrm.trainers.hooks import Moment, TrainerHook, default_hooks
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
 from raydlrm.trainers.spec import WorkerSpec
@@ -84,6 +84,26 @@ def _all_reduce_scalar(
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """A worker's stream of preprocessed Arrow batches (a Ray ``DataIterator`` is one)."""
+
+    def iter_batches(self, **kwargs: Any) -> Iterator[pa.Table]: ...
+
+
+@runtime_checkable
+class EpochSource(BatchSource, Protocol):
+    """A source that knows epochs (``raydlrm.ingestion.reader.WorkerSource``): it deals each
+    epoch's row groups (resuming from a data position) and makes empty batches of its schema
+    (for a rank whose data ends before the others')."""
+
+    def start(
+        self, epoch: int, *, resume: EpochProgress | None, world_size: int | None
+    ) -> None: ...
+
+    def empty_table(self) -> pa.Table: ...
 
 
 @dataclass
@@ -165,8 +185,9 @@ class Trainer:
         self.progress = EpochProgress(0)  # this rank's trained rows of the current epoch
         self.resume: EpochProgress | None = None  # all ranks' progress at the loaded checkpoint
         self.resume_world_size: int | None = None
-        self.fault_marker: str | None = None  # where the injected fault records that it fired
-        self.fault_storage: StorageConfig | None = None  # its object store (run storage)
+        # Called after each step, at checkpoints and before the final evaluation (the sample
+        # audit; the injected fault, once the run's marker path is known: train_loop_per_worker).
+        self.hooks: list[TrainerHook] = default_hooks(spec, fault_marker=None, fault_storage=None)
         self._pending_samples = 0  # trained here, not yet added to samples_seen
         self._last_metrics: dict[str, float] = {}
         self._last_checkpoint = time.monotonic()
@@ -174,6 +195,24 @@ class Trainer:
         self._overhead_warned = False
         # Set when the loaded checkpoint is the run's final one (see fit).
         self.finished: FinishedRun | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's own state, beside the model's and the optimizers' (which checkpoints
+        hold as tensors): ``step``, ``epoch``, ``samples_seen`` (all ranks) and
+        ``train_seconds``."""
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            "train_seconds": self.train_seconds,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned (other keys are ignored)."""
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.samples_seen = int(state["samples_seen"])
+        self.train_seconds = float(state["train_seconds"])
 
     def load(self, directory: str, *, stored: Any = None) -> None:
         """Continues from a training-state checkpoint (any world size or plan); all ranks.
@@ -207,10 +246,7 @@ class Trainer:
         All ranks. The reports that follow carry ``warm_start/from_step``."""
         state = load_training_state(self, directory)
         self._last_metrics["warm_start/from_step"] = float(state["step"])
-        self.step = 0
-        self.epoch = 0
-        self.samples_seen = 0
-        self.train_seconds = 0.0
+        self.load_state_dict({"step": 0, "epoch": 0, "samples_seen": 0, "train_seconds": 0.0})
         torch.manual_seed(self.spec.training.seed)
         logger.info(
             "rank %d warm-started from %s (step %d of its run)", self.rank, directory, state["step"]
@@ -271,12 +307,14 @@ class Trainer:
                 break
         return buffer.compute().to_dict("eval/")
 
-    def fit(self, *, train_data: Any, eval_data: Any | None, report: Any = None) -> dict[str, Any]:
+    def fit(
+        self, *, train_data: BatchSource, eval_data: BatchSource | None, report: Any = None
+    ) -> dict[str, Any]:
         """Trains for the configured epochs or steps; returns the final metrics.
 
         Args:
-            train_data: this worker's stream of training data (a Ray ``DataIterator``), iterated
-                once per epoch.
+            train_data: this worker's stream of training data (an :class:`EpochSource`, or any
+                :class:`BatchSource` such as a Ray ``DataIterator``), iterated once per epoch.
             eval_data: the same for held-out data, or None.
             report: called as ``report(metrics, checkpoint_dir=...)`` on every rank (default:
                 Ray Train's, through ``raydlrm.trainers._ray``).
@@ -311,7 +349,7 @@ class Trainer:
             resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
             # Each rank starts from the progress of every rank (merging takes the maximum).
             self.progress = EpochProgress.merged([resume]) if resume else EpochProgress(epoch)
-            if hasattr(train_data, "start"):
+            if isinstance(train_data, EpochSource):
                 train_data.start(epoch, resume=resume, world_size=self.resume_world_size)
             last = time.perf_counter()
             batches = self._batches(train_data, track_rows=True)
@@ -324,8 +362,7 @@ class Trainer:
                 self.progress.add(batch.row_groups or {})  # trained: in the next checkpoint
                 # Wall time of the step including waiting for its batch (not eval or reports).
                 self.train_seconds += time.perf_counter() - last
-                self._log_samples(batch)
-                self._inject_fault("step")
+                self._call_hooks("step", batch)
                 window.add(result.logits, batch.labels)
                 epoch_buffer.add(result.logits, batch.labels)
                 window_loss += result.loss
@@ -385,7 +422,7 @@ class Trainer:
             # The finished training state first: nothing after it can lose the trained model.
             persisted = self._report(final, report=report, checkpoint=True, with_model=True)
         if eval_data is not None:
-            self._inject_fault("eval")
+            self._call_hooks("eval")
             # A reading error ends the evaluation on every rank alike and is reported.
             final.update(self._final_evaluation(eval_data))
             final.update(self._comm_metrics())  # the evaluation's all-to-alls included
@@ -431,42 +468,9 @@ class Trainer:
             return elapsed >= cfg.every_minutes
         return False
 
-    def _log_samples(self, batch: Batch) -> None:
-        """Writes the step's sample ids under ``training.sample_log_dir`` (an audit of which
-        samples each step trained on; a step redone after a restart overwrites its file)."""
-        directory = self.spec.training.sample_log_dir
-        if directory is None or batch.sample_ids is None:
-            return
-        os.makedirs(directory, exist_ok=True)
-        np.save(
-            os.path.join(directory, f"rank{self.rank:04d}-step{self.step:09d}.npy"),
-            batch.sample_ids.cpu().numpy(),
-        )
-
-    def _inject_fault(self, during: str) -> None:
-        """Kills this process (``os._exit``, no cleanup) if ``[fault]`` chose this rank, step and
-        moment, once per run (a marker file records that the fault fired)."""
-        fault = self.spec.fault
-        if (
-            fault.at_step != self.step
-            or fault.rank != self.rank
-            or fault.during != during
-            or self.fault_marker is None
-        ):
-            return
-        filesystem, marker = filesystem_for(
-            f"{self.fault_marker}.rank{self.rank}.step{self.step}.{during}",
-            self.fault_storage or self.spec.data.storage,
-        )
-        if filesystem.get_file_info(marker).type != pafs.FileType.NotFound:
-            return
-        filesystem.create_dir(marker.rsplit("/", 1)[0], recursive=True)
-        with filesystem.open_output_stream(marker) as f:
-            f.write(f"{time.time()}\n".encode())
-        logger.warning(
-            "fault injection: rank %d dies at step %d (%s)", self.rank, self.step, during
-        )
-        os._exit(17)
+    def _call_hooks(self, moment: Moment, batch: Batch | None = None) -> None:
+        for hook in self.hooks:
+            hook(self, moment, batch)
 
     def _comm_metrics(self) -> dict[str, float]:
         """Bytes all ranks sent each other through the embedding all-to-alls, by direction and
@@ -541,7 +545,7 @@ class Trainer:
 
     def _empty_batch(self, data: Any) -> Batch | None:
         """An empty batch of ``data``'s structure, if the source can make one."""
-        if not hasattr(data, "empty_table"):
+        if not isinstance(data, EpochSource):
             return None
         return arrow_to_batch(data.empty_table(), config=self.spec.data)
 
@@ -592,7 +596,7 @@ class Trainer:
                 # assembles them table by table (raydlrm.trainers.checkpoint).
                 save_model_metadata(tmp, spec=self.spec, plan=self.plan, metrics=metrics)
             save_training_state(self, tmp, position=position)  # its manifest covers the dir
-            self._inject_fault("checkpoint")
+            self._call_hooks("checkpoint")
             stored = report(metrics, checkpoint_dir=tmp)
         self._last_checkpoint = time.monotonic()
         return stored
@@ -668,9 +672,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"the sharding plan is for {plan.world_size} workers but the job has {ctx.world_size}"
         )
     trainer = Trainer(spec, plan=plan, rank=ctx.rank, device=ctx.device)
-    trainer.fault_marker = config.get("fault_marker")
-    if config.get("fault_storage") is not None:
-        trainer.fault_storage = StorageConfig(**config["fault_storage"])
+    storage = config.get("fault_storage")
+    trainer.hooks = default_hooks(
+        spec,
+        fault_marker=config.get("fault_marker"),
+        fault_storage=None if storage is None else StorageConfig(**storage),
+    )
     intact = _ray.latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False))
     with intact as (checkpoint_dir, stored):
         if checkpoint_dir is not None:

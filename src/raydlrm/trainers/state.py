@@ -199,10 +199,7 @@ def save_training_state(trainer: Trainer, directory: str | Path, *, position: di
     if trainer.rank == 0:
         state = {
             "format_version": FORMAT_VERSION,
-            "step": trainer.step,
-            "epoch": trainer.epoch,
-            "samples_seen": trainer.samples_seen,
-            "train_seconds": trainer.train_seconds,
+            **trainer.state_dict(),  # step, epoch, samples_seen, train_seconds
             "world_size": trainer.plan.world_size,
             "optimizer": trainer.spec.sharding.optimizer,
             "column_blocks": {t.name: column_blocks(t) for t in trainer.plan.tables},
@@ -383,10 +380,7 @@ def load_training_state(trainer: Trainer, directory: str | Path) -> dict[str, An
         )
     if rng:
         torch.set_rng_state(rng[rng_key])
-    trainer.step = state["step"]
-    trainer.epoch = state["epoch"]
-    trainer.samples_seen = state["samples_seen"]
-    trainer.train_seconds = state["train_seconds"]
+    trainer.load_state_dict(state)
     if dist.is_initialized():
         dist.barrier()
     return state
