@@ -16,7 +16,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from raydlrm.storage import filesystem_for, is_remote, join, scheme_of, with_sch
 from raydlrm.trainers._ray import latest_checkpoint
 from raydlrm.trainers.checkpoint import model_metrics
 from raydlrm.trainers.loop import train_loop_per_worker
+from raydlrm.trainers.spec import SourceDescription, WorkerJob
 from raydlrm.trainers.state import STATE_FILE, check_state_matches, verify_checkpoint
 
 __all__ = [
@@ -376,17 +377,17 @@ def train(
 
 def _source(
     summary: DataSummary, job: JobConfig, *, run_name: str, role: str, num_workers: int
-) -> dict[str, Any]:
+) -> SourceDescription:
     """What the workers need to read a validated data set (see ``raydlrm.ingestion.reader``)."""
     actors = job.data.num_preprocess_actors or default_num_actors()
-    return {
-        "path": summary.path,
-        "row_groups": [g.to_dict() for g in summary.row_groups],
-        "schema": summary.schema,
-        "shuffle": role == "train",
-        "num_actors": max(1, actors // num_workers),
-        "quarantine_tag": run_tag(run_name, role),
-    }
+    return SourceDescription(
+        path=summary.path,
+        row_groups=[g.to_dict() for g in summary.row_groups],
+        schema=summary.schema,
+        shuffle=role == "train",
+        num_actors=max(1, actors // num_workers),
+        quarantine_tag=run_tag(run_name, role),
+    )
 
 
 def _run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
@@ -602,22 +603,23 @@ def _fit(
     if job.fault.at_step is not None:
         fault_marker = join(job.run.storage_path, run_name, "fault-injected")
 
-    def source(summary: DataSummary, role: str) -> dict[str, Any]:
+    def source(summary: DataSummary, role: str) -> SourceDescription:
         return _source(summary, job, run_name=run_name, role=role, num_workers=scaling.num_workers)
 
+    worker_job = WorkerJob(
+        spec=job.worker_spec(),
+        plan=plan.to_json(),
+        train_source=source(train, "train"),
+        eval_source=None if evaluation is None else source(evaluation, "eval"),
+        log_level=worker_level(),
+        library_log_level=library_level(),
+        fault_marker=fault_marker,
+        fault_storage=job.run.storage,
+        warm_start=warm_start,
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "spec": job.worker_spec().to_dict(),
-            "plan": plan.to_json(),
-            "fault_marker": fault_marker,
-            "fault_storage": None if job.run.storage is None else asdict(job.run.storage),
-            "warm_start": warm_start,
-            "train_source": source(train, "train"),
-            "eval_source": None if evaluation is None else source(evaluation, "eval"),
-            "log_level": worker_level(),
-            "library_log_level": library_level(),
-        },
+        train_loop_config={"job": worker_job},
         scaling_config=scaling,
         run_config=run_config,
     )

@@ -53,12 +53,11 @@ from raydlrm.ingestion.schema import RowGroup
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.sharding.tiers import major_page_faults, resident_bytes
-from raydlrm.storage import StorageConfig
 from raydlrm.trainers.checkpoint import FINAL_METRICS_FILE, METRICS_FILE, save_model_metadata
 from raydlrm.trainers.hooks import Moment, TrainerHook, default_hooks
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
-from raydlrm.trainers.spec import WorkerSpec
+from raydlrm.trainers.spec import SourceDescription, WorkerJob, WorkerSpec
 from raydlrm.trainers.state import (
     dense_module,
     load_training_state,
@@ -656,55 +655,48 @@ def _seam() -> Any:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point: ``config`` holds ``spec`` (a :class:`WorkerSpec` as a dict),
-    ``plan`` (the plan's JSON), ``train_source`` and ``eval_source`` (the validated data sets:
-    path, row groups, schema, shuffle, actors; see ``raydlrm.ingestion.reader``; eval may be
-    None), ``log_level`` and ``library_log_level`` (see ``raydlrm._logs``)."""
-    library_level = config.get("library_log_level", logging.WARNING)
-    configure_worker(config.get("log_level", logging.WARNING), library_level)
+    """Ray Train entry point: ``config`` is ``{"job": WorkerJob}`` (see :class:`WorkerJob`)."""
+    job: WorkerJob = config["job"]
+    configure_worker(job.log_level, job.library_log_level)
     _ray = _seam()
-    _ray.configure_data_output(library_level)
-    spec = WorkerSpec(**config["spec"])
-    plan = ShardingPlan.from_json(config["plan"])
+    _ray.configure_data_output(job.library_log_level)
+    spec = job.spec
+    plan = ShardingPlan.from_json(job.plan)
     ctx = _ray.worker_context()
     if plan.world_size != ctx.world_size:
         raise ValueError(
             f"the sharding plan is for {plan.world_size} workers but the job has {ctx.world_size}"
         )
     trainer = Trainer(spec, plan=plan, rank=ctx.rank, device=ctx.device)
-    storage = config.get("fault_storage")
     trainer.hooks = default_hooks(
-        spec,
-        fault_marker=config.get("fault_marker"),
-        fault_storage=None if storage is None else StorageConfig(**storage),
+        spec, fault_marker=job.fault_marker, fault_storage=job.fault_storage
     )
     intact = _ray.latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False))
     with intact as (checkpoint_dir, stored):
         if checkpoint_dir is not None:
             trainer.load(checkpoint_dir, stored=stored)
-        elif config.get("warm_start") is not None:
+        elif job.warm_start is not None:
             # A run's own checkpoint wins: a warm-started run that restarts continues from it.
-            with _ray.checkpoint_directory(config["warm_start"]) as warm_dir:
+            with _ray.checkpoint_directory(job.warm_start) as warm_dir:
                 trainer.warm_start(warm_dir)
 
-    def source(description: dict[str, Any] | None) -> WorkerSource | None:
+    def source(description: SourceDescription | None) -> WorkerSource | None:
         if description is None:
             return None
         return WorkerSource(
-            [RowGroup(**g) for g in description["row_groups"]],
+            [RowGroup(**g) for g in description.row_groups],
             spec.data,
-            source_path=description["path"],
+            source_path=description.path,
             rank=ctx.rank,
             world_size=ctx.world_size,
             seed=spec.training.seed,
-            shuffle=description["shuffle"],
-            num_actors=description["num_actors"],
-            schema=description["schema"],
-            quarantine_tag=description.get("quarantine_tag"),
+            shuffle=description.shuffle,
+            num_actors=description.num_actors,
+            schema=description.schema,
+            quarantine_tag=description.quarantine_tag,
         )
 
-    trainer.fit(
-        train_data=source(config["train_source"]),
-        eval_data=source(config.get("eval_source")),
-    )
+    source_train = source(job.train_source)
+    assert source_train is not None
+    trainer.fit(train_data=source_train, eval_data=source(job.eval_source))
     logger.info("worker %d finished after %d steps", ctx.rank, trainer.step)

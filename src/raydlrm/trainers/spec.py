@@ -1,20 +1,26 @@
-"""What a worker needs to know: the data, model, sharding and training configs, composed.
+"""What a worker needs to know: the data, model, sharding and training configs, composed
+(:class:`WorkerSpec`), and everything the driver sends each worker (:class:`WorkerJob`).
 
-The driver (``raydlrm.platform``) resolves the job config and sends this part of it, with the
-sharding plan, to every worker as plain JSON-compatible data.
+The driver (``raydlrm.platform``) resolves the job config and sends a :class:`WorkerJob` (this
+part of the config, the sharding plan, the data sets to read, logging and drills) to every
+worker.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
 
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.models import EmbeddingBagConfig, ModelConfig
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.storage import StorageConfig
 from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 
-__all__ = ["WorkerSpec", "tables_for"]
+__all__ = ["SourceDescription", "WorkerJob", "WorkerSpec", "tables_for"]
 
 
 def tables_for(data: DataConfig, model: ModelConfig) -> list[EmbeddingBagConfig]:
@@ -48,3 +54,53 @@ class WorkerSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SourceDescription:
+    """A validated data set as every worker reads its share of it (see
+    ``raydlrm.ingestion.reader.WorkerSource``).
+
+    Attributes:
+        path: the data set's path.
+        row_groups: every row group (``RowGroup.to_dict()``), dealt to the workers per epoch.
+        schema: the Arrow schema of its files.
+        shuffle: shuffle the row groups each epoch (training data).
+        num_actors: preprocessing actors per worker.
+        quarantine_tag: names the run's quarantined rows (``data.bad_input``).
+    """
+
+    path: str
+    row_groups: list[dict[str, Any]]
+    schema: pa.Schema
+    shuffle: bool
+    num_actors: int
+    quarantine_tag: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What the driver sends each training worker (Ray Train's ``train_loop_config`` holds it
+    as ``{"job": ...}``).
+
+    Attributes:
+        spec: the worker's part of the job config.
+        plan: the sharding plan's JSON (the same on every rank).
+        train_source: the training data.
+        eval_source: the held-out data, or None.
+        log_level: raydlrm's log level in the workers (see ``raydlrm._logs``).
+        library_log_level: the libraries' log level in the workers.
+        fault_marker: where an injected fault records that it fired (None: no fault).
+        fault_storage: the object store of ``fault_marker`` (the run storage's).
+        warm_start: another run's checkpoint to start from (a Ray Train checkpoint), or None.
+    """
+
+    spec: WorkerSpec
+    plan: str
+    train_source: SourceDescription
+    eval_source: SourceDescription | None
+    log_level: int
+    library_log_level: int
+    fault_marker: str | None = None
+    fault_storage: StorageConfig | None = None
+    warm_start: Any = None
