@@ -331,3 +331,50 @@ def test_a_rank_without_samples_on_both_kernels() -> None:
         fb, th = results[0][name, "fbgemm"]["tables"], results[0][name, "torch"]["tables"]
         for table in fb:
             torch.testing.assert_close(th[table], fb[table], **FP32_TOL, msg=f"{name} {table}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_torch_kernel_on_cuda_matches_cpu(optimizer: str) -> None:
+    """The torch kernel on a GPU: the CPU kernel's outputs, rows and state (float rounding)."""
+    cpu = build_tbe(
+        "torch",
+        tables=TABLES,
+        feature_table_map=FEATURE_TABLES,
+        optimizer=optimizer,
+        learning_rate=LR,
+        eps=EPS,
+        pooling="mean",
+        precision="fp32",
+        device=torch.device("cpu"),
+    )
+    cuda = build_tbe(
+        "torch",
+        tables=TABLES,
+        feature_table_map=FEATURE_TABLES,
+        optimizer=optimizer,
+        learning_rate=LR,
+        eps=EPS,
+        pooling="mean",
+        precision="fp32",
+        device=torch.device("cuda"),
+    )
+    for a, b in zip(cpu.split_embedding_weights(), cuda.split_embedding_weights(), strict=True):
+        a.normal_(generator=torch.Generator().manual_seed(0))
+        b.copy_(a)
+    gen_cpu, gen_cuda = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(3):
+        outs = []
+        for tbe, gen in ((cpu, gen_cpu), (cuda, gen_cuda)):
+            ids, offsets, weights = _batch(gen, FEATURE_TABLES, TABLES)
+            device = tbe.weights.device
+            out = tbe(ids.to(device), offsets.to(device), weights.to(device))
+            (
+                out * torch.linspace(-1, 1, out.numel(), device=device).view(out.shape)
+            ).sum().backward()
+            outs.append(out.detach().cpu())
+        torch.testing.assert_close(outs[1], outs[0], **FP32_TOL)
+    for a, b in zip(cpu.split_embedding_weights(), cuda.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b.cpu(), a, **FP32_TOL)
+    for a, b in zip(cpu.split_optimizer_states(), cuda.split_optimizer_states(), strict=True):
+        torch.testing.assert_close(b[0].cpu(), a[0], **FP32_TOL)

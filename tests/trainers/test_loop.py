@@ -235,13 +235,19 @@ def test_bad_eval_data_after_training_keeps_the_checkpoint(data_dir: Path) -> No
 
 
 @pytest.mark.gpu
-def test_cuda_run_matches_cpu(data_dir: Path) -> None:
-    """The same run on CUDA (fbgemm's CUDA TBE kernels, device-resident tables) gives the CPU
-    run's losses and eval AUC."""
-    cpu = _run(0, 1, str(data_dir))
-    cuda = _run(0, 1, str(data_dir), device="cuda")
+@pytest.mark.parametrize("kernel", ["fbgemm", "torch"])
+def test_cuda_run_matches_cpu(data_dir: Path, kernel: str) -> None:
+    """The same run on CUDA (the kernel's device-resident tables; fbgemm needs its CUDA build,
+    the torch kernel only torch) gives the CPU run's losses and eval AUC, pipelined or not
+    (the pipelined CUDA run copies from pinned memory on a stream of its own)."""
+    if kernel == "fbgemm":
+        pytest.importorskip("fbgemm_gpu", reason="fbgemm-gpu's CUDA build")
+    cpu = _run(0, 1, str(data_dir), kernel=kernel)
+    cuda = _run(0, 1, str(data_dir), device="cuda", kernel=kernel)
+    piped = _run(0, 1, str(data_dir), device="cuda", kernel=kernel, pipeline="sparse_dist")
     assert cuda["losses"] == pytest.approx(cpu["losses"], abs=1e-4)
     assert cuda["final"]["eval/auc"] == pytest.approx(cpu["final"]["eval/auc"], abs=1e-3)
+    assert piped["losses"] == pytest.approx(cuda["losses"], abs=1e-6)
 
 
 MIXED_TYPES = {

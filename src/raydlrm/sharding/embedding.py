@@ -576,10 +576,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
             # Requires grad so that backward still reaches the output all-to-all on this rank.
             return torch.zeros(total_batch, 0, device=self._device, requires_grad=True)
         offsets = lengths_to_offsets(bags.lengths)
+        # Every group's first and last id, read in one transfer (one synchronization on a GPU).
+        bounds, first = [0], 0
+        for group in self._groups:
+            first += group.num_units
+            bounds.append(first * total_batch)
+        id_bounds = offsets[torch.tensor(bounds, device=offsets.device)].tolist()
         pooled, first = [], 0
-        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
+        for index, (group, tbe, cache) in enumerate(
+            zip(self._groups, self.tbes, self._caches, strict=True)
+        ):
             lo, hi = first * total_batch, (first + group.num_units) * total_batch
-            id_lo, id_hi = int(offsets[lo]), int(offsets[hi])
+            id_lo, id_hi = id_bounds[index], id_bounds[index + 1]
             weights = bags.weights
             indices = bags.values[id_lo:id_hi].to(torch.int64)
             if cache is not None:  # ids become the slots of their rows in the DRAM cache

@@ -34,6 +34,7 @@ its row cache and the checkpoint code use):
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -333,10 +334,20 @@ class TorchTableBatchedEmbedding(nn.Module):
             )
         return _FusedLookup.apply(self._anchor, self, indices, offsets, per_sample_weights)
 
+    def _id_ranges(self, offsets: torch.Tensor, batch: int) -> list[tuple[int, int]]:
+        """Each segment's range of ids, read from ``offsets`` in one transfer (on a GPU, one
+        synchronization per lookup rather than one per segment)."""
+        bounds = [s.first_feature * batch for s in self._segments]
+        bounds.append(self._segments[-1].end_feature * batch if self._segments else 0)
+        at = offsets[torch.tensor(bounds, device=offsets.device)].tolist()
+        # The segments split the features in order: one ends where the next starts.
+        return list(itertools.pairwise(at))
+
     def _segment_inputs(
         self,
         segment: _Segment,
         batch: int,
+        ids_range: tuple[int, int],
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
@@ -345,7 +356,7 @@ class TorchTableBatchedEmbedding(nn.Module):
         weights."""
         first, end = segment.first_feature * batch, segment.end_feature * batch
         bag_offsets = offsets[first : end + 1]
-        lo, hi = int(bag_offsets[0]), int(bag_offsets[-1])
+        lo, hi = ids_range
         ids = indices[lo:hi].to(torch.int64)
         feature_ids = bag_offsets[::batch].diff()
         base = torch.repeat_interleave(
@@ -363,10 +374,11 @@ class TorchTableBatchedEmbedding(nn.Module):
         num_features = len(self.feature_table_map)
         batch = (offsets.numel() - 1) // max(num_features, 1)
         out = torch.empty(batch, self.output_dim, device=self.weights.device)
-        for segment in self._segments:
+        ranges = self._id_ranges(offsets, batch)
+        for segment, ids_range in zip(self._segments, ranges, strict=True):
             run = self._runs[segment.run]
             rows, bag_offsets, weights = self._segment_inputs(
-                segment, batch, indices, offsets, per_sample_weights
+                segment, batch, ids_range, indices, offsets, per_sample_weights
             )
             matrix = self._run_matrix(run)
             if matrix.dtype != torch.float32:  # pool in fp32: gather the distinct rows first
@@ -402,10 +414,11 @@ class TorchTableBatchedEmbedding(nn.Module):
         # Per run: its ids' rows, bag (into the run's stacked bag gradients), scale; the bags'
         # gradients.
         per_run: dict[int, list[list[torch.Tensor | None]]] = {}
-        for segment in self._segments:
+        ranges = self._id_ranges(offsets, batch)
+        for segment, ids_range in zip(self._segments, ranges, strict=True):
             run = self._runs[segment.run]
             rows, bag_offsets, weights = self._segment_inputs(
-                segment, batch, indices, offsets, per_sample_weights
+                segment, batch, ids_range, indices, offsets, per_sample_weights
             )
             count = segment.end_feature - segment.first_feature
             grad = grad_output[:, segment.col_start : segment.col_start + count * run.dim]
