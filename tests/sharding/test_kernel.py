@@ -56,7 +56,7 @@ def _build(kernel: str, *, optimizer: str, pooling: str, precision: str, **kwarg
         eps=EPS,
         pooling=pooling,
         precision=precision,
-        device=torch.device("cpu"),
+        device=torch.device(kwargs.get("device", "cpu")),
     )
 
 
@@ -337,27 +337,9 @@ def test_a_rank_without_samples_on_both_kernels() -> None:
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad", "sgd"])
 def test_torch_kernel_on_cuda_matches_cpu(optimizer: str) -> None:
     """The torch kernel on a GPU: the CPU kernel's outputs, rows and state (float rounding)."""
-    cpu = build_tbe(
-        "torch",
-        tables=TABLES,
-        feature_table_map=FEATURE_TABLES,
-        optimizer=optimizer,
-        learning_rate=LR,
-        eps=EPS,
-        pooling="mean",
-        precision="fp32",
-        device=torch.device("cpu"),
-    )
-    cuda = build_tbe(
-        "torch",
-        tables=TABLES,
-        feature_table_map=FEATURE_TABLES,
-        optimizer=optimizer,
-        learning_rate=LR,
-        eps=EPS,
-        pooling="mean",
-        precision="fp32",
-        device=torch.device("cuda"),
+    cpu, cuda = (
+        _build("torch", optimizer=optimizer, pooling="mean", precision="fp32", device=device)
+        for device in ("cpu", "cuda")
     )
     for a, b in zip(cpu.split_embedding_weights(), cuda.split_embedding_weights(), strict=True):
         a.normal_(generator=torch.Generator().manual_seed(0))
