@@ -23,10 +23,14 @@ __all__ = ["BinaryMetrics", "PredictionBuffer", "all_gather_varlen", "binary_met
 def all_gather_varlen(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenates a 1-D tensor of any length from every rank, in rank order.
 
-    Works without an initialized process group (returns ``tensor``).
+    Works without an initialized process group (returns ``tensor``). With NCCL (GPU workers)
+    the exchange runs on the current GPU and the result comes back to ``tensor``'s device.
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return tensor
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        home = tensor.device
+        return all_gather_varlen(tensor.to(torch.cuda.current_device())).to(home)
     world = dist.get_world_size()
     size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
