@@ -73,6 +73,7 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     assert lines and lines[-1].startswith("training: 1024/1024 samples (100.0%)")
     assert isinstance(result, raydlrm.TrainResult)
     assert result.metrics["step"] == 4
+    assert result.metrics["sharding/torch_kernel_ranks"] == 0  # fbgemm here: "auto" takes it
     assert "eval/auc" not in result.metrics  # no eval path configured
     assert Path(result.checkpoint_path, "spec.json").is_file()
     assert result.registered_model_name is None and result.registered_model_version is None

@@ -114,6 +114,7 @@ def test_summary_is_printed(finished_run) -> None:
         "registered model: e2e-model",
         # Where fbgemm cannot be imported, the workers say which kernel they run instead.
         "sharding.kernel 'auto': using the torch kernel (fbgemm_gpu made unimportable)",
+        "torch kernels",
     ):
         assert needle in out, out
 

@@ -40,9 +40,16 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
             f"{int(m.get('data/files_quarantined', 0))} files "
             f"({int(m.get('data/rows_in_quarantined_files', 0))} rows) at validation"
         )
+    kernel = ""
+    if "sharding/torch_kernel_ranks" in m:
+        torch_ranks = int(m["sharding/torch_kernel_ranks"])
+        workers = result.plan.world_size
+        kernel = {0: ", fbgemm kernels", workers: ", torch kernels"}.get(
+            torch_ranks, f", torch kernels on {torch_ranks} of {workers} workers"
+        )
     console.print(
         f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
-        f"over {int(m.get('step', 0))} steps"
+        f"over {int(m.get('step', 0))} steps{kernel}"
     )
     wire = {k: v for k, v in m.items() if k.startswith("comm/")}
     if wire:

@@ -200,6 +200,11 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
         self._rows: defaultdict[int, list[int]] = defaultdict(lambda: [0, 0])  # set -> [B, U]
         self._ids_saved: defaultdict[str, int] = defaultdict(int)
 
+    @property
+    def kernel(self) -> str:
+        """The kernel the feature sets run (``sharding.kernel`` resolved; the same for all)."""
+        return self.parts[0].kernel
+
     def prefetch(
         self,
         features: KeyedJaggedTensor,

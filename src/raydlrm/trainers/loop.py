@@ -416,6 +416,9 @@ class Trainer:
                 self.first_batch_seconds or 0.0, self.device, op=dist.ReduceOp.MAX
             )
             final.update(self._comm_metrics())
+            # Ranks on the torch kernel (sharding.kernel "auto" resolves per worker).
+            torch_kernel = float(self.model.embedding_bags.kernel == "torch")
+            final["sharding/torch_kernel_ranks"] = _all_reduce_scalar(torch_kernel, self.device)
             final.update(self._dedup_metrics())
             final.update(self._tier_metrics())
             # The finished training state first: nothing after it can lose the trained model.
