@@ -5,8 +5,9 @@ rank whose data ended steps with an empty batch until every rank is done, which 
 step starts by asking whether any rank still has a batch.
 
 - :class:`Lockstep` (``training.pipeline = "none"``): before each step, that question (an
-  all-reduce), then the batch copied to the device; the step's forward pass then routes the
-  batch's ids to their shards (the input all-to-all).
+  all-reduce), then the batch copied to the device (on a GPU from pinned memory, without
+  blocking the host); the step's forward pass then routes the batch's ids to their shards (the
+  input all-to-all).
 - :class:`SparseDistPipeline` (``"sparse_dist"``, as TorchRec's ``TrainPipelineSparseDist``):
   while step ``i`` runs forward, backward and optimizer, a background thread prepares batch
   ``i + 1``: the any-rank question, the copy to the device (from pinned memory on a CUDA stream
@@ -137,7 +138,11 @@ class Lockstep:
             batch = reader.next()
             if not any_rank_has(batch is not None, self.device):
                 return
-            yield reader.or_empty(batch).to(self.device)
+            batch = reader.or_empty(batch)
+            if self.device.type == "cuda":  # from page-locked memory, without blocking the host
+                yield batch.pin_memory().to(self.device, non_blocking=True)
+            else:
+                yield batch.to(self.device)
 
     def close(self) -> None:
         """Nothing to release."""
