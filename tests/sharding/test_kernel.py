@@ -114,6 +114,18 @@ def test_torch_kernel_matches_fbgemm(optimizer, pooling, precision, weighted) ->
         torch.testing.assert_close(b[0], a[0], **FP32_TOL)
 
 
+@pytest.mark.parametrize("kernel", ["fbgemm", "torch"])
+def test_a_batch_of_no_samples(kernel: str) -> None:
+    """B = 0 (offsets of one entry): a (0, dims) output and a backward that changes nothing."""
+    tbe = _build(kernel, optimizer="rowwise_adagrad", pooling="mean", precision="fp32")
+    before = [w.clone() for w in tbe.split_embedding_weights()]
+    out = tbe(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    assert out.shape == (0, sum(TABLES[t].dim for t in FEATURE_TABLES))
+    out.sum().backward()
+    for a, b in zip(before, tbe.split_embedding_weights(), strict=True):
+        assert torch.equal(a, b)
+
+
 def _reference_step(weights, grads, states, optimizer: str) -> None:
     for w, g, m in zip(weights, grads, states, strict=True):
         if optimizer == "sgd":

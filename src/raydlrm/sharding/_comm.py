@@ -9,6 +9,7 @@ All functions take an optional process group; ``None`` means torch.distributed's
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 
 import torch
@@ -72,10 +73,14 @@ class CommBytes:
 
     def __init__(self) -> None:
         self._bytes: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # A pipeline's thread counts input bytes while the step (or an evaluation) counts too.
+        self._lock = threading.Lock()
 
     def add(self, direction: str, kind: str, num_bytes: int) -> None:
-        self._bytes[direction][kind] += num_bytes
+        with self._lock:
+            self._bytes[direction][kind] += num_bytes
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """A copy: direction -> kind -> bytes."""
-        return {d: dict(kinds) for d, kinds in self._bytes.items()}
+        with self._lock:
+            return {d: dict(kinds) for d, kinds in self._bytes.items()}

@@ -217,6 +217,11 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
         for set_id, part in zip(self._set_ids, self.parts, strict=True):
             part.prefetch(features if set_id == 0 else dedup_groups[set_id - 1].unique, pg=pg)
 
+    def discard_prefetched(self) -> None:
+        """Drops every feature set's unconsumed prefetched input distributions."""
+        for part in self.parts:
+            part.discard_prefetched()
+
     def forward(
         self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
     ) -> KeyedTensor:

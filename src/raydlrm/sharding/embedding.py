@@ -633,6 +633,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """
         self._prefetched[id(features)] = (features, self._input_dist(features, dedup_groups, pg))
 
+    def discard_prefetched(self) -> None:
+        """Drops input distributions prefetched for batches that will not be trained (a
+        pipeline stopped early)."""
+        self._prefetched.clear()
+
     def forward(
         self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
     ) -> KeyedTensor:
@@ -655,6 +660,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         prefetched = self._prefetched.pop(id(features), None)
         if prefetched is not None and prefetched[0] is features:
             kjt, bags = prefetched[1]
+            if self._device.type == "cuda":  # made on the pipeline's stream, read on this one
+                stream = torch.cuda.current_stream(self._device)
+                for t in (
+                    kjt.values,
+                    kjt.lengths,
+                    kjt.weights,
+                    bags.lengths,
+                    bags.values,
+                    bags.weights,
+                ):
+                    if t is not None:
+                        t.record_stream(stream)
         else:
             kjt, bags = self._input_dist(features, dedup_groups)
         pooled = self._lookup(bags, sum(bags.batch_sizes))

@@ -374,6 +374,8 @@ class TorchTableBatchedEmbedding(nn.Module):
         num_features = len(self.feature_table_map)
         batch = (offsets.numel() - 1) // max(num_features, 1)
         out = torch.empty(batch, self.output_dim, device=self.weights.device)
+        if batch == 0:
+            return out
         ranges = self._id_ranges(offsets, batch)
         for segment, ids_range in zip(self._segments, ranges, strict=True):
             run = self._runs[segment.run]
@@ -411,6 +413,8 @@ class TorchTableBatchedEmbedding(nn.Module):
         """The fused optimizer step for the output gradient ``grad_output`` ``(B, output_dim)``."""
         num_features = len(self.feature_table_map)
         batch = (offsets.numel() - 1) // max(num_features, 1)
+        if batch == 0:
+            return
         # Per run: its ids' rows, bag (into the run's stacked bag gradients), scale; the bags'
         # gradients.
         per_run: dict[int, list[list[torch.Tensor | None]]] = {}

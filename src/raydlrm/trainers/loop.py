@@ -394,6 +394,9 @@ class Trainer:
                     window_steps, window_samples = 0, 0
                     window_start = time.perf_counter()
                 if self._checkpoint_due(log_step):
+                    # No checkpoint of a diverged model (on a GPU the loss is read only here
+                    # and at log steps).
+                    self._check_finite(float(window_loss), f"steps up to {self.step}")
                     self._report(metrics or {}, report=report, checkpoint=True)
                 elif metrics is not None:
                     self._report(metrics, report=report)
@@ -401,6 +404,7 @@ class Trainer:
                 if self._done():
                     break
         self._flush_samples()
+        self._check_finite(float(window_loss), f"steps up to {self.step}")
         if self.finished is not None and self.step == self.finished.step:
             # Resumed from this run's final checkpoint (a worker died in the final evaluation;
             # every rank loaded the same one): nothing was trained, the checkpoint and its

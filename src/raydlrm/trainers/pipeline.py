@@ -9,10 +9,13 @@ step starts by asking whether any rank still has a batch.
   blocking the host); the step's forward pass then routes the batch's ids to their shards (the
   input all-to-all).
 - :class:`SparseDistPipeline` (``"sparse_dist"``, as TorchRec's ``TrainPipelineSparseDist``):
-  while step ``i`` runs forward, backward and optimizer, a background thread prepares batch
-  ``i + 1``: the any-rank question, the copy to the device (from pinned memory on a CUDA stream
-  of its own) and the input all-to-all, on a process group of its own so that its exchanges
-  overlap the step's. The step then starts from the routed ids. The work is the same as
+  batch ``i + 1`` is prepared ahead of its step: the any-rank question, the copy to the device
+  and the input all-to-all, on a process group of its own so that its exchanges overlap the
+  step's. On CPU a background thread does it while step ``i`` runs forward, backward and
+  optimizer. On a GPU the training thread issues it on a CUDA stream of its own (from pinned
+  memory) before step ``i``, and the device overlaps it with the steps' kernels: NCCL needs
+  the collectives of its communicators issued in the same order on every rank, which two
+  threads cannot promise. The step then starts from the routed ids. The work is the same as
   unpipelined and independent of the model's state, so the results are bit-identical; the
   data position a checkpoint records counts a batch only once its step ran
   (``Batch.row_groups``), so a batch read ahead is trained after a resume, not lost.
@@ -164,10 +167,26 @@ class SparseDistPipeline(Lockstep):
     def __init__(self, model: Any, *, device: torch.device, rank: int):
         super().__init__(device=device, rank=rank)
         self._collection = model.embedding_bags
-        # Its own process group: the thread's collectives never interleave with the step's.
+        # Its own process group: its collectives never interleave with the step's.
         self._pg = dist.new_group(backend=dist.get_backend()) if _distributed() else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydlrm-pipe")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # A thread on CPU; on a GPU the stream overlaps, and one thread keeps NCCL's order.
+        self._executor = (
+            None
+            if self._stream is not None
+            else ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydlrm-pipe")
+        )
+
+    def _submit(self, batch: Batch | None, reader: _Reader) -> Future:
+        """Prepares ``batch`` in the background thread, or (GPU) now on the pipeline's stream."""
+        if self._executor is not None:
+            return self._executor.submit(self._prepare, batch, reader)
+        done: Future = Future()
+        try:
+            done.set_result(self._prepare(batch, reader))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
     def _prepare(self, batch: Batch | None, reader: _Reader) -> Batch | None:
         """In the thread: None when no rank has a batch; else this rank's batch (or an empty
@@ -191,7 +210,7 @@ class SparseDistPipeline(Lockstep):
         errors: list[str] | None = None,
     ) -> Iterator[Batch]:
         reader = _Reader(batches, rank=self.rank, empty=empty, errors=errors)
-        future: Future | None = self._executor.submit(self._prepare, reader.next(), reader)
+        future: Future | None = self._submit(reader.next(), reader)
         try:
             while True:
                 batch = future.result()
@@ -206,7 +225,7 @@ class SparseDistPipeline(Lockstep):
                     _record_stream(batch, current)
                 # Read the next batch here (the data iterator stays on this thread), then
                 # prepare it while the caller trains on this one.
-                future = self._executor.submit(self._prepare, reader.next(), reader)
+                future = self._submit(reader.next(), reader)
                 yield batch
         finally:
             if future is not None:
@@ -216,19 +235,23 @@ class SparseDistPipeline(Lockstep):
                     future.result()
                 except Exception:  # the caller's own error (if any) is the one that matters
                     logger.debug("rank %d: a batch prepared ahead failed", self.rank, exc_info=True)
+            # A batch routed ahead but never trained (stopped early): drop its routing.
+            self._collection.discard_prefetched()
 
     def close(self) -> None:
         """Stops the background thread and releases the pipeline's process group."""
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         if self._pg is not None:
             dist.destroy_process_group(self._pg)
             self._pg = None
 
 
 def _record_stream(batch: Batch, stream: torch.cuda.Stream) -> None:
-    tensors = [batch.dense, batch.labels, batch.sparse.values, batch.sparse.lengths]
-    tensors += [batch.sparse.weights] if batch.sparse.weights is not None else []
-    for g in batch.dedup_groups:
-        tensors += [g.inverse, g.unique.values, g.unique.lengths]
+    tensors = [batch.dense, batch.labels, batch.sample_ids]
+    for kjt in [batch.sparse, *(g.unique for g in batch.dedup_groups)]:
+        tensors += [kjt.values, kjt.lengths, kjt.weights]
+    tensors += [g.inverse for g in batch.dedup_groups]
     for t in tensors:
-        t.record_stream(stream)
+        if t is not None and t.device.type == "cuda":
+            t.record_stream(stream)
