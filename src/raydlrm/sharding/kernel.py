@@ -437,8 +437,6 @@ class TorchTableBatchedEmbedding(nn.Module):
                 inverse = 1.0 / lengths.clamp(min=1).to(torch.float32)
                 inverse = torch.repeat_interleave(inverse, lengths, output_size=rows.numel())
                 scale = inverse if scale is None else scale * inverse
-            if scale is None:
-                scale = torch.ones(rows.numel(), device=rows.device)
             for part, value in zip(parts, (rows, bag, scale, grad), strict=True):
                 part.append(value)
         for index, (rows, bags, scales, grads) in per_run.items():
@@ -446,7 +444,7 @@ class TorchTableBatchedEmbedding(nn.Module):
                 self._runs[index],
                 torch.cat(rows),
                 torch.cat(bags),
-                torch.cat(scales),
+                _cat_scales(scales, rows),
                 torch.cat(grads),
             )
 
@@ -455,7 +453,7 @@ class TorchTableBatchedEmbedding(nn.Module):
         run: _Run,
         rows: torch.Tensor,
         bags: torch.Tensor,
-        scales: torch.Tensor,
+        scales: torch.Tensor | None,
         bag_grads: torch.Tensor,
     ) -> None:
         """Sums the gradients of each distinct row (``scales * bag_grads[bags]`` over its ids),
@@ -463,7 +461,9 @@ class TorchTableBatchedEmbedding(nn.Module):
         if rows.numel() == 0:
             return
         distinct, inverse = torch.unique(rows, return_inverse=True)
-        per_id = bag_grads.index_select(0, bags).mul_(scales.unsqueeze(1))
+        per_id = bag_grads.index_select(0, bags)
+        if scales is not None:
+            per_id.mul_(scales.unsqueeze(1))
         grad = torch.zeros(distinct.numel(), run.dim, device=rows.device)
         grad.index_add_(0, inverse, per_id)
         matrix = self._run_matrix(run)
@@ -488,6 +488,18 @@ class TorchTableBatchedEmbedding(nn.Module):
         else:  # computed in fp32, rounded once
             updated = matrix.index_select(0, distinct).float().sub_(step)
             matrix.index_copy_(0, distinct, updated.to(matrix.dtype))
+
+
+def _cat_scales(scales: list[torch.Tensor | None], rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """The ids' gradient scales of a run's segments, one tensor; None when all are 1."""
+    if all(s is None for s in scales):
+        return None
+    return torch.cat(
+        [
+            torch.ones(r.numel(), device=r.device) if s is None else s
+            for s, r in zip(scales, rows, strict=True)
+        ]
+    )
 
 
 class _FusedLookup(torch.autograd.Function):
