@@ -48,8 +48,12 @@ def cluster() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def torch_pin() -> str:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    (pin,) = [d for d in deps if re.fullmatch(r"torch==[\w.+]+", d)]
+    """The torch release the ``gpu`` extra pins (with fbgemm-gpu; the base install takes a
+    range), which the cluster images install first."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (pin,) = [
+        d for d in project["optional-dependencies"]["gpu"] if re.fullmatch(r"torch==[\w.+]+", d)
+    ]
     return pin
 
 
