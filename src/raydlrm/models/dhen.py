@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from raydlrm.models.config import DHEN_MODULES
-from raydlrm.models.layers import CrossNet, FeatureVectors, mlp
+from raydlrm.models.layers import CrossNet, VectorStack
 from raydlrm.models.wukong import LinearCompressBlock
 
 __all__ = ["DHEN_MODULES", "DHENDense", "DHENLayer"]
@@ -129,7 +129,7 @@ class DHENLayer(nn.Module):
         return self.norm(mixed + x)
 
 
-class DHENDense(nn.Module):
+class DHENDense(VectorStack):
     """The dense side of DHEN: bottom MLP to ``bottom_mlp[-1] / D`` vectors, the pooled
     embeddings as ``F`` more, one :class:`DHENLayer` per entry of ``layers``, top MLP.
 
@@ -158,17 +158,8 @@ class DHENDense(nn.Module):
         low_rank: int,
         heads: int,
     ):
-        super().__init__()
-        self.vectors = FeatureVectors(
-            model="DHEN",
-            num_dense=num_dense,
-            num_sparse=num_sparse,
-            dim=embedding_dim,
-            bottom_mlp=bottom_mlp,
-        )
-        n = self.vectors.count
-        self.layers = nn.Sequential(
-            *(
+        def make_layers(n: int) -> tuple[list[nn.Module], int]:
+            layer_list: list[nn.Module] = [
                 DHENLayer(
                     n=n,
                     dim=embedding_dim,
@@ -178,10 +169,15 @@ class DHENDense(nn.Module):
                     heads=heads,
                 )
                 for modules in layers
-            )
-        )
-        self.top = mlp([n * embedding_dim, *top_mlp, 1], final_activation=False)
+            ]
+            return layer_list, n
 
-    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
-        return self.top(self.layers(self.vectors(dense, pooled)).flatten(1)).squeeze(1)
+        super().__init__(
+            model="DHEN",
+            num_dense=num_dense,
+            num_sparse=num_sparse,
+            embedding_dim=embedding_dim,
+            bottom_mlp=bottom_mlp,
+            top_mlp=top_mlp,
+            make_layers=make_layers,
+        )

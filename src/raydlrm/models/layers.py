@@ -4,6 +4,7 @@ vectors Wukong and DHEN interact."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,3 +70,46 @@ class FeatureVectors(nn.Module):
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         vectors = torch.cat([self.bottom(dense), pooled], dim=1)
         return vectors.view(dense.shape[0], self.count, self.dim)
+
+
+class VectorStack(nn.Module):
+    """The dense side of the models that interact embedding-wide vectors (Wukong, DHEN): the
+    :class:`FeatureVectors` (``n`` of them), a stack of layers, each ``(B, n_i, D) -> (B,
+    n_{i+1}, D)``, and a top MLP on the flattened last vectors to the logit.
+
+    Args:
+        model: the arch's name (for errors).
+        num_dense: dense input features.
+        num_sparse: ``F``, pooled embeddings per sample.
+        embedding_dim: ``D``; ``bottom_mlp[-1]`` must be a multiple of it.
+        bottom_mlp: bottom MLP sizes (without the input size).
+        top_mlp: top MLP hidden sizes (a 1-unit logit layer is appended).
+        make_layers: the vectors' count ``n`` -> the layers and the count they end with.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        num_dense: int,
+        num_sparse: int,
+        embedding_dim: int,
+        bottom_mlp: list[int],
+        top_mlp: list[int],
+        make_layers: Callable[[int], tuple[list[nn.Module], int]],
+    ):
+        super().__init__()
+        self.vectors = FeatureVectors(
+            model=model,
+            num_dense=num_dense,
+            num_sparse=num_sparse,
+            dim=embedding_dim,
+            bottom_mlp=bottom_mlp,
+        )
+        layers, count = make_layers(self.vectors.count)
+        self.layers = nn.Sequential(*layers)
+        self.top = mlp([count * embedding_dim, *top_mlp, 1], final_activation=False)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
+        return self.top(self.layers(self.vectors(dense, pooled)).flatten(1)).squeeze(1)

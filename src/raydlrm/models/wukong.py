@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydlrm.models.layers import FeatureVectors, mlp
+from raydlrm.models.layers import VectorStack, mlp
 
 __all__ = ["FactorizationMachineBlock", "LinearCompressBlock", "WukongDense", "WukongLayer"]
 
@@ -91,7 +91,7 @@ class WukongLayer(nn.Module):
         return self.norm(torch.cat([self.fmb(x), self.lcb(x)], dim=1) + shortcut)
 
 
-class WukongDense(nn.Module):
+class WukongDense(VectorStack):
     """The dense side of Wukong: bottom MLP to ``bottom_mlp[-1] / D`` vectors, the pooled
     embeddings as ``F`` more, ``num_layers`` Wukong layers, top MLP.
 
@@ -122,31 +122,28 @@ class WukongDense(nn.Module):
         rank: int,
         fm_mlp: list[int],
     ):
-        super().__init__()
-        self.vectors = FeatureVectors(
+        def make_layers(n: int) -> tuple[list[nn.Module], int]:
+            layers: list[nn.Module] = []
+            for _ in range(num_layers):
+                layers.append(
+                    WukongLayer(
+                        n_in=n,
+                        dim=embedding_dim,
+                        num_fm=num_fm,
+                        num_lc=num_lc,
+                        rank=rank,
+                        fm_mlp=fm_mlp,
+                    )
+                )
+                n = num_fm + num_lc
+            return layers, n
+
+        super().__init__(
             model="Wukong",
             num_dense=num_dense,
             num_sparse=num_sparse,
-            dim=embedding_dim,
+            embedding_dim=embedding_dim,
             bottom_mlp=bottom_mlp,
+            top_mlp=top_mlp,
+            make_layers=make_layers,
         )
-        n = self.vectors.count
-        layers = []
-        for _ in range(num_layers):
-            layers.append(
-                WukongLayer(
-                    n_in=n,
-                    dim=embedding_dim,
-                    num_fm=num_fm,
-                    num_lc=num_lc,
-                    rank=rank,
-                    fm_mlp=fm_mlp,
-                )
-            )
-            n = num_fm + num_lc
-        self.layers = nn.Sequential(*layers)
-        self.top = mlp([n * embedding_dim, *top_mlp, 1], final_activation=False)
-
-    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""
-        return self.top(self.layers(self.vectors(dense, pooled)).flatten(1)).squeeze(1)
