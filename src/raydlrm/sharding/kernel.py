@@ -165,15 +165,18 @@ def build_tbe(
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Run:
     """Consecutive tables of one dim, stored back to back: one ``(rows, dim)`` matrix."""
 
     dim: int
-    first_table: int
     elem_start: int  # of the run in the flat weights
     row_start: int  # of the run in the flat per-row state
-    rows: int
+    rows: int = 0
+
+
+# A segment's ids as rows of its run's matrix, its bags' offsets (from 0), its per-id weights.
+_SegmentInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -249,15 +252,13 @@ class TorchTableBatchedEmbedding(nn.Module):
         self._table_run: list[int] = []
         self._table_row_in_run: list[int] = []
         elem = row = 0
-        for index, table in enumerate(tables):
+        for table in tables:
             if not self._runs or self._runs[-1].dim != table.dim:
-                self._runs.append(_Run(table.dim, index, elem, row, 0))
+                self._runs.append(_Run(table.dim, elem, row))
             run = self._runs[-1]
             self._table_run.append(len(self._runs) - 1)
             self._table_row_in_run.append(run.rows)
-            self._runs[-1] = _Run(
-                run.dim, run.first_table, run.elem_start, run.row_start, run.rows + table.rows
-            )
+            run.rows += table.rows
             elem += table.rows * table.dim
             row += table.rows
         self._segments: list[_Segment] = []
@@ -369,19 +370,22 @@ class TorchTableBatchedEmbedding(nn.Module):
 
     def lookup(
         self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The forward pass without autograd."""
+    ) -> tuple[torch.Tensor, list[_SegmentInputs]]:
+        """The forward pass without autograd: the pooled output and each segment's inputs
+        (which the backward's update reuses rather than derives again)."""
         num_features = len(self.feature_table_map)
         batch = (offsets.numel() - 1) // max(num_features, 1)
         out = torch.empty(batch, self.output_dim, device=self.weights.device)
         if batch == 0:
-            return out
+            return out, []
+        inputs = []
         ranges = self._id_ranges(offsets, batch)
         for segment, ids_range in zip(self._segments, ranges, strict=True):
             run = self._runs[segment.run]
             rows, bag_offsets, weights = self._segment_inputs(
                 segment, batch, ids_range, indices, offsets, per_sample_weights
             )
+            inputs.append((rows, bag_offsets, weights))
             matrix = self._run_matrix(run)
             if matrix.dtype != torch.float32:  # pool in fp32: gather the distinct rows first
                 distinct, rows = torch.unique(rows, return_inverse=True)
@@ -400,30 +404,20 @@ class TorchTableBatchedEmbedding(nn.Module):
             out[:, segment.col_start : segment.col_start + count * run.dim] = (
                 pooled.view(count, batch, run.dim).transpose(0, 1).reshape(batch, count * run.dim)
             )
-        return out
+        return out, inputs
 
     @torch.no_grad()
-    def update(
-        self,
-        grad_output: torch.Tensor,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        per_sample_weights: torch.Tensor | None,
-    ) -> None:
-        """The fused optimizer step for the output gradient ``grad_output`` ``(B, output_dim)``."""
-        num_features = len(self.feature_table_map)
-        batch = (offsets.numel() - 1) // max(num_features, 1)
-        if batch == 0:
+    def update(self, grad_output: torch.Tensor, inputs: list[_SegmentInputs]) -> None:
+        """The fused optimizer step for the output gradient ``grad_output`` ``(B, output_dim)``
+        of a lookup whose segments' inputs were ``inputs``."""
+        if not inputs:  # a batch of no samples
             return
+        batch = grad_output.shape[0]
         # Per run: its ids' rows, bag (into the run's stacked bag gradients), scale; the bags'
         # gradients.
         per_run: dict[int, list[list[torch.Tensor | None]]] = {}
-        ranges = self._id_ranges(offsets, batch)
-        for segment, ids_range in zip(self._segments, ranges, strict=True):
+        for segment, (rows, bag_offsets, weights) in zip(self._segments, inputs, strict=True):
             run = self._runs[segment.run]
-            rows, bag_offsets, weights = self._segment_inputs(
-                segment, batch, ids_range, indices, offsets, per_sample_weights
-            )
             count = segment.end_feature - segment.first_feature
             grad = grad_output[:, segment.col_start : segment.col_start + count * run.dim]
             grad = grad.float().reshape(batch, count, run.dim).transpose(0, 1).reshape(-1, run.dim)
@@ -507,12 +501,12 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, tbe, indices, offsets, per_sample_weights):
+        out, ctx.inputs = tbe.lookup(indices, offsets, per_sample_weights)
         ctx.tbe = tbe
-        ctx.save_for_backward(indices, offsets, per_sample_weights)
-        return tbe.lookup(indices, offsets, per_sample_weights)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        indices, offsets, per_sample_weights = ctx.saved_tensors
-        ctx.tbe.update(grad_output, indices, offsets, per_sample_weights)
+        ctx.tbe.update(grad_output, ctx.inputs)
+        ctx.inputs = None
         return None, None, None, None, None
