@@ -278,15 +278,6 @@ class Trainer:
                 "training.learning_rate or sharding.learning_rate)"
             )
 
-    def _lockstep(
-        self,
-        batches: Iterable[Batch],
-        empty: Batch | None = None,
-        errors: list[str] | None = None,
-    ) -> Iterator[Batch]:
-        """Yields batches while any rank has one (see :class:`Lockstep`)."""
-        return Lockstep(device=self.device, rank=self.rank)(batches, empty, errors)
-
     @torch.no_grad()
     def evaluate(
         self,
@@ -296,11 +287,12 @@ class Trainer:
     ) -> dict[str, float]:
         """Metrics of the model on ``batches`` over all ranks (prefix ``eval/``); ``empty`` is
         an empty batch for a rank without data, ``errors`` collects reading errors instead of
-        raising them (see :meth:`_lockstep`)."""
+        raising them (see :class:`Lockstep`)."""
         self.model.eval()
         buffer = PredictionBuffer()
         limit = self.spec.training.max_eval_batches
-        for i, batch in enumerate(self._lockstep(batches, empty, errors)):
+        stream = Lockstep(device=self.device, rank=self.rank)
+        for i, batch in enumerate(stream(batches, empty, errors)):
             buffer.add(self.model(batch), batch.labels)
             if limit is not None and i + 1 >= limit:
                 break
@@ -332,7 +324,12 @@ class Trainer:
             stream.close()
 
     def _fit(
-        self, train_data: Any, eval_data: Any | None, *, report: Any, stream: Lockstep
+        self,
+        train_data: BatchSource,
+        eval_data: BatchSource | None,
+        *,
+        report: Any,
+        stream: Lockstep,
     ) -> dict[str, Any]:
         cfg = self.spec.training
         window = PredictionBuffer()  # predictions since the last report
