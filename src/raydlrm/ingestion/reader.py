@@ -128,10 +128,6 @@ class EpochProgress:
             self.consumed[i] = self.consumed.get(i, 0) + n
             self.totals[i] = total
 
-    def advance(self, table: pa.Table) -> None:
-        """Counts the rows of a batch (a table with the row-group columns) as trained."""
-        self.add(self.rows_of(table))
-
     def finished(self) -> set[int]:
         return {i for i, n in self.consumed.items() if n >= self.totals.get(i, n + 1)}
 
