@@ -170,7 +170,7 @@ def test_wukong_factorization_machine_is_the_low_rank_projection_of_all_dot_prod
         ({"arch": "wukong", "wukong_fm_mlp": [0]}, r"model\.wukong_fm_mlp must be positive"),
         (
             {"arch": "dhen", "dhen_layers": [["dot", "mlp"]]},
-            r"model\.dhen_layers\[0\] names unknown modules \['mlp'\]",
+            r"dhen_layers\.0\.1\s+Input should be 'dot', .* input_value='mlp'",
         ),
         ({"arch": "dhen", "dhen_layers": [[]]}, r"model\.dhen_layers must be non-empty"),
         ({"arch": "dhen", "dhen_attention_heads": 3}, r"model\.dhen_attention_heads \(3\) must"),

@@ -7,7 +7,9 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-DHEN_MODULES = ("dot", "cross", "attention", "linear", "conv")
+__all__ = ["DhenModule", "ModelConfig"]
+
+DhenModule = Literal["dot", "cross", "attention", "linear", "conv"]
 """The interaction modules a DHEN layer can hold (:mod:`raydlrm.models.dhen`)."""
 
 
@@ -25,7 +27,8 @@ class ModelConfig:
     embedding_dim: int = 16
     """Dimension of every embedding table (a multiple of 4, as fbgemm's kernels require)."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
-    """Bottom MLP layer sizes; for ``dlrm`` the last must equal ``embedding_dim``."""
+    """Bottom MLP layer sizes; the last must equal ``embedding_dim`` for ``dlrm`` and be a multiple
+    of it for ``wukong`` and ``dhen``."""
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])
     """Top MLP hidden sizes (a final 1-unit logit layer is added)."""
     dcn_num_layers: int = 3
@@ -42,7 +45,7 @@ class ModelConfig:
     """``k``: rank of the factorization machine's low-rank projection (``wukong``)."""
     wukong_fm_mlp: list[int] = field(default_factory=lambda: [64])
     """Hidden sizes of each factorization machine block's MLP (``wukong``)."""
-    dhen_layers: list[list[str]] = field(
+    dhen_layers: list[list[DhenModule]] = field(
         default_factory=lambda: [["dot", "cross", "attention", "linear", "conv"]] * 2
     )
     """Each DHEN layer's interaction modules: ``dot``, ``cross``, ``attention``, ``linear``,
@@ -81,19 +84,10 @@ class ModelConfig:
             raise ValueError(
                 f"model.wukong_fm_mlp must be positive sizes, got {self.wukong_fm_mlp}"
             )
-        from raydlrm.models.dhen import DHEN_MODULES
-
         if not self.dhen_layers or any(not modules for modules in self.dhen_layers):
             raise ValueError(
                 f"model.dhen_layers must be non-empty lists of modules, got {self.dhen_layers}"
             )
-        for i, modules in enumerate(self.dhen_layers):
-            unknown = sorted(set(modules) - set(DHEN_MODULES))
-            if unknown:
-                raise ValueError(
-                    f"model.dhen_layers[{i}] names unknown modules {unknown} (known: "
-                    f"{', '.join(DHEN_MODULES)})"
-                )
         if self.dhen_attention_heads <= 0 or self.embedding_dim % self.dhen_attention_heads:
             raise ValueError(
                 f"model.dhen_attention_heads ({self.dhen_attention_heads}) must be positive and "

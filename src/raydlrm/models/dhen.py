@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydlrm.models.config import DHEN_MODULES
-from raydlrm.models.layers import CrossNet, VectorStack
-from raydlrm.models.wukong import LinearCompressBlock
+from raydlrm.models.config import DhenModule
+from raydlrm.models.layers import CrossNet, FeatureVectors, LinearCompressBlock, VectorStack, mlp
 
-__all__ = ["DHEN_MODULES", "DHENDense", "DHENLayer"]
+__all__ = ["DHENDense", "DHENLayer"]
 
 
 class _Dot(nn.Module):
@@ -85,7 +84,7 @@ class _Conv(nn.Module):
         return self.conv(x)
 
 
-_MODULE_CLASSES = {
+_MODULE_CLASSES: dict[DhenModule, type[nn.Module]] = {
     "dot": _Dot,
     "cross": _Cross,
     "attention": _Attention,
@@ -100,21 +99,28 @@ class DHENLayer(nn.Module):
     Args:
         n: vectors per sample.
         dim: their dimension.
-        modules: the ensemble's module names (:data:`DHEN_MODULES`).
+        modules: the ensemble's module names.
         ensemble: ``concat`` or ``sum``.
         low_rank: rank of the ``cross`` module.
         heads: attention heads of the ``attention`` module.
     """
 
     def __init__(
-        self, *, n: int, dim: int, modules: list[str], ensemble: str, low_rank: int, heads: int
+        self,
+        *,
+        n: int,
+        dim: int,
+        modules: list[DhenModule],
+        ensemble: str,
+        low_rank: int,
+        heads: int,
     ):
         super().__init__()
         self.blocks = nn.ModuleList(
             _MODULE_CLASSES[name](n, dim, low_rank=low_rank, heads=heads) for name in modules
         )
         self.combine = (
-            LinearCompressBlock(n * len(modules), n)
+            LinearCompressBlock(n * len(modules), n_out=n)
             if ensemble == "concat" and len(modules) > 1
             else None
         )
@@ -153,13 +159,19 @@ class DHENDense(VectorStack):
         embedding_dim: int,
         bottom_mlp: list[int],
         top_mlp: list[int],
-        layers: list[list[str]],
+        layers: list[list[DhenModule]],
         ensemble: str,
         low_rank: int,
         heads: int,
     ):
-        def make_layers(n: int) -> tuple[list[nn.Module], int]:
-            layer_list: list[nn.Module] = [
+        vectors = FeatureVectors(
+            num_dense=num_dense, num_sparse=num_sparse, dim=embedding_dim, bottom_mlp=bottom_mlp
+        )
+        # A DHEN layer keeps its input's shape: every layer and the top MLP see n vectors.
+        n = vectors.count
+        super().__init__(
+            vectors,
+            layers=[
                 DHENLayer(
                     n=n,
                     dim=embedding_dim,
@@ -169,15 +181,6 @@ class DHENDense(VectorStack):
                     heads=heads,
                 )
                 for modules in layers
-            ]
-            return layer_list, n
-
-        super().__init__(
-            model="DHEN",
-            num_dense=num_dense,
-            num_sparse=num_sparse,
-            embedding_dim=embedding_dim,
-            bottom_mlp=bottom_mlp,
-            top_mlp=top_mlp,
-            make_layers=make_layers,
+            ],
+            top=mlp([n * embedding_dim, *top_mlp, 1], final_activation=False),
         )

@@ -26,7 +26,7 @@ from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.models.layers import CrossNet, mlp
 from raydlrm.models.wukong import WukongDense
 
-__all__ = ["CrossNet", "DCNv2Dense", "DLRMDense", "RecModel", "build_model", "mlp"]
+__all__ = ["DCNv2Dense", "DLRMDense", "RecModel", "build_model"]
 
 
 class DLRMDense(nn.Module):
@@ -152,41 +152,57 @@ def build_model(
     Raises:
         ValueError: if a table's dim differs from ``model.embedding_dim``.
     """
-    for t in tables:
-        if t.embedding_dim != config.embedding_dim:
-            raise ValueError(
-                f"table {t.name}: embedding_dim {t.embedding_dim} != model.embedding_dim "
-                f"{config.embedding_dim}"
-            )
+    _check_table_dims(tables, embedding_dim=config.embedding_dim)
     embedding_bags = EmbeddingBagCollection(
         tables, device=device if embedding_device is None else embedding_device, seed=seed
     )
-    # The arch's own knobs beside the sizes every dense side takes.
-    knobs: dict[str, dict] = {
-        "dlrm": {},
-        "dcnv2": {"num_layers": config.dcn_num_layers, "low_rank": config.dcn_low_rank},
-        "wukong": {
-            "num_layers": config.wukong_num_layers,
-            "num_fm": config.wukong_num_fm,
-            "num_lc": config.wukong_num_lc,
-            "rank": config.wukong_rank,
-            "fm_mlp": config.wukong_fm_mlp,
-        },
-        "dhen": {
-            "layers": config.dhen_layers,
-            "ensemble": config.dhen_ensemble,
-            "low_rank": config.dcn_low_rank,
-            "heads": config.dhen_attention_heads,
-        },
-    }
-    dense_class = {"dlrm": DLRMDense, "dcnv2": DCNv2Dense, "wukong": WukongDense, "dhen": DHENDense}
     with torch.device(device):
-        dense = dense_class[config.arch](
+        dense = _DENSE_CLASSES[config.arch](
             num_dense=num_dense,
             num_sparse=len(embedding_bags.feature_names),
             embedding_dim=config.embedding_dim,
             bottom_mlp=config.bottom_mlp,
             top_mlp=config.top_mlp,
-            **knobs[config.arch],
+            **_arch_knobs(config),
         )
     return RecModel(embedding_bags, dense)
+
+
+_DENSE_CLASSES: dict[str, type[nn.Module]] = {
+    "dlrm": DLRMDense,
+    "dcnv2": DCNv2Dense,
+    "wukong": WukongDense,
+    "dhen": DHENDense,
+}
+
+
+def _check_table_dims(tables: list[EmbeddingBagConfig], *, embedding_dim: int) -> None:
+    """Raises ``ValueError`` naming the first table whose dim is not ``embedding_dim``."""
+    for t in tables:
+        if t.embedding_dim != embedding_dim:
+            raise ValueError(
+                f"table {t.name}: embedding_dim {t.embedding_dim} != model.embedding_dim "
+                f"{embedding_dim}"
+            )
+
+
+def _arch_knobs(config: ModelConfig) -> dict[str, object]:
+    """The keyword arguments of ``config.arch``'s dense class beyond the sizes all of them take."""
+    if config.arch == "dcnv2":
+        return {"num_layers": config.dcn_num_layers, "low_rank": config.dcn_low_rank}
+    if config.arch == "wukong":
+        return {
+            "num_layers": config.wukong_num_layers,
+            "num_fm": config.wukong_num_fm,
+            "num_lc": config.wukong_num_lc,
+            "rank": config.wukong_rank,
+            "fm_mlp": config.wukong_fm_mlp,
+        }
+    if config.arch == "dhen":
+        return {
+            "layers": config.dhen_layers,
+            "ensemble": config.dhen_ensemble,
+            "low_rank": config.dcn_low_rank,
+            "heads": config.dhen_attention_heads,
+        }
+    return {}  # dlrm: the sizes are all it takes

@@ -1,7 +1,8 @@
 """Unsharded embedding-bag collection: the sparse part of a model, written without parallelism.
 
-``raydlrm.sharding`` turns an :class:`EmbeddingBagCollection` into its sharded, fbgemm-backed
-form; the unsharded module is the reference in parity tests and what exported models run.
+``raydlrm.sharding`` turns an :class:`EmbeddingBagCollection` into its sharded form (looked up by
+fbgemm's kernel or its PyTorch equivalent, ``sharding.kernel``); the unsharded module is the
+reference in parity tests and what exported models run.
 Tables are plain parameters (one ``(num_embeddings, embedding_dim)`` tensor per table), so the
 module can be built on the meta device when the tables are too large for one host.
 

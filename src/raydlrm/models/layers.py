@@ -1,15 +1,15 @@
-"""Building blocks the dense arches share: MLPs, DCNv2's low-rank cross layers, and the
-vectors Wukong and DHEN interact."""
+"""Building blocks the dense arches share: MLPs, DCNv2's low-rank cross layers, the linear
+compress block (Wukong, DHEN) and the stack of layers over embedding-wide vectors that Wukong and
+DHEN are built from."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["CrossNet", "FeatureVectors", "mlp"]
+__all__ = ["CrossNet", "FeatureVectors", "LinearCompressBlock", "VectorStack", "mlp"]
 
 
 def mlp(sizes: list[int], *, final_activation: bool) -> nn.Sequential:
@@ -46,23 +46,32 @@ class CrossNet(nn.Module):
         return x
 
 
+class LinearCompressBlock(nn.Module):
+    """``n_out`` learned linear combinations of ``n_in`` vectors: ``(B, n_in, D) -> (B, n_out,
+    D)``."""
+
+    def __init__(self, n_in: int, *, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        nn.init.xavier_uniform_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("on,bnd->bod", self.weight, x)
+
+
 class FeatureVectors(nn.Module):
     """The dense features through the bottom MLP, cut into ``dim``-wide vectors, then the
     pooled embeddings: ``(B, n, dim)`` with ``n = bottom_mlp[-1] / dim + num_sparse``.
 
-    Raises:
-        ValueError: ``bottom_mlp[-1]`` is not a multiple of ``dim`` (naming ``model``, the arch).
+    Args:
+        num_dense: dense input features.
+        num_sparse: ``F``, pooled embeddings per sample.
+        dim: ``D``; ``bottom_mlp[-1]`` must be a multiple of it (``ModelConfig`` checks it).
+        bottom_mlp: bottom MLP sizes (without the input size).
     """
 
-    def __init__(
-        self, *, model: str, num_dense: int, num_sparse: int, dim: int, bottom_mlp: list[int]
-    ):
+    def __init__(self, *, num_dense: int, num_sparse: int, dim: int, bottom_mlp: list[int]):
         super().__init__()
-        if bottom_mlp[-1] % dim:
-            raise ValueError(
-                f"{model}'s bottom MLP must end at a multiple of embedding_dim={dim}, "
-                f"got {bottom_mlp}"
-            )
         self.dim = dim
         self.count = bottom_mlp[-1] // dim + num_sparse
         self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
@@ -77,38 +86,20 @@ class VectorStack(nn.Module):
     :class:`FeatureVectors` (``n`` of them), a stack of layers, each ``(B, n_i, D) -> (B,
     n_{i+1}, D)``, and a top MLP on the flattened last vectors to the logit.
 
+    The caller creates the parts in this order (vectors, layers, top), which is the order a
+    seeded initialization draws their weights in.
+
     Args:
-        model: the arch's name (for errors).
-        num_dense: dense input features.
-        num_sparse: ``F``, pooled embeddings per sample.
-        embedding_dim: ``D``; ``bottom_mlp[-1]`` must be a multiple of it.
-        bottom_mlp: bottom MLP sizes (without the input size).
-        top_mlp: top MLP hidden sizes (a 1-unit logit layer is appended).
-        make_layers: the vectors' count ``n`` -> the layers and the count they end with.
+        vectors: the input vectors.
+        layers: the stack, applied in order.
+        top: the top MLP, from the flattened last ``n_L * D`` to one logit.
     """
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        num_dense: int,
-        num_sparse: int,
-        embedding_dim: int,
-        bottom_mlp: list[int],
-        top_mlp: list[int],
-        make_layers: Callable[[int], tuple[list[nn.Module], int]],
-    ):
+    def __init__(self, vectors: FeatureVectors, *, layers: list[nn.Module], top: nn.Module):
         super().__init__()
-        self.vectors = FeatureVectors(
-            model=model,
-            num_dense=num_dense,
-            num_sparse=num_sparse,
-            dim=embedding_dim,
-            bottom_mlp=bottom_mlp,
-        )
-        layers, count = make_layers(self.vectors.count)
+        self.vectors = vectors
         self.layers = nn.Sequential(*layers)
-        self.top = mlp([count * embedding_dim, *top_mlp, 1], final_activation=False)
+        self.top = top
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Logits of shape ``(B,)`` from dense ``B x num_dense`` and pooled ``B x (F * D)``."""

@@ -26,22 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydlrm.models.layers import VectorStack, mlp
+from raydlrm.models.layers import FeatureVectors, LinearCompressBlock, VectorStack, mlp
 
-__all__ = ["FactorizationMachineBlock", "LinearCompressBlock", "WukongDense", "WukongLayer"]
-
-
-class LinearCompressBlock(nn.Module):
-    """``n_out`` learned linear combinations of ``n_in`` vectors: ``(B, n_in, D) -> (B, n_out,
-    D)``."""
-
-    def __init__(self, n_in: int, n_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_out, n_in))
-        nn.init.xavier_uniform_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("on,bnd->bod", self.weight, x)
+__all__ = ["FactorizationMachineBlock", "WukongDense", "WukongLayer"]
 
 
 class FactorizationMachineBlock(nn.Module):
@@ -82,8 +69,8 @@ class WukongLayer(nn.Module):
         self.fmb = FactorizationMachineBlock(
             n_in=n_in, n_out=num_fm, dim=dim, rank=rank, hidden=fm_mlp
         )
-        self.lcb = LinearCompressBlock(n_in, num_lc)
-        self.residual = None if n_in == n_out else LinearCompressBlock(n_in, n_out)
+        self.lcb = LinearCompressBlock(n_in, n_out=num_lc)
+        self.residual = None if n_in == n_out else LinearCompressBlock(n_in, n_out=n_out)
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,28 +109,25 @@ class WukongDense(VectorStack):
         rank: int,
         fm_mlp: list[int],
     ):
-        def make_layers(n: int) -> tuple[list[nn.Module], int]:
-            layers: list[nn.Module] = []
-            for _ in range(num_layers):
-                layers.append(
-                    WukongLayer(
-                        n_in=n,
-                        dim=embedding_dim,
-                        num_fm=num_fm,
-                        num_lc=num_lc,
-                        rank=rank,
-                        fm_mlp=fm_mlp,
-                    )
+        vectors = FeatureVectors(
+            num_dense=num_dense, num_sparse=num_sparse, dim=embedding_dim, bottom_mlp=bottom_mlp
+        )
+        layers: list[nn.Module] = []
+        n = vectors.count
+        for _ in range(num_layers):
+            layers.append(
+                WukongLayer(
+                    n_in=n,
+                    dim=embedding_dim,
+                    num_fm=num_fm,
+                    num_lc=num_lc,
+                    rank=rank,
+                    fm_mlp=fm_mlp,
                 )
-                n = num_fm + num_lc
-            return layers, n
-
+            )
+            n = num_fm + num_lc
         super().__init__(
-            model="Wukong",
-            num_dense=num_dense,
-            num_sparse=num_sparse,
-            embedding_dim=embedding_dim,
-            bottom_mlp=bottom_mlp,
-            top_mlp=top_mlp,
-            make_layers=make_layers,
+            vectors,
+            layers=layers,
+            top=mlp([n * embedding_dim, *top_mlp, 1], final_activation=False),
         )
