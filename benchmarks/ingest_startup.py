@@ -1,18 +1,28 @@
 """Time to first batch of every pass over a data set, before and after the start-up fixes.
 
-Mirrors a Ray Train job: a local Ray cluster, ``build_dataset`` for a train and an eval set,
-``streaming_split(2, equal=True)`` consumed by 2 actors of 0.5 CPU (the train workers), several
-epochs over the train split and a few passes over the eval split. Each variant runs in its own
-process with its own Ray cluster (the settings must be in place before ``ray.init``) and is
-repeated; the table shows medians.
+Mirrors a Ray Train job: a local Ray cluster, 2 actors of 0.5 CPU (the train workers) that each
+read their share of a train and an eval set, several epochs over the train set and a few passes
+over the eval set. Each variant runs in its own process with its own Ray cluster (the settings
+must be in place before ``ray.init``) and is repeated; the table shows medians.
 
 Variants:
 
-- ``before``: the pipeline as it was: a fixed pool of ``default_num_actors()`` preprocessing
+- ``before``: the pipeline as it was: ``ray.data.read_parquet`` split between the workers by
+  ``streaming_split(2, equal=True)``, a fixed pool of ``default_num_actors()`` preprocessing
   actors, Ray Data's default 32 Parquet footer-reader actors per pass, and a ``Preprocessor``
   whose import pulls torch and ``ray.data`` into every actor (the eager ``raydlrm.ingestion``).
-- ``after``: :func:`raydlrm.ingestion.build_dataset` and the environment of
-  :func:`raydlrm.platform.launch._init_ray` as they are now.
+- ``after``: the reader path training uses now, with the environment of
+  :func:`raydlrm.platform.launch._init_ray` (``LOCAL_RAY_ENV``): the driver validates the
+  footers and each worker holds a :class:`raydlrm.ingestion.reader.WorkerSource` built as
+  :func:`raydlrm.trainers.loop.train_loop_per_worker` builds it (its preprocessing actors are the
+  cluster's share per worker, as ``raydlrm.platform.launch`` sizes them); every pass deals the
+  row groups anew and starts one actor pool per worker, which grows from one actor. A worker
+  without row groups in a pass (at the default sizes the eval set is one row group) finishes
+  it at once; the table shows the slowest worker.
+
+Until the reshape of ``raydlrm.ingestion``, ``after`` measured ``build_dataset`` (Ray Data's
+``read_parquet`` through a growing actor pool, split by ``streaming_split``), which was removed
+as no job used it; its figures in ``benchmarks/RESULTS.md`` are of that path.
 
 Usage::
 
@@ -31,10 +41,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raydlrm.ingestion.config import DataConfig
 
 BATCH_SIZE = 500
 TABLE_SIZE = 2000
 LEGACY_ENV = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "32"}  # Ray Data's default
+NUM_WORKERS = 2
+SEED = 0  # the job's seed (``training.seed``): it seeds the shuffle of the train passes
 
 
 def _make_data(root: Path, train_rows: int, eval_rows: int) -> None:
@@ -56,12 +72,11 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
     if variant == "before":
         os.environ.update(LEGACY_ENV)
     else:
-        from raydlrm.platform.launch import _LOCAL_RAY_ENV
+        from raydlrm.platform.launch import LOCAL_RAY_ENV
 
-        for name, value in _LOCAL_RAY_ENV.items():
+        for name, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
     import ray
-    import ray.data
 
     from raydlrm.ingestion.config import DataConfig
 
@@ -73,53 +88,110 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
         log_to_driver=False,
     )
     config = DataConfig(batch_size=BATCH_SIZE, table_size=TABLE_SIZE)
-
-    if variant == "before":
-        from raydlrm.ingestion.dataset import default_num_actors
-        from raydlrm.ingestion.preprocess import Preprocessor
-        from raydlrm.ingestion.schema import validate_data
-
-        class EagerPreprocessor(Preprocessor):
-            """The old import structure: unpickling Preprocessor imported torch and ray.data."""
-
-            def __init__(self, config: DataConfig) -> None:
-                import ray.data  # noqa: F401
-                import torch  # noqa: F401
-
-                super().__init__(config)
-
-        def build(path: str) -> ray.data.Dataset:
-            summary = validate_data(path, config)
-            columns = [config.label_column, *config.dense_columns, *config.sparse_columns]
-            if "sample_id" in summary.schema.names:
-                columns.append("sample_id")
-            return ray.data.read_parquet(path, columns=columns).map_batches(
-                EagerPreprocessor,
-                fn_constructor_kwargs={"config": config},
-                batch_format="pyarrow",
-                batch_size=config.preprocess_batch_size,
-                compute=ray.data.ActorPoolStrategy(size=default_num_actors()),
-                num_cpus=0.5,
+    sources = _before_sources if variant == "before" else _after_sources
+    consumers = [_consumer_class().remote(config) for _ in range(NUM_WORKERS)]
+    passes = []
+    for role, path, count in (
+        ("train", f"{data}/train", epochs),
+        ("eval", f"{data}/eval", eval_passes),
+    ):
+        # Each worker holds its source over the passes, as a training worker holds its own.
+        held = sources(path, config=config, role=role)
+        ray.get([c.hold.remote(s) for c, s in zip(consumers, held, strict=True)])
+        for i in range(count):
+            results = ray.get([c.consume.remote() for c in consumers])
+            rest = max(r["rest"] for r in results)
+            rows = sum(r["rows"] for r in results)
+            passes.append(
+                {
+                    "pass": f"{role}{i}",
+                    "ttfb": max(r["ttfb"] for r in results),
+                    "rows_per_s": rows / rest if rest > 0 else float("nan"),
+                }
             )
-    else:
-        from raydlrm.ingestion import build_dataset
+    ray.shutdown()
+    return {"variant": variant, "passes": passes}
 
-        def build(path: str) -> ray.data.Dataset:
-            return build_dataset(path, config)
+
+def _before_sources(path: str, *, config: DataConfig, role: str) -> list:
+    """The old pipeline's per-worker iterators: ``read_parquet`` through a fixed actor pool of
+    an eagerly importing ``Preprocessor``, split by ``streaming_split``."""
+    import ray.data
+
+    from raydlrm.ingestion.preprocess import Preprocessor
+    from raydlrm.ingestion.reader import default_num_actors
+    from raydlrm.ingestion.schema import validate_data
+
+    class EagerPreprocessor(Preprocessor):
+        """The old import structure: unpickling Preprocessor imported torch and ray.data."""
+
+        def __init__(self, config: DataConfig) -> None:
+            import ray.data  # noqa: F401
+            import torch  # noqa: F401
+
+            super().__init__(config)
+
+    summary = validate_data(path, config, role=role)
+    columns = [config.label_column, *config.dense_columns, *config.sparse_columns]
+    if "sample_id" in summary.schema.names:
+        columns.append("sample_id")
+    dataset = ray.data.read_parquet(path, columns=columns).map_batches(
+        EagerPreprocessor,
+        fn_constructor_kwargs={"config": config},
+        batch_format="pyarrow",
+        batch_size=config.preprocess_batch_size,
+        compute=ray.data.ActorPoolStrategy(size=default_num_actors()),
+        num_cpus=0.5,
+    )
+    return dataset.streaming_split(NUM_WORKERS, equal=True)
+
+
+def _after_sources(path: str, *, config: DataConfig, role: str) -> list:
+    """Every worker's ``WorkerSource``, as the driver describes the data set
+    (``raydlrm.platform.launch._source``) and each worker builds its own
+    (``raydlrm.trainers.loop.train_loop_per_worker``)."""
+    from raydlrm.ingestion.reader import WorkerSource, default_num_actors
+    from raydlrm.ingestion.schema import validate_data
+
+    summary = validate_data(path, config, role=role)
+    actors = config.num_preprocess_actors or default_num_actors()
+    return [
+        WorkerSource(
+            summary.row_groups,
+            config,
+            source_path=summary.path,
+            rank=rank,
+            world_size=NUM_WORKERS,
+            seed=SEED,
+            shuffle=role == "train",
+            num_actors=max(1, actors // NUM_WORKERS),
+            schema=summary.schema,
+        )
+        for rank in range(NUM_WORKERS)
+    ]
+
+
+def _consumer_class():
+    """A train worker's stand-in: it holds its data source and times each pass over it."""
+    import ray
 
     @ray.remote(num_cpus=0.5)
     class Consumer:
-        def ready(self) -> bool:
-            return True
+        def __init__(self, config: DataConfig) -> None:
+            self.config = config
+            self.source = None
 
-        def consume(self, iterator) -> dict:
+        def hold(self, source) -> None:
+            self.source = source
+
+        def consume(self) -> dict:
             start = time.perf_counter()
             first = None
             rows = 0
-            for table in iterator.iter_batches(
+            for table in self.source.iter_batches(
                 batch_size=BATCH_SIZE,
                 batch_format="pyarrow",
-                prefetch_batches=config.prefetch_batches,
+                prefetch_batches=self.config.prefetch_batches,
             ):
                 if first is None:
                     first = time.perf_counter()
@@ -128,27 +200,7 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
             first = end if first is None else first
             return {"ttfb": first - start, "rest": end - first, "rows": rows}
 
-    consumers = [Consumer.remote() for _ in range(2)]
-    ray.get([c.ready.remote() for c in consumers])
-    passes = []
-    for name, path, count in (
-        ("train", f"{data}/train", epochs),
-        ("eval", f"{data}/eval", eval_passes),
-    ):
-        splits = build(path).streaming_split(2, equal=True)
-        for i in range(count):
-            results = ray.get([c.consume.remote(s) for c, s in zip(consumers, splits, strict=True)])
-            rest = max(r["rest"] for r in results)
-            rows = sum(r["rows"] for r in results)
-            passes.append(
-                {
-                    "pass": f"{name}{i}",
-                    "ttfb": max(r["ttfb"] for r in results),
-                    "rows_per_s": rows / rest if rest > 0 else float("nan"),
-                }
-            )
-    ray.shutdown()
-    return {"variant": variant, "passes": passes}
+    return Consumer
 
 
 def main() -> None:

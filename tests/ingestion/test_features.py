@@ -17,7 +17,7 @@ from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.ingestion.preprocess import compute_dense_stats, hash_strings, mix64
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.models import ModelConfig
-from raydlrm.trainers.spec import tables_for
+from raydlrm.trainers.spec import WorkerSpec
 
 
 def _config(**overrides) -> DataConfig:
@@ -97,7 +97,8 @@ def test_shared_tables_and_sizes() -> None:
         sparse_specs={"item2": {"table": "items"}, "item": {"table": "items"}},
         table_sizes={"items": 50, "user": 7},
     )
-    tables = tables_for(config, ModelConfig(embedding_dim=8, bottom_mlp=[16, 8]))
+    model = ModelConfig(embedding_dim=8, bottom_mlp=[16, 8])
+    tables = WorkerSpec(data=config, model=model).tables()
     assert [(t.name, t.num_embeddings, t.feature_names) for t in tables] == [
         ("t_user", 7, ("user",)),
         ("items", 50, ("item", "item2")),

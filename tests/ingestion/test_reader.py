@@ -3,6 +3,7 @@ sessions kept whole, reproducible across runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from pathlib import Path
@@ -12,14 +13,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raydlrm.ingestion import DataConfig, SyntheticConfig, generate_synthetic, validate_data
+from raydlrm.ingestion import (
+    DataConfig,
+    Preprocessor,
+    SyntheticConfig,
+    generate_synthetic,
+    iter_train_batches,
+    validate_data,
+)
 from raydlrm.ingestion.reader import (
     EpochProgress,
     WorkerSource,
     _session_order,
     assign_row_groups,
 )
-from raydlrm.ingestion.schema import RowGroup
+from raydlrm.ingestion.schema import DataSummary, RowGroup
 
 
 def _groups(sizes: list[int]) -> list[RowGroup]:
@@ -116,6 +124,29 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "train"
 
 
+def _source(
+    summary: DataSummary,
+    *,
+    config: DataConfig,
+    rank: int,
+    world_size: int,
+    seed: int,
+    shuffle: bool,
+) -> WorkerSource:
+    """Worker ``rank``'s source over the row groups of ``summary``, on one preprocessing actor."""
+    return WorkerSource(
+        summary.row_groups,
+        config,
+        source_path=summary.path,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        shuffle=shuffle,
+        num_actors=1,
+        schema=summary.schema,
+    )
+
+
 def _epoch_ids(sources: list[WorkerSource]) -> list[list[int]]:
     """Every worker's sample ids of its next epoch, in order."""
     out = []
@@ -136,17 +167,7 @@ def test_two_workers_see_every_row_exactly_once_per_epoch(data: Path, ray_cluste
 
     def sources() -> list[WorkerSource]:
         return [
-            WorkerSource(
-                summary.row_groups,
-                config,
-                source_path=str(data),
-                rank=rank,
-                world_size=2,
-                seed=11,
-                shuffle=True,
-                num_actors=1,
-                schema=summary.schema,
-            )
+            _source(summary, config=config, rank=rank, world_size=2, seed=11, shuffle=True)
             for rank in range(2)
         ]
 
@@ -190,21 +211,34 @@ def test_two_workers_see_every_row_exactly_once_per_epoch(data: Path, ray_cluste
 def test_a_worker_without_row_groups_gets_an_empty_stream(data: Path, ray_cluster) -> None:
     config = DataConfig(train_path=str(data), eval_path=None, table_size=1000)
     summary = validate_data(str(data), config)
-    one = summary.row_groups[:1]
-    source = WorkerSource(
-        one,
-        config,
-        source_path=str(data),
-        rank=1,
-        world_size=2,
-        seed=0,
-        shuffle=False,
-        num_actors=1,
-        schema=summary.schema,
-    )
+    one = dataclasses.replace(summary, row_groups=summary.row_groups[:1])
+    source = _source(one, config=config, rank=1, world_size=2, seed=0, shuffle=False)
     assert list(source.iter_batches(batch_size=10)) == []
     empty = source.empty_table()
     assert empty.num_rows == 0 and "dense" in empty.column_names
+
+
+@pytest.mark.ray
+def test_worker_batches_hold_the_preprocessed_rows(data: Path, ray_cluster) -> None:
+    """A worker's source through ``iter_train_batches``, as training reads it: every row once,
+    in batches of at most ``batch_size``, holding what the preprocessor makes of the raw row."""
+    config = DataConfig(train_path=str(data), eval_path=None, table_size=1000, batch_size=256)
+    summary = validate_data(str(data), config)
+    source = _source(summary, config=config, rank=0, world_size=1, seed=5, shuffle=True)
+    batches = list(iter_train_batches(source, config=config))
+    assert all(b.batch_size <= 256 for b in batches)
+    ids = np.concatenate([b.sample_ids.numpy() for b in batches])
+    np.testing.assert_array_equal(np.sort(ids), np.arange(summary.num_rows))
+
+    expected = Preprocessor(config)(pq.read_table(data))
+    by_id = np.argsort(expected.column("sample_id").to_numpy())
+    first = batches[0]
+    rows = by_id[first.sample_ids.numpy()]
+    c1 = first.sparse.values[: first.batch_size].numpy()  # C1 holds one id per row
+    np.testing.assert_array_equal(c1, expected.column("C1").to_numpy()[rows])
+    np.testing.assert_array_equal(first.labels.numpy(), expected.column("label").to_numpy()[rows])
+    dense = expected.column("dense").combine_chunks().flatten().to_numpy().reshape(-1, 13)
+    np.testing.assert_allclose(first.dense.numpy(), dense[rows])
 
 
 def test_session_shuffle_depends_on_the_data_not_its_location(data: Path, tmp_path: Path) -> None:

@@ -69,18 +69,27 @@ class SyntheticConfig:
     """The hive partition key of ``partitions``."""
 
     def __post_init__(self) -> None:
-        if self.partitions:
-            files = -(-self.num_train_rows // max(1, self.rows_per_file))
-            if len(self.partitions) > files:
-                raise ValueError(
-                    f"synthetic.partitions: {len(self.partitions)} partitions need at least as "
-                    f"many training files, got {files} (lower synthetic.rows_per_file)"
-                )
-            if len(set(self.partitions)) != len(self.partitions):
-                raise ValueError("synthetic.partitions: values must be distinct")
-            bad = [v for v in self.partitions if not v or "/" in v or "=" in v]
-            if bad:
-                raise ValueError(f"synthetic.partitions: invalid partition values {bad}")
+        self._check_partitions()
+        self._check_sizes()
+        self._check_distributions()
+        self._check_interactions()
+
+    def _check_partitions(self) -> None:
+        if not self.partitions:
+            return
+        files = -(-self.num_train_rows // max(1, self.rows_per_file))
+        if len(self.partitions) > files:
+            raise ValueError(
+                f"synthetic.partitions: {len(self.partitions)} partitions need at least as "
+                f"many training files, got {files} (lower synthetic.rows_per_file)"
+            )
+        if len(set(self.partitions)) != len(self.partitions):
+            raise ValueError("synthetic.partitions: values must be distinct")
+        bad = [v for v in self.partitions if not v or "/" in v or "=" in v]
+        if bad:
+            raise ValueError(f"synthetic.partitions: invalid partition values {bad}")
+
+    def _check_sizes(self) -> None:
         for name in (
             "num_train_rows",
             "rows_per_file",
@@ -103,6 +112,8 @@ class SyntheticConfig:
                 "synthetic.num_user_features must be in [0, num_sparse - num_list_features], "
                 f"got {self.num_user_features}"
             )
+
+    def _check_distributions(self) -> None:
         if self.mean_session_length < 1:
             raise ValueError(
                 f"synthetic.mean_session_length must be >= 1, got {self.mean_session_length}"
@@ -117,6 +128,8 @@ class SyntheticConfig:
             raise ValueError(
                 f"synthetic.positive_rate must be in [0.01, 0.99], got {self.positive_rate}"
             )
+
+    def _check_interactions(self) -> None:
         bad_orders = [k for k in self.interaction_orders if not 2 <= k <= max(2, self.num_sparse)]
         if bad_orders:
             raise ValueError(

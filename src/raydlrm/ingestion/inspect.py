@@ -29,7 +29,8 @@ from raydlrm.storage import filesystem_for
 __all__ = ["inspect_data"]
 
 
-def _sample(path: str, data: DataConfig, files: list[str], max_rows: int) -> pa.Table:
+def _sample(path: str, *, data: DataConfig, files: list[str], max_rows: int) -> pa.Table:
+    """The first ``max_rows`` rows of ``files`` (in order), the input columns only."""
     filesystem = filesystem_for(path, data.storage)[0]
     columns = data.input_columns()
     tables, rows = [], 0
@@ -71,16 +72,13 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
     Raises:
         DataValidationError: the data set is missing or does not match the config.
     """
-    # Inspecting writes nothing: a broken file is reported (``fail``), not quarantined. Dense
-    # statistics do not matter here (dedup keys and hashed ids do not depend on them).
-    stats = {c: data.dense_stats.get(c, (0.0, 1.0)) for c in data.standardized_columns()}
-    config = dataclasses.replace(data, bad_input="fail", dense_stats={**data.dense_stats, **stats})
+    config = _inspecting(data)
     summary = validate_data(path, config, role="inspected")
     files = list(dict.fromkeys(g.file for g in summary.row_groups))
-    sample = _sample(path, data, files, max_rows)
+    sample = _sample(path, data=data, files=files, max_rows=max_rows)
     bad, _ = find_bad_rows(sample, data)
     processed = Preprocessor(config)(sample.filter(pa.array(~bad)))
-    out: dict[str, Any] = {
+    return {
         "path": path,
         "files": summary.num_files,
         "rows": summary.num_rows,
@@ -88,34 +86,63 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
         "sampled_rows": sample.num_rows,
         "bad_rows_in_sample": int(bad.sum()),
         "schema": {f.name: str(f.type) for f in summary.schema},
-        "label_rate": float(pc.mean(sample.column(data.label_column).cast(pa.float64())).as_py())
-        if sample.num_rows
-        else 0.0,
-        "sparse": {},
-        "dense": {},
-        "dedup": [],
+        "label_rate": _label_rate(sample, data=data),
+        "sparse": {
+            column: _sparse_report(column, data=data, sample=sample, processed=processed)
+            for column in data.sparse_columns
+        },
+        "dense": {column: _dense_report(sample.column(column)) for column in data.dense_columns},
+        "dedup": _dedup_report(processed, data=data),
     }
-    for column in data.sparse_columns:
-        raw = sample.column(column)
-        flat = _flat(raw)
-        hashed = _flat(processed.column(column))
-        lengths = pc.list_value_length(raw.combine_chunks()) if is_list(raw.type) else None
-        out["sparse"][column] = {
-            "table": data.table_of(column),
-            "nulls": raw.null_count + (flat.null_count if lengths is not None else 0),
-            "distinct_ids": pc.count_distinct(flat).as_py(),
-            "table_rows_used": pc.count_distinct(hashed).as_py(),
-            "table_size": data.table_size_of(column),
-            "mean_length": float(pc.mean(lengths).as_py() or 0.0) if lengths is not None else 1.0,
-        }
-    for column in data.dense_columns:
-        values = sample.column(column).cast(pa.float64()).combine_chunks()
-        finite = pc.is_finite(values)
-        out["dense"][column] = {
-            "nulls": values.null_count,
-            "non_finite": int(pc.sum(pc.invert(finite.fill_null(True))).as_py() or 0),
-        }
+
+
+def _inspecting(data: DataConfig) -> DataConfig:
+    """``data`` as inspection reads with it: failing on a broken file, with any dense stats."""
+    # Inspecting writes nothing: a broken file is reported (``fail``), not quarantined. Dense
+    # statistics do not matter here (dedup keys and hashed ids do not depend on them).
+    stats = {c: data.dense_stats.get(c, (0.0, 1.0)) for c in data.standardized_columns()}
+    return dataclasses.replace(data, bad_input="fail", dense_stats={**data.dense_stats, **stats})
+
+
+def _label_rate(sample: pa.Table, *, data: DataConfig) -> float:
+    if not sample.num_rows:
+        return 0.0
+    return float(pc.mean(sample.column(data.label_column).cast(pa.float64())).as_py())
+
+
+def _sparse_report(
+    column: str, *, data: DataConfig, sample: pa.Table, processed: pa.Table
+) -> dict[str, Any]:
+    """Nulls, distinct raw ids, table rows they hash to and mean list length of ``column``."""
+    raw = sample.column(column)
+    flat = _flat(raw)
+    hashed = _flat(processed.column(column))
+    lengths = pc.list_value_length(raw.combine_chunks()) if is_list(raw.type) else None
+    return {
+        "table": data.table_of(column),
+        "nulls": raw.null_count + (flat.null_count if lengths is not None else 0),
+        "distinct_ids": pc.count_distinct(flat).as_py(),
+        "table_rows_used": pc.count_distinct(hashed).as_py(),
+        "table_size": data.table_size_of(column),
+        "mean_length": float(pc.mean(lengths).as_py() or 0.0) if lengths is not None else 1.0,
+    }
+
+
+def _dense_report(column: pa.ChunkedArray) -> dict[str, int]:
+    """Null and non-finite (NaN, infinite) counts of a dense column."""
+    values = column.cast(pa.float64()).combine_chunks()
+    finite = pc.is_finite(values)
+    return {
+        "nulls": values.null_count,
+        "non_finite": int(pc.sum(pc.invert(finite.fill_null(True))).as_py() or 0),
+    }
+
+
+def _dedup_report(processed: pa.Table, *, data: DataConfig) -> list[dict[str, Any]]:
+    """Per dedup group, the mean ratio of rows to unique rows over batches of
+    ``data.batch_size`` consecutive rows."""
     batch = max(1, data.batch_size)
+    out = []
     for i, group in enumerate(data.dedup_groups):
         keys = processed.column(f"{DEDUP_PREFIX}{i}").to_numpy()
         ratios = [
@@ -123,7 +150,5 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
             for chunk in (keys[s : s + batch] for s in range(0, len(keys), batch))
             if len(chunk)
         ]
-        out["dedup"].append(
-            {"columns": list(group), "ratio": float(np.mean(ratios)) if ratios else 1.0}
-        )
+        out.append({"columns": list(group), "ratio": float(np.mean(ratios)) if ratios else 1.0})
     return out

@@ -197,7 +197,7 @@ def iter_train_batches(
 
     Args:
         iterator: a worker's :class:`WorkerSource` (training), a ``ray.data.DataIterator`` or a
-            ``ray.data.Dataset`` of preprocessed rows (e.g. from ``build_dataset``).
+            ``ray.data.Dataset`` of preprocessed rows.
         config: the data config (``batch_size``, ``prefetch_batches``, column names).
         track_rows: give each batch its rows per row group (``Batch.row_groups``, from the
             row-group columns, see ``raydlrm.ingestion.reader``), which the trainer counts as

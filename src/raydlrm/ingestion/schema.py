@@ -121,93 +121,134 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     Raises:
         DataValidationError: naming the path, file and column of the first problem found.
     """
+    fragments = _fragments(path, config=config, role=role)
+    scan = _scan(fragments, config=config, role=role)
+    schema = _schema_of_rows(scan, path=path, role=role)
+    _check_weight_shapes(schema, config=config, role=role)
+    _check_unhashed_ids(schema, config=config, role=role)
+    return DataSummary(
+        path=path,
+        num_rows=scan.num_rows,
+        num_files=len(fragments) - len(scan.quarantined),
+        schema=schema,
+        list_columns=[c for c in config.sparse_columns if is_list(schema.field(c).type)],
+        row_groups=scan.row_groups,
+        quarantined_files=scan.quarantined,
+    )
+
+
+@dataclass
+class _Scan:
+    """What the footers of a data set's files gave, over the files that passed."""
+
+    num_rows: int = 0
+    schema: pa.Schema | None = None  # the first passing file's
+    row_groups: list[RowGroup] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # of each quarantined file
+
+
+@dataclass(frozen=True)
+class _Footer:
+    """One file's Parquet footer and Arrow schema."""
+
+    metadata: pq.FileMetaData
+    schema: pa.Schema
+
+
+def _fragments(path: str, *, config: DataConfig, role: str) -> list[pads.ParquetFileFragment]:
+    """The Parquet files of the data set (the partitions of ``role``), unread."""
     try:
         filesystem, files = list_files(path, config.storage, config.partitions_for(role), role=role)
     except StorageError as exc:
         raise DataValidationError(str(exc)) from exc
     parquet = pads.ParquetFileFormat()
-    # Fragments read nothing until asked: an unreadable file is reported (or quarantined) below.
-    fragments = [parquet.make_fragment(f, filesystem=filesystem) for f in files]
+    # Fragments read nothing until asked: an unreadable file is reported (or quarantined) when
+    # _scan reads its footer.
+    return [parquet.make_fragment(f, filesystem=filesystem) for f in files]
 
-    expected = [
+
+def _expected_columns(config: DataConfig) -> list[tuple[str, str]]:
+    """``(column, kind)`` of every column a file must have: label, dense, sparse, weights."""
+    weights = (config.weight_column_of(c) for c in config.sparse_columns)
+    return [
         (config.label_column, "label"),
         *((c, "dense") for c in config.dense_columns),
         *((c, "sparse") for c in config.sparse_columns),
-        *(
-            (w, "weight")
-            for w in (config.weight_column_of(c) for c in config.sparse_columns)
-            if w is not None
-        ),
+        *((w, "weight") for w in weights if w is not None),
     ]
-    num_rows = 0
-    first_schema: pa.Schema | None = None
-    row_groups: list[RowGroup] = []
-    quarantined: list[str] = []
-    reasons: list[str] = []
+
+
+def _scan(fragments: list[pads.ParquetFileFragment], *, config: DataConfig, role: str) -> _Scan:
+    """Checks every file's footer; a bad file fails the check, or is set aside under
+    ``data.bad_input = "quarantine"``."""
+    expected = _expected_columns(config)
+    scan = _Scan()
     for fragment in fragments:
         try:
-            metadata, schema = _check_file(fragment, expected, role=role)
+            footer = _check_file(fragment, expected, role=role)
         except DataValidationError as exc:
             if config.bad_input == "fail":
                 raise
             # Quarantine: the file is set aside whole and recorded with its rows (when its
             # footer could be read), and the rest of the data set goes on.
             quarantine_source(
-                config,
-                file=fragment.path,
-                reason=str(exc),
-                num_rows=_footer_rows(fragment),
+                config, file=fragment.path, reason=str(exc), num_rows=_footer_rows(fragment)
             )
-            quarantined.append(fragment.path)
-            reasons.append(str(exc))
+            scan.quarantined.append(fragment.path)
+            scan.reasons.append(str(exc))
             continue
-        first_schema = first_schema or schema
-        num_rows += metadata.num_rows
-        row_groups.extend(
-            RowGroup(fragment.path, i, metadata.row_group(i).num_rows)
-            for i in range(metadata.num_row_groups)
+        scan.schema = scan.schema or footer.schema
+        scan.num_rows += footer.metadata.num_rows
+        scan.row_groups.extend(
+            RowGroup(fragment.path, i, footer.metadata.row_group(i).num_rows)
+            for i in range(footer.metadata.num_row_groups)
         )
-    if first_schema is None:
+    return scan
+
+
+def _schema_of_rows(scan: _Scan, *, path: str, role: str) -> pa.Schema:
+    """The data set's schema, after checking that some file passed and that it has rows."""
+    if scan.schema is None:
         raise DataValidationError(
-            f"{role} data at {path!r}: every file was quarantined ({len(quarantined)} files; "
-            f"the first: {reasons[0]})"
+            f"{role} data at {path!r}: every file was quarantined ({len(scan.quarantined)} "
+            f"files; the first: {scan.reasons[0]})"
         )
-    if num_rows == 0:
+    if scan.num_rows == 0:
         raise DataValidationError(f"{role} data set at {path!r} is empty (0 rows)")
-    assert first_schema is not None
+    return scan.schema
+
+
+def _check_weight_shapes(schema: pa.Schema, *, config: DataConfig, role: str) -> None:
+    """Id lists need lists of weights, single ids single weights."""
     for column in config.sparse_columns:
         weight = config.weight_column_of(column)
-        if weight is not None and is_list(first_schema.field(column).type) != is_list(
-            first_schema.field(weight).type
-        ):
+        if weight is None:
+            continue
+        ids, weights = schema.field(column).type, schema.field(weight).type
+        if is_list(ids) != is_list(weights):
             raise DataValidationError(
-                f"{role} data: weight column {weight!r} ({first_schema.field(weight).type}) does "
-                f"not match sparse column {column!r} ({first_schema.field(column).type}): id "
-                "lists need lists of weights, single ids single weights"
+                f"{role} data: weight column {weight!r} ({weights}) does not match sparse "
+                f"column {column!r} ({ids}): id lists need lists of weights, single ids single "
+                "weights"
             )
+
+
+def _check_unhashed_ids(schema: pa.Schema, *, config: DataConfig, role: str) -> None:
+    """Columns that are not hashed (``hash = false``) must hold integer row numbers."""
     for column, spec in config.sparse_specs.items():
-        type_ = first_schema.field(column).type
+        type_ = schema.field(column).type
         value_type = type_.value_type if is_list(type_) else type_
         if not spec.hash and not pa.types.is_integer(value_type):
             raise DataValidationError(
                 f"{role} data: sparse column {column!r} has type {type_}, but "
                 f"data.sparse_specs.{column}.hash = false needs integer row numbers"
             )
-    list_columns = [c for c in config.sparse_columns if is_list(first_schema.field(c).type)]
-    return DataSummary(
-        path=path,
-        num_rows=num_rows,
-        num_files=len(fragments) - len(quarantined),
-        schema=first_schema,
-        list_columns=list_columns,
-        row_groups=row_groups,
-        quarantined_files=quarantined,
-    )
 
 
 def _check_file(
     fragment: pads.ParquetFileFragment, expected: list[tuple[str, str]], *, role: str
-) -> tuple[pq.FileMetaData, pa.Schema]:
+) -> _Footer:
     """The footer and schema of one file, after checking its columns.
 
     Raises:
@@ -215,21 +256,20 @@ def _check_file(
             wrong type).
     """
     try:
-        metadata = fragment.metadata
-        schema = fragment.physical_schema
+        footer = _Footer(metadata=fragment.metadata, schema=fragment.physical_schema)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataValidationError(
             f"{role} data file {fragment.path} is not readable Parquet: {exc}"
         ) from exc
     for column, kind in expected:
-        index = schema.get_field_index(column)
+        index = footer.schema.get_field_index(column)
         if index < 0:
             raise DataValidationError(
                 f"{role} data file {fragment.path} has no {kind} column {column!r} "
-                f"(has {schema.names})"
+                f"(has {footer.schema.names})"
             )
-        _check_type(column, schema.field(index).type, kind=kind, file=fragment.path)
-    return metadata, schema
+        _check_type(column, footer.schema.field(index).type, kind=kind, file=fragment.path)
+    return footer
 
 
 def _footer_rows(fragment: pads.ParquetFileFragment) -> int:

@@ -37,7 +37,7 @@ import json
 import logging
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -272,6 +272,20 @@ def _interaction_terms(
     return tuple(terms)
 
 
+def _scale_for_auc(unit: np.ndarray, *, config: SyntheticConfig) -> float:
+    """The scale of the unit-variance logit ``unit`` at which the planted model's expected AUC
+    is ``config.target_auc`` (bisection; the AUC grows with the scale)."""
+    lo, hi = 0.01, 20.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        bias = _solve_bias(mid * unit, config.positive_rate)
+        if _soft_auc(unit, _sigmoid(bias + mid * unit)) < config.target_auc:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
 def _plant(config: SyntheticConfig) -> _PlantedModel:
     """Draws the planted model from the seed and calibrates its scales on a sample."""
     rng = np.random.default_rng([config.seed, _CALIBRATION_CODE, 0])
@@ -309,17 +323,7 @@ def _plant(config: SyntheticConfig) -> _PlantedModel:
     scales = [math.sqrt(s) / max(float(x.std()), 1e-12) for s, x in zip(shares, parts, strict=True)]
     unit = sum(s * x for s, x in zip(scales, parts, strict=True))
     unit = unit / max(float(unit.std()), 1e-12)
-
-    # Bisect the logit's scale so that the planted model's expected AUC is the target.
-    lo, hi = 0.01, 20.0
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        bias = _solve_bias(mid * unit, config.positive_rate)
-        if _soft_auc(unit, _sigmoid(bias + mid * unit)) < config.target_auc:
-            lo = mid
-        else:
-            hi = mid
-    total = 0.5 * (lo + hi)
+    total = _scale_for_auc(unit, config=config)
     total_std = float(np.std(sum(s * x for s, x in zip(scales, parts, strict=True))))
     k = total / max(total_std, 1e-12)
     return dataclasses.replace(
@@ -400,7 +404,15 @@ class _HistogramAUC:
         return float(wins / (num_pos * num_neg))
 
 
-def _read_info(out_dir: Path) -> tuple[SyntheticInfo, dict] | None:
+@dataclass(frozen=True)
+class _Stored:
+    """A complete data set found in ``out_dir``: its info and the config it was made from."""
+
+    info: SyntheticInfo
+    config: dict
+
+
+def _read_info(out_dir: Path) -> _Stored | None:
     meta_path = out_dir / _METADATA
     if not meta_path.exists():
         return None
@@ -416,7 +428,7 @@ def _read_info(out_dir: Path) -> tuple[SyntheticInfo, dict] | None:
         planted_auc=meta["planted_auc"],
         positive_rate=meta["positive_rate"],
     )
-    return info, meta["config"]
+    return _Stored(info=info, config=meta["config"])
 
 
 def generate_synthetic(
@@ -440,74 +452,116 @@ def generate_synthetic(
             is False.
     """
     out_dir = Path(out_dir)
-    config_dict = dataclasses.asdict(config)
-    existing = _read_info(out_dir)
     if not overwrite:
-        # Keys added to SyntheticConfig later take their defaults in older metadata.
-        defaults = dataclasses.asdict(SyntheticConfig())
-        if existing is not None and {**defaults, **existing[1]} == config_dict:
-            return existing[0]
-        if existing is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
-            state = "a different" if existing is not None else "an incomplete"
-            raise FileExistsError(
-                f"{out_dir} holds {state} synthetic data set; pass overwrite=True to replace it"
-            )
-    (out_dir / _METADATA).unlink(missing_ok=True)
-    for split in _SPLIT_CODES:
-        shutil.rmtree(out_dir / split, ignore_errors=True)
-
-    model = _plant(config)
-    auc = _HistogramAUC()
-    files: dict[str, list[Path]] = {}
-    positives = 0
-    first_id = 0
-    for split, total in (("train", config.num_train_rows), ("eval", config.num_eval_rows)):
-        split_dir = out_dir / split
-        files[split] = []
-        if total == 0:
-            continue
-        split_dir.mkdir(parents=True, exist_ok=True)
-        num_files = math.ceil(total / config.rows_per_file)
-        for index in range(num_files):
-            num_rows = min(config.rows_per_file, total - index * config.rows_per_file)
-            table, logit = _file_table(
-                config, model, split=split, index=index, first_id=first_id, num_rows=num_rows
-            )
-            path = _file_path(config, split_dir, split=split, index=index, num_files=num_files)
-            pq.write_table(table, path)
-            files[split].append(path)
-            labels = table.column("label").to_numpy()
-            positives += int(labels.sum())
-            if split == "eval":
-                auc.update(logit, labels)
-            first_id += num_rows
-        logger.info(
-            "wrote %d %s rows in %d files to %s", total, split, len(files[split]), split_dir
-        )
-
-    num_rows = config.num_train_rows + config.num_eval_rows
+        existing = _existing(config, out_dir=out_dir)
+        if existing is not None:
+            return existing
+    _clear(out_dir)
+    written = _write_splits(config, model=_plant(config), out_dir=out_dir)
     info = SyntheticInfo(
         out_dir=out_dir,
         train_path=out_dir / "train",
         eval_path=out_dir / "eval" if config.num_eval_rows else None,
         num_train_rows=config.num_train_rows,
         num_eval_rows=config.num_eval_rows,
-        train_files=files["train"],
-        eval_files=files["eval"],
-        planted_auc=auc.compute(),
-        positive_rate=positives / num_rows,
+        train_files=written.files["train"],
+        eval_files=written.files["eval"],
+        planted_auc=written.auc.compute(),
+        positive_rate=written.positives / (config.num_train_rows + config.num_eval_rows),
     )
+    _write_metadata(info, config=config)
+    return info
+
+
+def _existing(config: SyntheticConfig, *, out_dir: Path) -> SyntheticInfo | None:
+    """The data set in ``out_dir`` if it was generated from ``config``; None if there is none.
+
+    Raises:
+        FileExistsError: ``out_dir`` holds a different or incomplete data set.
+    """
+    stored = _read_info(out_dir)
+    # Keys added to SyntheticConfig later take their defaults in older metadata.
+    defaults = dataclasses.asdict(SyntheticConfig())
+    if stored is not None and {**defaults, **stored.config} == dataclasses.asdict(config):
+        return stored.info
+    if stored is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
+        state = "a different" if stored is not None else "an incomplete"
+        raise FileExistsError(
+            f"{out_dir} holds {state} synthetic data set; pass overwrite=True to replace it"
+        )
+    return None
+
+
+def _clear(out_dir: Path) -> None:
+    """Removes a data set from ``out_dir``, its ``metadata.json`` (the completeness mark) first."""
+    (out_dir / _METADATA).unlink(missing_ok=True)
+    for split in _SPLIT_CODES:
+        shutil.rmtree(out_dir / split, ignore_errors=True)
+
+
+@dataclass
+class _Written:
+    """The files written so far and what their rows add up to."""
+
+    files: dict[str, list[Path]] = field(default_factory=dict)  # per split, in order
+    positives: int = 0
+    next_id: int = 0  # the ``sample_id`` of the next row
+    auc: _HistogramAUC = field(default_factory=_HistogramAUC)  # of the planted logits on eval
+
+
+def _write_splits(config: SyntheticConfig, *, model: _PlantedModel, out_dir: Path) -> _Written:
+    """Writes the training files, then the evaluation files (sample ids run on over both)."""
+    written = _Written()
+    for split, total in (("train", config.num_train_rows), ("eval", config.num_eval_rows)):
+        written.files[split] = []
+        if total:
+            _write_split(
+                config, model=model, split=split, total=total, out_dir=out_dir, written=written
+            )
+    return written
+
+
+def _write_split(
+    config: SyntheticConfig,
+    *,
+    model: _PlantedModel,
+    split: str,
+    total: int,
+    out_dir: Path,
+    written: _Written,
+) -> None:
+    """Writes the ``total`` rows of ``split`` file by file, adding them to ``written``."""
+    split_dir = out_dir / split
+    split_dir.mkdir(parents=True, exist_ok=True)
+    num_files = math.ceil(total / config.rows_per_file)
+    for index in range(num_files):
+        num_rows = min(config.rows_per_file, total - index * config.rows_per_file)
+        table, logit = _file_table(
+            config, model, split=split, index=index, first_id=written.next_id, num_rows=num_rows
+        )
+        path = _file_path(config, split_dir, split=split, index=index, num_files=num_files)
+        pq.write_table(table, path)
+        written.files[split].append(path)
+        labels = table.column("label").to_numpy()
+        written.positives += int(labels.sum())
+        if split == "eval":
+            written.auc.update(logit, labels)
+        written.next_id += num_rows
+    logger.info("wrote %d %s rows in %d files to %s", total, split, num_files, split_dir)
+
+
+def _write_metadata(info: SyntheticInfo, *, config: SyntheticConfig) -> None:
+    """Writes ``metadata.json``, atomically: its presence marks the data set complete."""
     meta = {
         "format_version": _FORMAT_VERSION,
-        "config": config_dict,
+        "config": dataclasses.asdict(config),
         "num_train_rows": info.num_train_rows,
         "num_eval_rows": info.num_eval_rows,
-        "train_files": [str(p.relative_to(out_dir)) for p in info.train_files],
-        "eval_files": [str(p.relative_to(out_dir)) for p in info.eval_files],
+        "train_files": [str(p.relative_to(info.out_dir)) for p in info.train_files],
+        "eval_files": [str(p.relative_to(info.out_dir)) for p in info.eval_files],
         "planted_auc": info.planted_auc,
         "positive_rate": info.positive_rate,
     }
-    tmp = out_dir / f".{_METADATA}.tmp"
+    tmp = info.out_dir / f".{_METADATA}.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(out_dir / _METADATA)
-    return info
+    tmp.replace(info.out_dir / _METADATA)
