@@ -46,3 +46,16 @@ bench-deps: $(STAMP)
 
 bench-sharded: bench-deps
 	$(BIN)/python benchmarks/sharded_step.py
+
+# The GPU check (README "GPU check"): the gpu-marked tests and benchmarks/worker_loop.py on CUDA,
+# one line and exit 0 without CUDA. It never builds .venv (the lent GPU machine has no network):
+# the venv's python where there is one, else $(PYTHON) with src on the path and the wheels that
+# `make gpu-wheels` saved in .whl/ (pydantic and its needs, for Python 3.12).
+.PHONY: gpu-check gpu-wheels
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+gpu-check:
+	@$(GPU_PYTHON) benchmarks/gpu_check.py
+
+gpu-wheels:
+	$(GPU_PYTHON) benchmarks/gpu_check.py wheels
