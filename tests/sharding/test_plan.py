@@ -17,7 +17,8 @@ from raydlrm.sharding import (
     TablePlan,
     plan_sharding,
 )
-from raydlrm.sharding.planner import table_cost, table_memory_bytes
+from raydlrm.sharding.cost import table_memory_bytes
+from raydlrm.sharding.planner import table_cost
 from tests.sharding._fixtures import make_tables
 
 

@@ -12,10 +12,9 @@ import tomllib
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding import MemoryBudget, ShardingConfig, plan_sharding
+from raydlrm.sharding.calibration import CalibrationSizes, calibrate
 from raydlrm.sharding.cost import (
-    CalibrationSizes,
     CostConstants,
-    calibrate,
     estimate_table_cost,
     expected_distinct_rows,
     load_constants,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raydlrm.sharding import ShardingConfig, ShardingPlan, plan_sharding
-from raydlrm.sharding.planner import table_memory_bytes
+from raydlrm.sharding.cost import table_memory_bytes
 from raydlrm.sharding.tiers import TierError, mapped_buffer
 from tests.sharding._fixtures import make_tables
 

@@ -1,4 +1,4 @@
-"""A cost model of one embedding table under one sharding type, and its calibration.
+"""A cost model of one embedding table under one sharding type.
 
 Per training step of ``B`` samples, a table of ``N`` rows and ``D`` columns looked up by ``F``
 features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on ``W`` ranks:
@@ -26,19 +26,16 @@ cache with probability ``1 - page_cache_hit`` and is then read from disk, and ev
 row's page is written back once (``ssd_row_reads_per_s``, ``ssd_row_writes_per_s``: random 4
 KiB pages through a mapped file). Column-wise shards each touch every distinct row;
 data-parallel replicas each touch their own samples' rows. The constants come from
-:class:`CostConstants`: defaults, or :func:`calibrate` on this machine (saved as JSON).
+:class:`CostConstants`: defaults, or :func:`~raydlrm.sharding.calibration.calibrate` on this
+machine (saved as JSON).
 The planner charges each shard ``1 / k`` of the table's time.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import tempfile
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raydlrm.models.embedding import EmbeddingBagConfig
@@ -47,7 +44,6 @@ __all__ = [
     "CostConstants",
     "TableCost",
     "cache_rows",
-    "calibrate",
     "estimate_table_cost",
     "expected_distinct_rows",
     "load_constants",
@@ -55,8 +51,6 @@ __all__ = [
     "table_memory_bytes",
     "wire_bytes_per_vector",
 ]
-
-logger = logging.getLogger(__name__)
 
 _FP32_BYTES = 4
 _WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
@@ -226,8 +220,7 @@ def estimate_table_cost(
         batch_size: global samples per step.
         pooling_factor: average ids per bag of each of the table's features.
         optimizer: the fused optimizer (for the state's memory).
-        weights_precision: precision of the weights (their memory and the bytes a lookup
-            reads).
+        weights_precision: precision of the weights (their memory and the bytes a lookup reads).
         comm_precision: codec of the pooled vectors on the wire.
         constants: throughputs and latency (defaults if None).
         placement: ``dram`` or ``ssd`` (adds the disk time of the rows a step touches).
@@ -239,47 +232,16 @@ def estimate_table_cost(
     Returns:
         The table's compute, communication, disk, memory and estimated seconds per step.
     """
+    step = _Step(table, sharding_type, num_shards, world_size, batch_size, pooling_factor)
     constants = constants or CostConstants()
-    bags = len(table.feature_names) * batch_size
-    ids = bags * pooling_factor
-    dim = table.embedding_dim
-    compute = ids * dim * _WEIGHT_BYTES[weights_precision]
-    vectors = bags * wire_bytes_per_vector(dim, precision=comm_precision)
-    if sharding_type == "data_parallel":
-        inputs = 0.0
-        outputs = 2.0 * (world_size - 1) * table.num_embeddings * dim * _FP32_BYTES
-    elif sharding_type == "column_wise":
-        inputs = num_shards * (ids * _ID_BYTES + bags * _LENGTH_BYTES)
-        # Each column shard sends its slice; the slices add up to one vector (plus per-row
-        # scales for the row-wise codecs, once per shard).
-        per_row = _WIRE[comm_precision][1]
-        outputs = vectors + (num_shards - 1) * bags * per_row
-    elif sharding_type in ("row_wise", "table_row_wise"):
-        inputs = ids * _ID_BYTES + num_shards * bags * _LENGTH_BYTES
-        outputs = num_shards * vectors
-    else:
-        assert sharding_type == "table_wise", sharding_type
-        inputs = ids * _ID_BYTES + bags * _LENGTH_BYTES
-        outputs = vectors
-    disk_rows = 0.0
-    if placement == "ssd":
-        if sharding_type == "data_parallel":
-            disk_rows = world_size * expected_distinct_rows(table.num_embeddings, ids / world_size)
-        else:
-            per_copy = expected_distinct_rows(table.num_embeddings, ids)
-            disk_rows = per_copy * (num_shards if sharding_type == "column_wise" else 1)
-        disk_rows *= 1.0 - min(cache_rows / table.num_embeddings, 1.0)
+    compute = step.ids * table.embedding_dim * _WEIGHT_BYTES[weights_precision]
+    comm = _comm_bytes(step, comm_precision=comm_precision)
+    disk_rows = _disk_rows(step, cache_rows=cache_rows) if placement == "ssd" else 0.0
     disk_seconds = disk_rows * ssd_seconds_per_row(constants, page_cache_hit=page_cache_hit)
-    seconds = (
-        compute / constants.lookup_bytes_per_s
-        + (inputs + outputs) / constants.comm_bytes_per_s
-        + num_shards * constants.collective_latency_s
-        + disk_seconds
-    )
     return TableCost(
         compute_bytes=compute,
-        input_comm_bytes=inputs,
-        output_comm_bytes=outputs,
+        input_comm_bytes=comm.inputs,
+        output_comm_bytes=comm.outputs,
         memory_bytes=table_memory_bytes(
             table,
             optimizer=optimizer,
@@ -287,9 +249,90 @@ def estimate_table_cost(
             placement=placement,
             cache_rows=cache_rows,
         ),
-        seconds=seconds,
+        seconds=_seconds(step, constants=constants, compute=compute, comm=comm, disk=disk_seconds),
         disk_rows=disk_rows,
         disk_seconds=disk_seconds,
+    )
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One training step's lookups of a table as sharded: what each term of its cost counts."""
+
+    table: EmbeddingBagConfig
+    sharding_type: str
+    num_shards: int
+    world_size: int
+    batch_size: int
+    pooling_factor: float
+
+    @property
+    def bags(self) -> int:
+        """Bags looked up: one per feature and sample."""
+        return len(self.table.feature_names) * self.batch_size
+
+    @property
+    def ids(self) -> float:
+        """Ids looked up: ``pooling_factor`` per bag."""
+        return self.bags * self.pooling_factor
+
+
+@dataclass(frozen=True)
+class _CommBytes:
+    """Bytes a step of a table puts on the wire, all shards."""
+
+    inputs: float
+    """Ids and lengths sent to the shards' owners."""
+    outputs: float
+    """Pooled vectors (or, for data-parallel, the gradient all-reduce)."""
+
+
+def _comm_bytes(step: _Step, *, comm_precision: str) -> _CommBytes:
+    """The input and output communication of ``step``, the vectors coded ``comm_precision``."""
+    bags, ids, num_shards = step.bags, step.ids, step.num_shards
+    dim = step.table.embedding_dim
+    vectors = bags * wire_bytes_per_vector(dim, precision=comm_precision)
+    if step.sharding_type == "data_parallel":
+        outputs = 2.0 * (step.world_size - 1) * step.table.num_embeddings * dim * _FP32_BYTES
+        return _CommBytes(inputs=0.0, outputs=outputs)
+    if step.sharding_type == "column_wise":
+        # Each column shard sends its slice; the slices add up to one vector (plus per-row
+        # scales for the row-wise codecs, once per shard).
+        per_row = _WIRE[comm_precision][1]
+        return _CommBytes(
+            inputs=num_shards * (ids * _ID_BYTES + bags * _LENGTH_BYTES),
+            outputs=vectors + (num_shards - 1) * bags * per_row,
+        )
+    if step.sharding_type in ("row_wise", "table_row_wise"):
+        return _CommBytes(
+            inputs=ids * _ID_BYTES + num_shards * bags * _LENGTH_BYTES,
+            outputs=num_shards * vectors,
+        )
+    assert step.sharding_type == "table_wise", step.sharding_type
+    return _CommBytes(inputs=ids * _ID_BYTES + bags * _LENGTH_BYTES, outputs=vectors)
+
+
+def _disk_rows(step: _Step, *, cache_rows: int) -> float:
+    """Distinct rows of an ``ssd`` table that ``step`` touches outside its DRAM row cache, all
+    shards: each column shard touches every one, each data-parallel replica its own samples'."""
+    rows = step.table.num_embeddings
+    if step.sharding_type == "data_parallel":
+        touched = step.world_size * expected_distinct_rows(rows, step.ids / step.world_size)
+    else:
+        copies = step.num_shards if step.sharding_type == "column_wise" else 1
+        touched = expected_distinct_rows(rows, step.ids) * copies
+    return touched * (1.0 - min(cache_rows / rows, 1.0))
+
+
+def _seconds(
+    step: _Step, *, constants: CostConstants, compute: float, comm: _CommBytes, disk: float
+) -> float:
+    """The step's time: lookups, bytes on the wire, one collective latency per shard, disk."""
+    return (
+        compute / constants.lookup_bytes_per_s
+        + (comm.inputs + comm.outputs) / constants.comm_bytes_per_s
+        + step.num_shards * constants.collective_latency_s
+        + disk
     )
 
 
@@ -316,217 +359,3 @@ def load_constants(path: str | Path) -> CostConstants:
         return CostConstants(**data)
     except TypeError as e:
         raise ValueError(f"{target}: not a cost constants file ({e})") from e
-
-
-def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares ``seconds = intercept + size / rate``: returns ``(rate, intercept >= 0)``."""
-    n = len(sizes)
-    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    var = sum((x - mean_x) ** 2 for x in sizes)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var
-    if slope <= 0:  # noise swamped the size dependence: fall back to the largest size's rate
-        return sizes[-1] / seconds[-1], 0.0
-    return 1.0 / slope, max(mean_y - slope * mean_x, 0.0)
-
-
-def _best_of(fn, *, repeats: int) -> float:
-    fn()  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _lookup_rate(sizes: list[tuple[int, int, int]], *, repeats: int, kernel: str) -> float:
-    """fp32 bytes per second of a CPU TBE forward + backward (row-wise Adagrad) of ``kernel``."""
-    import torch
-
-    from raydlrm.sharding.kernel import TableSpec, build_tbe
-
-    gen = torch.Generator().manual_seed(0)
-    volumes, seconds = [], []
-    for rows, dim, ids_per_step in sizes:
-        tbe = build_tbe(
-            kernel,
-            tables=[TableSpec(rows, dim)],
-            feature_table_map=[0],
-            optimizer="rowwise_adagrad",
-            learning_rate=0.01,
-            eps=1e-8,
-            pooling="sum",
-            precision="fp32",
-            device=torch.device("cpu"),
-        )
-        bags = max(ids_per_step // 8, 1)
-        indices = torch.randint(0, rows, (bags * 8,), generator=gen)
-        offsets = torch.arange(0, bags * 8 + 1, 8)
-
-        def step(tbe=tbe, indices=indices, offsets=offsets) -> None:
-            tbe(indices, offsets).sum().backward()
-
-        volumes.append(float(bags * 8 * dim * _FP32_BYTES))
-        seconds.append(_best_of(step, repeats=repeats))
-    return _fit(volumes, seconds)[0]
-
-
-def _all_to_all_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out: str):
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        result = []
-        for size in sizes:
-            send = torch.zeros(2 * (size // 8), dtype=torch.float64)  # ``size`` bytes per peer
-            recv = torch.empty_like(send)
-
-            def exchange(send=send, recv=recv) -> None:
-                dist.all_to_all_single(recv, send)
-                dist.barrier()
-
-            result.append(_best_of(exchange, repeats=repeats))
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def _comm_constants(sizes: list[int], *, repeats: int) -> tuple[float, float]:
-    """(bytes per second, latency) of a 2-process gloo all-to-all on this machine."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        mp.start_processes(
-            _all_to_all_worker,
-            args=(os.path.join(tmp, "init"), sizes, repeats, out),
-            nprocs=2,
-            start_method="spawn",
-        )
-        seconds = json.loads(Path(out).read_text())
-    # Each rank sends ``size`` bytes to its peer: ``size`` bytes cross the link each way.
-    return _fit([float(s) for s in sizes], seconds)
-
-
-@dataclass(frozen=True)
-class CalibrationSizes:
-    """Micro-benchmark sizes of :func:`calibrate`."""
-
-    lookups: tuple[tuple[int, int, int], ...] = (
-        (100_000, 64, 16_384),
-        (100_000, 128, 65_536),
-        (100_000, 128, 262_144),
-    )
-    """(rows, dim, ids per step) of each TBE forward + backward measured."""
-    comm_bytes: tuple[int, ...] = (1 << 10, 1 << 20, 1 << 23)
-    """Bytes each rank sends its peer in each measured all-to-all."""
-    repeats: int = 5
-    """Timed repetitions of each size (the fastest is kept)."""
-    ssd_file_bytes: int = 256 << 20
-    """Size of the file whose random pages the SSD tier's calibration reads and writes."""
-    ssd_pages: int = 4096
-    """Random pages read, and written back, in each of its measurements."""
-
-
-def _ssd_rates(directory: Path, *, file_bytes: int, pages: int) -> tuple[float, float]:
-    """(rows read per second, rows written back per second) of the ``ssd`` tier: random 4 KiB
-    pages of a mapped file in ``directory``, read from the disk (dropped from the page cache
-    first), and dirtied then synced (``msync``), as a table's rows are."""
-    import mmap
-
-    import numpy as np
-
-    from raydlrm.sharding.tiers import check_space
-
-    page = mmap.PAGESIZE
-    n_pages = max(file_bytes // page, 2 * pages)
-    check_space(directory, n_pages * page, tables=["(plan --calibrate)"])
-    rng = np.random.default_rng(0)
-    reads, writes = rng.permutation(n_pages)[: 2 * pages].reshape(2, pages) * page
-    fd, path = tempfile.mkstemp(prefix="raydlrm-calibrate-", dir=directory)
-    try:
-        os.unlink(path)
-        # Written for real: unwritten (fallocated) blocks read as zeros without the disk.
-        block = b"\1" * (8 << 20)
-        for offset in range(0, n_pages * page, len(block)):
-            os.pwrite(fd, block[: n_pages * page - offset], offset)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with mmap.mmap(fd, n_pages * page) as mapped:
-            view = np.frombuffer(mapped, dtype=np.uint8)
-            start = time.perf_counter()
-            int(view[reads].sum())  # each a page fault served by the disk
-            read_s = time.perf_counter() - start
-            int(view[writes].sum())  # in the page cache before the write-back is timed
-            start = time.perf_counter()
-            view[writes] = 2
-            mapped.flush()  # msync: the dirty pages written back
-            write_s = time.perf_counter() - start
-            del view
-    finally:
-        os.close(fd)
-    return pages / read_s, pages / write_s
-
-
-def calibrate(
-    *,
-    sizes: CalibrationSizes | None = None,
-    comm: bool = True,
-    ssd_directory: str | Path | None = None,
-    kernel: str = "auto",
-) -> CostConstants:
-    """Measures the cost constants on this machine.
-
-    Fits the lookup throughput (the DRAM tier) from TBE forward + backward passes of a few
-    sizes (the kernel ``kernel`` resolves to here), the comm bandwidth and latency from a
-    2-process gloo all-to-all of a few sizes, and, given ``ssd_directory``, the SSD tier's
-    random row reads and write-backs per second through a mapped file there. What is not
-    measured keeps its default and ``source`` says so (no process group, ``comm`` False, no
-    directory).
-
-    Args:
-        sizes: the micro-benchmark sizes (defaults: a few seconds in all).
-        comm: measure the all-to-all too.
-        ssd_directory: where to measure the SSD tier (the workers' ``sharding.ssd_path``).
-        kernel: the workers' ``sharding.kernel``.
-
-    Returns:
-        The measured constants.
-
-    Raises:
-        TierError: ``ssd_directory`` cannot be written or lacks the space for the test file.
-    """
-    from raydlrm.sharding.kernel import resolve_kernel
-
-    sizes = sizes or CalibrationSizes()
-    resolved = resolve_kernel(kernel)
-    measured = {
-        "lookup_bytes_per_s": _lookup_rate(
-            list(sizes.lookups), repeats=sizes.repeats, kernel=resolved
-        )
-    }
-    notes = [f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"]
-    notes.append(f"lookups: {resolved} TBE fwd+bwd")
-    if not comm:
-        notes.append("comm constants are defaults (comm calibration skipped)")
-    else:
-        try:
-            bandwidth, latency = _comm_constants(list(sizes.comm_bytes), repeats=sizes.repeats)
-        except Exception as e:  # any failure to make a process group means: skip the comm part
-            logger.warning("comm calibration skipped, no gloo process group: %s", e)
-            notes.append(f"comm constants are defaults (no process group: {e})")
-        else:
-            measured.update(comm_bytes_per_s=bandwidth, collective_latency_s=latency)
-            notes.append("comm: 2-process gloo all_to_all")
-    if ssd_directory is None:
-        notes.append("ssd constants are defaults (no ssd directory)")
-    else:
-        directory = Path(ssd_directory).expanduser()
-        reads, writes = _ssd_rates(
-            directory, file_bytes=sizes.ssd_file_bytes, pages=sizes.ssd_pages
-        )
-        measured.update(ssd_row_reads_per_s=reads, ssd_row_writes_per_s=writes)
-        notes.append(f"ssd: random 4 KiB pages of a mapped file in {directory}")
-    return replace(CostConstants(), **measured, source="; ".join(notes))

@@ -29,11 +29,16 @@ cost. The search, deterministic for the same inputs (tables are ordered by cost,
    current maximum) is kept, then refinement runs again.
 
 The maximum per-rank cost never increases after the greedy placement.
+
+Tables placed ``auto`` start in DRAM and go to the SSD tier one by one while the plan does not
+fit the memory budget. With dedup groups, :func:`plan_feature_sets` plans each feature set (the
+tables of one group, or the plain ones) on its own, since each set runs its own collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -54,10 +59,11 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "BudgetError",
     "check_table_names",
+    "feature_sets",
     "page_cache_hit",
+    "plan_feature_sets",
     "plan_sharding",
     "table_cost",
-    "table_memory_bytes",
 ]
 
 DEFAULT_BATCH_SIZE = 512
@@ -150,14 +156,50 @@ def plan_sharding(
     Raises:
         ValueError: for a non-positive world size, or naming a pinned, per-table precision or
             pooling-factor table that is not among ``tables``, a pinned rank ``>= world_size``,
-            or a table that does not fit the budget (with the rank, the shortfall in bytes and
-            the budget's source).
+            a ``group_size`` that does not divide ``world_size``, or a table that does not fit
+            the budget (with the rank, the shortfall in bytes and the budget's source).
     """
+    pooling_factors = pooling_factors or {}
+    _check_arguments(tables, world_size=world_size, config=config, pooling_factors=pooling_factors)
+    if memory_budget is None and config.device_memory_bytes is not None:
+        memory_budget = MemoryBudget(config.device_memory_bytes, "sharding.device_memory_bytes")
+    request = _Request(
+        tables=tables,
+        world_size=world_size,
+        config=config,
+        pooling_factors=pooling_factors,
+        batch_size=batch_size,
+        constants=constants or CostConstants(),
+        search=search,
+        memory_budget=memory_budget,
+    )
+    return _plan_spilling(request)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """The arguments of a :func:`plan_sharding` call, checked, with their defaults filled in."""
+
+    tables: Sequence[EmbeddingBagConfig]
+    world_size: int
+    config: ShardingConfig
+    pooling_factors: dict[str, float]
+    batch_size: int
+    constants: CostConstants
+    search: Literal["greedy", "refine"]
+    memory_budget: MemoryBudget | None
+
+
+def _check_arguments(
+    tables: Sequence[EmbeddingBagConfig],
+    *,
+    world_size: int,
+    config: ShardingConfig,
+    pooling_factors: dict[str, float],
+) -> None:
+    """The checks of :func:`plan_sharding`'s arguments against each other (see its ``Raises``)."""
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    if search not in ("greedy", "refine"):
-        raise ValueError(f"search must be 'greedy' or 'refine', got {search!r}")
-    pooling_factors = pooling_factors or {}
     check_table_names(tables, config=config, pooling_factors=pooling_factors)
     for name, ranks in config.pinned_ranks.items():
         bad = [r for r in ranks if r >= world_size]
@@ -175,52 +217,127 @@ def plan_sharding(
         raise ValueError(
             f"sharding.group_size {group_size} does not divide the world size {world_size}"
         )
-    if memory_budget is None and config.device_memory_bytes is not None:
-        memory_budget = MemoryBudget(config.device_memory_bytes, "sharding.device_memory_bytes")
-    auto = [t for t in tables if config.placement_of(t.name) == "auto"]
-    resolved = {t.name: config.placement_of(t.name) for t in tables}
-    resolved.update(dict.fromkeys((t.name for t in auto), "dram"))
 
-    # ``auto`` tables go to SSD while the plan does not fit the budget, those whose steps touch
-    # the fewest rows on disk per byte of memory freed first (the least disk time per byte).
-    def freed_bytes(t: EmbeddingBagConfig) -> int:
-        return _memory_bytes(t, config, "dram") - _memory_bytes(t, config, "ssd")
 
-    def disk_rows_per_byte(t: EmbeddingBagConfig) -> float:
+def _plan_spilling(request: _Request) -> ShardingPlan:
+    """The plan of ``request`` with its ``auto`` tables in DRAM or, while that does not fit the
+    budget, with one more of them on SSD at a time, in :func:`_spill_order`."""
+    config = request.config
+    placement = {t.name: config.placement_of(t.name) for t in request.tables}
+    auto = [t for t in request.tables if placement[t.name] == "auto"]
+    placement.update(dict.fromkeys((t.name for t in auto), "dram"))
+    spill = _spill_order(auto, request=request)
+    while True:
+        placed = dataclasses.replace(config, default_placement="dram", placement=placement)
+        try:
+            return _plan(request, config=placed)
+        except BudgetError:
+            if request.memory_budget is None or not spill:
+                raise
+            placement = {**placement, spill.pop(0).name: "ssd"}
+
+
+def _spill_order(
+    tables: Sequence[EmbeddingBagConfig], *, request: _Request
+) -> list[EmbeddingBagConfig]:
+    """The order in which ``tables`` (placed ``auto``) go to SSD: those whose steps touch the
+    fewest rows on disk per byte of memory freed first (the least disk time per byte)."""
+    config = request.config
+    keyed = []
+    for t in tables:
+        freed = _memory_bytes(t, config, "dram") - _memory_bytes(t, config, "ssd")
+        if freed <= 0:  # smaller than its row cache: it would take more memory on SSD
+            continue
         disk_rows = estimate_table_cost(
             t,
             sharding_type="table_wise",
             num_shards=1,
-            world_size=world_size,
-            batch_size=batch_size,
-            pooling_factor=pooling_factors.get(t.name, 1.0),
+            world_size=request.world_size,
+            batch_size=request.batch_size,
+            pooling_factor=request.pooling_factors.get(t.name, 1.0),
             placement="ssd",
             cache_rows=ssd_cache_rows(t, config),
         ).disk_rows
-        return disk_rows / freed_bytes(t)
+        keyed.append(((disk_rows / freed, t.name), t))
+    return [t for _, t in sorted(keyed, key=lambda pair: pair[0])]
 
-    # (A table smaller than its row cache would take more memory on SSD: it stays.)
-    coldest_first = sorted(
-        (t for t in auto if freed_bytes(t) > 0), key=lambda t: (disk_rows_per_byte(t), t.name)
-    )
-    while True:
-        placed = dataclasses.replace(config, default_placement="dram", placement=resolved)
-        try:
-            return _plan(
-                tables,
-                world_size=world_size,
-                config=placed,
-                pooling_factors=pooling_factors,
-                batch_size=batch_size,
-                constants=constants,
-                search=search,
-                memory_budget=memory_budget,
-                group_size=group_size,
+
+def feature_sets(
+    tables: list[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
+) -> dict[int, list[EmbeddingBagConfig]]:
+    """Tables by feature set: 0 for the plain features, ``g + 1`` for dedup group ``g``.
+
+    Raises:
+        ValueError: naming a table whose features straddle a group boundary, or a group
+            feature no table looks up.
+    """
+    group_of = {f: g + 1 for g, features in enumerate(dedup_groups) for f in features}
+    known = {f for t in tables for f in t.feature_names}
+    unknown = sorted(set(group_of) - known)
+    if unknown:
+        raise ValueError(f"dedup groups name features {unknown} that no table looks up")
+    sets: dict[int, list[EmbeddingBagConfig]] = defaultdict(list)
+    for table in tables:
+        ids = {group_of.get(f, 0) for f in table.feature_names}
+        if len(ids) > 1:
+            raise ValueError(
+                f"table {table.name!r} is looked up by features {list(table.feature_names)} that "
+                "are not all in the same dedup group"
             )
-        except BudgetError:
-            if memory_budget is None or not coldest_first:
-                raise
-            resolved = {**resolved, coldest_first.pop(0).name: "ssd"}
+        sets[ids.pop()].append(table)
+    return dict(sorted(sets.items()))
+
+
+def plan_feature_sets(
+    tables: list[EmbeddingBagConfig],
+    dedup_groups: Sequence[Sequence[str]],
+    *,
+    world_size: int,
+    config: ShardingConfig,
+    **kwargs,
+) -> ShardingPlan:
+    """A plan that balances every feature set (see :func:`feature_sets`) on its own.
+
+    Each feature set runs its own collectives, so every rank waits for the slowest rank once per
+    set: balancing the whole collection can leave each set lopsided (one rank holding most of
+    the user tables, the other most of the rest) and every set then waits. Each set is planned
+    with :func:`plan_sharding` (``kwargs`` passed on) within the memory budget; the sets
+    together are then checked against it.
+
+    Raises:
+        ValueError: as :func:`plan_sharding`, or naming a rank whose sets together exceed the
+            memory budget.
+    """
+    if not dedup_groups:
+        return plan_sharding(tables, world_size=world_size, config=config, **kwargs)
+    # Each set sees only its own tables' entries: an unknown name would pass unnoticed.
+    check_table_names(tables, config=config, pooling_factors=kwargs.get("pooling_factors"))
+    planned, hits = {}, []
+    for set_tables in feature_sets(tables, dedup_groups).values():
+        names = {t.name for t in set_tables}
+        set_config = dataclasses.replace(
+            config,
+            pinned_types={k: v for k, v in config.pinned_types.items() if k in names},
+            pinned_ranks={k: v for k, v in config.pinned_ranks.items() if k in names},
+            comm_precision_per_table={
+                k: v for k, v in config.comm_precision_per_table.items() if k in names
+            },
+            weights_precision_per_table={
+                k: v for k, v in config.weights_precision_per_table.items() if k in names
+            },
+            placement={k: v for k, v in config.placement.items() if k in names},
+        )
+        plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
+        planned.update({t.name: t for t in plan.tables})
+        hits += [] if plan.page_cache_hit is None else [plan.page_cache_hit]
+    combined = ShardingPlan(
+        world_size=world_size,
+        tables=[planned[t.name] for t in tables],
+        memory_budget=plan.memory_budget,
+        page_cache_hit=min(hits, default=None),  # each set counted the whole budget as its own
+    )
+    combined.check_memory_budget()
+    return combined
 
 
 def ssd_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
@@ -279,39 +396,31 @@ def page_cache_hit(
     return min(max(spare / on_disk, 0.0), 1.0)
 
 
-def _plan(
-    tables: Sequence[EmbeddingBagConfig],
-    *,
-    world_size: int,
-    config: ShardingConfig,
-    pooling_factors: dict[str, float],
-    batch_size: int,
-    constants: CostConstants | None,
-    search: str,
-    memory_budget: MemoryBudget | None,
-    group_size: int,
-) -> ShardingPlan:
-    hit = page_cache_hit(tables, config=config, world_size=world_size, memory_budget=memory_budget)
+def _plan(request: _Request, *, config: ShardingConfig) -> ShardingPlan:
+    """The plan of ``request`` with ``config`` (``request.config`` with every table's placement
+    decided), or a :class:`BudgetError`."""
+    tables, world_size, budget = request.tables, request.world_size, request.memory_budget
+    hit = page_cache_hit(tables, config=config, world_size=world_size, memory_budget=budget)
     planner = _Planner(
         tables,
         world_size=world_size,
         config=config,
-        pooling_factors=pooling_factors,
-        batch_size=batch_size,
-        constants=constants or CostConstants(),
-        group_size=group_size,
-        budget=memory_budget,
+        pooling_factors=request.pooling_factors,
+        batch_size=request.batch_size,
+        constants=request.constants,
+        group_size=config.group_size or world_size,
+        budget=budget,
         page_cache_hit=hit,
     )
     planner.greedy()
-    if search == "refine":
+    if request.search == "refine":
         planner.refine()
         if config.default_type == "auto":
             planner.split()
     plan = ShardingPlan(
         world_size=world_size,
         tables=[planner.plans[t.name] for t in tables],
-        memory_budget=memory_budget,
+        memory_budget=budget,
         page_cache_hit=hit if any(p.placement == "ssd" for p in planner.plans.values()) else None,
     )
     plan.validate(tables)
