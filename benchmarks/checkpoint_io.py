@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raydlrm.sharding import plan_sharding
+from raydlrm.trainers.checkpoint import load_training_state, save_training_state
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.spec import WorkerSpec
-from raydlrm.trainers.state import load_training_state, save_training_state
 
 
 def _spec(rows: int, sharding_type: str) -> WorkerSpec:
@@ -62,12 +62,15 @@ def _worker(rank: int, world: int, port: int, task: tuple, out) -> None:
         trainer = _trainer(rank, world, rows, "table_wise")
         seconds = _timed(
             lambda: save_training_state(
-                trainer, path, position={"epoch": 0, "consumed": {}, "totals": {}}
+                path,
+                parts=trainer.parts(),
+                loop_state=trainer.state_dict(),
+                position={"epoch": 0, "consumed": {}, "totals": {}},
             )
         )
     else:
         trainer = _trainer(rank, world, rows, "table_wise" if kind == "load" else "row_wise")
-        seconds = _timed(lambda: load_training_state(trainer, path))
+        seconds = _timed(lambda: load_training_state(path, parts=trainer.parts()))
     if rank == 0:
         out.put(seconds)
     dist.destroy_process_group()

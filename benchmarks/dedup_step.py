@@ -57,7 +57,7 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace, data: Path) -> dic
 
     from raydlrm.ingestion import Preprocessor
     from raydlrm.ingestion.loader import arrow_to_batch
-    from raydlrm.sharding.dedup import plan_feature_sets
+    from raydlrm.sharding.planner import plan_feature_sets
     from raydlrm.trainers.loop import Trainer
 
     torch.set_num_threads(1)

@@ -173,9 +173,9 @@ def main() -> None:
 
     root = Path(args.data or Path(tempfile.gettempdir()) / f"raydlrm-ingest-{args.rows}")
     path = _data(root, args.rows)
-    from raydlrm.platform.launch import _LOCAL_RAY_ENV
+    from raydlrm.platform.ray_init import LOCAL_RAY_ENV
 
-    for name, value in _LOCAL_RAY_ENV.items():
+    for name, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(name, value)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
     runners = {"limit": _limit, "ray-default": _ray_default, "raydlrm": _raydlrm}

@@ -98,9 +98,9 @@ def _config(root: Path, name: str, rows: int, *, max_failures: int) -> dict[str,
 
 
 def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
-    from raydlrm.trainers.checkpoint import model_weights
+    from raydlrm.trainers.model_dir import ModelWeights
 
-    return dict(model_weights(checkpoint).items())
+    return dict(ModelWeights(checkpoint).items())
 
 
 def _sample_log(root: Path, name: str) -> dict[str, np.ndarray]:
@@ -140,7 +140,7 @@ def _expected_restore(step: int) -> int | None:
 def _complete_checkpoints(run_dir: Path) -> list[tuple[int, float]]:
     """(step, mtime of its last file) of every checkpoint directory of the run holding every
     rank's shards and the training state, registered by Ray Train or not."""
-    from raydlrm.trainers.state import STATE_FILE, read_state_file
+    from raydlrm.trainers.checkpoint import STATE_FILE, read_state_file
 
     found = []
     for path in run_dir.glob("checkpoint_*"):
@@ -264,9 +264,9 @@ def main() -> None:
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "0")
     os.environ.pop("RAYDLRM_FAULT", None)
-    from raydlrm.platform.launch import _LOCAL_RAY_ENV
+    from raydlrm.platform.ray_init import LOCAL_RAY_ENV
 
-    for key, value in _LOCAL_RAY_ENV.items():
+    for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     import ray
 
@@ -287,7 +287,7 @@ def main() -> None:
     try:
         if not Path(root, "data", "train").exists():  # generated once, outside the timings
             from raydlrm.platform.config import load_config
-            from raydlrm.platform.launch import prepare_data
+            from raydlrm.platform.preflight import prepare_data
 
             prepare_data(load_config(_config(root, "data", args.rows, max_failures=0)))
         name = f"reference-{tag}"

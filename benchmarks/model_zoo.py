@@ -175,7 +175,7 @@ def main() -> None:
 
     import ray
 
-    from raydlrm.platform.launch import LOCAL_RAY_ENV
+    from raydlrm.platform.ray_init import LOCAL_RAY_ENV
 
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)

@@ -50,7 +50,7 @@ import ray
 
 import raydlrm
 from raydlrm.platform.config import JobConfig, load_config
-from raydlrm.platform.launch import prepare_data
+from raydlrm.platform.preflight import prepare_data
 
 DEFAULT_DATASETS = "synthetic=configs/quickstart.toml,adult=configs/adult.toml"
 # Figures summarized per (data set, precision): run key -> table heading.

@@ -24,7 +24,7 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        from raydlrm.platform.launch import LOCAL_RAY_ENV
+        from raydlrm.platform.ray_init import LOCAL_RAY_ENV
 
         # Set as raydlrm sets them for a local instance it starts (its processes inherit them).
         for name, value in LOCAL_RAY_ENV.items():

@@ -118,7 +118,8 @@ def test_bad_held_out_row_fails_the_final_evaluation_but_keeps_the_model(
     import pyarrow.parquet as pq
 
     from raydlrm.platform.config import load_config
-    from raydlrm.platform.launch import EvaluationError, prepare_data
+    from raydlrm.platform.launch import EvaluationError
+    from raydlrm.platform.preflight import prepare_data
 
     config = _config(tmp_path)
     config["data"]["synthetic"]["num_eval_rows"] = 512
@@ -151,9 +152,9 @@ def test_bad_held_out_row_fails_the_final_evaluation_but_keeps_the_model(
 _DRIVER = """
 import sys, time
 from raydlrm.platform.config import load_config
-from raydlrm.platform.launch import _init_ray
+from raydlrm.platform.ray_init import init_ray
 ray_config = {"num_cpus": 2, "object_store_memory": 80 * 1024**2, "include_dashboard": False}
-_init_ray(load_config({"ray": ray_config}))
+init_ray(load_config({"ray": ray_config}))
 import ray
 # A worker process too (it runs raydlrm._ray_setup.without_dashboard as it starts).
 assert ray.get(ray.remote(lambda: __import__("logging").getLogger(

@@ -165,7 +165,7 @@ def test_a_plan_over_the_budget_stops_before_ray_starts(
     def no_ray(job) -> None:
         raise AssertionError("Ray started before the plan was checked")
 
-    monkeypatch.setattr("raydlrm.platform.launch._init_ray", no_ray)
+    monkeypatch.setattr("raydlrm.platform.launch.init_ray", no_ray)
     data = [f"data.train_path={tiny_data / 'train'}", f"data.eval_path={tiny_data / 'eval'}"]
     trained = _invoke("train", "--set", data[0], "--set", data[1])
     assert trained.exit_code == 2, trained.output
@@ -192,7 +192,7 @@ def test_unwritable_run_storage_stops_before_ray_starts(
     def no_ray(job) -> None:
         raise AssertionError("Ray started before the run storage was checked")
 
-    monkeypatch.setattr("raydlrm.platform.launch._init_ray", no_ray)
+    monkeypatch.setattr("raydlrm.platform.launch.init_ray", no_ray)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     trained = _invoke(
@@ -219,7 +219,7 @@ def test_unwritable_or_too_small_ssd_path_stops_before_ray_starts(
     def no_ray(job) -> None:
         raise AssertionError("Ray started before the SSD path was checked")
 
-    monkeypatch.setattr("raydlrm.platform.launch._init_ray", no_ray)
+    monkeypatch.setattr("raydlrm.platform.launch.init_ray", no_ray)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     data = ["--set", f"data.train_path={tiny_data / 'train'}"]

@@ -273,7 +273,7 @@ def test_runtime_env_keeps_local_state_out_of_the_upload() -> None:
         assert excluded(REPO / local_state), local_state
     for code in (
         "src/raydlrm/__init__.py",
-        "src/raydlrm/ingestion/dataset.py",
+        "src/raydlrm/ingestion/reader.py",
         "configs/retrain.toml",
         "deploy/runtime_env.yaml",
         "pyproject.toml",

@@ -46,8 +46,10 @@ def test_unknown_key_is_named_with_its_dotted_path() -> None:
 
 
 def test_invalid_values_are_named() -> None:
-    with pytest.raises(ConfigError, match=r"model\.arch"):
+    with pytest.raises(ConfigError, match=r"model\.arch: .*got 'transformer'"):
         load_config(overrides=["model.arch=transformer"])
+    with pytest.raises(ConfigError, match=r"model\.dhen_layers\.0\.1: .*got 'bogus'"):
+        load_config(overrides=['model.dhen_layers=[["dot","bogus"]]'])
     with pytest.raises(ConfigError, match=r"data\.batch_size must be positive"):
         load_config(overrides=["data.batch_size=0"])
     with pytest.raises(ConfigError, match=r"training\.num_epochs"):
@@ -89,7 +91,7 @@ def _node_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:
 
 
 def test_default_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from raydlrm.platform.launch import worker_memory_budget
+    from raydlrm.platform.preflight import worker_memory_budget
 
     _node_memory(monkeypatch, 24 * 2**30)
     node = worker_memory_budget(load_config(overrides=["scaling.num_workers=3"]))
@@ -110,7 +112,7 @@ def test_default_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_default_memory_budget_for_gpus_or_a_remote_cluster(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from raydlrm.platform.launch import worker_memory_budget
+    from raydlrm.platform.preflight import worker_memory_budget
 
     _node_memory(monkeypatch, 24 * 2**30)
     assert worker_memory_budget(load_config(overrides=["scaling.use_gpu=true"])) is None

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import raydlrm
 from raydlrm.platform.cli import app
-from raydlrm.trainers.checkpoint import model_weights
-from raydlrm.trainers.state import read_state_file
+from raydlrm.trainers.checkpoint import read_state_file
+from raydlrm.trainers.model_dir import ModelWeights
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -69,7 +69,7 @@ def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
 
 
 def _weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    return dict(model_weights(checkpoint).items())
+    return dict(ModelWeights(checkpoint).items())
 
 
 def _sample_log(root: Path, name: str) -> dict[str, np.ndarray]:

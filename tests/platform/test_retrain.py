@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from mlflow import MlflowClient
 from typer.testing import CliRunner
@@ -187,15 +188,13 @@ def test_decision_rule() -> None:
 def test_non_finite_weights_are_named(tmp_path: Path) -> None:
     weights = {"dense.top.0.weight": torch.ones(2, 2), "embedding_bags.weights.t0": torch.ones(3)}
     weights["embedding_bags.weights.t0"][1] = math.inf
-    # A model.pt (written before model.safetensors) is still read: converted, then checked.
-    torch.save(weights, tmp_path / "model.pt")
+    safetensors.torch.save_file(weights, tmp_path / "model.safetensors")
     (tmp_path / "spec.json").write_text("{}")
     (tmp_path / "plan.json").write_text("{}")
     with model_files(str(tmp_path)) as files:
-        assert (files.directory / "model.safetensors").is_file()
         assert non_finite_tensors(files) == ["embedding_bags.weights.t0"]
     weights["embedding_bags.weights.t0"][1] = 0.0
-    torch.save(weights, tmp_path / "model.pt")
+    safetensors.torch.save_file(weights, tmp_path / "model.safetensors")
     with model_files(str(tmp_path)) as files:
         assert non_finite_tensors(files) == []
 

@@ -1,12 +1,15 @@
-"""Shared test data for the sharding tests: tables, a tiny model, seeded batches."""
+"""Shared test data for the sharding tests: tables, a tiny model, seeded batches; whole tables
+gathered from (and loaded into) a sharded collection."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from raydlrm.batch import KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.sharding.types import ShardedTables
 
 GLOBAL_BATCH = 13
 # Unequal per-rank slices of the global batch, as with a last, short batch.
@@ -88,3 +91,94 @@ def assert_steps_match(
         )
         for g, r in zip(got["dense_grad"][step], ref["dense_grad"][step], strict=True):
             torch.testing.assert_close(g, r, **tol)
+
+
+# -- whole tables out of a sharded collection (tests only: checkpoints and exports never gather
+#    a table on one rank; they move one shard or chunk at a time) --------------------------
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_pieces(collection: ShardedTables, local: dict[str, torch.Tensor], *, dst: int):
+    """Every rank's ``local[table]`` with its shard, on ``dst`` (None elsewhere); a
+    data-parallel table contributes only the replica of its first shard's rank."""
+    rank, world = _rank_and_world()
+    shards = collection.local_shards()
+    mine = {
+        name: (shards[name], tensor.detach().cpu().clone())
+        for name, tensor in local.items()
+        if collection.plan.table(name).sharding_type != "data_parallel"
+        or shards[name] == collection.plan.table(name).shards[0]
+    }
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    if rank != dst:
+        return None
+    return {
+        name: [p[name] for p in everyone if name in p] for name in {n for p in everyone for n in p}
+    }
+
+
+@torch.no_grad()
+def gather_full_tables(collection: ShardedTables, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full, unsharded tables on rank ``dst`` (table name -> ``(num_embeddings, dim)``, in
+    the collection's table order; None on other ranks); every rank must call."""
+    pieces = _gather_pieces(collection, collection.local_tables(), dst=dst)
+    if pieces is None:
+        return None
+    dtypes = collection.weight_dtypes()
+    full = {}
+    for t in collection.tables:
+        weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=dtypes[t.name])
+        for s, chunk in pieces[t.name]:
+            weight[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
+        full[t.name] = weight
+    return full
+
+
+@torch.no_grad()
+def gather_full_optimizer_states(
+    collection: ShardedTables, dst: int = 0
+) -> dict[str, list[torch.Tensor]] | None:
+    """The fused optimizer state of the full tables on rank ``dst``, as
+    ``optimizer_states()`` holds it per shard (none for SGD). Row-wise Adagrad's momentum of a
+    column-sharded table is the width-weighted mean of its column shards' momenta: the mean over
+    the whole row of the accumulated squared gradients, as the unsharded optimizer defines it."""
+    states = collection.optimizer_states()
+    firsts = {name: s[0] for name, s in states.items() if s}
+    pieces = _gather_pieces(collection, firsts, dst=dst)
+    if pieces is None:
+        return None
+    full = {}
+    for t in collection.tables:
+        if not pieces.get(t.name):
+            full[t.name] = []
+            continue
+        rowwise = pieces[t.name][0][1].dim() == 1
+        if rowwise:
+            state = torch.zeros(t.num_embeddings)
+            for s, chunk in pieces[t.name]:
+                state[s.row_start : s.row_end] += (
+                    chunk * (s.col_end - s.col_start) / t.embedding_dim
+                )
+        else:
+            state = torch.empty(t.num_embeddings, t.embedding_dim)
+            for s, chunk in pieces[t.name]:
+                state[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
+        full[t.name] = [state]
+    return full
+
+
+@torch.no_grad()
+def load_full_tables(collection: ShardedTables, tables: dict[str, torch.Tensor]) -> None:
+    """Copies this rank's shards out of full, unsharded tables (every table it holds)."""
+    shards = collection.local_shards()
+    for name, weight in collection.local_tables().items():
+        s = shards[name]
+        weight.copy_(tables[name][s.row_start : s.row_end, s.col_start : s.col_end])

@@ -19,6 +19,7 @@ from tests.sharding._fixtures import (
     SPLITS,
     TinyModel,
     feature_rows,
+    gather_full_tables,
     global_batch,
     make_tables,
     targets,
@@ -136,7 +137,7 @@ def _run(rank: int, world_size: int, sc: dict) -> dict:
         pooled.append(values.detach())
     return {
         "pooled": pooled,
-        "tables": ebc.gather_full_tables(dst=0),
+        "tables": gather_full_tables(ebc, dst=0),
         "bytes": ebc.comm_bytes(),
         "codec_cols": [c.cols for c in ebc._output.codecs],
     }

@@ -10,13 +10,15 @@ import torch
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding import MemoryBudget, ShardingConfig, plan_sharding, shard_model
-from raydlrm.sharding.dedup import (
-    DedupShardedEmbeddingBagCollection,
-    feature_sets,
-    plan_feature_sets,
-)
+from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection
+from raydlrm.sharding.planner import feature_sets, plan_feature_sets
 from tests._multiprocess import run_distributed
-from tests.sharding._fixtures import TinyModel, make_tables
+from tests.sharding._fixtures import (
+    TinyModel,
+    gather_full_optimizer_states,
+    gather_full_tables,
+    make_tables,
+)
 
 GROUPS = [["f0", "f1"], ["f3"]]  # t0 (two features) and t2 deduplicated; t1, t3 plain
 TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "mixed"]
@@ -85,8 +87,8 @@ def _run(rank: int, world_size: int, kind: str, *, optimizer: str, weighted: boo
                 {"pooled": pooled.detach(), "grad": [p.grad.clone() for p in dense.parameters()]}
             )
     for name, model in (("plain", plain_model), ("dedup", dedup_model)):
-        out[f"{name}_tables"] = model.embedding_bags.gather_full_tables(dst=0)
-        out[f"{name}_states"] = model.embedding_bags.gather_full_optimizer_states(dst=0)
+        out[f"{name}_tables"] = gather_full_tables(model.embedding_bags, dst=0)
+        out[f"{name}_states"] = gather_full_optimizer_states(model.embedding_bags, dst=0)
     out["stats"] = dedup_model.embedding_bags.dedup_stats()
     out["bytes"] = (
         plain_model.embedding_bags.comm_bytes(),

@@ -25,7 +25,9 @@ from tests.sharding._fixtures import (
     TinyModel,
     assert_steps_match,
     feature_rows,
+    gather_full_tables,
     global_batch,
+    load_full_tables,
     make_tables,
     targets,
 )
@@ -88,7 +90,7 @@ def _sharded_worker(rank: int, world_size: int, scenarios: list[dict]) -> list[d
         plan = plan_sharding(tables, world_size=world_size, config=config)
         model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
         record = _train(model, weighted=sc["weighted"], rows=rows, tables=tables)
-        record["tables"] = model.embedding_bags.gather_full_tables(dst=0)
+        record["tables"] = gather_full_tables(model.embedding_bags, dst=0)
         record["states"] = {
             k: [s.clone() for s in v] for k, v in model.embedding_bags.optimizer_states().items()
         }
@@ -179,9 +181,9 @@ def _round_trip(world_size: int) -> dict:
     plan = plan_sharding(tables, world_size=world_size, config=config)
     ebc = TinyModel(tables).embedding_bags
     sharded = ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
-    before = sharded.gather_full_tables(dst=1)
-    sharded.load_full_tables({k: w.detach() * 2 + 1 for k, w in ebc.weights.items()})
-    after = sharded.gather_full_tables(dst=1)
+    before = gather_full_tables(sharded, dst=1)
+    load_full_tables(sharded, {k: w.detach() * 2 + 1 for k, w in ebc.weights.items()})
+    after = gather_full_tables(sharded, dst=1)
     return {"before": before, "after": after, "local": sorted(sharded.local_tables())}
 
 

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from raydlrm.sharding import kernel as kernel_module
 from raydlrm.sharding._input_dist import permute_bags
 from raydlrm.sharding.codecs import CODECS, codecs_for
-from raydlrm.sharding.kernel import TableSpec, TorchTableBatchedEmbedding, build_tbe
+from raydlrm.sharding.kernel import TableSpec, build_tbe
+from raydlrm.sharding.torch_tbe import TorchTableBatchedEmbedding
+from tests.sharding._fixtures import gather_full_tables
 
 LR, EPS, BATCH = 0.1, 1e-8, 5
 # Tables of two dims (the torch kernel looks up each run of equal dims as one matrix); t0 is
@@ -323,7 +325,7 @@ def _empty_rank_worker(rank: int, world_size: int) -> dict:
             model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
             rows = slice(0, 13) if rank == 0 else slice(13, 13)
             record = _train(model, weighted=False, rows=rows, tables=tables)
-            record["tables"] = model.embedding_bags.gather_full_tables(dst=0)
+            record["tables"] = gather_full_tables(model.embedding_bags, dst=0)
             out[name, kernel] = record
     return out
 

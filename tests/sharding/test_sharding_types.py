@@ -21,7 +21,15 @@ from raydlrm.sharding import (
     shard_model,
 )
 from tests._multiprocess import run_distributed
-from tests.sharding._fixtures import SPLITS, TinyModel, assert_steps_match, make_tables
+from tests.sharding._fixtures import (
+    SPLITS,
+    TinyModel,
+    assert_steps_match,
+    gather_full_optimizer_states,
+    gather_full_tables,
+    load_full_tables,
+    make_tables,
+)
 from tests.sharding.test_embedding import EPS, LR, NUM_STEPS, TOL, _train
 
 TYPES = ["data_parallel", "row_wise", "column_wise", "table_row_wise"]
@@ -120,8 +128,8 @@ def _run_scenario(rank: int, world_size: int, sc: dict) -> dict:
     model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
     ebc = model.embedding_bags
     record = _train(model, weighted=sc["weighted"], rows=rows, tables=tables)
-    record["tables"] = ebc.gather_full_tables(dst=0)
-    record["states"] = ebc.gather_full_optimizer_states(dst=0)
+    record["tables"] = gather_full_tables(ebc, dst=0)
+    record["states"] = gather_full_optimizer_states(ebc, dst=0)
     replicated = [t.name for t in plan.tables if t.sharding_type == "data_parallel"]
     record["replicas"] = {n: ebc.local_tables()[n].clone() for n in replicated}
     # The SSD tier's buffers are mapped files (unlinked at once: "(deleted)" in the maps).
@@ -263,8 +271,8 @@ def test_load_full_tables_every_type() -> None:
     sharded = ShardedEmbeddingBagCollection(
         ebc, plan=plan_sharding(tables, world_size=1, config=config), config=config, device="cpu"
     )
-    sharded.load_full_tables({k: w.detach() * 2 + 1 for k, w in ebc.weights.items()})
-    after = sharded.gather_full_tables()
+    load_full_tables(sharded, {k: w.detach() * 2 + 1 for k, w in ebc.weights.items()})
+    after = gather_full_tables(sharded)
     for name, weight in ebc.weights.items():
         torch.testing.assert_close(after[name], weight.detach() * 2 + 1)
 

@@ -20,6 +20,7 @@ from raydlrm.sharding import plan_sharding
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.spec import WorkerSpec
 from tests._multiprocess import run_distributed
+from tests.trainers._fixtures import unsharded_state_dict
 
 # Losses of the first 4 steps of the run below (global batch of 64 samples). Change only
 # deliberately, when numerics are meant to change (last: tables initialized block by block from
@@ -85,8 +86,10 @@ def _run(
     dedup: bool = False,
     short_rank: int | None = None,
     max_steps: int | None = None,
+    eval_every: int = 0,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
+    spec.training.eval_every_steps = eval_every
     spec.sharding.kernel = kernel
     spec.training.pipeline = pipeline
     spec.training.max_steps = max_steps
@@ -104,34 +107,38 @@ def _run(
     evaluation = Preprocessor(spec.data)(pq.read_table(Path(data_dir) / "eval"))
     half = evaluation.num_rows // world_size
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
-    trainer = Trainer(spec, plan=plan, rank=rank, device=torch.device(device))
     losses: list[float] = []
-    original = trainer.train_step
 
-    def recording_step(batch):  # records the global loss of every step
-        result = original(batch)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            result.logits, batch.labels, reduction="sum"
-        )
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(loss)
-        losses.append(float(loss) / 64)
-        return result
+    def record_loss(moment, *, batch=None, loss=None, **_):  # the global loss of every step
+        if moment == "step":
+            total = loss * batch.batch_size
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(total)
+            losses.append(float(total) / 64)
 
-    trainer.train_step = recording_step
+    reports: list[dict] = []
+    trainer = Trainer(
+        spec,
+        plan=plan,
+        rank=rank,
+        device=torch.device(device),
+        hooks=[record_loss],
+        report=lambda metrics, checkpoint_dir: (
+            reports.append({**metrics, "has_checkpoint": checkpoint_dir is not None}),
+            time.sleep(report_seconds),
+        )[0],
+    )
     # Where each training step's ids were routed to their shards (the input all-to-all).
     routed_on: list[str] = []
-    collections = getattr(trainer.model.embedding_bags, "parts", [trainer.model.embedding_bags])
-    for collection in collections:
-        route = collection._input_dist
+    collection = trainer.model.embedding_bags
+    route = collection.input_dist
 
-        def recording_route(*args, route=route, **kwargs):
-            if trainer.model.training:
-                routed_on.append(threading.current_thread().name)
-            return route(*args, **kwargs)
+    def recording_route(*args, **kwargs):
+        if trainer.model.training:
+            routed_on.append(threading.current_thread().name)
+        return route(*args, **kwargs)
 
-        collection._input_dist = recording_route
-    reports: list[dict] = []
+    collection.input_dist = recording_route
     final = trainer.fit(
         train_data=_Stream(pa.concat_tables(blocks)),
         eval_data=_Stream(
@@ -139,12 +146,8 @@ def _run(
             # No periodic evaluations here: the final one fails on its second batch.
             fail_after=None if eval_fails_on_rank != rank else 1,
         ),
-        report=lambda metrics, checkpoint_dir: (
-            reports.append({**metrics, "has_checkpoint": checkpoint_dir is not None}),
-            time.sleep(report_seconds),
-        )[0],
     )
-    state = trainer.unsharded_state_dict()  # a collective; the full model on rank 0
+    state = unsharded_state_dict(trainer)  # a collective; the full model on rank 0
     return {
         "losses": losses,
         "final": final,
@@ -152,24 +155,28 @@ def _run(
         "state": state,
         "routed_on": routed_on,
         # Input distributions routed ahead and never consumed (none may be left).
-        "prefetched_left": sum(len(c._prefetched) for c in collections),
+        "prefetched_left": len(collection.prefetched),
     }
 
 
 def test_single_process_run_pins_first_losses(data_dir: Path, caplog) -> None:
     """Also: reports that take far longer than the steps between them are warned about once
-    (Ray Train's report barrier would dominate the run)."""
+    (Ray Train's report barrier would dominate the run); ``eval_every_steps`` is honoured on its
+    own cadence, log step or not (3 with ``log_every_steps = 2``: steps 3, 6 and 9)."""
     with caplog.at_level(logging.WARNING, logger="raydlrm"):
-        out = _run(0, 1, str(data_dir), report_seconds=0.3)
+        out = _run(0, 1, str(data_dir), report_seconds=0.3, eval_every=3)
     (warning,) = [r.getMessage() for r in caplog.records if "log_every_steps" in r.getMessage()]
     assert "metrics reports take 0.3" in warning and "at least" in warning
     losses = out["losses"]
     assert len(losses) == 10
     assert losses[:4] == pytest.approx(PINNED_LOSSES, abs=1e-5)
     reports = out["reports"]
-    # The final checkpoint (step 10), then the final evaluation's metrics.
-    assert [r["step"] for r in reports] == [2, 4, 6, 8, 10, 10, 10]
-    assert [r["has_checkpoint"] for r in reports] == [False] * 5 + [True, False]
+    # Log steps, evaluations, the final checkpoint (step 10), then the final evaluation.
+    assert [r["step"] for r in reports] == [2, 3, 4, 6, 8, 9, 10, 10, 10]
+    assert [r["has_checkpoint"] for r in reports] == [False] * 7 + [True, False]
+    # Steps 3 and 9 report only because they evaluate (metrics ride along from before).
+    assert "eval/auc" not in reports[0] and "eval/auc" in reports[1]
+    assert len({r["eval/auc"] for r in reports[1:6]}) == 3  # evaluated at 3, 6 and 9
     assert "eval/auc" in reports[-1] and "eval/error" not in reports[-1]
     final = out["final"]
     assert final["eval/num_samples"] == 256

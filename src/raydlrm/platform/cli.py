@@ -309,7 +309,7 @@ def plan(
     ] = False,
 ) -> None:
     """Print the sharding plan of a config (a dry run: no Ray, no process group)."""
-    from raydlrm.platform.launch import make_plan
+    from raydlrm.platform.preflight import make_plan
 
     try:
         job = load_config(config, overrides=set_ or [])
@@ -464,7 +464,11 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
     """Print a checkpoint's step, epoch, world size, plan summary, data position and whether
     its files match their manifests (sizes; `checkpoint verify` also checks the checksums)."""
     from raydlrm.sharding import ShardingPlan
-    from raydlrm.trainers.state import CheckpointDamagedError, read_state_file, verify_checkpoint
+    from raydlrm.trainers.checkpoint import (
+        CheckpointDamagedError,
+        read_state_file,
+        verify_checkpoint,
+    )
 
     try:
         with _checkpoint_dir(checkpoint) as directory:
@@ -491,7 +495,7 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
 def checkpoint_verify(checkpoint: CheckpointArg) -> None:
     """Check a checkpoint against its manifests: every rank's part present, every file with
     its size and CRC-32. Exit 0 when intact, 1 (naming each problem) when damaged."""
-    from raydlrm.trainers.state import verify_checkpoint
+    from raydlrm.trainers.checkpoint import verify_checkpoint
 
     try:
         with _checkpoint_dir(checkpoint) as directory:
@@ -513,12 +517,12 @@ def checkpoint_unshard(
     """Assemble the sharded tables into one tensor per table, plus the dense model, into a
     safetensors file (one table in memory at a time): the unsharded model's state dict, usable
     without raydlrm (safetensors.torch.load_file, memory-mappable, no pickle)."""
-    from raydlrm.trainers.checkpoint import model_weights, write_model_weights
+    from raydlrm.trainers.model_dir import ModelWeights, write_model_weights
 
     try:
         with _checkpoint_dir(checkpoint) as directory:
             write_model_weights(directory, output)
-            names = [t.name for t in model_weights(directory).tensors]
+            names = [t.name for t in ModelWeights(directory).tensors]
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     tables = sum(1 for k in names if k.startswith("embedding_bags."))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, field
+from dataclasses import asdict, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,11 +20,8 @@ import pydantic
 import tomllib
 
 from raydlrm._config import config_dataclass
-from raydlrm.ingestion.config import DataConfig
-from raydlrm.models import ModelConfig
-from raydlrm.sharding.config import ShardingConfig
 from raydlrm.storage import StorageConfig
-from raydlrm.trainers import CheckpointConfig, FaultConfig, TrainingConfig, WorkerSpec
+from raydlrm.trainers import FaultConfig, WorkerSpec
 from raydlrm.trainers.config import FAULT_ENV
 
 __all__ = [
@@ -170,15 +167,11 @@ class RayInitConfig:
 
 
 @config_dataclass
-class JobConfig:
-    """Everything a training job needs."""
+class JobConfig(WorkerSpec):
+    """Everything a training job needs: the workers' sections (:class:`WorkerSpec`: ``[data]``,
+    ``[model]``, ``[sharding]``, ``[training]``, ``[checkpoint]``, ``[fault]``) and the
+    driver's. (An extension rather than a ``worker`` field: run files keep flat sections.)"""
 
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sharding: ShardingConfig = field(default_factory=ShardingConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     run: RunSpec = field(default_factory=RunSpec)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -187,14 +180,7 @@ class JobConfig:
 
     def worker_spec(self) -> WorkerSpec:
         """The part of the config the workers get."""
-        return WorkerSpec(
-            data=self.data,
-            model=self.model,
-            sharding=self.sharding,
-            training=self.training,
-            checkpoint=self.checkpoint,
-            fault=self.fault,
-        )
+        return WorkerSpec(**{f.name: getattr(self, f.name) for f in fields(WorkerSpec)})
 
     def run_name(self) -> str:
         return self.run.name or time.strftime("raydlrm-%Y%m%d-%H%M%S")
@@ -248,6 +234,8 @@ def _format_error(error: pydantic.ValidationError) -> str:
             msg = "unknown key"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
+        elif e["type"] == "literal_error":
+            msg = f"{msg}, got {e['input']!r}"
         lines.append(f"{key}: {msg}")
     return "invalid config: " + "; ".join(lines)
 

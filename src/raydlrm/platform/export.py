@@ -2,7 +2,7 @@
 
 The logged model is an MLflow ``pyfunc``: its artifacts are a model directory (the unsharded
 weights in ``model.safetensors``, written from the checkpoint's shards one table at a time and
-memory-mapped when loaded, plus the config and plan; see ``raydlrm.trainers.checkpoint``) and
+memory-mapped when loaded, plus the config and plan; see ``raydlrm.trainers.model_dir``) and
 its ``predict`` takes a pandas DataFrame of raw rows, shaped like the training Parquet (dense
 and sparse columns; the label is not needed), applies the same preprocessing as training (the
 same stable id hashing and dense transform) and returns click probabilities. It needs neither
@@ -27,12 +27,11 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
-import raydlrm
 from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.storage import list_files
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
-from raydlrm.trainers.checkpoint import SPEC_FILE, write_model_dir
+from raydlrm.trainers.model_dir import SPEC_FILE, write_model_dir
 
 __all__ = [
     "RecModelPythonModel",
@@ -148,7 +147,8 @@ def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
         "signature": _signature(example),
         "input_example": example,
         "pip_requirements": requirements,
-        "code_paths": [str(Path(raydlrm.__file__).parent)],
+        # The raydlrm package (this file is raydlrm/platform/export.py).
+        "code_paths": [str(Path(__file__).resolve().parents[1])],
     }
 
 
@@ -185,7 +185,7 @@ def log_model(
 
     Args:
         run_id: the job's MLflow run.
-        checkpoint_dir: a model checkpoint directory (``raydlrm.trainers.checkpoint``).
+        checkpoint_dir: a model checkpoint directory (``raydlrm.trainers.model_dir``).
         example: a few raw input rows, used for the model signature and input example.
         registered_model_name: registry name, or None to log without registering.
     """

@@ -25,7 +25,7 @@ when the new model is better.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import math
 import re
@@ -44,13 +44,21 @@ from raydlrm.platform.config import (
     default_tracking_uri,
     load_config,
 )
-from raydlrm.platform.launch import TrainResult, prepare_data
+from raydlrm.platform.launch import TrainResult
 from raydlrm.platform.launch import train as run_training
+from raydlrm.platform.preflight import prepare_data
 from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
 from raydlrm.storage import PartitionSelector, StorageError, partition_values
-from raydlrm.trainers.checkpoint import model_weights
+from raydlrm.trainers.model_dir import ModelWeights
 
-__all__ = ["RetrainError", "RetrainResult", "decide", "non_finite_tensors", "retrain"]
+__all__ = [
+    "Judgement",
+    "RetrainError",
+    "RetrainResult",
+    "decide",
+    "non_finite_tensors",
+    "retrain",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +150,7 @@ def non_finite_tensors(files: ModelFiles) -> list[str]:
     values; one tensor in memory at a time."""
     return sorted(
         name
-        for name, tensor in model_weights(files.directory).items()
+        for name, tensor in ModelWeights(files.directory).items()
         if tensor.is_floating_point() and not bool(tensor.isfinite().all())
     )
 
@@ -179,6 +187,13 @@ def _finish_slot(
         if current_version == previous and current_version != str(version.version):
             client.set_registered_model_alias(name, config.champion_alias, version.version)
             logger.info("moved %s to version %s (left undone)", config.champion_alias, version)
+    logger.info(
+        "slot %s=%s was already retrained: version %s (%s); nothing to train",
+        config.partition_key,
+        version.tags[TAG_SLOT],
+        version.version,
+        decision,
+    )
     return RetrainResult(
         slot=version.tags[TAG_SLOT],
         model_name=name,
@@ -193,6 +208,26 @@ def _finish_slot(
 
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """The schedule slot to retrain and its partitions."""
+
+    value: str
+    train: list[str]
+    holdout: list[str]
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A retrained model judged against the champion on the held-out partitions."""
+
+    decision: str
+    """``champion`` or ``challenger``."""
+    reason: str
+    metrics: dict[str, float]
+    """``new/<metric>`` and ``champion/<metric>``."""
 
 
 def retrain(
@@ -217,126 +252,159 @@ def retrain(
         RetrainError: the new model failed a guard, or the champion has no checkpoint.
     """
     job = load_config(config, overrides=overrides)
-    cfg = job.retrain
     name = job.tracking.registered_model_name
     if not name:
         raise ConfigError("retrain needs tracking.registered_model_name (the champion's model)")
-    key = cfg.partition_key
-    prepare_data(job)
-    values = partition_values(job.data.train_path, job.data.storage, key)
-    slot = slot if slot is not None else values[-1]
-    if slot not in values:
-        raise StorageError(
-            f"retrain: partition {key}={slot} does not exist under {job.data.train_path}; "
-            f"partitions: {values}"
-        )
-    train_values, holdout_values = _split(values, slot, cfg, key)
-
+    chosen = _pick_slot(job, slot)
     tracking_uri = default_tracking_uri(job.tracking)
     mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri)
-    done = _slot_version(client, name, slot)
+    done = _slot_version(client, name, chosen.value)
     if done is not None:
-        result = _finish_slot(client, name, done, cfg)
-        logger.info(
-            "slot %s=%s was already retrained: version %s (%s); nothing to train",
-            key,
-            slot,
-            result.version,
-            result.decision,
-        )
-        return result
-
-    champion = _alias_version(client, name, cfg.champion_alias)
-    warm_start = None
-    if champion is None:
-        logger.warning(
-            "model %s has no %s version: training from scratch", name, cfg.champion_alias
-        )
-    elif not cfg.warm_start:
-        logger.info("retrain.warm_start is off: training from scratch")
-    else:
-        warm_start = client.get_run(champion.run_id).data.tags.get(TAG_CHECKPOINT)
-        if warm_start is None:
-            raise RetrainError(
-                f"the {cfg.champion_alias} version {champion.version} of {name} (run "
-                f"{champion.run_id}) records no training checkpoint ({TAG_CHECKPOINT} tag) to "
-                "warm-start from; set retrain.warm_start=false to train from scratch"
-            )
-        logger.info(
-            "warm start from %s version %s: %s", cfg.champion_alias, champion.version, warm_start
-        )
-
-    train_job = copy.deepcopy(job)
-    data = train_job.data
-    data.partitions = {key: PartitionSelector(values=list(train_values))}
-    data.eval_path = data.train_path
-    data.eval_partitions = {key: PartitionSelector(values=list(holdout_values))}
-    # One Ray Train run per slot: a retrain killed mid-way resumes from its checkpoints.
-    train_job.run.name = f"{job.run.name or 'retrain'}-{_safe(name)}-{_safe(slot)}"
-    train_job.run.warm_start = warm_start
-    train_job.tracking.tracking_uri = tracking_uri
-    train_job.tracking.registered_model_name = None  # registered below, once the guards pass
-    logger.info(
-        "retraining %s for %s=%s: train on %s, hold out %s",
-        name,
-        key,
-        slot,
-        train_values,
-        holdout_values,
-    )
-    trained = run_training(train_job)
-    run_tags = {TAG_SLOT: slot}
+        return _finish_slot(client, name, done, job.retrain)
+    champion = _alias_version(client, name, job.retrain.champion_alias)
+    warm_start = _champion_warm_start(client, job, champion)
+    trained = run_training(_slot_job(job, chosen, warm_start=warm_start, tracking_uri=tracking_uri))
     try:
-        result = _judge(
-            trained,
-            job=job,
-            champion=champion,
-            holdout=data.eval_partitions,
-        )
+        judged = _judge(trained, job=job, champion=champion, slot=chosen)
     except RetrainError as exc:
-        client.set_tag(trained.run_id, TAG_SLOT, slot)
-        client.set_tag(trained.run_id, TAG_DECISION, "rejected")
-        client.set_tag(trained.run_id, TAG_REASON, str(exc)[:5000])
+        _tag(client, trained.run_id, {TAG_SLOT: chosen.value, TAG_DECISION: "rejected"}, str(exc))
         raise
-    decision, reason, metrics = result
-    run_tags.update({TAG_DECISION: decision, TAG_REASON: reason})
-    for tag, value in run_tags.items():
-        client.set_tag(trained.run_id, tag, value)
-    for metric, value in metrics.items():
-        client.log_metric(trained.run_id, f"retrain/{metric.replace('/', '_')}", value)
-
-    champion_version = None if champion is None else str(champion.version)
-    version_tags = {**run_tags, TAG_CHAMPION: champion_version or ""}
-    registered = mlflow.register_model(trained.model_uri, name, tags=version_tags)
-    alias = cfg.champion_alias if decision == CHAMPION else cfg.challenger_alias
-    client.set_registered_model_alias(name, alias, registered.version)
-    logger.info("%s version %s is the %s: %s", name, registered.version, alias, reason)
+    version = _record(client, trained, judged, job=job, slot=chosen, champion=champion)
     return RetrainResult(
-        slot=slot,
+        slot=chosen.value,
         model_name=name,
-        version=str(registered.version),
-        decision=decision,
-        reason=reason,
+        version=str(version),
+        decision=judged.decision,
+        reason=judged.reason,
         from_scratch=warm_start is None,
-        champion_version=champion_version,
-        train_partitions=list(train_values),
-        holdout_partitions=list(holdout_values),
-        metrics=metrics,
+        champion_version=None if champion is None else str(champion.version),
+        train_partitions=list(chosen.train),
+        holdout_partitions=list(chosen.holdout),
+        metrics=judged.metrics,
         run_id=trained.run_id,
         train=trained,
     )
 
 
-def _judge(
+def _pick_slot(job: JobConfig, slot: str | None) -> _Slot:
+    """The slot (default: the newest partition) and its training and held-out partitions.
+
+    Raises:
+        StorageError: no such partition, or too few before it.
+    """
+    key = job.retrain.partition_key
+    prepare_data(job)
+    values = partition_values(job.data.train_path, job.data.storage, key)
+    value = slot if slot is not None else values[-1]
+    if value not in values:
+        raise StorageError(
+            f"retrain: partition {key}={value} does not exist under {job.data.train_path}; "
+            f"partitions: {values}"
+        )
+    train, holdout = _split(values, value, job.retrain, key)
+    return _Slot(value=value, train=train, holdout=holdout)
+
+
+def _champion_warm_start(client: MlflowClient, job: JobConfig, champion: Any | None) -> str | None:
+    """The champion's training checkpoint to warm-start from (None: from scratch, said why).
+
+    Raises:
+        RetrainError: the champion's run records no checkpoint.
+    """
+    cfg, name = job.retrain, job.tracking.registered_model_name
+    if champion is None:
+        logger.warning(
+            "model %s has no %s version: training from scratch", name, cfg.champion_alias
+        )
+        return None
+    if not cfg.warm_start:
+        logger.info("retrain.warm_start is off: training from scratch")
+        return None
+    warm_start = client.get_run(champion.run_id).data.tags.get(TAG_CHECKPOINT)
+    if warm_start is None:
+        raise RetrainError(
+            f"the {cfg.champion_alias} version {champion.version} of {name} (run "
+            f"{champion.run_id}) records no training checkpoint ({TAG_CHECKPOINT} tag) to "
+            "warm-start from; set retrain.warm_start=false to train from scratch"
+        )
+    logger.info(
+        "warm start from %s version %s: %s", cfg.champion_alias, champion.version, warm_start
+    )
+    return warm_start
+
+
+def _slot_job(
+    job: JobConfig, slot: _Slot, *, warm_start: str | None, tracking_uri: str
+) -> JobConfig:
+    """The training job of a slot: its partitions, a run name of its own (a retrain killed
+    mid-way resumes from its checkpoints), the warm start; registered later, by the guards."""
+    key = job.retrain.partition_key
+    name = job.tracking.registered_model_name
+    logger.info(
+        "retraining %s for %s=%s: train on %s, hold out %s",
+        name,
+        key,
+        slot.value,
+        slot.train,
+        slot.holdout,
+    )
+    return dataclasses.replace(
+        job,
+        data=dataclasses.replace(
+            job.data,
+            partitions={key: PartitionSelector(values=list(slot.train))},
+            eval_path=job.data.train_path,
+            eval_partitions={key: PartitionSelector(values=list(slot.holdout))},
+        ),
+        run=dataclasses.replace(
+            job.run,
+            name=f"{job.run.name or 'retrain'}-{_safe(name or '')}-{_safe(slot.value)}",
+            warm_start=warm_start,
+        ),
+        tracking=dataclasses.replace(
+            job.tracking, tracking_uri=tracking_uri, registered_model_name=None
+        ),
+    )
+
+
+def _tag(client: MlflowClient, run_id: str, tags: dict[str, str], reason: str) -> None:
+    for tag, value in {**tags, TAG_REASON: reason[:5000]}.items():
+        client.set_tag(run_id, tag, value)
+
+
+def _record(
+    client: MlflowClient,
     trained: TrainResult,
+    judged: Judgement,
     *,
     job: JobConfig,
+    slot: _Slot,
     champion: Any | None,
-    holdout: dict[str, PartitionSelector],
-) -> tuple[str, str, dict[str, float]]:
+) -> str:
+    """Tags the run, registers the new version with its decision and moves the alias;
+    returns the version."""
+    cfg, name = job.retrain, job.tracking.registered_model_name
+    run_tags = {TAG_SLOT: slot.value, TAG_DECISION: judged.decision}
+    _tag(client, trained.run_id, run_tags, judged.reason)
+    for metric, value in judged.metrics.items():
+        client.log_metric(trained.run_id, f"retrain/{metric.replace('/', '_')}", value)
+    version_tags = {
+        **run_tags,
+        TAG_REASON: judged.reason,
+        TAG_CHAMPION: "" if champion is None else str(champion.version),
+    }
+    registered = mlflow.register_model(trained.model_uri, name, tags=version_tags)
+    alias = cfg.champion_alias if judged.decision == CHAMPION else cfg.challenger_alias
+    client.set_registered_model_alias(name, alias, registered.version)
+    logger.info("%s version %s is the %s: %s", name, registered.version, alias, judged.reason)
+    return str(registered.version)
+
+
+def _judge(trained: TrainResult, *, job: JobConfig, champion: Any | None, slot: _Slot) -> Judgement:
     """Guards, then the new model and the champion on the held-out partitions, the same way."""
     metric = job.retrain.metric
+    holdout = {job.retrain.partition_key: PartitionSelector(values=list(slot.holdout))}
 
     def held_out(model: str | ModelFiles) -> float:
         scored = evaluate(model, job.data.train_path, storage=job.data.storage, partitions=holdout)
@@ -354,4 +422,4 @@ def _judge(
         champion_metric = held_out(f"models:/{champion.name}/{champion.version}")
         metrics[f"champion/{metric}"] = champion_metric
     decision, reason = decide(metrics[f"new/{metric}"], champion_metric, job.retrain)
-    return decision, reason, metrics
+    return Judgement(decision=decision, reason=reason, metrics=metrics)

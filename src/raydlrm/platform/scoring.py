@@ -46,7 +46,8 @@ from raydlrm.storage import (
     list_files,
     local_directory,
 )
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.metrics import binary_metrics
+from raydlrm.trainers.model_dir import (
     METADATA_FILES,
     PLAN_FILE,
     SPEC_FILE,
@@ -54,7 +55,6 @@ from raydlrm.trainers.checkpoint import (
     find_model_dir,
     write_model_dir,
 )
-from raydlrm.trainers.metrics import binary_metrics
 
 __all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]
 
@@ -135,7 +135,7 @@ def model_files(model: str) -> ModelFiles:
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"model {model} has no {name}")
         if not (directory / WEIGHTS_FILE).is_file():
-            # A training checkpoint (or an old model.pt): its tables, one at a time, into a
+            # A training checkpoint: its tables, one at a time, into a
             # safetensors file that the actors can map.
             directory = write_model_dir(directory, Path(scratch(), "model"))
         spec = json.loads((directory / SPEC_FILE).read_text())
@@ -173,7 +173,7 @@ class _Scorer:
         import torch
 
         from raydlrm.ingestion import Preprocessor
-        from raydlrm.trainers.checkpoint import load_model_checkpoint
+        from raydlrm.trainers.model_dir import load_model_checkpoint
 
         torch.set_num_threads(1)
         weights = Path(model["directory"], WEIGHTS_FILE)
@@ -269,6 +269,26 @@ def _data_config(files: ModelFiles) -> DataConfig:
     return WorkerSpec(**files.spec).data
 
 
+def _columns_to_keep(
+    data: str, schema: pa.Schema, *, needed: list[str], keep: list[str] | None, label: str
+) -> list[str]:
+    """The columns scored rows keep beside the prediction (default: ``sample_id`` and the label
+    where present), after checking that the data holds the model's inputs.
+
+    Raises:
+        ValueError: naming the data set and the missing columns.
+    """
+    missing = [c for c in needed if c not in schema.names]
+    if missing:
+        raise ValueError(f"data set {data} lacks the model's input columns {missing}")
+    if keep is None:
+        keep = [c for c in ("sample_id", label) if c in schema.names]
+    absent = [c for c in keep if c not in schema.names]
+    if absent:
+        raise ValueError(f"data set {data} has no columns {absent} to keep")
+    return keep
+
+
 def _score(
     files: ModelFiles,
     data: str,
@@ -290,22 +310,14 @@ def _score(
         with filesystem.open_input_file(path) as f:
             footers.append(pq.read_metadata(f))
     schema = footers[0].schema.to_arrow_schema()
-    label = data_config.label_column
-    needed = [c for c in data_config.input_columns() if c != label]
-    missing = [c for c in needed if c not in schema.names]
-    if missing:
-        raise ValueError(f"data set {data} lacks the model's input columns {missing}")
-    if keep is None:
-        keep = [c for c in ("sample_id", label) if c in schema.names]
-    absent = [c for c in keep if c not in schema.names]
-    if absent:
-        raise ValueError(f"data set {data} has no columns {absent} to keep")
+    needed = [c for c in data_config.input_columns() if c != data_config.label_column]
+    keep = _columns_to_keep(data, schema, needed=needed, keep=keep, label=data_config.label_column)
     started = time.perf_counter()
     if not ray.is_initialized():
         from raydlrm.platform.config import load_config
-        from raydlrm.platform.launch import _init_ray
+        from raydlrm.platform.ray_init import init_ray
 
-        _init_ray(load_config(None))
+        init_ray(load_config(None))
     dataset = ray.data.read_parquet(
         paths,
         filesystem=filesystem,

@@ -12,14 +12,16 @@ that of the plain path up to float summation order), and every set's columns are
 collection's feature order.
 
 A table belongs to one feature set: a table looked up both by a deduplicated feature and by a
-feature outside its group is an error (the data config checks the same).
+feature outside its group is an error (the data config checks the same). The planner balances
+each feature set on its own (:func:`~raydlrm.sharding.planner.plan_feature_sets`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,88 +32,29 @@ from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import Shard, ShardingPlan
+from raydlrm.sharding.planner import feature_sets
+from raydlrm.sharding.types import Routed, ShardedTables
 
-__all__ = ["DedupShardedEmbeddingBagCollection", "feature_sets", "plan_feature_sets"]
+__all__ = ["DedupShardedEmbeddingBagCollection"]
 
 
-def feature_sets(
-    tables: list[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
-) -> dict[int, list[EmbeddingBagConfig]]:
-    """Tables by feature set: 0 for the plain features, ``g + 1`` for dedup group ``g``.
+@dataclass
+class _DedupRouted:
+    """A batch routed to every feature set (a :class:`~raydlrm.sharding.types.Routed`).
 
-    Raises:
-        ValueError: naming a table whose features straddle a group boundary, or a group
-            feature no table looks up.
+    Attributes:
+        features: the batch's plain features it was made for.
+        groups: the batch's dedup groups (their inverse indices expand the pooled rows).
+        parts: each feature set's routing, in the order of the collection's parts.
     """
-    group_of = {f: g + 1 for g, features in enumerate(dedup_groups) for f in features}
-    known = {f for t in tables for f in t.feature_names}
-    unknown = sorted(set(group_of) - known)
-    if unknown:
-        raise ValueError(f"dedup groups name features {unknown} that no table looks up")
-    sets: dict[int, list[EmbeddingBagConfig]] = defaultdict(list)
-    for table in tables:
-        ids = {group_of.get(f, 0) for f in table.feature_names}
-        if len(ids) > 1:
-            raise ValueError(
-                f"table {table.name!r} is looked up by features {list(table.feature_names)} that "
-                "are not all in the same dedup group"
-            )
-        sets[ids.pop()].append(table)
-    return dict(sorted(sets.items()))
 
+    features: KeyedJaggedTensor
+    groups: list[DedupGroup]
+    parts: list[Routed]
 
-def plan_feature_sets(
-    tables: list[EmbeddingBagConfig],
-    dedup_groups: Sequence[Sequence[str]],
-    *,
-    world_size: int,
-    config: ShardingConfig,
-    **kwargs,
-) -> ShardingPlan:
-    """A plan that balances every feature set on its own.
-
-    Each feature set runs its own collectives, so every rank waits for the slowest rank once per
-    set: balancing the whole collection can leave each set lopsided (one rank holding most of
-    the user tables, the other most of the rest) and every set then waits. Each set is planned
-    with :func:`~raydlrm.sharding.planner.plan_sharding` (``kwargs`` passed on) within the
-    memory budget; the sets together are then checked against it.
-
-    Raises:
-        ValueError: as :func:`~raydlrm.sharding.planner.plan_sharding`, or naming a rank whose
-            sets together exceed the memory budget.
-    """
-    from raydlrm.sharding.planner import check_table_names, plan_sharding
-
-    if not dedup_groups:
-        return plan_sharding(tables, world_size=world_size, config=config, **kwargs)
-    # Each set sees only its own tables' entries: an unknown name would pass unnoticed.
-    check_table_names(tables, config=config, pooling_factors=kwargs.get("pooling_factors"))
-    planned, hits = {}, []
-    for set_tables in feature_sets(tables, dedup_groups).values():
-        names = {t.name for t in set_tables}
-        set_config = dataclasses.replace(
-            config,
-            pinned_types={k: v for k, v in config.pinned_types.items() if k in names},
-            pinned_ranks={k: v for k, v in config.pinned_ranks.items() if k in names},
-            comm_precision_per_table={
-                k: v for k, v in config.comm_precision_per_table.items() if k in names
-            },
-            weights_precision_per_table={
-                k: v for k, v in config.weights_precision_per_table.items() if k in names
-            },
-            placement={k: v for k, v in config.placement.items() if k in names},
-        )
-        plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
-        planned.update({t.name: t for t in plan.tables})
-        hits += [] if plan.page_cache_hit is None else [plan.page_cache_hit]
-    combined = ShardingPlan(
-        world_size=world_size,
-        tables=[planned[t.name] for t in tables],
-        memory_budget=plan.memory_budget,
-        page_cache_hit=min(hits, default=None),  # each set counted the whole budget as its own
-    )
-    combined.check_memory_budget()
-    return combined
+    def tensors(self) -> Iterator[torch.Tensor | None]:
+        for part in self.parts:
+            yield from part.tensors()
 
 
 def _sub_collection(
@@ -124,11 +67,11 @@ def _sub_collection(
     return sub
 
 
-class DedupShardedEmbeddingBagCollection(nn.Module):
+class DedupShardedEmbeddingBagCollection(ShardedTables):
     """A sharded collection whose dedup groups are looked up on their unique rows.
 
     Same inputs and outputs as :class:`ShardedEmbeddingBagCollection` plus the dedup groups
-    (see the module docstring), and the same state API (``gather_full_tables`` and so on).
+    (see the module docstring); both implement :class:`~raydlrm.sharding.types.ShardedTables`.
 
     Args:
         ebc: the unsharded collection.
@@ -205,30 +148,20 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
         """The kernel the feature sets run (``sharding.kernel`` resolved; the same for all)."""
         return self.parts[0].kernel
 
-    def prefetch(
+    def input_dist(
         self,
         features: KeyedJaggedTensor,
         dedup_groups: Sequence[DedupGroup] = (),
         *,
         pg: ProcessGroup | None = None,
-    ) -> None:
-        """Runs every feature set's input distribution of a coming batch now, on ``pg`` (see
-        :meth:`ShardedEmbeddingBagCollection.prefetch`)."""
-        for set_id, part in zip(self._set_ids, self.parts, strict=True):
-            part.prefetch(features if set_id == 0 else dedup_groups[set_id - 1].unique, pg=pg)
-
-    def discard_prefetched(self) -> None:
-        """Drops every feature set's unconsumed prefetched input distributions."""
-        for part in self.parts:
-            part.discard_prefetched()
-
-    def forward(
-        self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
-    ) -> KeyedTensor:
-        """Pooled embeddings of every feature, ``B x sum(D_f)`` in ``feature_names`` order.
+    ) -> _DedupRouted:
+        """Routes every feature set of a batch: the plain features, and each dedup group's
+        unique rows (see :meth:`ShardedTables.input_dist
+        <raydlrm.sharding.types.ShardedTables.input_dist>`).
 
         Raises:
-            ValueError: if the batch's dedup groups are not the declared ones.
+            ValueError: if the batch's dedup groups are not the declared ones, or naming the
+                table of an id outside ``[0, num_embeddings)``.
         """
         declared = [sorted(g) for g in self.dedup_groups]
         given = [sorted(g.keys) for g in dedup_groups]
@@ -236,15 +169,26 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
             raise ValueError(
                 f"the batch has dedup groups {given}, the collection was built for {declared}"
             )
+        return _DedupRouted(
+            features=features,
+            groups=list(dedup_groups),
+            parts=[
+                part.input_dist(features if set_id == 0 else dedup_groups[set_id - 1].unique, pg=pg)
+                for set_id, part in zip(self._set_ids, self.parts, strict=True)
+            ],
+        )
+
+    def compute_and_output_dist(self, routed: _DedupRouted) -> KeyedTensor:
+        """Pooled embeddings of every feature, ``B x sum(D_f)`` in ``feature_names`` order: each
+        group's unique rows pooled, exchanged, then expanded to the batch by its inverse."""
         values = []
-        for set_id, part in zip(self._set_ids, self.parts, strict=True):  # every rank, in order
-            if set_id == 0:
-                values.append(part(features).values)
-                continue
-            group = dedup_groups[set_id - 1]
-            pooled = part(group.unique).values
-            self._count(set_id, group, part)
-            values.append(pooled.index_select(0, group.inverse))
+        for set_id, part, part_routed in zip(self._set_ids, self.parts, routed.parts, strict=True):
+            pooled = part.compute_and_output_dist(part_routed).values
+            if set_id != 0:
+                group = routed.groups[set_id - 1]
+                self._count(set_id, group, part)
+                pooled = pooled.index_select(0, group.inverse)
+            values.append(pooled)
         out = values[0] if len(values) == 1 else torch.cat(values, dim=1)
         if not self._in_order:
             out = out.index_select(1, self._perm)
@@ -288,7 +232,7 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
                 }
         return stats
 
-    # -- the state API of ShardedEmbeddingBagCollection, over the parts -------------------
+    # -- the state of ShardedTables: the parts' merged ------------------------------------
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         total: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -312,22 +256,3 @@ class DedupShardedEmbeddingBagCollection(nn.Module):
 
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
         return {k: v for part in self.parts for k, v in part.optimizer_states().items()}
-
-    def _ordered(self, parts: list[dict | None]) -> dict | None:
-        if any(p is None for p in parts):
-            return None
-        merged = {k: v for p in parts for k, v in p.items()}
-        return {t.name: merged[t.name] for t in self.tables}
-
-    @torch.no_grad()
-    def gather_full_tables(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        return self._ordered([part.gather_full_tables(dst) for part in self.parts])
-
-    @torch.no_grad()
-    def gather_full_optimizer_states(self, dst: int = 0) -> dict[str, list[torch.Tensor]] | None:
-        return self._ordered([part.gather_full_optimizer_states(dst) for part in self.parts])
-
-    @torch.no_grad()
-    def load_full_tables(self, tables: dict[str, torch.Tensor]) -> None:
-        for part in self.parts:
-            part.load_full_tables({t.name: tables[t.name] for t in part.tables if t.name in tables})

@@ -5,7 +5,9 @@ column-wise, row-wise, table-row-wise or data-parallel; types mix freely in one 
 The unit of work is one feature looked up in one shard (:mod:`raydlrm.sharding._layout`); each
 rank looks up its units for the whole global batch with one TBE per (replicated, pooling
 mode, precision, placement): fbgemm's, or its PyTorch equivalent (``sharding.kernel``, see
-:mod:`raydlrm.sharding.kernel`). A forward pass:
+:mod:`raydlrm.sharding.kernel`). The collection implements
+:class:`~raydlrm.sharding.types.ShardedTables`; a forward pass is its ``input_dist`` (step 1,
+which a pipeline may run ahead) and its ``compute_and_output_dist`` (steps 2-4):
 
 1. sends every id to the units that own its row, with the row offset subtracted, and receives
    this rank's units' bags for every rank's samples (:mod:`raydlrm.sharding._input_dist`);
@@ -31,9 +33,9 @@ Design choices:
   momentum of its own row segment (as TorchRec does): the column-wise update is exactly
   row-wise Adagrad with each shard's row segment as the "row". It equals the unsharded update
   only when the table has a single column shard. Adagrad and SGD are per element and exact.
-  :meth:`ShardedEmbeddingBagCollection.gather_full_optimizer_states` reports the width-weighted
-  mean of the segments' momenta, which is the unsharded definition (mean over the whole row) of
-  the accumulated squared gradients.
+  The width-weighted mean of the segments' momenta is the unsharded definition (mean over the
+  whole row) of the accumulated squared gradients: what a resharded checkpoint loads
+  (:mod:`raydlrm.sharding.state`).
 
 The TBE's fused optimizer updates the rows in the backward pass: embeddings need no separate
 optimizer step. Ids are checked against their table's size on the rank that sends them, so the
@@ -43,8 +45,8 @@ error names the table and shows up where the bad batch is.
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -52,24 +54,41 @@ from torch.distributed import ProcessGroup
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
-from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
+from raydlrm.sharding._comm import CommBytes, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, TbeGroup, rank_units, tbe_groups
 from raydlrm.sharding._output_dist import OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import cache_rows
-from raydlrm.sharding.kernel import TableSpec, build_tbe, resolve_kernel
+from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe, resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
+from raydlrm.sharding.types import ShardedTables
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-"""Torch dtype of each ``sharding.weights_precision``."""
-_Piece = tuple[EmbeddingBagConfig, Shard]
 _ROW_SPLIT = ("row_wise", "table_row_wise")
+
+
+@dataclass
+class _Routed:
+    """A batch routed to this collection's shards (a :class:`~raydlrm.sharding.types.Routed`).
+
+    Attributes:
+        features: the batch's features it was made for.
+        kjt: the collection's features of the batch (dedup groups expanded), ``(F, B, L)``.
+        bags: this rank's units' bags for every rank's samples.
+    """
+
+    features: KeyedJaggedTensor
+    kjt: KeyedJaggedTensor
+    bags: LocalBags
+
+    def tensors(self) -> Iterator[torch.Tensor | None]:
+        yield from (self.kjt.values, self.kjt.lengths, self.kjt.weights)
+        yield from (self.bags.lengths, self.bags.values, self.bags.weights)
 
 
 def _output_codecs(
@@ -106,7 +125,7 @@ def _output_codecs(
     ]
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(ShardedTables):
     """An :class:`EmbeddingBagCollection` sharded across the ranks of ``pg`` by a plan.
 
     Input and output are those of the unsharded collection: a KJT of shape ``(F, B, L[f][b])``
@@ -160,7 +179,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.feature_names = ebc.feature_names
         self.feature_dims = ebc.feature_dims
         self.plan = plan
-
         self._dtypes = {
             t.name: WEIGHT_DTYPES[config.weights_precision_of(t.name)] for t in self.tables
         }
@@ -174,12 +192,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             comm_bytes=self._comm_bytes,
             fbgemm=self.kernel == "fbgemm",
         )
-        self._rank_pieces: list[list[_Piece]] = [
-            [p for g in tbe_groups(us) for p in g.shards] for us in units
+        self._output = self._output_dist(units, config)
+        self._register_feature_buffers()
+        self._groups = tbe_groups(units[self._rank])
+        self._pieces: list[tuple[EmbeddingBagConfig, Shard]] = [
+            p for g in self._groups for p in g.shards
         ]
-        local = units[self._rank]
-        # Output column of every column of the blocks received (sharded units of every rank,
-        # in rank order), then of this rank's replicated units.
+        self.local_table_configs = [t for t, _ in self._pieces]
+        self._ssd_directory = ssd_directory(config.ssd_path)
+        self._build_tbes(config)
+        self._init_weights(ebc)
+
+    def _output_dist(self, units: list[list[LookupUnit]], config: ShardingConfig) -> OutputDist:
+        """The output distribution: the output column of every column of the blocks received
+        (sharded units of every rank, in rank order), then of this rank's replicated units."""
         feature_start = lengths_to_offsets(torch.tensor(self.feature_dims)).tolist()
 
         def targets(us: list[LookupUnit]) -> list[int]:
@@ -189,21 +215,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 for c in range(u.shard.col_start, u.shard.col_end)
             ]
 
-        self._output = OutputDist(
+        return OutputDist(
             runs=column_runs(
                 [targets([u for u in us if not u.replicated]) for us in units]
-                + [targets([u for u in local if u.replicated])]
+                + [targets([u for u in units[self._rank] if u.replicated])]
             ),
             num_columns=sum(self.feature_dims),
             codecs=_output_codecs(units, config, kernel=self.kernel),
-            pg=pg,
+            pg=self._pg,
             comm_bytes=self._comm_bytes,
         )
+
+    def _register_feature_buffers(self) -> None:
+        """Per feature: its table's size (the id check) and dim, and whether it is a mean bag
+        of a row-split table (pooled as sums by the shards, divided after the exchange)."""
         table_of = {f: t for t in self.tables for f in t.feature_names}
         self._register(
             "_limits", torch.tensor([table_of[f].num_embeddings for f in self.feature_names])
         )
-        row_split = {t.name for t in plan.tables if t.sharding_type in _ROW_SPLIT}
+        row_split = {t.name for t in self.plan.tables if t.sharding_type in _ROW_SPLIT}
         mean_features = [
             table_of[f].pooling == "mean" and table_of[f].name in row_split
             for f in self.feature_names
@@ -212,9 +242,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._register("_row_split_mean", torch.tensor(mean_features, dtype=torch.bool))
         self._register("_feature_dims", torch.tensor(self.feature_dims))
 
-        self._groups = tbe_groups(local)
-        self.local_table_configs = [t for t, _ in self._rank_pieces[self._rank]]
-        self._ssd_directory = ssd_directory(config.ssd_path)
+    def _build_tbes(self, config: ShardingConfig) -> None:
+        """One TBE per group of this rank's units; an ``ssd`` group's over its mapped files, or
+        over the slots of a DRAM row cache in front of them."""
         tbes, self._caches = [], []
         for group in self._groups:
             buffers = self._tier_buffers(group, config)
@@ -223,12 +253,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             tbes.append(tbe)
             self._caches.append(self._row_cache(group, tbe, buffers) if cached else None)
         self.tbes = nn.ModuleList(tbes)
-        self._init_weights(ebc)
-        # Input distributions run ahead of their forward pass (see prefetch), by the id of the
-        # features they were made for (the features are kept, so the id is not reused).
-        self._prefetched: dict[
-            int, tuple[KeyedJaggedTensor, tuple[KeyedJaggedTensor, LocalBags]]
-        ] = {}
 
     def _register(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.to(self._device), persistent=False)
@@ -397,7 +421,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def local_shards(self) -> dict[str, Shard]:
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
-        return {t.name: s for t, s in self._rank_pieces[self._rank]}
+        return {t.name: s for t, s in self._pieces}
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         """Table name -> dtype of its weights (``sharding.weights_precision``), every table."""
@@ -420,139 +444,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             split = tbe.split_optimizer_states() or [[] for _ in group.shards]
             states.update({t.name: list(s) for (t, _), s in zip(group.shards, split, strict=True)})
         return states
-
-    def _gather_pieces(
-        self,
-        local: dict[str, torch.Tensor],
-        *,
-        dst: int,
-        shape: Callable[[Shard], tuple[int, ...]],
-    ) -> dict[str, list[tuple[Shard, torch.Tensor]]] | None:
-        """Every rank's ``local[table]`` of shape ``shape(shard)`` on ``dst``, per table.
-
-        A data-parallel table contributes only the replica of its first shard's rank.
-        """
-        sent = [
-            [
-                (t, s)
-                for t, s in pieces
-                if s == self.plan.table(t.name).shards[0]
-                or self.plan.table(t.name).sharding_type != "data_parallel"
-            ]
-            for pieces in self._rank_pieces
-        ]
-        numel = [[int(torch.Size(shape(s)).numel()) for _, s in pieces] for pieces in sent]
-        # fp32 on the wire whatever each table's precision (fp16 values convert exactly).
-        mine = [local[t.name].reshape(-1).float() for t, _ in sent[self._rank]]
-        payload = torch.cat(mine) if mine else torch.empty(0, device=self._device)
-        is_dst = self._rank == dst
-        if self._world_size == 1:
-            received = payload
-        else:
-            received = all_to_all(
-                payload,
-                input_splits=[payload.numel() if r == dst else 0 for r in range(self._world_size)],
-                output_splits=[sum(n) if is_dst else 0 for n in numel],
-                pg=self._pg,
-            )
-        if not is_dst:
-            return None
-        chunks = received.split([n for ns in numel for n in ns])
-        pieces = defaultdict(list)
-        for (t, s), chunk in zip([p for ps in sent for p in ps], chunks, strict=True):
-            pieces[t.name].append((s, chunk.view(shape(s))))
-        return pieces
-
-    @torch.no_grad()
-    def gather_full_tables(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The full, unsharded tables on rank ``dst``; every rank must call this.
-
-        Args:
-            dst: rank (in the process group) that receives the tables.
-
-        Returns:
-            On ``dst``: table name -> ``(num_embeddings, dim)`` tensor (a copy), in the
-            collection's table order. ``None`` on other ranks.
-        """
-        pieces = self._gather_pieces(
-            self.local_tables(),
-            dst=dst,
-            shape=lambda s: (s.row_end - s.row_start, s.col_end - s.col_start),
-        )
-        if pieces is None:
-            return None
-        full = {}
-        for t in self.tables:
-            weight = torch.empty(
-                t.num_embeddings, t.embedding_dim, device=self._device, dtype=self._dtypes[t.name]
-            )
-            for s, chunk in pieces[t.name]:
-                weight[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
-            full[t.name] = weight
-        return full
-
-    @torch.no_grad()
-    def gather_full_optimizer_states(self, dst: int = 0) -> dict[str, list[torch.Tensor]] | None:
-        """The fused optimizer state of the full tables on rank ``dst``; every rank must call it.
-
-        Row-wise Adagrad's momentum of a column-sharded table is the width-weighted mean of its
-        column shards' momenta (see the module docstring): the accumulated mean over the whole
-        row of the squared gradients, as the unsharded optimizer defines it.
-
-        Returns:
-            On ``dst``: table name -> state tensors as :meth:`optimizer_states` returns them, of
-            the full table (``(num_embeddings,)`` or ``(num_embeddings, dim)``; none for SGD).
-            ``None`` on other ranks.
-        """
-        if self._optimizer == "sgd":
-            return {t.name: [] for t in self.tables} if self._rank == dst else None
-        rowwise = self._optimizer == "rowwise_adagrad"
-        pieces = self._gather_pieces(
-            {name: states[0] for name, states in self.optimizer_states().items()},
-            dst=dst,
-            shape=lambda s: (
-                (s.row_end - s.row_start,) + (() if rowwise else (s.col_end - s.col_start,))
-            ),
-        )
-        if pieces is None:
-            return None
-        full = {}
-        for t in self.tables:
-            if rowwise:
-                state = torch.zeros(t.num_embeddings, device=self._device)
-                for s, chunk in pieces[t.name]:
-                    width = (s.col_end - s.col_start) / t.embedding_dim
-                    state[s.row_start : s.row_end] += chunk * width
-            else:
-                state = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
-                for s, chunk in pieces[t.name]:
-                    state[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
-            full[t.name] = [state]
-        return full
-
-    @torch.no_grad()
-    def load_full_tables(self, tables: dict[str, torch.Tensor]) -> None:
-        """Copies this rank's shards out of full, unsharded tables.
-
-        Args:
-            tables: table name -> ``(num_embeddings, dim)`` tensor; must hold every table this
-                rank holds a shard of.
-
-        Raises:
-            ValueError: naming a missing table or one of the wrong shape.
-        """
-        shards = self.local_shards()
-        configs = {t.name: t for t in self.tables}
-        for name, weight in self.local_tables().items():
-            if name not in tables:
-                raise ValueError(f"load_full_tables: table {name!r} is missing")
-            source, s, cfg = tables[name], shards[name], configs[name]
-            if tuple(source.shape) != (cfg.num_embeddings, cfg.embedding_dim):
-                raise ValueError(
-                    f"load_full_tables: table {name!r} has shape {tuple(source.shape)}, "
-                    f"expected {(cfg.num_embeddings, cfg.embedding_dim)}"
-                )
-            weight.copy_(source[s.row_start : s.row_end, s.col_start : s.col_end])
 
     def _check_ids(self, kjt: KeyedJaggedTensor) -> None:
         """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
@@ -603,77 +494,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
             first += group.num_units
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
-    def _input_dist(
-        self,
-        features: KeyedJaggedTensor,
-        dedup_groups: Sequence[DedupGroup],
-        pg: ProcessGroup | None = None,
-    ) -> tuple[KeyedJaggedTensor, LocalBags]:
-        """The collection's features of ``features`` and this rank's units' bags."""
-        if dedup_groups:
-            features = KeyedJaggedTensor.concat([features] + [g.expand() for g in dedup_groups])
-        kjt = features.select(self.feature_names)
-        self._check_ids(kjt)
-        return kjt, self._input(kjt, pg=pg)
-
-    def prefetch(
+    def input_dist(
         self,
         features: KeyedJaggedTensor,
         dedup_groups: Sequence[DedupGroup] = (),
         *,
         pg: ProcessGroup | None = None,
-    ) -> None:
-        """Runs the input distribution of a coming batch now, on ``pg`` (a pipeline's
-        background thread passes a process group of its own, so that its exchanges overlap the
-        current step's); the forward pass on the same ``features`` object then starts from it.
-        Every rank must prefetch the same batches in the same order.
-
-        Raises:
-            ValueError: naming the table of an id outside ``[0, num_embeddings)``.
-        """
-        self._prefetched[id(features)] = (features, self._input_dist(features, dedup_groups, pg))
-
-    def discard_prefetched(self) -> None:
-        """Drops input distributions prefetched for batches that will not be trained (a
-        pipeline stopped early)."""
-        self._prefetched.clear()
-
-    def forward(
-        self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
-    ) -> KeyedTensor:
-        """Pooled embeddings of this rank's samples.
-
-        Args:
-            features: KJT of shape ``(F, B, L[f][b])`` holding at least every feature of the
-                collection (those not in ``dedup_groups``); ``weights`` (if present) weight each
-                id.
-            dedup_groups: deduplicated features; this collection expands them to the batch
-                (:class:`~raydlrm.sharding.dedup.DedupShardedEmbeddingBagCollection` looks them
-                up on their unique rows).
-
-        Returns:
-            KeyedTensor of shape ``B x sum(D_f)``, features in ``feature_names`` order.
-
-        Raises:
-            ValueError: naming the table of an id outside ``[0, num_embeddings)``.
-        """
-        prefetched = self._prefetched.pop(id(features), None)
-        if prefetched is not None and prefetched[0] is features:
-            kjt, bags = prefetched[1]
-            if self._device.type == "cuda":  # made on the pipeline's stream, read on this one
-                stream = torch.cuda.current_stream(self._device)
-                for t in (
-                    kjt.values,
-                    kjt.lengths,
-                    kjt.weights,
-                    bags.lengths,
-                    bags.values,
-                    bags.weights,
-                ):
-                    if t is not None:
-                        t.record_stream(stream)
+    ) -> _Routed:
+        """Routes ``features`` (and ``dedup_groups``, expanded to the batch) to this
+        collection's shards: see :meth:`ShardedTables.input_dist
+        <raydlrm.sharding.types.ShardedTables.input_dist>`."""
+        if dedup_groups:
+            features_all = KeyedJaggedTensor.concat([features] + [g.expand() for g in dedup_groups])
         else:
-            kjt, bags = self._input_dist(features, dedup_groups)
+            features_all = features
+        kjt = features_all.select(self.feature_names)
+        self._check_ids(kjt)
+        return _Routed(features=features, kjt=kjt, bags=self._input(kjt, pg=pg))
+
+    def compute_and_output_dist(self, routed: _Routed) -> KeyedTensor:
+        """Pooled embeddings of this rank's samples from their routed ids (the lookups, then
+        the output all-to-all), ``B x sum(D_f)`` in ``feature_names`` order."""
+        kjt, bags = routed.kjt, routed.bags
         pooled = self._lookup(bags, sum(bags.batch_sizes))
         values = self._output(pooled, bags.batch_sizes)
         if self._has_row_split_mean:

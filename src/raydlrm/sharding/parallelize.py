@@ -23,7 +23,7 @@ from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import ShardingPlan
 
-__all__ = ["shard_model"]
+__all__ = ["shard_model", "unwrap_dense"]
 
 
 def shard_model(
@@ -79,3 +79,10 @@ def shard_model(
         )
     model.dense = dense
     return model
+
+
+def unwrap_dense(model: nn.Module) -> nn.Module:
+    """``model.dense`` without the DDP wrapper :func:`shard_model` may have put around it (its
+    parameters keep the unsharded model's names)."""
+    dense = model.dense
+    return dense.module if isinstance(dense, DistributedDataParallel) else dense

@@ -2,7 +2,7 @@
 
 :func:`embedding_state_dict` describes this rank's embedding shards and fused optimizer state as
 tensors keyed by *table*, not by rank: a sharded table's weight is a ``ShardedTensor`` of the
-table's global shape whose local shard is this rank's rectangle (a view of fbgemm's weights, so
+table's global shape whose local shard is this rank's rectangle (a view of the kernel's weights, so
 saving copies nothing); a data-parallel table is a plain tensor (DCP writes one replica). Since
 DCP stores every tensor as chunks with their offsets in the global tensor, a checkpoint written
 with one plan loads into any other plan (another world size, another sharding type): each rank
@@ -41,6 +41,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.types import ShardedTables
 
 __all__ = [
     "column_blocks",
@@ -159,12 +160,12 @@ def _row_window(
 
 
 def embedding_state_dict(
-    collection: Any, *, plan: ShardingPlan, rank: int, optimizer: str
+    collection: ShardedTables, *, plan: ShardingPlan, rank: int, optimizer: str
 ) -> dict[str, Any]:
     """This rank's part of the embedding state, keyed by table (see the module docstring).
 
     Args:
-        collection: a sharded collection (``local_tables``, ``optimizer_states``).
+        collection: a sharded collection.
         plan: its plan.
         rank: this rank.
         optimizer: the fused optimizer (``rowwise_adagrad``, ``adagrad`` or ``sgd``).
@@ -190,39 +191,63 @@ def embedding_state_dict(
                 device=device,
                 dtype=dtypes[table.name],
             )
-        if optimizer == "sgd":
-            continue
-        state = states[table.name][0] if weight is not None else None
-        if optimizer == "rowwise_adagrad":
-            column = None if state is None else state.view(-1, 1)
-            if replicated:
-                out[momentum_key(table.name)] = column
-            else:
-                out[momentum_key(table.name)] = _sharded(
-                    column,
+        if optimizer != "sgd":
+            state = states[table.name][0] if weight is not None else None
+            out.update(
+                _optimizer_entry(
+                    table,
+                    state,
                     rank=rank,
-                    shards=_momentum_pieces(table),
-                    size=[table.num_embeddings, len(column_blocks(table))],
+                    optimizer=optimizer,
+                    replicated=replicated,
                     device=device,
-                    dtype=torch.float32,
                 )
-        elif replicated:
-            out[state_key(table.name)] = state
-        else:
-            out[state_key(table.name)] = _sharded(
-                state,
-                rank=rank,
-                shards=_weight_pieces(table),
-                size=[table.num_embeddings, table.embedding_dim],
-                device=device,
-                dtype=torch.float32,
             )
     # A replicated table is a plain tensor on the ranks that hold it and absent elsewhere.
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _optimizer_entry(
+    table: TablePlan,
+    state: torch.Tensor | None,
+    *,
+    rank: int,
+    optimizer: str,
+    replicated: bool,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The fused optimizer state of one table (this rank's shard ``state``, or None): row-wise
+    Adagrad's momentum as ``(rows, column blocks)``, Adagrad's sum as the weight's shape."""
+    if optimizer == "rowwise_adagrad":
+        column = None if state is None else state.view(-1, 1)
+        if replicated:
+            return {momentum_key(table.name): column}
+        return {
+            momentum_key(table.name): _sharded(
+                column,
+                rank=rank,
+                shards=_momentum_pieces(table),
+                size=[table.num_embeddings, len(column_blocks(table))],
+                device=device,
+                dtype=torch.float32,
+            )
+        }
+    if replicated:
+        return {state_key(table.name): state}
+    return {
+        state_key(table.name): _sharded(
+            state,
+            rank=rank,
+            shards=_weight_pieces(table),
+            size=[table.num_embeddings, table.embedding_dim],
+            device=device,
+            dtype=torch.float32,
+        )
+    }
+
+
 def load_embedding_state(
-    collection: Any,
+    collection: ShardedTables,
     *,
     plan: ShardingPlan,
     rank: int,

@@ -7,20 +7,18 @@ processes and tests.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 
 __all__ = [
     "WorkerContext",
+    "add_file",
     "configure_data_output",
-    "latest_checkpoint",
+    "registered_checkpoint",
     "report",
     "worker_context",
 ]
@@ -78,75 +76,12 @@ def report(
     return ray.train.get_checkpoint()  # Ray Train's latest: the one just stored
 
 
+def registered_checkpoint() -> ray.train.Checkpoint | None:
+    """The run's latest checkpoint that Ray Train registered (None: a fresh start)."""
+    return ray.train.get_checkpoint()
+
+
 def add_file(checkpoint: ray.train.Checkpoint, name: str, text: str) -> None:
     """Writes ``text`` as the file ``name`` of a stored checkpoint (local or remote)."""
     with checkpoint.filesystem.open_output_stream(f"{checkpoint.path.rstrip('/')}/{name}") as f:
         f.write(text.encode())
-
-
-@contextlib.contextmanager
-def latest_checkpoint(
-    problems_of: Callable[[str], list[str]], latest: ray.train.Checkpoint | None = None
-) -> Iterator[tuple[str, ray.train.Checkpoint] | tuple[None, None]]:
-    """The run's newest intact checkpoint as a local directory (downloaded if remote) and as
-    stored, or (None, None) when the run has none (a fresh start).
-
-    Ray Train's latest registered checkpoint and every other ``checkpoint_*`` directory of the
-    run are tried newest first (Ray names them by time): one complete but never registered
-    (a crash between writing and registering) is taken rather than redoing its steps, and a
-    damaged one (``problems_of`` names what is wrong) is passed over with a warning naming it.
-    Every rank checks the same directories the same way, so all ranks pick the same one.
-
-    Args:
-        problems_of: what is wrong with a checkpoint directory (empty when intact).
-        latest: the run's latest registered checkpoint (default: Ray Train's).
-
-    Raises:
-        RuntimeError: the run has checkpoints but none is intact (each named with its damage).
-    """
-    latest = latest or ray.train.get_checkpoint()
-    if latest is None:
-        yield None, None
-        return
-    damaged = []
-    for checkpoint in _newest_first(latest):
-        with checkpoint.as_directory() as directory:
-            problems = problems_of(directory)
-            if not problems:
-                if damaged or checkpoint.path != latest.path:
-                    logger.warning(
-                        "taking %s rather than the latest registered checkpoint %s",
-                        checkpoint.path,
-                        latest.path,
-                    )
-                yield directory, checkpoint
-                return
-        damaged.append(f"{checkpoint.path}: {'; '.join(problems[:3])}")
-        logger.warning("checkpoint %s is damaged, passed over: %s", checkpoint.path, damaged[-1])
-    raise RuntimeError("no intact checkpoint to resume from: " + " | ".join(damaged))
-
-
-def _newest_first(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
-    """Every ``checkpoint_*`` directory beside ``latest``, newest first (by Ray's time-stamped
-    names)."""
-    filesystem = latest.filesystem
-    parent = latest.path.rstrip("/").rsplit("/", 1)[0]
-    infos = filesystem.get_file_info(pafs.FileSelector(parent))
-    paths = sorted(
-        (
-            i.path
-            for i in infos
-            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
-        ),
-        reverse=True,
-    )
-    if latest.path.rstrip("/") not in paths:
-        paths.insert(0, latest.path)
-    return [ray.train.Checkpoint(path=p, filesystem=filesystem) for p in paths]
-
-
-@contextlib.contextmanager
-def checkpoint_directory(checkpoint: ray.train.Checkpoint) -> Iterator[str]:
-    """A checkpoint given by the driver (e.g. a warm start) as a local directory."""
-    with checkpoint.as_directory() as directory:
-        yield directory

@@ -1,315 +1,519 @@
-"""Model checkpoints: the unsharded model's weights, streamed, plus the config and plan.
+"""Training checkpoints: everything a run needs to continue exactly where it stopped.
 
-A model directory holds ``spec.json`` (the worker-side config), ``plan.json`` (the sharding
-plan), ``metrics.json`` and the weights, in one of three forms:
+A training checkpoint is a directory written with ``torch.distributed.checkpoint`` (DCP):
+every rank writes its own embedding shards and fused optimizer state in parallel (see
+``raydlrm.sharding.state``: keyed by table, so they load into another plan or world size), the
+dense model and its optimizer state and the RNG state of every rank (the data-parallel replicas
+may differ in the last bit, since gloo's all-reduce need not round alike on every rank: an exact
+resume restores each rank's own; another world size starts every rank from rank 0's); plus
+``trainer_state.json`` from rank 0 with the loop's own state (step, epoch, samples seen,
+training time), the plan, the resolved worker config and the data position (which rows of the
+current epoch every worker has trained on; see ``raydlrm.ingestion.reader.EpochProgress``).
 
-* ``model.safetensors``: every tensor of the unsharded ``RecModel`` under its state-dict key
-  (``embedding_bags.weights.<table>``, ``dense.*``), in the safetensors format (a JSON header,
-  then raw little-endian bytes: no pickle, memory-mappable). Exported and logged models have it.
-* a training-state checkpoint (``raydlrm.trainers.state``): the final checkpoint of a run holds
-  its tables once, as the ranks' DCP shards, and no second copy of them. Exporting it assembles
-  the tables one at a time.
-* ``model.pt`` (written before 0.2): a tensor-only ``torch.save`` state dict, still loaded
-  (memory-mapped, ``weights_only``).
+Only tensors go through DCP and only JSON sits beside them. DCP's own ``.metadata`` file is a
+pickle (``FileSystemReader`` unpickles it with no restriction); :class:`CheckpointReader` reads it
+with an unpickler that can build only DCP's metadata classes, ``torch.Size``, dtypes, layouts,
+memory formats and paths, so a planted ``.metadata`` cannot run code.
 
-:func:`write_model_weights` turns any of them into ``model.safetensors`` holding one table in
-memory at a time (the header is computed from shapes before any data is read, then each tensor
-is read and written in turn). :func:`load_model_checkpoint` rebuilds the model with its tables
-*memory-mapped* from ``model.safetensors``: scoring a model larger than RAM works, the page cache
-serving the hot rows.
+Every rank writes ``manifest.rank<r>.json`` last: the size and CRC-32 of each file it wrote.
+:func:`verify_checkpoint` checks a checkpoint against its manifests (every rank's present, every
+file there with its size, and with ``checksums`` its CRC-32): a truncated shard or state file
+is found before a load fails on it, and a resume falls back to the newest intact checkpoint
+(``raydlrm.trainers._ray``).
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+import logging
+import pathlib
+import pickle
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+from torch.distributed.checkpoint import metadata as _dcp_metadata
 
-from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
+from raydlrm.sharding.state import (
+    column_blocks,
+    embedding_state_dict,
+    load_embedding_state,
+    weight_key,
+)
+from raydlrm.sharding.types import ShardedTables
 from raydlrm.storage import redact
-from raydlrm.trainers import state
 from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = [
-    "LoadedModel",
-    "ModelWeights",
-    "find_model_dir",
-    "load_model_checkpoint",
-    "model_metrics",
-    "model_weights",
-    "save_model_metadata",
-    "write_model_dir",
-    "write_model_weights",
+    "STATE_FILE",
+    "CheckpointDamagedError",
+    "CheckpointReader",
+    "TrainingParts",
+    "check_state_matches",
+    "load_model_tensor",
+    "load_training_state",
+    "model_tensors",
+    "newest_intact",
+    "read_state_file",
+    "save_training_state",
+    "verify_checkpoint",
+    "write_manifest",
 ]
 
-WEIGHTS_FILE = "model.safetensors"
-LEGACY_MODEL_FILE = "model.pt"
-SPEC_FILE = "spec.json"
-PLAN_FILE = "plan.json"
-METRICS_FILE = "metrics.json"
-FINAL_METRICS_FILE = "final_metrics.json"
-"""The run's final metrics, the final evaluation's included, written into the final checkpoint
-after the evaluation (its ``metrics.json`` is written before: the checkpoint precedes it)."""
-METADATA_FILES = (SPEC_FILE, PLAN_FILE, METRICS_FILE)
-"""The small files of a model directory, beside its weights."""
+logger = logging.getLogger(__name__)
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+STATE_FILE = "trainer_state.json"
+MANIFEST_PREFIX = "manifest.rank"
+_DENSE = "dense."
+_DENSE_OPTIMIZER = "dense_optimizer."
+_RNG = "rng"
+FORMAT_VERSION = 2
+"""2: every rank writes a manifest (version 1 checkpoints have none and are checked for their
+state file only)."""
+
+
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(_dcp_metadata, name)
+    for name in (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _dcp_filesystem._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    # torch pickles a layout as _get_layout("torch.strided"): a lookup in a table of layouts.
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # written on Windows, read here
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
 }
 
 
-def model_metrics(directory: str | Path) -> dict[str, Any]:
-    """A model directory's metrics: ``metrics.json`` with ``final_metrics.json`` (the final
-    evaluation's, when the run wrote them) over it; empty if it has neither."""
-    metrics: dict[str, Any] = {}
-    for name in (METRICS_FILE, FINAL_METRICS_FILE):
-        file = Path(directory, name)
-        if file.is_file():
-            metrics.update(json.loads(file.read_text()))
-    return metrics
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: any other global is refused (the "restricting
+    globals" recipe of the ``pickle`` docs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return _METADATA_GLOBALS[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"DCP metadata may not refer to {module}.{name}: refused (not a checkpoint's metadata)"
+        )
 
 
-def write_model_dir(checkpoint_dir: str | Path, target: str | Path) -> Path:
-    """Writes the model of a model directory or training checkpoint into ``target`` (created):
-    ``model.safetensors`` (streamed, one table at a time), its config and plan, and its metrics
-    (:func:`model_metrics`); not the training state's optimizer state."""
-    target = Path(target)
-    target.mkdir(parents=True)
-    for name in (SPEC_FILE, PLAN_FILE):
-        if Path(checkpoint_dir, name).is_file():
-            shutil.copy2(Path(checkpoint_dir, name), target / name)
-    metrics = model_metrics(checkpoint_dir)
-    (target / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    write_model_weights(checkpoint_dir, target / WEIGHTS_FILE)
-    return target
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file-system reader, reading ``.metadata`` with :class:`_MetadataUnpickler` instead
+    of an unrestricted ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if not isinstance(metadata, _dcp_metadata.Metadata):
+            raise pickle.UnpicklingError(
+                f"{path} holds a {type(metadata).__name__}, not DCP metadata"
+            )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = _dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def save_model_metadata(
-    directory: str | Path, *, spec: WorkerSpec, plan: ShardingPlan, metrics: dict[str, float]
-) -> Path:
-    """Writes a model directory's config, plan and metrics into ``directory`` (created if
-    missing; the weights are the training state's, or :func:`write_model_weights`'s); returns
-    it."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    # Credentials are not stored with the model.
-    (path / SPEC_FILE).write_text(json.dumps(redact(spec.to_dict()), indent=2))
-    (path / PLAN_FILE).write_text(plan.to_json())
-    (path / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    return path
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every call that ShardedTensor is deprecated in favour of DTensor. DTensor
+    places even splits only; table-wise and planner-chosen row ranges need ShardedTensor's
+    arbitrary shard offsets (as TorchRec's checkpoints do). A load in one process
+    (``no_dist=True``: exporting a model, one tensor per call) also warns each time that it
+    assumes a single process, which is what it asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """Name, dtype and shape of one tensor of a model's weights."""
+class TrainingParts:
+    """What a training checkpoint saves and restores, by reference.
 
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
-
-
-class ModelWeights:
-    """The weights of a model directory, read one tensor at a time.
-
-    Args:
-        directory: a model directory (see the module docstring).
-
-    Raises:
-        FileNotFoundError: naming the directory when it holds no weights in any known form.
+    Attributes:
+        spec: the worker config (stored with the state).
+        plan: the sharding plan of ``collection``.
+        rank: this worker's rank.
+        collection: the sharded embedding tables, with their fused optimizer state.
+        dense: the dense part, without its DDP wrapper.
+        optimizer: the dense part's optimizer.
     """
 
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        self._safetensors = self.directory / WEIGHTS_FILE
-        self._legacy = self.directory / LEGACY_MODEL_FILE
-        if self._safetensors.is_file():
-            from safetensors import safe_open
-
-            self._open = safe_open(str(self._safetensors), framework="pt")
-            codes = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
-            self.tensors = []
-            names = self._open.keys()  # a safetensors handle is not iterable
-            for key in names:
-                piece = self._open.get_slice(key)
-                self.tensors.append(
-                    TensorInfo(key, codes[piece.get_dtype()], tuple(piece.get_shape()))
-                )
-            self.form = "safetensors"
-        elif (self.directory / state.STATE_FILE).is_file():
-            # Read once: every tensor's DCP key and metadata.
-            self._dcp = state.model_tensors(self.directory)
-            self.tensors = [
-                TensorInfo(name, meta.properties.dtype, tuple(meta.size))
-                for name, (_, meta) in self._dcp.items()
-            ]
-            self.form = "training_state"
-        elif self._legacy.is_file():
-            try:
-                self._state_dict = torch.load(
-                    self._legacy, map_location="cpu", weights_only=True, mmap=True
-                )
-            except Exception as exc:  # pickle/zip errors of a damaged or foreign file
-                raise ValueError(f"{self._legacy} is not a readable raydlrm model: {exc}") from exc
-            self.tensors = [
-                TensorInfo(k, v.dtype, tuple(v.shape)) for k, v in self._state_dict.items()
-            ]
-            self.form = "legacy"
-        else:
-            raise FileNotFoundError(
-                f"{self.directory} holds no model weights ({WEIGHTS_FILE}, a training-state "
-                f"checkpoint or {LEGACY_MODEL_FILE})"
-            )
-
-    def load(self, name: str) -> torch.Tensor:
-        """The tensor ``name``: memory-mapped (safetensors, ``model.pt``) or read from the
-        shards (training state; only this tensor's chunks are read)."""
-        if self.form == "safetensors":
-            return self._open.get_tensor(name)
-        if self.form == "legacy":
-            return self._state_dict[name]
-        return state.load_model_tensor(self.directory, *self._dcp[name])
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, one at a time (drop each before taking the next to bound memory)."""
-        for info in self.tensors:
-            yield info.name, self.load(info.name)
-
-
-def model_weights(directory: str | Path) -> ModelWeights:
-    """The weights of the model directory ``directory`` (see :class:`ModelWeights`)."""
-    return ModelWeights(directory)
-
-
-def write_model_weights(directory: str | Path, output: str | Path) -> Path:
-    """Writes the weights of the model directory ``directory`` to ``output`` as safetensors,
-    one tensor in memory at a time.
-
-    The header (every tensor's dtype, shape and byte range) is known from the shapes alone, so it
-    is written first; tensors follow in order of decreasing element size (then name), which
-    keeps every tensor aligned to its element size, as the safetensors library writes them.
-
-    Returns:
-        ``output``.
-    """
-    weights = model_weights(directory)
-    if weights.form == "safetensors" and Path(output).resolve() == weights._safetensors.resolve():
-        return Path(output)
-    order = sorted(weights.tensors, key=lambda t: (-t.dtype.itemsize, t.name))
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for info in order:
-        if info.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {info.name}: dtype {info.dtype} has no safetensors code")
-        header[info.name] = {
-            "dtype": _SAFETENSORS_DTYPES[info.dtype],
-            "shape": list(info.shape),
-            "data_offsets": [offset, offset + info.nbytes],
-        }
-        offset += info.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(output.name + ".partial")
-    with open(partial, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for info in order:
-            tensor = weights.load(info.name).detach().to("cpu").contiguous()
-            if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
-                raise ValueError(
-                    f"tensor {info.name} of {directory} is {tensor.dtype} {tuple(tensor.shape)}, "
-                    f"its metadata says {info.dtype} {info.shape}"
-                )
-            if tensor.numel():
-                f.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
-            del tensor
-    os.replace(partial, output)  # a reader never sees a half-written file under the name
-    return output
-
-
-@dataclass
-class LoadedModel:
-    """An unsharded model restored from a checkpoint, with what made it."""
-
-    model: RecModel
     spec: WorkerSpec
     plan: ShardingPlan
-    metrics: dict[str, float]
+    rank: int
+    collection: ShardedTables
+    dense: nn.Module
+    optimizer: torch.optim.Optimizer
 
 
-def find_model_dir(root: str | Path) -> Path | None:
-    """The model directory at or under ``root`` (an exported or downloaded MLflow model holds
-    it under ``artifacts/``), or None."""
-    root = Path(root)
-    if (root / SPEC_FILE).is_file():
-        return root
-    found = sorted(root.rglob(SPEC_FILE))
-    return found[0].parent if found else None
+def _tensor_state(parts: TrainingParts) -> dict[str, Any]:
+    state = embedding_state_dict(
+        parts.collection,
+        plan=parts.plan,
+        rank=parts.rank,
+        optimizer=parts.spec.sharding.optimizer,
+    )
+    mine = f"rank{parts.rank}."
+    state.update({mine + _DENSE + k: v for k, v in parts.dense.state_dict().items()})
+    for index, values in parts.optimizer.state_dict()["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                state[f"{mine}{_DENSE_OPTIMIZER}{index}.{name}"] = value
+    state[mine + _RNG] = torch.get_rng_state()
+    return state
 
 
-def load_model_checkpoint(directory: str | Path) -> LoadedModel:
-    """Rebuilds the unsharded model of a model directory (on CPU, in eval mode) with its tables
-    memory-mapped (no table is read into memory until its rows are looked up).
+def save_training_state(
+    directory: str | Path,
+    *,
+    parts: TrainingParts,
+    loop_state: dict[str, Any],
+    position: dict,
+) -> Path:
+    """Writes this rank's part of the training state into ``directory``, then this rank's
+    manifest of every file in it (files written there before, such as the model's config,
+    included); every rank must call.
 
-    A directory without ``model.safetensors`` (a training checkpoint, a ``model.pt``) is first
-    written to a temporary safetensors file, one table at a time, which is mapped and unlinked
-    (the mapping keeps it readable).
-
-    Raises:
-        FileNotFoundError: naming the missing file.
+    Args:
+        directory: a directory of this rank (ranks may write to different local directories
+            that are later merged, as Ray Train does with per-worker checkpoint directories).
+        parts: what to save.
+        loop_state: the training loop's own state (``Trainer.state_dict()``: step, epoch,
+            samples seen, training time), stored as JSON.
+        position: the data position of every rank, merged (the same on every rank).
     """
     path = Path(directory)
-    for name in (SPEC_FILE, PLAN_FILE):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"checkpoint {path} has no {name}")
-    spec = WorkerSpec(**json.loads((path / SPEC_FILE).read_text()))
-    plan = ShardingPlan.from_json((path / PLAN_FILE).read_text())
-    metrics = model_metrics(path)
-    model = build_model(
-        spec.model,
-        tables=spec.tables(),
-        num_dense=len(spec.data.dense_columns),
-        embedding_device="meta",
+    path.mkdir(parents=True, exist_ok=True)
+    # One file per tensor: DCP clones a tensor that is a view into a larger buffer (every
+    # table of an fbgemm TBE is one) and keeps each clone until its file is closed, so one file
+    # per rank would hold a copy of all the rank's shards while saving; this way, one table.
+    with _quiet():
+        dcp.save(
+            _tensor_state(parts),
+            storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False),
+        )
+    if parts.rank == 0:
+        state = {
+            "format_version": FORMAT_VERSION,
+            **loop_state,
+            "world_size": parts.plan.world_size,
+            "optimizer": parts.spec.sharding.optimizer,
+            "column_blocks": {t.name: column_blocks(t) for t in parts.plan.tables},
+            "position": position,
+            "plan": json.loads(parts.plan.to_json()),
+            # Credentials are not stored with the state.
+            "spec": redact(parts.spec.to_dict()),
+        }
+        (path / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    write_manifest(path, rank=parts.rank, world_size=parts.plan.world_size)  # last
+    return path
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint whose files do not match its manifests, or cannot be read."""
+
+
+def read_state_file(directory: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``trainer_state.json``.
+
+    Raises:
+        FileNotFoundError: naming the checkpoint when it has none.
+        CheckpointDamagedError: naming the file when it is not readable JSON.
+    """
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointDamagedError(
+            f"checkpoint {directory}: {STATE_FILE} is damaged: {exc}"
+        ) from exc
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(directory: str | Path, *, rank: int, world_size: int) -> Path:
+    """Writes ``manifest.rank<rank>.json`` into ``directory``: the size and CRC-32 of every
+    file this rank wrote there (call it last, once the rank's files are complete)."""
+    path = Path(directory)
+    files = {
+        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+        for p in sorted(path.iterdir())
+        if p.is_file() and not p.name.startswith(MANIFEST_PREFIX)
+    }
+    manifest = path / f"{MANIFEST_PREFIX}{rank:05d}.json"
+    manifest.write_text(json.dumps({"rank": rank, "world_size": world_size, "files": files}))
+    return manifest
+
+
+def verify_checkpoint(directory: str | Path, *, checksums: bool = True) -> list[str]:
+    """What is wrong with a checkpoint, one line per problem (empty when it is intact): a
+    missing or unreadable ``trainer_state.json``, a missing rank manifest, a file missing,
+    of another size or (with ``checksums``) another CRC-32 than its manifest says. A
+    checkpoint written before manifests existed (format version 1) is checked for its state
+    file only."""
+    path = Path(directory)
+    try:
+        state = read_state_file(path)
+    except (FileNotFoundError, CheckpointDamagedError) as exc:
+        return [str(exc)]
+    manifests = sorted(path.glob(f"{MANIFEST_PREFIX}*.json"))
+    if state.get("format_version", 1) < 2:
+        return []  # written before manifests: nothing more to check against
+    problems = []
+    seen = set()
+    for manifest in manifests:
+        try:
+            record = json.loads(manifest.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            problems.append(f"{manifest.name} is damaged: {exc}")
+            continue
+        seen.add(int(record["rank"]))
+        for name, expected in record["files"].items():
+            file = path / name
+            if not file.is_file():
+                problems.append(f"{name} is missing")
+            elif file.stat().st_size != expected["bytes"]:
+                problems.append(
+                    f"{name} has {file.stat().st_size} bytes, its manifest says {expected['bytes']}"
+                )
+            elif checksums and _crc32(file) != expected["crc32"]:
+                problems.append(f"{name} does not match its checksum")
+    missing = sorted(set(range(int(state["world_size"]))) - seen)
+    if missing:
+        problems.append(f"no manifest of ranks {missing} (their part was not completed)")
+    return problems
+
+
+@contextmanager
+def newest_intact(
+    latest: Any, *, problems_of: Callable[[str], list[str]] | None = None
+) -> Iterator[tuple[str, Any] | tuple[None, None]]:
+    """A run's newest intact checkpoint as a local directory (downloaded if remote) and as
+    stored, or (None, None) when the run has none (a fresh start).
+
+    ``latest`` (a Ray Train ``Checkpoint``: ``path``, ``filesystem``, ``as_directory()``) and
+    every other ``checkpoint_*`` directory beside it are tried newest first (Ray names them by
+    time): one complete but never registered (a crash between writing and registering) is
+    taken rather than redoing its steps, and a damaged one is passed over with a warning
+    naming it. Every rank checks the same directories the same way, so all ranks pick the
+    same one.
+
+    Args:
+        latest: the run's latest registered checkpoint, or None.
+        problems_of: what is wrong with a checkpoint directory (default:
+            :func:`verify_checkpoint` without checksums).
+
+    Raises:
+        RuntimeError: the run has checkpoints but none is intact (each named with its damage).
+    """
+    if latest is None:
+        yield None, None
+        return
+    problems_of = problems_of or (lambda d: verify_checkpoint(d, checksums=False))
+    damaged = []
+    for checkpoint in _newest_first(latest):
+        with checkpoint.as_directory() as directory:
+            problems = problems_of(directory)
+            if not problems:
+                if damaged or checkpoint.path != latest.path:
+                    logger.warning(
+                        "taking %s rather than the latest registered checkpoint %s",
+                        checkpoint.path,
+                        latest.path,
+                    )
+                yield directory, checkpoint
+                return
+        damaged.append(f"{checkpoint.path}: {'; '.join(problems[:3])}")
+        logger.warning("checkpoint %s is damaged, passed over: %s", checkpoint.path, damaged[-1])
+    raise RuntimeError("no intact checkpoint to resume from: " + " | ".join(damaged))
+
+
+def _newest_first(latest: Any) -> list[Any]:
+    """Every ``checkpoint_*`` directory beside ``latest``, newest first (by Ray's time-stamped
+    names), as checkpoints of ``latest``'s type."""
+    filesystem = latest.filesystem
+    parent = latest.path.rstrip("/").rsplit("/", 1)[0]
+    infos = filesystem.get_file_info(pafs.FileSelector(parent))
+    paths = sorted(
+        (
+            i.path
+            for i in infos
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+        ),
+        reverse=True,
     )
-    weights_file = path / WEIGHTS_FILE
-    if weights_file.is_file():
-        state = _mapped(weights_file)
-    else:
-        with tempfile.TemporaryDirectory(prefix="raydlrm-weights-") as tmp:
-            state = _mapped(write_model_weights(path, Path(tmp, WEIGHTS_FILE)))
-    # assign=True: the meta tables become the mapped tensors themselves (no copy).
-    model.load_state_dict(state, assign=True)
-    model.requires_grad_(False)
-    model.eval()
-    return LoadedModel(model=model, spec=spec, plan=plan, metrics=metrics)
+    if latest.path.rstrip("/") not in paths:
+        paths.insert(0, latest.path)
+    return [type(latest)(path=p, filesystem=filesystem) for p in paths]
 
 
-def _mapped(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, memory-mapped (copy-on-write, never written back)."""
-    from safetensors import safe_open
+def check_state_matches(
+    state: dict[str, Any], plan: ShardingPlan, optimizer: str, *, source: str
+) -> None:
+    """Checks that a checkpoint's ``trainer_state.json`` holds ``plan``'s tables (names and
+    shapes; any sharding) and was trained with the fused ``optimizer``.
 
-    with safe_open(str(path), framework="pt") as f:
-        names = f.keys()  # a safetensors handle is not iterable
-        return {k: f.get_tensor(k) for k in names}
+    Raises:
+        ValueError: naming the checkpoint ``source`` and what differs.
+    """
+    saved_plan = ShardingPlan.from_json(json.dumps(state["plan"]))
+    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in plan.tables}
+    theirs = {t.name: (t.num_embeddings, t.embedding_dim) for t in saved_plan.tables}
+    if ours != theirs:
+        raise ValueError(
+            f"checkpoint {source} holds tables {sorted(theirs.items())}, the model has "
+            f"{sorted(ours.items())}"
+        )
+    if state["optimizer"] != optimizer:
+        raise ValueError(
+            f"checkpoint {source} was trained with the fused optimizer {state['optimizer']!r}, "
+            f"the config asks for {optimizer!r}"
+        )
+
+
+def load_training_state(directory: str | Path, *, parts: TrainingParts) -> dict[str, Any]:
+    """Restores ``parts`` from a training checkpoint (any saving world size or plan); every
+    rank must call. The training loop's own state is the caller's to restore.
+
+    Returns:
+        The saved ``trainer_state.json``: the loop's state (``step``, ``epoch``, ...), the data
+        position to resume from (``position``), the saving ``world_size``.
+
+    Raises:
+        CheckpointDamagedError: a checkpoint whose files do not match its manifests, or whose
+            metadata or shards cannot be read, named.
+        ValueError: the checkpoint's tables or optimizer do not match ``parts``'.
+    """
+    state = read_state_file(directory)
+    problems = verify_checkpoint(directory, checksums=False)
+    if problems:
+        raise CheckpointDamagedError(f"checkpoint {directory} is damaged: {'; '.join(problems)}")
+    optimizer = parts.spec.sharding.optimizer
+    check_state_matches(state, parts.plan, optimizer, source=str(directory))
+    try:
+        metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as exc:  # EOFError, unpickling errors of a damaged .metadata
+        raise CheckpointDamagedError(
+            f"checkpoint {directory}: its DCP metadata is not readable: {exc!r}"
+        ) from exc
+
+    def load(state_dict: dict[str, Any]) -> None:
+        try:
+            with _quiet():
+                dcp.load(state_dict, storage_reader=CheckpointReader(str(directory)))
+        except Exception as exc:  # a shard that cannot be read: name the checkpoint
+            raise CheckpointDamagedError(
+                f"checkpoint {directory}: reading its shards failed: {exc!r}"
+            ) from exc
+
+    load_embedding_state(
+        parts.collection,
+        plan=parts.plan,
+        rank=parts.rank,
+        optimizer=optimizer,
+        load=load,
+        saved_blocks={k: [tuple(b) for b in v] for k, v in state["column_blocks"].items()},
+    )
+    _load_dense(parts, metadata, load=load, same_world=state["world_size"] == parts.plan.world_size)
+    if dist.is_initialized():
+        dist.barrier()
+    return state
+
+
+def _load_dense(
+    parts: TrainingParts, metadata: dict[str, Any], *, load: Any, same_world: bool
+) -> None:
+    """The dense part, its optimizer state and the RNG state: each rank's own when the world
+    size is the same (an exact resume), rank 0's otherwise."""
+    source = f"rank{parts.rank if same_world else 0}."
+    dense = {source + _DENSE + k: v for k, v in parts.dense.state_dict().items()}
+    optim = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(source + _DENSE_OPTIMIZER)
+    }
+    rng_key = source + _RNG
+    rng = {rng_key: torch.get_rng_state()} if same_world else {}
+    load({**dense, **optim, **rng})
+    if optim:
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in optim.items():
+            index, name = key[len(source + _DENSE_OPTIMIZER) :].split(".", 1)
+            per_param.setdefault(int(index), {})[name] = value
+        current = parts.optimizer.state_dict()
+        parts.optimizer.load_state_dict(
+            {"state": per_param, "param_groups": current["param_groups"]}
+        )
+    if rng:
+        torch.set_rng_state(rng[rng_key])
+
+
+def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
+    """Every tensor of a training checkpoint's unsharded model, from its metadata alone: the
+    key of the unsharded ``RecModel`` (``embedding_bags.weights.<table>``, ``dense.*`` of rank
+    0) -> (its DCP key, its DCP metadata: ``size``, ``properties.dtype``)."""
+    state = read_state_file(directory)
+    metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
+    plan = ShardingPlan.from_json(json.dumps(state["plan"]))
+    keys = {}
+    for table in plan.tables:
+        key = weight_key(table.name)
+        if key not in metadata:
+            raise ValueError(f"checkpoint {directory} has no weights of table {table.name!r}")
+        keys[f"embedding_bags.weights.{table.name}"] = (key, metadata[key])
+    dense_prefix = "rank0." + _DENSE
+    for key, meta in metadata.items():
+        if key.startswith(dense_prefix):
+            keys["dense." + key[len(dense_prefix) :]] = (key, meta)
+    return keys
+
+
+def load_model_tensor(directory: str | Path, key: str, meta: Any) -> torch.Tensor:
+    """One tensor of a training checkpoint (its DCP ``key`` and ``meta`` from
+    :func:`model_tensors`), in one process: a table is assembled from the chunks every rank
+    wrote; nothing else is read."""
+    tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    # Without a process group DCP reads in this process.
+    with _quiet():
+        dcp.load({key: tensor}, storage_reader=CheckpointReader(str(directory)), no_dist=True)
+    return tensor

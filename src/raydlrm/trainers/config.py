@@ -24,7 +24,8 @@ class TrainingConfig:
     log_every_steps: int = 50
     """Report training metrics every this many steps."""
     eval_every_steps: int = 0
-    """Evaluate on the held-out data every this many steps (0: only at the end)."""
+    """Evaluate on the held-out data every this many steps, whether or not a log step (0: only
+    at the end)."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per worker (None: the whole eval set)."""
     torch_threads: int = 1
@@ -61,7 +62,8 @@ class CheckpointConfig:
 
     A checkpoint holds everything needed to continue exactly: embedding shards and fused
     optimizer state, the dense model and optimizer, RNG states, step, epoch and data position.
-    The run always ends with one (which also holds the unsharded model for the registry).
+    The run always ends with one; its shards are also the model's weights (exporting and
+    registering the model assemble them table by table, never on one worker).
     """
 
     every_steps: int = 0

@@ -1,8 +1,8 @@
 """What the training loop calls at its moments, kept out of the loop itself.
 
-A hook sees the trainer after a step (with the step's batch), when a checkpoint's files are
-written but not yet reported, and before the final evaluation. Two ship with raydlrm, made from
-the job's config by :func:`default_hooks`:
+A hook is called with the moment, the rank and the step: after a step (with the step's batch and
+its loss), when a checkpoint's files are written but not yet reported, and before the final
+evaluation. Two ship with raydlrm, made from the job's config by :func:`default_hooks`:
 
 - :class:`SampleAudit` (``training.sample_log_dir``): the sample ids of every step, one file per
   rank and step (a step redone after a restart overwrites its file);
@@ -15,17 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import pyarrow.fs as pafs
+import torch
 
 from raydlrm.batch import Batch
 from raydlrm.storage import StorageConfig, filesystem_for
-
-if TYPE_CHECKING:
-    from raydlrm.trainers.loop import Trainer
-    from raydlrm.trainers.spec import WorkerSpec
+from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = ["FaultInjection", "Moment", "SampleAudit", "TrainerHook", "default_hooks"]
 
@@ -37,9 +35,25 @@ reported; ``eval``: before the final evaluation."""
 
 
 class TrainerHook(Protocol):
-    """Called by the loop at each :data:`Moment` (``batch``: the step's, else None)."""
+    """Called by the loop at each :data:`Moment`, on every rank.
 
-    def __call__(self, trainer: Trainer, moment: Moment, batch: Batch | None) -> None: ...
+    Args:
+        moment: when.
+        rank: the caller's rank.
+        step: the steps trained so far.
+        batch: the step's batch (``step`` moments), else None.
+        loss: the step's mean loss over this rank's batch (0-d, on the device), else None.
+    """
+
+    def __call__(
+        self,
+        moment: Moment,
+        *,
+        rank: int,
+        step: int,
+        batch: Batch | None = None,
+        loss: torch.Tensor | None = None,
+    ) -> None: ...
 
 
 class SampleAudit:
@@ -48,12 +62,14 @@ class SampleAudit:
     def __init__(self, directory: str):
         self.directory = directory
 
-    def __call__(self, trainer: Trainer, moment: Moment, batch: Batch | None) -> None:
+    def __call__(
+        self, moment: Moment, *, rank: int, step: int, batch: Batch | None = None, **_: object
+    ) -> None:
         if moment != "step" or batch is None or batch.sample_ids is None:
             return
         os.makedirs(self.directory, exist_ok=True)
         np.save(
-            os.path.join(self.directory, f"rank{trainer.rank:04d}-step{trainer.step:09d}.npy"),
+            os.path.join(self.directory, f"rank{rank:04d}-step{step:09d}.npy"),
             batch.sample_ids.cpu().numpy(),
         )
 
@@ -82,8 +98,8 @@ class FaultInjection:
         self.rank, self.step, self.during = rank, step, during
         self.marker, self.storage = marker, storage
 
-    def __call__(self, trainer: Trainer, moment: Moment, batch: Batch | None) -> None:
-        if (trainer.rank, trainer.step, moment) != (self.rank, self.step, self.during):
+    def __call__(self, moment: Moment, *, rank: int, step: int, **_: object) -> None:
+        if (rank, step, moment) != (self.rank, self.step, self.during):
             return
         filesystem, marker = filesystem_for(
             f"{self.marker}.rank{self.rank}.step{self.step}.{moment}", self.storage

@@ -1,4 +1,11 @@
-"""Click-prediction metrics computed over all workers: AUC, log loss, normalized entropy.
+"""Click-prediction metrics computed over all workers, and when the training loop logs them.
+
+:class:`MetricsWindow` decides when to log (every ``training.log_every_steps``) and holds what
+a log step reports: the window's predictions, its loss summed on the device (no host
+synchronization inside a step on a GPU), samples and step time; and the current epoch's
+predictions, for the final training metrics. :class:`StepClock` times the steps.
+
+Metrics: AUC, log loss, normalized entropy.
 
 Each worker holds the predictions of its own samples; the metrics of a global window are
 computed from all of them, gathered to every rank (so every rank reports the same numbers).
@@ -12,12 +19,23 @@ base rate.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BinaryMetrics", "PredictionBuffer", "all_gather_varlen", "binary_metrics"]
+from raydlrm.trainers._dist import all_reduce_scalar
+
+__all__ = [
+    "BinaryMetrics",
+    "MetricsWindow",
+    "PredictionBuffer",
+    "StepClock",
+    "all_gather_varlen",
+    "binary_metrics",
+    "check_finite",
+]
 
 
 def all_gather_varlen(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,3 +142,112 @@ class PredictionBuffer:
         labels = self._labels[0] if self._labels else torch.zeros(0)
         self._logits, self._labels = [], []
         return binary_metrics(all_gather_varlen(logits), all_gather_varlen(labels))
+
+
+def check_finite(loss: float, *, rank: int, when: str) -> None:
+    """Raises FloatingPointError naming the rank and steps when ``loss`` is not finite."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"training diverged: rank {rank} {when} loss is {loss} (lower "
+            "training.learning_rate or sharding.learning_rate)"
+        )
+
+
+class StepClock:
+    """Training wall time: each step with the wait for its batch, apart from the reports,
+    evaluations and checkpoints between steps; the wait for the run's first batch (the data
+    pipeline's start-up) is kept apart.
+
+    Args:
+        train_seconds: the time trained before (a resumed run's).
+    """
+
+    def __init__(self, train_seconds: float = 0.0) -> None:
+        self.train_seconds = train_seconds
+        self.first_batch_seconds: float | None = None
+        self._mark = time.perf_counter()
+
+    def restart(self) -> None:
+        """Starts timing the next step (its batch's wait included)."""
+        self._mark = time.perf_counter()
+
+    def batch_arrived(self) -> None:
+        """The step's batch is here; the run's first one ends the start-up."""
+        if self.first_batch_seconds is None:
+            self.first_batch_seconds = time.perf_counter() - self._mark
+            self._mark = time.perf_counter()
+
+    def step_done(self) -> float:
+        """Ends the step: its seconds, added to ``train_seconds``."""
+        seconds = time.perf_counter() - self._mark
+        self.train_seconds += seconds
+        return seconds
+
+
+class MetricsWindow:
+    """What the training loop reports at its log steps (see the module docstring).
+
+    Args:
+        every: log every this many steps (``training.log_every_steps``).
+        device: the worker's device (the loss sum stays there).
+        rank: this worker's rank (for messages).
+    """
+
+    def __init__(self, *, every: int, device: torch.device, rank: int) -> None:
+        self.every = every
+        self.device = device
+        self.rank = rank
+        self._window = PredictionBuffer()
+        self._epoch = PredictionBuffer()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._loss = torch.zeros((), device=self.device)
+        self._steps, self._samples, self._seconds = 0, 0, 0.0
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def start_epoch(self) -> None:
+        self._epoch = PredictionBuffer()
+
+    def add(
+        self, *, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, seconds: float
+    ) -> None:
+        """One step: its logits and labels ``(B,)``, mean loss (0-d, on the device) and time."""
+        self._window.add(logits, labels)
+        self._epoch.add(logits, labels)
+        self._loss += loss
+        self._steps += 1
+        self._samples += labels.numel()
+        self._seconds += seconds
+
+    def check_finite(self, *, step: int) -> None:
+        """Raises FloatingPointError when a step since the last log step diverged (on a GPU
+        the loss is read only here and at log steps: before a checkpoint, at the end)."""
+        check_finite(float(self._loss), rank=self.rank, when=f"steps up to {step}")
+
+    def compute(self, *, step: int) -> dict[str, float]:
+        """The window's metrics over all ranks (a collective): ``train/*`` of its predictions,
+        ``train/loss`` (the mean of this rank's step losses) and ``train/samples_per_second``
+        (all ranks' samples over the slowest rank's step time); starts the next window.
+
+        Raises:
+            FloatingPointError: the window's loss is not finite.
+        """
+        mean_loss = float(self._loss) / max(self._steps, 1)
+        check_finite(mean_loss, rank=self.rank, when=f"steps {step - self._steps + 1}-{step}")
+        samples = all_reduce_scalar(float(self._samples), self.device)
+        seconds = all_reduce_scalar(self._seconds, self.device, op="max")
+        self._epoch.offload()  # the epoch's predictions wait on the host
+        metrics = {
+            **self._window.compute().to_dict("train/"),
+            "train/loss": mean_loss,
+            "train/samples_per_second": samples / max(seconds, 1e-9),
+        }
+        self._reset()
+        return metrics
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """``train/*`` over the current epoch's predictions, all ranks (a collective)."""
+        return self._epoch.compute().to_dict("train/")

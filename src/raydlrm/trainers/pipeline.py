@@ -34,19 +34,17 @@ from torch.distributed import ProcessGroup
 
 from raydlrm._errors import cause_line
 from raydlrm.batch import Batch, DedupGroup
+from raydlrm.sharding.types import ShardedTables
+from raydlrm.trainers._dist import distributed
 
 __all__ = ["Lockstep", "SparseDistPipeline", "any_rank_has", "emptied"]
 
 logger = logging.getLogger(__name__)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def any_rank_has(has_batch: bool, device: torch.device, pg: ProcessGroup | None = None) -> bool:
     """True if any rank has a batch (a MAX all-reduce of a flag on ``pg``)."""
-    if not _distributed():
+    if not distributed():
         return has_batch
     flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
@@ -159,16 +157,17 @@ class SparseDistPipeline(Lockstep):
     and iterate it over the same number of steps.
 
     Args:
-        model: the sharded model (its ``embedding_bags`` has ``prefetch``).
+        model: the sharded model (its ``embedding_bags`` is a
+            :class:`~raydlrm.sharding.types.ShardedTables`).
         device: the worker's device.
         rank: this worker's rank.
     """
 
     def __init__(self, model: Any, *, device: torch.device, rank: int):
         super().__init__(device=device, rank=rank)
-        self._collection = model.embedding_bags
+        self._collection: ShardedTables = model.embedding_bags
         # Its own process group: its collectives never interleave with the step's.
-        self._pg = dist.new_group(backend=dist.get_backend()) if _distributed() else None
+        self._pg = dist.new_group(backend=dist.get_backend()) if distributed() else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # A thread on CPU; on a GPU the stream overlaps, and one thread keeps NCCL's order.
         self._executor = (

@@ -9,33 +9,23 @@ worker.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.schema import RowGroup
 from raydlrm.models import EmbeddingBagConfig, ModelConfig
 from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.plan import ShardingPlan
 from raydlrm.storage import StorageConfig
 from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 
-__all__ = ["SourceDescription", "WorkerJob", "WorkerSpec", "tables_for"]
+if TYPE_CHECKING:  # the type only: this module runs without Ray
+    import ray.train
 
-
-def tables_for(data: DataConfig, model: ModelConfig) -> list[EmbeddingBagConfig]:
-    """The embedding tables of the data config's sparse columns (``t_<column>`` unless a
-    ``sparse_specs`` entry names a shared table), each looked up by its columns, sized from the
-    data config, in order of their first column."""
-    return [
-        EmbeddingBagConfig(
-            name=table,
-            num_embeddings=data.table_size_of(columns[0]),
-            embedding_dim=model.embedding_dim,
-            feature_names=tuple(columns),
-        )
-        for table, columns in data.table_columns().items()
-    ]
+__all__ = ["SourceDescription", "WorkerJob", "WorkerSpec"]
 
 
 @config_dataclass
@@ -50,7 +40,18 @@ class WorkerSpec:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def tables(self) -> list[EmbeddingBagConfig]:
-        return tables_for(self.data, self.model)
+        """The embedding tables of the data config's sparse columns (``t_<column>`` unless a
+        ``sparse_specs`` entry names a shared table), each looked up by its columns, sized from
+        the data config, in order of their first column."""
+        return [
+            EmbeddingBagConfig(
+                name=table,
+                num_embeddings=self.data.table_size_of(columns[0]),
+                embedding_dim=self.model.embedding_dim,
+                feature_names=tuple(columns),
+            )
+            for table, columns in self.data.table_columns().items()
+        ]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,7 +64,7 @@ class SourceDescription:
 
     Attributes:
         path: the data set's path.
-        row_groups: every row group (``RowGroup.to_dict()``), dealt to the workers per epoch.
+        row_groups: every row group, dealt to the workers per epoch.
         schema: the Arrow schema of its files.
         shuffle: shuffle the row groups each epoch (training data).
         num_actors: preprocessing actors per worker.
@@ -71,7 +72,7 @@ class SourceDescription:
     """
 
     path: str
-    row_groups: list[dict[str, Any]]
+    row_groups: list[RowGroup]
     schema: pa.Schema
     shuffle: bool
     num_actors: int
@@ -85,22 +86,22 @@ class WorkerJob:
 
     Attributes:
         spec: the worker's part of the job config.
-        plan: the sharding plan's JSON (the same on every rank).
+        plan: the sharding plan (the same on every rank).
         train_source: the training data.
         eval_source: the held-out data, or None.
         log_level: raydlrm's log level in the workers (see ``raydlrm._logs``).
         library_log_level: the libraries' log level in the workers.
         fault_marker: where an injected fault records that it fired (None: no fault).
         fault_storage: the object store of ``fault_marker`` (the run storage's).
-        warm_start: another run's checkpoint to start from (a Ray Train checkpoint), or None.
+        warm_start: another run's checkpoint to start from, or None.
     """
 
     spec: WorkerSpec
-    plan: str
+    plan: ShardingPlan
     train_source: SourceDescription
     eval_source: SourceDescription | None
     log_level: int
     library_log_level: int
     fault_marker: str | None = None
     fault_storage: StorageConfig | None = None
-    warm_start: Any = None
+    warm_start: ray.train.Checkpoint | None = None

@@ -19,15 +19,17 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.checkpoint import load_training_state, read_state_file, save_training_state
+from raydlrm.trainers.loop import Trainer
+from raydlrm.trainers.model_dir import (
+    ModelWeights,
     load_model_checkpoint,
-    model_weights,
     save_model_metadata,
     write_model_weights,
 )
-from raydlrm.trainers.loop import Trainer
-from raydlrm.trainers.state import load_training_state, read_state_file, save_training_state
 from tests._multiprocess import run_distributed
+from tests.sharding._fixtures import gather_full_optimizer_states
+from tests.trainers._fixtures import unsharded_state_dict
 from tests.trainers.test_loop import NEW_ARCHS, _spec
 
 GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4 ranks
@@ -81,10 +83,10 @@ def _snapshot(trainer: Trainer, data_dir: str, world_size: int) -> dict:
     trainer.model.eval()
     with torch.no_grad():
         logits = trainer.model(batch)
-    state = trainer.unsharded_state_dict()  # on CPU these alias the live dense parameters
+    state = unsharded_state_dict(trainer)  # on CPU these alias the live dense parameters
     return {
         "state": None if state is None else {k: v.clone() for k, v in state.items()},
-        "optimizer": trainer.model.embedding_bags.gather_full_optimizer_states(dst=0),
+        "optimizer": gather_full_optimizer_states(trainer.model.embedding_bags, dst=0),
         "logits": logits,
     }
 
@@ -94,7 +96,12 @@ def _save(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
     batches = _global_batches(data_dir, trainer.spec)
     _steps(trainer, batches[:STEPS_BEFORE], world_size)
     trainer.epoch = 1
-    save_training_state(trainer, ckpt, position={"epoch": 1, "consumed": {"3": 5}, "totals": {}})
+    save_training_state(
+        ckpt,
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 1, "consumed": {"3": 5}, "totals": {}},
+    )
     before = _snapshot(trainer, data_dir, world_size)
     _steps(trainer, batches[STEPS_BEFORE:], world_size)
     after = _snapshot(trainer, data_dir, world_size)
@@ -104,7 +111,8 @@ def _save(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
 def _load(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
     # Another seed: everything the run continues with must come from the checkpoint.
     trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=99)
-    state = load_training_state(trainer, ckpt)
+    state = load_training_state(ckpt, parts=trainer.parts())
+    trainer.load_state_dict(state)
     assert (trainer.step, trainer.epoch) == (STEPS_BEFORE, 1)
     assert state["position"]["consumed"] == {"3": 5}
     before = _snapshot(trainer, data_dir, world_size)
@@ -143,7 +151,7 @@ def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> 
         )
     assert read_state_file(ckpt)["world_size"] == saved[0]
     # Unsharded in one process, one tensor at a time: one tensor per table, the model as saved.
-    plain = dict(model_weights(ckpt).items())
+    plain = dict(ModelWeights(ckpt).items())
     assert plain.keys() == a[0]["before"]["state"].keys()
     assert all(torch.equal(plain[k], v) for k, v in a[0]["before"]["state"].items())
     for when in ("before", "after"):
@@ -215,7 +223,7 @@ def test_checkpoint_moves_between_fp32_and_fp16_tables(data_dir: Path, tmp_path:
     c = run_distributed(
         _save, world_size=2, args=(str(data_dir), ckpt16, "table_wise+fp16", "rowwise_adagrad")
     )
-    plain = dict(model_weights(ckpt16).items())
+    plain = dict(ModelWeights(ckpt16).items())
     assert all(plain[k].dtype == torch.float16 for k in tables)
     assert all(torch.equal(plain[k], v) for k, v in c[0]["before"]["state"].items())
 
@@ -226,7 +234,9 @@ def _warm(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
     # A new run: counters and data position start afresh, the saved step is reported.
     assert (trainer.step, trainer.epoch, trainer.samples_seen) == (0, 0, 0)
     assert trainer.resume is None
-    assert trainer._last_metrics["warm_start/from_step"] == STEPS_BEFORE
+    assert trainer.reporter.merged({}, loop_state=trainer.state_dict())["warm_start/from_step"] == (
+        STEPS_BEFORE
+    )
     before = _snapshot(trainer, data_dir, world_size)
     _steps(trainer, _global_batches(data_dir, trainer.spec)[STEPS_BEFORE:], world_size)
     after = _snapshot(trainer, data_dir, world_size)
@@ -259,17 +269,24 @@ def test_warm_start_takes_weights_and_optimizer_state_resharded(
 def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
-    save_training_state(trainer, ckpt, position={"epoch": 0, "consumed": {}, "totals": {}})
+    save_training_state(
+        ckpt,
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
     other = _trainer(0, 1, str(data_dir), "table_wise", "sgd", seed=7)
     with pytest.raises(ValueError, match="fused optimizer 'rowwise_adagrad'"):
-        load_training_state(other, ckpt)
+        load_training_state(ckpt, parts=other.parts())
     bigger = _spec(Path(data_dir), batch_size=8, optimizer="rowwise_adagrad")
     bigger.data.table_size = 2000
     plan = plan_sharding(bigger.tables(), world_size=1, config=bigger.sharding)
     with pytest.raises(ValueError, match="holds tables"):
-        load_training_state(Trainer(bigger, plan=plan, rank=0, device=torch.device("cpu")), ckpt)
+        load_training_state(
+            ckpt, parts=Trainer(bigger, plan=plan, rank=0, device=torch.device("cpu")).parts()
+        )
     with pytest.raises(FileNotFoundError, match=r"trainer_state\.json"):
-        load_training_state(trainer, str(tmp_path))
+        load_training_state(str(tmp_path), parts=trainer.parts())
 
 
 def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> None:
@@ -281,7 +298,9 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
     position = {"epoch": 0, "consumed": {"0": 96}, "totals": {"0": 640}}
-    save_training_state(trainer, ckpt, position=position)
+    save_training_state(
+        ckpt, parts=trainer.parts(), loop_state=trainer.state_dict(), position=position
+    )
     runner = CliRunner()
     shown = runner.invoke(app, ["checkpoint", "show", str(ckpt)])
     assert shown.exit_code == 0, shown.output
@@ -293,7 +312,7 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     plain = safetensors.torch.load_file(out)
     model = build_model(trainer.spec.model, tables=trainer.spec.tables(), num_dense=13)
     model.load_state_dict(plain)  # a plain, unsharded model
-    expected = trainer.unsharded_state_dict()
+    expected = unsharded_state_dict(trainer)
     assert all(torch.equal(plain[k], v) for k, v in expected.items())
     missing = runner.invoke(app, ["checkpoint", "show", str(tmp_path)])
     assert missing.exit_code == 2 and "trainer_state.json" in missing.output
@@ -303,18 +322,23 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     ("types", "arch"),
     [("row_wise", "dlrm"), ("table_wise+fp16", "wukong"), ("column_wise", "dhen")],
 )
-def test_model_loads_mapped_from_training_state_and_old_model_pt(
+def test_model_loads_mapped_from_training_state(
     data_dir: Path, tmp_path: Path, types: str, arch: str
 ) -> None:
     """The model of a final checkpoint (weights only in the training state's shards) rebuilt
     unsharded, its tables memory-mapped from model.safetensors in their precision, predicts as
-    the sharded trainer does; a model.pt of an older release loads the same. For every
-    architecture: what export and scoring load."""
+    the sharded trainer does, as does its exported model.safetensors. For every architecture:
+    what export and scoring load."""
     model = NEW_ARCHS.get(arch)
     trainer = _trainer(0, 1, str(data_dir), types, "rowwise_adagrad", seed=7, model=model)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
     ckpt = tmp_path / "ckpt"
-    save_training_state(trainer, ckpt, position={"epoch": 0, "consumed": {}, "totals": {}})
+    save_training_state(
+        ckpt,
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
     save_model_metadata(ckpt, spec=trainer.spec, plan=trainer.plan, metrics={})
     evaluation = Preprocessor(trainer.spec.data)(pq.read_table(Path(data_dir) / "eval"))
     batch = arrow_to_batch(evaluation.slice(0, 64), config=trainer.spec.data)
@@ -325,19 +349,14 @@ def test_model_loads_mapped_from_training_state_and_old_model_pt(
     write_model_weights(ckpt, exported / "model.safetensors")
     for name in ("spec.json", "plan.json"):
         (exported / name).write_bytes((ckpt / name).read_bytes())
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    torch.save(trainer.unsharded_state_dict(), legacy / "model.pt")
-    for name in ("spec.json", "plan.json"):
-        (legacy / name).write_bytes((ckpt / name).read_bytes())
     dtype = torch.float16 if types.endswith("fp16") else torch.float32
-    for directory in (ckpt, exported, legacy):
+    for directory in (ckpt, exported):
         model = load_model_checkpoint(directory).model
         assert {w.dtype for w in model.embedding_bags.weights.values()} == {dtype}
         with torch.no_grad():
             torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
-        write_model_weights(tmp_path / "legacy" / "..", tmp_path / "x.safetensors")
+        write_model_weights(tmp_path, tmp_path / "x.safetensors")
 
 
 def test_damaged_checkpoints_are_found_named_and_passed_over(
@@ -350,15 +369,21 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
     from typer.testing import CliRunner
 
     from raydlrm.platform.cli import app
-    from raydlrm.trainers._ray import latest_checkpoint
-    from raydlrm.trainers.state import CheckpointDamagedError, CheckpointReader, verify_checkpoint
+    from raydlrm.trainers.checkpoint import (
+        CheckpointDamagedError,
+        CheckpointReader,
+        newest_intact,
+        verify_checkpoint,
+    )
 
     trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
     position = {"epoch": 0, "consumed": {}, "totals": {}}
     runs = tmp_path / "run"
     names = [f"checkpoint_2026-11-23_10-00-0{i}.000000" for i in range(3)]
     for name in names:
-        save_training_state(trainer, runs / name, position=position)
+        save_training_state(
+            runs / name, parts=trainer.parts(), loop_state=trainer.state_dict(), position=position
+        )
     old, registered, unregistered = (runs / n for n in names)
     assert verify_checkpoint(old) == []
     shard = max(registered.glob("*.distcp"), key=lambda p: p.stat().st_size)
@@ -366,7 +391,7 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
     problems = verify_checkpoint(registered)
     assert len(problems) == 1 and shard.name in problems[0] and "bytes" in problems[0]
     with pytest.raises(CheckpointDamagedError, match=rf"{registered}.*{shard.name}"):
-        load_training_state(trainer, registered)
+        load_training_state(registered, parts=trainer.parts())
     runner = CliRunner()
     verified = runner.invoke(app, ["checkpoint", "verify", str(registered)])
     assert verified.exit_code == 1 and shard.name in verified.output
@@ -375,7 +400,7 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
 
     def pick(latest: Path) -> str | None:
         checkpoint = ray.train.Checkpoint(path=str(latest))
-        intact = latest_checkpoint(lambda d: verify_checkpoint(d, checksums=False), checkpoint)
+        intact = newest_intact(checkpoint)
         with intact as (directory, _):
             return directory
 
@@ -387,10 +412,12 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
     with pytest.raises(RuntimeError, match="no intact checkpoint"):
         pick(registered)
     with pytest.raises(CheckpointDamagedError, match=r"trainer_state\.json is damaged"):
-        load_training_state(trainer, old)
+        load_training_state(old, parts=trainer.parts())
     # DCP's .metadata is a pickle: ours is read by an unpickler that builds DCP's metadata only.
     planted = tmp_path / "planted"
-    save_training_state(trainer, planted, position=position)
+    save_training_state(
+        planted, parts=trainer.parts(), loop_state=trainer.state_dict(), position=position
+    )
     marker = tmp_path / "code-ran"
 
     class Payload:

@@ -1,0 +1,334 @@
+"""What the driver settles before Ray starts: the resolved job, its data, its plan, and checks.
+
+Everything here runs on the driver alone, in order, and stops a job that cannot run with one
+line naming the key, before Ray starts or an MLflow run opens:
+
+1. :func:`resolve_job`: the job config once, with a caller's Ray ``ScalingConfig`` and the
+   run's quarantine path applied (never edited afterwards: each later step returns a new one);
+2. :func:`validate_job_data`: the synthetic data generated if asked for, the training and
+   held-out data checked (paths, rows, columns);
+3. :func:`make_plan`: the sharding plan within each worker's memory budget;
+4. :func:`preflight`: the SSD tier's disk space, the warm start's checkpoint (and its dense
+   statistics), the dense statistics of the training data, a write to the run storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.fs as pafs
+import ray.train
+from ray.train import ScalingConfig
+
+from raydlrm.ingestion import DataSummary, generate_synthetic, validate_data
+from raydlrm.ingestion.stats import dense_stats_of
+from raydlrm.platform.config import ConfigError, JobConfig
+from raydlrm.platform.ray_init import ray_address
+from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
+from raydlrm.sharding.plan import format_bytes
+from raydlrm.sharding.planner import plan_feature_sets
+from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
+from raydlrm.storage import filesystem_for, is_remote, join
+from raydlrm.trainers.checkpoint import STATE_FILE, check_state_matches
+
+__all__ = [
+    "JobData",
+    "make_plan",
+    "preflight",
+    "prepare_data",
+    "resolve_job",
+    "run_storage",
+    "validate_job_data",
+    "worker_memory_budget",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_job(
+    job: JobConfig, *, run_name: str, scaling_config: ScalingConfig | None = None
+) -> JobConfig:
+    """``job`` with what the call decides applied: a Ray ``scaling_config`` replaces
+    ``[scaling]`` (the plan and the memory budget depend on it), and quarantined data goes
+    under the run's storage unless ``data.quarantine_path`` names a place."""
+    if scaling_config is not None:
+        resources = scaling_config.resources_per_worker
+        job = dataclasses.replace(
+            job,
+            scaling=dataclasses.replace(
+                job.scaling,
+                num_workers=scaling_config.num_workers,
+                use_gpu=scaling_config.use_gpu,
+                resources_per_worker=(
+                    job.scaling.resources_per_worker if resources is None else dict(resources)
+                ),
+            ),
+        )
+    if job.data.bad_input == "quarantine" and job.data.quarantine_path is None:
+        path = join(job.run.storage_path, run_name, "quarantine")
+        job = dataclasses.replace(job, data=dataclasses.replace(job.data, quarantine_path=path))
+    return job
+
+
+def prepare_data(config: JobConfig) -> None:
+    """Generates the configured synthetic data set if ``data.train_path`` does not exist."""
+    data = config.data
+    if data.synthetic is None or is_remote(data.train_path) or Path(data.train_path).exists():
+        return  # synthetic data is generated locally only
+    root = Path(data.train_path).parent
+    logger.info("generating synthetic data into %s", root)
+    generate_synthetic(data.synthetic, out_dir=root)
+
+
+@dataclass(frozen=True)
+class JobData:
+    """The job's validated data sets."""
+
+    train: DataSummary
+    evaluation: DataSummary | None
+
+
+def validate_job_data(job: JobConfig) -> JobData:
+    """The training and held-out data, generated if synthetic and checked (paths, rows,
+    columns) before anything starts.
+
+    Raises:
+        DataValidationError: missing or malformed data, named.
+    """
+    prepare_data(job)
+    data = job.data
+    return JobData(
+        train=validate_data(data.train_path, data, role="train"),
+        evaluation=validate_data(data.eval_path, data, role="eval") if data.eval_path else None,
+    )
+
+
+def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
+    """The bytes of embedding tables each worker may hold (see ``sharding.memory_budget``).
+
+    ``sharding.device_memory_bytes`` when set. Otherwise, with ``sharding.memory_budget =
+    "auto"``: the worker's Ray ``memory`` resource (``scaling.resources_per_worker``), else this
+    machine's memory shared by all ``scaling.num_workers`` workers (a local Ray cluster runs
+    them all here), less ``sharding.worker_overhead_bytes``.
+
+    Returns:
+        The budget and how it was derived; None when the budget is ``off``, or cannot be derived
+        here: GPU workers (tables live in GPU memory) and a remote cluster (its nodes' memory
+        is unknown to this machine), each with a warning.
+
+    Raises:
+        ConfigError: if the derived budget is not positive.
+    """
+    sharding, scaling = job.sharding, job.scaling
+    if sharding.device_memory_bytes is not None:
+        return MemoryBudget(sharding.device_memory_bytes, "sharding.device_memory_bytes")
+    if sharding.memory_budget == "off":
+        return None
+    if scaling.use_gpu:
+        return _no_budget(
+            "the tables live in the workers' GPU memory, which the driver does not know: set "
+            "sharding.device_memory_bytes"
+        )
+    if "memory" in scaling.resources_per_worker:
+        memory = int(scaling.resources_per_worker["memory"])
+        source = f"{format_bytes(memory)} scaling.resources_per_worker.memory"
+    elif ray_address(job) != "local":
+        return _no_budget(
+            f"the workers run on the Ray cluster at {ray_address(job)}, whose memory the driver "
+            "does not know: set sharding.device_memory_bytes or scaling.resources_per_worker.memory"
+        )
+    else:
+        node = psutil.virtual_memory().total
+        memory = node // scaling.num_workers
+        source = f"{format_bytes(node)} node memory / {scaling.num_workers} workers"
+    overhead = sharding.worker_overhead_bytes
+    source = f"{source} - {format_bytes(overhead)} overhead"
+    if memory - overhead <= 0:
+        raise ConfigError(
+            f"sharding.memory_budget: no memory left for embedding tables ({source}); lower "
+            "sharding.worker_overhead_bytes or scaling.num_workers, set "
+            "sharding.device_memory_bytes, or sharding.memory_budget = 'off' to plan for other "
+            "machines"
+        )
+    return MemoryBudget(memory - overhead, source)
+
+
+def _no_budget(why: str) -> None:
+    logger.warning(
+        "no memory budget for the embedding tables: %s (or sharding.memory_budget = 'off')", why
+    )
+
+
+def make_plan(config: JobConfig) -> ShardingPlan:
+    """The sharding plan of the job's tables over ``scaling.num_workers`` ranks within
+    :func:`worker_memory_budget`, costed with the calibrated constants at
+    ``sharding.cost_constants_path`` when that file exists.
+
+    Raises:
+        ConfigError: sharding settings that cannot be planned, e.g. a table that does not fit
+            the budget (naming the table, the rank, the shortfall and the budget's source).
+    """
+    spec = config.worker_spec()
+    constants_path = Path(config.sharding.cost_constants_path).expanduser()
+    constants = load_constants(constants_path) if constants_path.exists() else None
+    budget = worker_memory_budget(config)
+    try:
+        # With dedup groups each feature set runs its own collectives: balance each set.
+        return plan_feature_sets(
+            spec.tables(),
+            config.data.dedup_groups,
+            world_size=config.scaling.num_workers,
+            config=config.sharding,
+            batch_size=config.data.batch_size,
+            constants=constants,
+            memory_budget=budget,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def preflight(
+    job: JobConfig, plan: ShardingPlan, *, run_name: str
+) -> tuple[JobConfig, ray.train.Checkpoint | None]:
+    """The checks and statistics before Ray starts: the SSD tier's space, the warm start's
+    checkpoint (whose dense statistics the job keeps), the dense statistics of the training
+    data, and the run storage. Returns the job with its dense statistics, and the warm start.
+
+    Raises:
+        ConfigError: naming the key whose setting cannot work (and why).
+    """
+    _check_ssd_space(job, plan)
+    warm_start = None
+    if job.run.warm_start:
+        warm_start, saved_stats = _warm_start_checkpoint(job, plan)
+        job = _with_dense_stats(job, saved_stats)
+    job = _with_dense_stats(job, _training_stats(job))
+    _check_run_storage(job, run_name)
+    return job, warm_start
+
+
+def _with_dense_stats(job: JobConfig, stats: dict[str, tuple[float, float]]) -> JobConfig:
+    """``job`` with ``stats`` for the standardized columns it has none for."""
+    data = job.data
+    new = {
+        c: tuple(stats[c])
+        for c in data.standardized_columns()
+        if c not in data.dense_stats and c in stats
+    }
+    if not new:
+        return job
+    return dataclasses.replace(
+        job, data=dataclasses.replace(data, dense_stats={**new, **data.dense_stats})
+    )
+
+
+def _training_stats(job: JobConfig) -> dict[str, tuple[float, float]]:
+    """The statistics of standardized dense columns over the training data, computed once when
+    the config does not already hold them; they travel in the config to the workers, the
+    checkpoint and the logged model."""
+    data = job.data
+    missing = [c for c in data.standardized_columns() if c not in data.dense_stats]
+    if not missing:
+        return {}
+    started = time.perf_counter()
+    stats = dense_stats_of(data.train_path, data)
+    logger.info(
+        "dense statistics of %s over %s in %.1fs: %s",
+        missing,
+        data.train_path,
+        time.perf_counter() - started,
+        {c: (round(m, 4), round(s, 4)) for c, (m, s) in stats.items()},
+    )
+    return stats
+
+
+def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
+    """Ray Train's ``storage_path`` and ``storage_filesystem`` for ``run.storage_path``: an
+    absolute local path, or an object-store path (no scheme) with its filesystem, which carries
+    the endpoint and credentials of ``[run.storage]`` (or ``[data.storage]``)."""
+    path = job.run.storage_path
+    if not is_remote(path):
+        return str(Path(path.removeprefix("file://")).resolve()), None
+    filesystem, resolved = filesystem_for(path, job.run.storage_or(job.data.storage))
+    return resolved, filesystem
+
+
+def _check_run_storage(job: JobConfig, run_name: str) -> None:
+    """Writes and removes a probe file in the run's storage directory, so that a storage path
+    that cannot be written (read-only, no permission, an unreachable or denied bucket) stops
+    the job before Ray starts and before an MLflow run is opened, naming the key.
+
+    Raises:
+        ConfigError: naming ``run.storage_path``, the directory and the storage's error.
+    """
+    root, filesystem = run_storage(job)
+    filesystem = filesystem or pafs.LocalFileSystem()
+    directory = f"{root.rstrip('/')}/{run_name}"
+    probe = f"{directory}/.raydlrm-write-check-{os.getpid()}"
+    try:
+        filesystem.create_dir(directory, recursive=True)
+        with filesystem.open_output_stream(probe) as f:
+            f.write(b"ok\n")
+        filesystem.delete_file(probe)
+    except (OSError, pa.ArrowException) as exc:
+        raise ConfigError(
+            f"run.storage_path: cannot write checkpoints to {job.run.storage_path} "
+            f"({directory}): {exc}"
+        ) from exc
+
+
+def _warm_start_checkpoint(
+    job: JobConfig, plan: ShardingPlan
+) -> tuple[ray.train.Checkpoint, dict[str, tuple[float, float]]]:
+    """The ``run.warm_start`` checkpoint for the workers, checked against the job first (it
+    must exist and hold the job's tables, names and shapes, and fused optimizer), and the dense
+    statistics its model was trained with.
+
+    Raises:
+        ConfigError: naming the checkpoint and what does not match.
+    """
+    uri = job.run.warm_start
+    assert uri is not None
+    try:
+        filesystem, path = filesystem_for(uri, job.run.storage_or(job.data.storage))
+        with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:
+            state = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"run.warm_start: {uri} is not a readable training checkpoint ({exc})"
+        ) from None
+    try:
+        check_state_matches(state, plan, job.sharding.optimizer, source=uri)
+    except ValueError as exc:
+        raise ConfigError(f"run.warm_start: {exc}") from None
+    logger.info("warm start from %s (step %d, %d workers)", uri, state["step"], state["world_size"])
+    saved_stats = state["spec"]["data"].get("dense_stats") or {}
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return ray.train.Checkpoint(path), saved_stats
+    return ray.train.Checkpoint(path, filesystem=filesystem), saved_stats
+
+
+def _check_ssd_space(job: JobConfig, plan: ShardingPlan) -> None:
+    """For a local Ray instance (every worker on this machine): the ``ssd`` tables' directory
+    can be written and holds all the ranks' files, checked before Ray starts. (Each worker
+    checks its own files again when it maps them, on any cluster.)
+
+    Raises:
+        ConfigError: naming the tables, ``sharding.ssd_path`` and the shortfall.
+    """
+    per_rank = plan.per_rank_disk()
+    if not any(per_rank) or ray_address(job) != "local":
+        return
+    tables = [t.name for t in plan.tables if t.placement == "ssd"]
+    try:
+        check_space(ssd_directory(job.sharding.ssd_path), sum(per_rank), tables=tables)
+    except TierError as exc:
+        raise ConfigError(str(exc)) from None

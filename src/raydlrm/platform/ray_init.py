@@ -1,0 +1,140 @@
+"""Connecting the driver to Ray: the cluster the job names, or a new local instance.
+
+``ray.address`` (else ``$RAY_ADDRESS``, set by ``ray job submit``) names a cluster, which must
+answer on TCP before ``ray.init`` is asked to join it (``ray.init`` retries an unreachable one
+for many minutes). Without one, a new local Ray instance starts with settings for a single
+machine (:data:`LOCAL_RAY_ENV`, enough CPUs for the workers and Ray Data's tasks, the State API
+pinned to its own dashboard), and a reaper process ends it if the driver is killed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+import ray
+
+from raydlrm._logs import library_level, quiet_libraries
+from raydlrm.platform import _reaper
+from raydlrm.platform.config import ConfigError, JobConfig
+
+__all__ = ["LOCAL_RAY_ENV", "init_ray", "ray_address"]
+
+
+def ray_address(job: JobConfig) -> str:
+    """The Ray cluster the job runs on: ``ray.address``, else ``$RAY_ADDRESS``, else ``local``
+    (a new Ray instance on this machine)."""
+    return job.ray.address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+# Environment of a new local Ray instance (its raylet and worker processes inherit the
+# driver's); a value already in the environment wins.
+LOCAL_RAY_ENV = {
+    # Ray Data's Parquet reader starts this many footer-reading actors (default 32, each a
+    # fresh worker process) on every pass over a data set: on a small machine most of the time
+    # before the first batch of every epoch and evaluation. Local files need one.
+    "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1",
+    # Ray Train's preemption watcher has no preempted nodes to watch on one machine.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Ray Train's controller polls its workers this often (Ray's default 2 s): the poll paces
+    # the start of a run, every report (a barrier it releases) and the end; 0.5 s takes about
+    # 2 s off a small run (benchmarks/train_overhead.py).
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+}
+# CPUs a local instance keeps beyond the training workers: a preprocessing actor, read tasks.
+_LOCAL_DATA_CPUS = 3
+
+
+def _local_num_cpus(job: JobConfig) -> int:
+    """Logical CPUs of a new local Ray instance: at least the machine's, and enough that the
+    training workers, a preprocessing actor and Ray Data's read tasks (1 CPU each) can all be
+    scheduled at once. On a 2-core machine the default (2) leaves Ray Data no CPU for its read
+    tasks once two 0.5-CPU workers and an actor hold theirs, and the job waits forever."""
+    per_worker = job.scaling.resources_per_worker.get("CPU", 1.0)
+    training = job.scaling.num_workers * per_worker
+    return max(os.cpu_count() or 1, math.ceil(training) + _LOCAL_DATA_CPUS)
+
+
+def init_ray(job: JobConfig) -> None:
+    """Connects to the job's Ray cluster or starts a local instance (see the module
+    docstring); nothing when Ray is already initialized in this process.
+
+    Raises:
+        ConfigError: the named cluster does not answer (naming the address and its source).
+    """
+    if ray.is_initialized():
+        return
+    config = job.ray
+    address = ray_address(job)
+    kwargs: dict[str, Any] = {}
+    if address == "local":
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
+        kwargs = {
+            "num_cpus": config.num_cpus or _local_num_cpus(job),
+            "object_store_memory": config.object_store_memory,
+            "include_dashboard": config.include_dashboard,
+        }
+        port = _pin_state_api()
+        quiet_libraries()  # Ray's start-up notices (a Python API call may not have set them)
+        if config.include_dashboard is False:
+            # Nothing listens on the pinned port: the State API fails (and is quiet) rather
+            # than asking another instance.
+            kwargs["runtime_env"] = {
+                "worker_process_setup_hook": "raydlrm._ray_setup.without_dashboard"
+            }
+        else:
+            kwargs["dashboard_port"] = port
+    elif address != "auto":
+        _check_reachable(address, source="ray.address" if config.address else "$RAY_ADDRESS")
+    kwargs["log_to_driver"] = config.log_to_driver
+    kwargs["logging_level"] = library_level()  # "Started a local Ray instance" and the like
+    ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
+    if address == "local":
+        _reaper.start()
+
+
+# The State API address this process pinned for the local instance it started (None: none).
+_pinned_state_api: str | None = None
+
+
+def _pin_state_api() -> int | None:
+    """Points the State API of a new local instance at its own dashboard: returns the dashboard
+    port to start it on (None: the user's ``$RAY_API_SERVER_ADDRESS`` stands).
+
+    Without an address the State API asks the newest Ray instance on the machine
+    (``/tmp/ray/ray_current_cluster``). Ray Train's placement-group cleaner asks it whether the
+    run's controller is alive: with another Ray instance on the machine (another user's job, a
+    test suite) that instance answers "no such actor", and the cleaner removes the live run's
+    placement group, killing its workers. Every Ray process inherits the driver's environment."""
+    global _pinned_state_api
+    current = os.environ.get("RAY_API_SERVER_ADDRESS")
+    if current is not None and current != _pinned_state_api:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _pinned_state_api = os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return port
+
+
+# How long to wait for a TCP connection to a cluster's address before calling it unreachable.
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str, *, source: str) -> None:
+    """Raises :class:`ConfigError` unless a TCP connection to ``address`` (``host:port`` or
+    ``ray://host:port``) opens: ``ray.init`` retries an unreachable GCS for many minutes
+    instead of failing."""
+    scheme, sep, rest = address.rpartition("://")
+    if sep and scheme != "ray":
+        return  # another client scheme (e.g. anyscale://): ray.init resolves it
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"{source}: {address!r} is not host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConfigError(f"no Ray cluster reachable at {address} ({source}): {e}") from None

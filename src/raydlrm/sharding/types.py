@@ -1,0 +1,201 @@
+"""The interface every sharded embedding collection implements, and its per-batch context.
+
+The shape is TorchRec's ``ShardedModule``: a forward pass is ``input_dist`` (route the batch's
+ids to the shards that own their rows: the input all-to-all), then ``compute_and_output_dist``
+(look the routed ids up and send every rank the pooled rows of its samples: the output
+all-to-all). A pipeline runs ``input_dist`` of the next batch ahead, during the current step
+(:meth:`ShardedTables.prefetch`); the routed batch waits in a :class:`PrefetchQueue` as a
+:class:`Routed` context that knows its own tensors, so it can record them on the stream that
+reads them.
+
+Both :class:`~raydlrm.sharding.embedding.ShardedEmbeddingBagCollection` and
+:class:`~raydlrm.sharding.dedup.DedupShardedEmbeddingBagCollection` derive from
+:class:`ShardedTables`, which runs the forward pass and the prefetching once for both;
+checkpoints (:mod:`raydlrm.sharding.state`), the telemetry
+(:mod:`raydlrm.sharding.telemetry`) and the training loop use nothing else of them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding.plan import Shard, ShardingPlan
+
+__all__ = ["PrefetchQueue", "Routed", "ShardedTables"]
+
+
+class Routed(Protocol):
+    """A batch's ids routed to their shards, ready for ``compute_and_output_dist``.
+
+    Attributes:
+        features: the batch's features the routing was made for (the same object).
+    """
+
+    features: KeyedJaggedTensor
+
+    def tensors(self) -> Iterator[torch.Tensor | None]:
+        """Every tensor the routing holds (to record on the stream that reads them)."""
+        ...
+
+
+class PrefetchQueue:
+    """Routed batches waiting for their forward pass, oldest first.
+
+    A forward pass takes the oldest routing when it was made for the very features it is
+    given; otherwise it routes the batch itself. A pipeline routes each batch once, in step
+    order, so the oldest is always the one due.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[Routed] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, routed: Routed) -> None:
+        self._queue.append(routed)
+
+    def take(self, features: KeyedJaggedTensor) -> Routed | None:
+        """The routing made for ``features`` (removed from the queue), or None. On a GPU its
+        tensors, made on the pipeline's stream, are recorded on the current one, which reads
+        them: their memory is not reused before this step is done with them."""
+        if not self._queue or self._queue[0].features is not features:
+            return None
+        routed = self._queue.popleft()
+        if features.values.device.type == "cuda":
+            stream = torch.cuda.current_stream(features.values.device)
+            for t in routed.tensors():
+                if t is not None:
+                    t.record_stream(stream)
+        return routed
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+
+class ShardedTables(nn.Module, abc.ABC):
+    """A sharded embedding-bag collection (see the module docstring): its forward pass is
+    :meth:`input_dist` then :meth:`compute_and_output_dist`, starting from a routing made ahead
+    (:meth:`prefetch`) when there is one.
+
+    Input and output are those of the unsharded collection: a KJT of shape ``(F, B, L[f][b])``
+    holding this rank's ``B`` samples (``B`` may differ across ranks) and the batch's dedup
+    groups, and a :class:`KeyedTensor` of shape ``B x sum(D_f)`` in ``feature_names`` order.
+
+    Attributes:
+        kernel: the kernel this rank runs (``fbgemm`` or ``torch``; ``sharding.kernel``
+            resolved).
+        tables: every table of the collection, in collection order.
+        feature_names: the features of its output, in order.
+        plan: where each table lives.
+        prefetched: batches routed ahead of their forward pass.
+    """
+
+    kernel: str
+    tables: list[EmbeddingBagConfig]
+    feature_names: list[str]
+    plan: ShardingPlan
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefetched = PrefetchQueue()
+
+    @abc.abstractmethod
+    def input_dist(
+        self,
+        features: KeyedJaggedTensor,
+        dedup_groups: Sequence[DedupGroup] = (),
+        *,
+        pg: ProcessGroup | None = None,
+    ) -> Routed:
+        """Routes a batch's ids to the shards that own them (the input all-to-all, on ``pg``:
+        default the collection's). Every rank must route the same batches in the same order.
+
+        Raises:
+            ValueError: naming the table of an id outside ``[0, num_embeddings)``.
+        """
+
+    @abc.abstractmethod
+    def compute_and_output_dist(self, routed: Routed) -> KeyedTensor:
+        """Looks up and pools the routed ids and returns this rank's samples' pooled rows
+        (``B x sum(D_f)`` in ``feature_names`` order; the output all-to-all)."""
+
+    def forward(
+        self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup] = ()
+    ) -> KeyedTensor:
+        """Pooled embeddings of this rank's samples.
+
+        Args:
+            features: KJT of shape ``(F, B, L[f][b])`` holding at least every feature of the
+                collection not in ``dedup_groups``; ``weights`` (if present) weight each id.
+            dedup_groups: the batch's deduplicated features (unique rows and inverse index).
+
+        Returns:
+            KeyedTensor of shape ``B x sum(D_f)``, features in ``feature_names`` order.
+
+        Raises:
+            ValueError: naming the table of an id outside ``[0, num_embeddings)``.
+        """
+        routed = self.prefetched.take(features)
+        if routed is None:
+            routed = self.input_dist(features, dedup_groups)
+        return self.compute_and_output_dist(routed)
+
+    def prefetch(
+        self,
+        features: KeyedJaggedTensor,
+        dedup_groups: Sequence[DedupGroup] = (),
+        *,
+        pg: ProcessGroup | None = None,
+    ) -> None:
+        """Routes a coming batch now, on ``pg`` (a pipeline's background thread passes a
+        process group of its own, so that its exchanges overlap the current step's), and
+        queues it: the forward pass on the same ``features`` object starts from it. Every rank
+        must prefetch the same batches in the same order.
+
+        Raises:
+            ValueError: naming the table of an id outside ``[0, num_embeddings)``.
+        """
+        self.prefetched.put(self.input_dist(features, dedup_groups, pg=pg))
+
+    def discard_prefetched(self) -> None:
+        """Drops batches routed ahead that will not be trained (a pipeline stopped early)."""
+        self.prefetched.clear()
+
+    def dedup_stats(self) -> dict[str, dict[str, float]]:
+        """Per deduplicated table: ``ratio``, ``lookups_saved``, ``a2a_bytes_saved`` (empty
+        without dedup groups)."""
+        return {}
+
+    @abc.abstractmethod
+    def comm_bytes(self) -> dict[str, dict[str, int]]:
+        """Cumulative bytes this rank sent through the all-to-alls, by direction and codec."""
+
+    @abc.abstractmethod
+    def local_tables(self) -> dict[str, torch.Tensor]:
+        """Table name -> this rank's shard of it (views; caches flushed first)."""
+
+    @abc.abstractmethod
+    def local_shards(self) -> dict[str, Shard]:
+        """Table name -> the :class:`Shard` this rank holds."""
+
+    @abc.abstractmethod
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """Table name -> dtype of its weights, every table."""
+
+    @abc.abstractmethod
+    def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
+        """Table name -> the fused optimizer state of this rank's shard (views)."""
+
+    @abc.abstractmethod
+    def ssd_tables(self) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+        """This rank's ``ssd`` shards as they are: rows in the file, DRAM cache hits."""

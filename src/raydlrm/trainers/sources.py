@@ -1,0 +1,46 @@
+"""A worker's data sources as the training loop and the evaluator see them.
+
+A :class:`BatchSource` streams preprocessed Arrow batches (a Ray ``DataIterator`` is one; the
+tests pass plain objects); an :class:`EpochSource` also knows epochs (it deals each epoch's
+row groups, resuming from a data position) and can make an empty batch of its schema, for a
+rank whose data ends before the others' (``raydlrm.ingestion.reader.WorkerSource``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import pyarrow as pa
+
+from raydlrm.batch import Batch
+from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.loader import arrow_to_batch
+from raydlrm.ingestion.reader import EpochProgress
+
+__all__ = ["BatchSource", "EpochSource", "empty_batch_of"]
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """A worker's stream of preprocessed Arrow batches."""
+
+    def iter_batches(self, **kwargs: Any) -> Iterator[pa.Table]: ...
+
+
+@runtime_checkable
+class EpochSource(BatchSource, Protocol):
+    """A source that knows epochs and can make empty batches of its schema."""
+
+    def start(
+        self, epoch: int, *, resume: EpochProgress | None, world_size: int | None
+    ) -> None: ...
+
+    def empty_table(self) -> pa.Table: ...
+
+
+def empty_batch_of(source: BatchSource, *, config: DataConfig) -> Batch | None:
+    """An empty batch of ``source``'s structure, if the source can make one."""
+    if not isinstance(source, EpochSource):
+        return None
+    return arrow_to_batch(source.empty_table(), config=config)

@@ -1,0 +1,22 @@
+"""Helpers of the trainer tests."""
+
+from __future__ import annotations
+
+import torch
+
+from raydlrm.sharding.parallelize import unwrap_dense
+from raydlrm.trainers.loop import Trainer
+from tests.sharding._fixtures import gather_full_tables
+
+
+def unsharded_state_dict(trainer: Trainer) -> dict[str, torch.Tensor] | None:
+    """The full, unsharded model state on rank 0 (None elsewhere); all ranks must call. Keys
+    are those of the unsharded ``RecModel``: ``embedding_bags.weights.<table>``, ``dense.*``.
+    Every table is gathered whole onto rank 0: for small models and tests only."""
+    tables = gather_full_tables(trainer.model.embedding_bags, dst=0)
+    if trainer.rank != 0:
+        return None
+    state = {f"embedding_bags.weights.{name}": t.cpu() for name, t in tables.items()}
+    dense = unwrap_dense(trainer.model).state_dict()
+    state.update({f"dense.{k}": v.detach().cpu() for k, v in dense.items()})
+    return state
