@@ -80,6 +80,11 @@ ROW_CASES = {
     ),
     "negative id": ({"C2": pa.array([0, 5, -1, 7, 8, 9])}, "'C2': negative id"),
     "id out of range": ({"C2": pa.array([0, 5, 100, 7, 8, 9])}, "'C2': id not below"),
+    # A row number of 2**63 or more is too large, not negative (no cast error either).
+    "uint64 row number above 2**63": (
+        {"C2": pa.array([0, 5, 2**63 + 5, 7, 8, 9], pa.uint64())},
+        "'C2': id not below the table size 100",
+    ),
     "empty list": (
         {
             "C3": pa.array([[1], [2, 3], [], [7], [8], [9]], pa.list_(pa.int64())),
@@ -288,6 +293,11 @@ def test_quarantining_job_accounts_for_every_row(tmp_path: Path, ray_cluster) ->
     )
     blob = (root / "part-00002.parquet").read_bytes()
     (root / "part-00002.parquet").write_bytes(blob[:100])
+    # uint64 ids of 2**63 and more (hashed by their 64 bits: valid rows, nothing set aside).
+    path = root / "part-00000.parquet"
+    table = pq.read_table(path)
+    high = pa.array(table.column("C1").to_numpy().astype(np.uint64) + np.uint64(2**63))
+    pq.write_table(table.set_column(table.schema.get_field_index("C1"), "C1", high), path)
     config = {
         "data": {
             "train_path": str(root),

@@ -94,6 +94,31 @@ def test_sliced_and_chunked_input_matches_whole():
     assert Preprocessor(_config())(chunked).equals(whole)
 
 
+def test_uint64_ids_hash_by_their_bits(tmp_path):
+    """uint64 ids hash as the int64 of the same 64 bits: ids below 2**63 as the same values
+    in any integer type, ids of 2**63 and more without the cast error a conversion would
+    raise; ``data inspect`` reads them too."""
+    config = DataConfig(dense_columns=["I1"], sparse_columns=["C1"], table_size=1000)
+    ids = [5, 2**63, 2**64 - 1]
+
+    def hashed(column: pa.Array) -> list[int]:
+        table = pa.table({"label": [0, 1, 0], "I1": [1.0, 2.0, 3.0], "C1": column})
+        return Preprocessor(config)(table).column("C1").to_pylist()
+
+    unsigned = hashed(pa.array(ids, pa.uint64()))
+    signed = hashed(pa.array(np.array(ids, np.uint64).view(np.int64)))
+    assert unsigned == signed and unsigned[0] == hashed(pa.array([5, 0, 0], pa.int32()))[0]
+    assert len(set(unsigned)) == 3
+    import pyarrow.parquet as pq
+
+    from raydlrm.ingestion.inspect import inspect_data
+
+    table = pa.table({"label": [0, 1, 0], "I1": [1.0, 2.0, 3.0], "C1": pa.array(ids, pa.uint64())})
+    pq.write_table(table, tmp_path / "part-0.parquet")
+    report = inspect_data(str(tmp_path), config)
+    assert report["sparse"]["C1"]["distinct_ids"] == 3
+
+
 def test_hash_is_stable_across_processes():
     ids = np.array([0, 1, -1, 2**62, -(2**63), 123456789], dtype=np.int64)
     here = hash_ids(ids, table_size=1_000_003).tolist()

@@ -23,7 +23,14 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "loader": ("arrow_to_batch", "iter_train_batches"),
     "preprocess": ("Preprocessor", "hash_ids", "mix64"),
     "reader": ("default_num_actors",),
-    "schema": ("SAMPLE_ID_COLUMN", "DataSummary", "DataValidationError", "validate_data"),
+    "schema": (
+        "SAMPLE_ID_COLUMN",
+        "DataSummary",
+        "DataValidationError",
+        "check_id_kinds",
+        "id_kinds_of",
+        "validate_data",
+    ),
     "synthetic": ("SyntheticInfo", "generate_synthetic"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
-__all__ = ["decode_dictionaries", "decoded_type", "is_list", "is_string"]
+__all__ = ["decode_dictionaries", "decoded_type", "int64_bits", "is_list", "is_string"]
 
 
 def is_list(type_: pa.DataType) -> bool:
@@ -41,3 +42,14 @@ def decode_dictionaries(table: pa.Table) -> pa.Table:
         if plain != field.type:
             table = table.set_column(i, field.name, table.column(i).cast(plain))
     return table
+
+
+def int64_bits(values: pa.Array) -> np.ndarray:
+    """The ids of a flat integer array as an int64 array (nulls as 0): the values as they are,
+    except uint64 ids, whose 64 bits are taken as they are (an id of 2**63 or more becomes the
+    negative int64 of the same bits; a cast would refuse it). Hashing mixes the 64 bits, so
+    every id hashes alike whatever the column's integer width or signedness."""
+    values = values.fill_null(0)
+    if pa.types.is_uint64(values.type):
+        return values.to_numpy(zero_copy_only=False).view(np.int64)
+    return values.cast(pa.int64()).to_numpy(zero_copy_only=False)

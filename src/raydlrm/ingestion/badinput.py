@@ -179,8 +179,11 @@ def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> Non
     if values.null_count:
         flag(rows(np.asarray(values.is_null())), f"{where}: null id")
     if spec is not None and not spec.hash and pa.types.is_integer(values.type):
-        raw = values.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-        flag(rows(raw < 0), f"{where}: negative id")
+        # In the column's own integer type: a uint64 id of 2**63 or more is too large, not
+        # negative.
+        raw = values.fill_null(0).to_numpy(zero_copy_only=False)
+        if pa.types.is_signed_integer(values.type):
+            flag(rows(raw < 0), f"{where}: negative id")
         size = config.table_size_of(column)
         flag(rows(raw >= size), f"{where}: id not below the table size {size}")
     if offsets is not None:

@@ -237,6 +237,11 @@ class DataConfig:
     dense_stats: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``(mean, std)`` of each standardized dense column (after null fill and clipping). Computed
     once over the training data before training when missing, then stored with the model."""
+    id_kinds: dict[str, Literal["integer", "string"]] = field(default_factory=dict)
+    """The kind of each sparse column's ids (``integer`` or ``string``): read off the training
+    data when missing, then stored with the model. Integers and strings hash to different rows,
+    so data whose column holds the other kind is refused (training a warm start, scoring,
+    evaluating, the MLflow model), naming the column and both kinds."""
     dedup_groups: list[list[str]] = field(default_factory=list)
     """Groups of sparse columns deduplicated together (RecD), e.g. the user features that repeat
     over a session: inside a batch, identical rows of a group are looked up once."""
@@ -314,6 +319,9 @@ class DataConfig:
                     f"data.sparse_specs.{col}.weight_column: {weight!r} is already a label, "
                     "dense or sparse column"
                 )
+        for col in self.id_kinds:
+            if col not in self.sparse_columns:
+                raise ValueError(f"data.id_kinds.{col}: not one of data.sparse_columns")
         standardized = set(self.standardized_columns())
         for col, stats in self.dense_stats.items():
             if col not in standardized:

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raydlrm.ingestion._arrow import decode_dictionaries, is_list, is_string
+from raydlrm.ingestion._arrow import decode_dictionaries, int64_bits, is_list, is_string
 from raydlrm.ingestion.badinput import apply_policy, drop_tagging_columns
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
@@ -128,7 +128,7 @@ def _raw_hash(values: pa.Array) -> np.ndarray:
     """uint64 hash of every id (integer or string) of a flat array."""
     if is_string(values.type):
         return hash_strings(values)
-    return mix64(values.cast(pa.int64()).to_numpy())
+    return mix64(int64_bits(values))
 
 
 def _flat(ids: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
@@ -256,7 +256,7 @@ class Preprocessor:
             raise ValueError(f"sparse column {column!r} has {values.null_count} null ids")
         spec = self.config.sparse_specs.get(column)
         if spec is not None and not spec.hash:
-            hashed = values.cast(pa.int64()).to_numpy(zero_copy_only=False)
+            hashed = int64_bits(values)
         else:
             hashed = (_raw_hash(values) % np.uint64(size)).view(np.int64)
         if offsets is None:

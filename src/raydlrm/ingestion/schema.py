@@ -25,6 +25,8 @@ __all__ = [
     "DataSummary",
     "DataValidationError",
     "RowGroup",
+    "check_id_kinds",
+    "id_kinds_of",
     "validate_data",
 ]
 
@@ -80,6 +82,37 @@ class DataSummary:
 def _is_id(type_: pa.DataType) -> bool:
     """Integer or string (binary) ids."""
     return pa.types.is_integer(type_) or is_string(type_)
+
+
+def id_kinds_of(schema: pa.Schema, config: DataConfig) -> dict[str, str]:
+    """The kind of ids (``integer`` or ``string``) of each sparse column of ``schema``."""
+    kinds = {}
+    for column in config.sparse_columns:
+        if column not in schema.names:
+            continue
+        type_ = decoded_type(schema.field(column).type)
+        value_type = type_.value_type if is_list(type_) else type_
+        kinds[column] = "string" if is_string(value_type) else "integer"
+    return kinds
+
+
+def check_id_kinds(schema: pa.Schema, config: DataConfig, *, what: str) -> None:
+    """Checks that the sparse columns of ``schema`` hold the kind of ids ``config.id_kinds``
+    records (columns it does not record pass).
+
+    Raises:
+        DataValidationError: naming ``what`` (the data), the column and both kinds.
+    """
+    for column, kind in id_kinds_of(schema, config).items():
+        expected = config.id_kinds.get(column)
+        if expected is not None and kind != expected:
+            raise DataValidationError(
+                f"{what}: sparse column {column!r} holds {kind} ids "
+                f"({schema.field(column).type}), the model was trained on {expected} ids "
+                f"(data.id_kinds.{column}): integers and strings hash to different rows, so "
+                "every lookup would read another row; convert the column to "
+                f"{expected}s"
+            )
 
 
 def _is_number(type_: pa.DataType) -> bool:

@@ -29,8 +29,10 @@ import torch
 
 from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
+from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.storage import list_files
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
+from raydlrm.trainers.checkpoint import STATE_FILE, check_intact
 from raydlrm.trainers.model_dir import SPEC_FILE, write_model_dir
 
 __all__ = [
@@ -59,8 +61,14 @@ class RecModelPythonModel(mlflow.pyfunc.PythonModel):
         self._preprocess = Preprocessor(loaded.spec.data)
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: Any = None) -> np.ndarray:
-        """Click probabilities, shape ``(N,)``, for ``N`` raw rows (a pandas DataFrame)."""
+        """Click probabilities, shape ``(N,)``, for ``N`` raw rows (a pandas DataFrame).
+
+        Raises:
+            DataValidationError: a sparse column holds ids of another kind (integer or string)
+                than the model was trained on (named, with both kinds).
+        """
         table = pa.Table.from_pandas(pd.DataFrame(model_input), preserve_index=False)
+        check_id_kinds(table.schema, self._data, what="model input")
         return score_table(self._model, self._preprocess, self._data, table)
 
 
@@ -150,6 +158,30 @@ def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
         # The raydlrm package (this file is raydlrm/platform/export.py).
         "code_paths": [str(Path(__file__).resolve().parents[1])],
     }
+
+
+def _checked_export(
+    checkpoint_dir: str | Path, *, output: str | Path | None, register: str | None
+) -> DataConfig:
+    """The checkpoint's data config, once the export is known to be able to finish: before
+    anything is read from the shards or written (a damaged checkpoint, an output directory in
+    the way).
+
+    Raises:
+        ValueError: no destination, or an output directory that is not empty.
+        CheckpointDamagedError: a training checkpoint whose files do not match its manifests.
+        FileNotFoundError: the checkpoint holds no model.
+    """
+    if output is None and register is None:
+        raise ValueError("export needs an output directory or a registered model name")
+    if output is not None and Path(output).exists() and any(Path(output).iterdir()):
+        raise ValueError(f"--output {output} exists and is not empty: give a new directory")
+    if Path(checkpoint_dir, STATE_FILE).is_file():
+        check_intact(checkpoint_dir)
+    spec_file = Path(checkpoint_dir, SPEC_FILE)
+    if not spec_file.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no {SPEC_FILE}: not a model")
+    return WorkerSpec(**json.loads(spec_file.read_text())).data
 
 
 @contextlib.contextmanager
@@ -254,14 +286,11 @@ def export_model(
 
     Raises:
         FileNotFoundError: the checkpoint holds no model.
-        ValueError: neither ``output`` nor ``registered_model_name`` given.
+        ValueError: neither ``output`` nor ``registered_model_name`` given, or ``output`` is a
+            directory that is not empty.
+        CheckpointDamagedError: a training checkpoint whose files do not match its manifests.
     """
-    if output is None and registered_model_name is None:
-        raise ValueError("export needs an output directory or a registered model name")
-    spec_file = Path(checkpoint_dir, SPEC_FILE)
-    if not spec_file.is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no {SPEC_FILE}: not a model")
-    data = WorkerSpec(**json.loads(spec_file.read_text())).data
+    data = _checked_export(checkpoint_dir, output=output, register=registered_model_name)
     if example_path is None and data.eval_path:
         example = example_rows(data.eval_path, data, role="eval")
     else:

@@ -35,6 +35,7 @@ from raydlrm.platform.preflight import (
 )
 from raydlrm.platform.progress import TrainingProgress, progress_mode
 from raydlrm.platform.ray_init import init_ray
+from raydlrm.platform.run_lock import run_lock
 from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
@@ -104,29 +105,32 @@ def train(
     data = validate_job_data(job)
     plan = make_plan(job)
     logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
-    job, warm_start = preflight(job, plan, run_name=run_name)
-    init_ray(job)
-    tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
-    try:
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={"job": _worker_job(job, plan, data, run_name, warm_start)},
-            scaling_config=scaling_config or _scaling(job),
-            run_config=_run_config(job, run_name=run_name, tracked=tracked, given=run_config),
-        )
-        result = _run(trainer, job=job, data=data, tracked=tracked, plan=plan, run_name=run_name)
-        _account_rows(
-            result,
-            job=job,
-            train=data.train,
-            run_name=run_name,
-            quarantined_before=quarantined_before,
-            tracked=tracked,
-        )
-    except BaseException:
-        tracked.finish(failed=True)
-        raise
-    tracked.finish()
+    job, warm_start = preflight(job, plan, data=data, run_name=run_name)
+    with run_lock(job, run_name):  # one job per run, from here to the registered model
+        init_ray(job)
+        tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
+        try:
+            trainer = TorchTrainer(
+                train_loop_per_worker,
+                train_loop_config={"job": _worker_job(job, plan, data, run_name, warm_start)},
+                scaling_config=scaling_config or _scaling(job),
+                run_config=_run_config(job, run_name=run_name, tracked=tracked, given=run_config),
+            )
+            result = _run(
+                trainer, job=job, data=data, tracked=tracked, plan=plan, run_name=run_name
+            )
+            _account_rows(
+                result,
+                job=job,
+                data=data,
+                run_name=run_name,
+                before=quarantined_before,
+                tracked=tracked,
+            )
+        except BaseException:
+            tracked.finish(failed=True)
+            raise
+        tracked.finish()
     return result
 
 
@@ -200,6 +204,7 @@ def _worker_job(
         ),
         fault_storage=job.run.storage,
         warm_start=warm_start,
+        run_directory=join(job.run.storage_path, run_name),
     )
 
 
@@ -284,9 +289,9 @@ def _account_rows(
     result: TrainResult,
     *,
     job: JobConfig,
-    train: DataSummary,
+    data: JobData,
     run_name: str,
-    quarantined_before: dict[str, int],
+    before: dict[str, int],
     tracked: TrackedRun,
 ) -> None:
     """Checks and logs where every training row went: rows read (every epoch, from the files
@@ -295,7 +300,7 @@ def _account_rows(
     aside at validation by this submission are counted apart, with their rows when their
     footers could be read."""
     now = quarantine_counts(job.data)
-    q = {k: now[k] - quarantined_before.get(k, 0) for k in now}
+    q = {k: now[k] - before.get(k, 0) for k in now}
     run = quarantine_counts(job.data, tag=run_tag(run_name, "train"))
     held_out = quarantine_counts(job.data, tag=run_tag(run_name, "eval"), once=True)
     metrics = {
@@ -307,7 +312,7 @@ def _account_rows(
         "data/eval_rows_quarantined": held_out["bad_rows"] + held_out["row_group_rows"],
     }
     if job.training.max_steps is None:
-        read = train.num_rows * job.training.num_epochs
+        read = data.train.num_rows * job.training.num_epochs
         trained = int(result.metrics.get("samples_seen", 0))
         unaccounted = read - trained - metrics["data/rows_quarantined"]
         metrics.update(

@@ -21,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pyarrow as pa
@@ -28,16 +29,23 @@ import pyarrow.fs as pafs
 import ray.train
 from ray.train import ScalingConfig
 
-from raydlrm.ingestion import DataSummary, generate_synthetic, validate_data
+from raydlrm.ingestion import (
+    DataSummary,
+    check_id_kinds,
+    generate_synthetic,
+    id_kinds_of,
+    validate_data,
+)
 from raydlrm.ingestion.stats import dense_stats_of
 from raydlrm.platform.config import ConfigError, JobConfig
 from raydlrm.platform.ray_init import ray_address
+from raydlrm.platform.tracking import check_tracking_of
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.plan import format_bytes
 from raydlrm.sharding.planner import plan_feature_sets
 from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join
-from raydlrm.trainers.checkpoint import STATE_FILE, check_state_matches
+from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, check_state_matches
 
 __all__ = [
     "JobData",
@@ -196,23 +204,49 @@ def make_plan(config: JobConfig) -> ShardingPlan:
 
 
 def preflight(
-    job: JobConfig, plan: ShardingPlan, *, run_name: str
+    job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: str
 ) -> tuple[JobConfig, ray.train.Checkpoint | None]:
     """The checks and statistics before Ray starts: the SSD tier's space, the warm start's
-    checkpoint (whose dense statistics the job keeps), the dense statistics of the training
-    data, and the run storage. Returns the job with its dense statistics, and the warm start.
+    checkpoint (whose dense statistics and id kinds the job keeps), the kind of every sparse
+    column's ids, the dense statistics of the training data, the run storage and the MLflow
+    tracking server. Returns the job with its statistics and id kinds, and the warm start.
 
     Raises:
         ConfigError: naming the key whose setting cannot work (and why).
+        DataValidationError: a sparse column holds ids of another kind than the model's.
     """
     _check_ssd_space(job, plan)
     warm_start = None
     if job.run.warm_start:
-        warm_start, saved_stats = _warm_start_checkpoint(job, plan)
-        job = _with_dense_stats(job, saved_stats)
+        warm_start, saved = _warm_start_checkpoint(job, plan)
+        job = _with_dense_stats(job, saved.get("dense_stats") or {})
+        job = _with_id_kinds(job, saved.get("id_kinds") or {})
+    job = _with_id_kinds(job, _data_id_kinds(job, data))
     job = _with_dense_stats(job, _training_stats(job))
     _check_run_storage(job, run_name)
+    _check_resume(job, plan, run_name)
+    check_tracking_of(job)
     return job, warm_start
+
+
+def _data_id_kinds(job: JobConfig, data: JobData) -> dict[str, str]:
+    """The id kinds of the training data, checked against those the job already records (a
+    warm start's, the config's), and the held-out data's against them."""
+    check_id_kinds(data.train.schema, job.data, what=f"training data {data.train.path}")
+    kinds = {**id_kinds_of(data.train.schema, job.data), **job.data.id_kinds}
+    if data.evaluation is not None:
+        recorded = dataclasses.replace(job.data, id_kinds=kinds)
+        check_id_kinds(data.evaluation.schema, recorded, what=f"eval data {data.evaluation.path}")
+    return kinds
+
+
+def _with_id_kinds(job: JobConfig, kinds: dict[str, str]) -> JobConfig:
+    """``job`` with ``kinds`` for the sparse columns it records none for."""
+    new = {c: k for c, k in kinds.items() if c not in job.data.id_kinds}
+    if not new:
+        return job
+    merged = {**job.data.id_kinds, **new}
+    return dataclasses.replace(job, data=dataclasses.replace(job.data, id_kinds=merged))
 
 
 def _with_dense_stats(job: JobConfig, stats: dict[str, tuple[float, float]]) -> JobConfig:
@@ -285,12 +319,83 @@ def _check_run_storage(job: JobConfig, run_name: str) -> None:
         ) from exc
 
 
+def _check_resume(job: JobConfig, plan: ShardingPlan, run_name: str) -> None:
+    """A run that resumes (its storage holds checkpoints) must keep the model and features its
+    checkpoints were trained with: checked against the newest one with a readable state.
+
+    Raises:
+        ConfigError: naming the run, the checkpoint and every setting that differs, with both
+            values.
+    """
+    root, filesystem = run_storage(job)
+    filesystem = filesystem or pafs.LocalFileSystem()
+    selector = pafs.FileSelector(f"{root.rstrip('/')}/{run_name}", allow_not_found=True)
+    checkpoints = sorted(
+        (
+            i.path
+            for i in filesystem.get_file_info(selector)
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+        ),
+        reverse=True,
+    )
+    for path in checkpoints:
+        try:
+            with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:
+                state = json.loads(f.read())
+        except (OSError, ValueError):
+            continue  # a damaged or partial checkpoint: the workers pass it over too
+        differences = resume_differences(state, job=job, plan=plan)
+        if differences:
+            raise ConfigError(
+                f"run {run_name} would resume from {path}, trained with other settings: "
+                f"{'; '.join(differences)} (keep the checkpoint's settings to resume, or "
+                "start a new run with another run.name)"
+            )
+        return
+
+
+def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingPlan) -> list[str]:
+    """What a checkpoint's ``trainer_state.json`` (``state``) and the job disagree on that a
+    resume cannot change: the tables (names and shapes), the model, the dense and sparse
+    columns, the fused optimizer; one phrase each, with both values."""
+    saved = {t["name"]: (t["num_embeddings"], t["embedding_dim"]) for t in state["plan"]["tables"]}
+    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in plan.tables}
+    out = [f"{n} is in the checkpoint but not in the config" for n in saved if n not in ours]
+    out += [f"{n} is in the config but not in the checkpoint" for n in ours if n not in saved]
+    out += [
+        f"{n}: {saved[n][0]} x {saved[n][1]} in the checkpoint, {ours[n][0]} x {ours[n][1]} in "
+        "the config"
+        for n in ours
+        if n in saved and saved[n] != ours[n]
+    ]
+    spec = state["spec"]
+    settings = {
+        f"model.{k}": (v, getattr(job.model, k))
+        for k, v in spec["model"].items()
+        if hasattr(job.model, k)  # a knob of an older release is not compared
+    }
+    for key in ("dense_columns", "sparse_columns"):
+        settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
+    settings["sharding.optimizer"] = (spec["sharding"]["optimizer"], job.sharding.optimizer)
+    out += [
+        f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
+        for key, (theirs, mine) in settings.items()
+        if _plain(theirs) != _plain(mine)
+    ]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON has it (tuples as lists), for comparing with a stored one."""
+    return json.loads(json.dumps(value))
+
+
 def _warm_start_checkpoint(
     job: JobConfig, plan: ShardingPlan
-) -> tuple[ray.train.Checkpoint, dict[str, tuple[float, float]]]:
+) -> tuple[ray.train.Checkpoint, dict[str, Any]]:
     """The ``run.warm_start`` checkpoint for the workers, checked against the job first (it
-    must exist and hold the job's tables, names and shapes, and fused optimizer), and the dense
-    statistics its model was trained with.
+    must exist and hold the job's tables, names and shapes, and fused optimizer), and the data
+    config its model was trained with (as stored: its dense statistics and id kinds).
 
     Raises:
         ConfigError: naming the checkpoint and what does not match.
@@ -307,13 +412,14 @@ def _warm_start_checkpoint(
         ) from None
     try:
         check_state_matches(state, plan, job.sharding.optimizer, source=uri)
-    except ValueError as exc:
+        check_intact(path, filesystem=filesystem)
+    except ValueError as exc:  # CheckpointDamagedError too
         raise ConfigError(f"run.warm_start: {exc}") from None
     logger.info("warm start from %s (step %d, %d workers)", uri, state["step"], state["world_size"])
-    saved_stats = state["spec"]["data"].get("dense_stats") or {}
+    saved = state["spec"]["data"]
     if isinstance(filesystem, pafs.LocalFileSystem):
-        return ray.train.Checkpoint(path), saved_stats
-    return ray.train.Checkpoint(path, filesystem=filesystem), saved_stats
+        return ray.train.Checkpoint(path), saved
+    return ray.train.Checkpoint(path, filesystem=filesystem), saved
 
 
 def _check_ssd_space(job: JobConfig, plan: ShardingPlan) -> None:

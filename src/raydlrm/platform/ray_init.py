@@ -20,7 +20,7 @@ from raydlrm._logs import library_level, quiet_libraries
 from raydlrm.platform import _reaper
 from raydlrm.platform.config import ConfigError, JobConfig
 
-__all__ = ["LOCAL_RAY_ENV", "init_ray", "ray_address"]
+__all__ = ["LOCAL_RAY_ENV", "filter_worker_output", "init_ray", "ray_address"]
 
 
 def ray_address(job: JobConfig) -> str:
@@ -57,14 +57,51 @@ def _local_num_cpus(job: JobConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(training) + _LOCAL_DATA_CPUS)
 
 
+# Ray's core logs at ERROR level, once per preprocessing actor a training worker starts, that an
+# actor with restarts whose constructor arguments are in the object store may fail to restart
+# (ray-project/ray#53727). Ray Data passes every actor pool's arguments that way (its map
+# function and context, by reference), so the line shows on every run's first screen and reads
+# as a failure; nothing here can pass them by value. It is dropped from what this driver prints
+# of the workers' output; Ray's log files keep it.
+_DROPPED_WORKER_LINES = ("has constructor arguments in the object store and max_restarts > 0",)
+
+
+def filter_worker_output() -> None:
+    """Drops the lines of :data:`_DROPPED_WORKER_LINES` from the workers' output this
+    process prints (Ray's own printer, wrapped; the rest passes unchanged). Idempotent; a Ray
+    without that printer is left as it is."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    for name, handle in list(dispatcher.handlers):
+        if name != "ray_print_logs" or getattr(handle, "raydlrm_filtered", False):
+            continue
+
+        def filtered(data: dict[str, Any], handle: Any = handle) -> None:
+            lines = [
+                line
+                for line in data.get("lines", [])
+                if not any(dropped in line for dropped in _DROPPED_WORKER_LINES)
+            ]
+            if lines:
+                handle({**data, "lines": lines})
+
+        filtered.raydlrm_filtered = True  # type: ignore[attr-defined]
+        dispatcher.remove_handler(name)
+        dispatcher.add_handler(name, filtered)
+
+
 def init_ray(job: JobConfig) -> None:
     """Connects to the job's Ray cluster or starts a local instance (see the module
-    docstring); nothing when Ray is already initialized in this process.
+    docstring); nothing when Ray is already initialized in this process. The workers' output
+    this process prints is filtered (:func:`filter_worker_output`).
 
     Raises:
         ConfigError: the named cluster does not answer (naming the address and its source).
     """
     if ray.is_initialized():
+        filter_worker_output()
         return
     config = job.ray
     address = ray_address(job)
@@ -92,6 +129,7 @@ def init_ray(job: JobConfig) -> None:
     kwargs["log_to_driver"] = config.log_to_driver
     kwargs["logging_level"] = library_level()  # "Started a local Ray instance" and the like
     ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
+    filter_worker_output()
     if address == "local":
         _reaper.start()
 

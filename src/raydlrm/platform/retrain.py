@@ -48,6 +48,7 @@ from raydlrm.platform.launch import TrainResult
 from raydlrm.platform.launch import train as run_training
 from raydlrm.platform.preflight import prepare_data
 from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
+from raydlrm.platform.tracking import check_tracking_of
 from raydlrm.storage import PartitionSelector, StorageError, partition_values
 from raydlrm.trainers.model_dir import ModelWeights
 
@@ -256,6 +257,7 @@ def retrain(
     if not name:
         raise ConfigError("retrain needs tracking.registered_model_name (the champion's model)")
     chosen = _pick_slot(job, slot)
+    check_tracking_of(job)
     tracking_uri = default_tracking_uri(job.tracking)
     mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri)

@@ -37,6 +37,7 @@ import torch
 
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
+from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.storage import (
     PartitionSelector,
     StorageConfig,
@@ -236,6 +237,8 @@ def score(
     Raises:
         FileNotFoundError: the model or the data is missing.
         ValueError: the data lacks a column the model needs (named).
+        DataValidationError: a sparse column holds ids of another kind (integer or string)
+            than the model was trained on (named, with both kinds).
     """
     with model_files(model) as files:
         return _score(
@@ -312,6 +315,7 @@ def _score(
     schema = footers[0].schema.to_arrow_schema()
     needed = [c for c in data_config.input_columns() if c != data_config.label_column]
     keep = _columns_to_keep(data, schema, needed=needed, keep=keep, label=data_config.label_column)
+    check_id_kinds(schema, data_config, what=f"data set {data}")
     started = time.perf_counter()
     if not ray.is_initialized():
         from raydlrm.platform.config import load_config

@@ -15,7 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -23,17 +28,70 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
-from raydlrm.platform.config import JobConfig, default_tracking_uri, flatten
+from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri, flatten
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import redact, with_scheme
 
-__all__ = ["MLflowReportCallback", "TrackedRun", "start_run"]
+__all__ = ["MLflowReportCallback", "TrackedRun", "check_tracking", "check_tracking_of", "start_run"]
 
 logger = logging.getLogger(__name__)
 
 # MLflow limits a param value's length; long values (lists of columns) are cut, with a marker.
 _MAX_PARAM_LENGTH = 6000
 _BATCH = 100
+
+
+_CONNECT_TIMEOUT_S = 5.0
+"""How long the tracking server has to answer the check before a job starts."""
+
+
+def check_tracking_of(job: JobConfig) -> None:
+    """:func:`check_tracking` of the job's tracking URI, named by where it came from."""
+    key = "tracking.tracking_uri" if job.tracking.tracking_uri else "$MLFLOW_TRACKING_URI"
+    check_tracking(default_tracking_uri(job.tracking), key=key)
+
+
+def check_tracking(tracking_uri: str, *, key: str = "tracking.tracking_uri") -> None:
+    """Checks that the MLflow tracking store at ``tracking_uri`` can be reached, in seconds:
+    an ``http(s)`` server must answer an HTTP request (any answer: the client may need
+    credentials this check does not send), a ``sqlite`` store's directory must exist. The
+    MLflow client itself retries an unreachable server for minutes. The registry
+    (``$MLFLOW_REGISTRY_URI``), when it is another server, is checked the same way.
+
+    Raises:
+        ConfigError: naming the URI (credentials redacted), ``key`` and why.
+    """
+    targets = [(tracking_uri, key)]
+    registry = os.environ.get("MLFLOW_REGISTRY_URI")
+    if registry and registry != tracking_uri:
+        targets.append((registry, "$MLFLOW_REGISTRY_URI"))
+    for uri, source in targets:
+        shown = _without_credentials(uri)
+        if uri.startswith("sqlite:///"):
+            parent = Path(uri[len("sqlite:///") :]).parent
+            if not parent.is_dir():
+                raise ConfigError(f"{source}: {shown}: the directory {parent} does not exist")
+        if not uri.startswith(("http://", "https://")):
+            continue
+        probe = f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?experiment_name=-"
+        try:
+            urllib.request.urlopen(probe, timeout=_CONNECT_TIMEOUT_S).close()
+        except urllib.error.HTTPError:
+            pass  # it answered (an error status, e.g. no such experiment, or no credentials)
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ConfigError(
+                f"{source}: no MLflow tracking server answers at {shown} within "
+                f"{_CONNECT_TIMEOUT_S:.0f} s ({reason})"
+            ) from None
+
+
+def _without_credentials(uri: str) -> str:
+    """``uri`` with a ``user:password@`` part replaced by ``***@``: what may be printed."""
+    parts = urllib.parse.urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 def _metrics_at(values: dict[str, Any], *, step: int) -> list[Metric]:

@@ -61,6 +61,7 @@ __all__ = [
     "CheckpointDamagedError",
     "CheckpointReader",
     "TrainingParts",
+    "check_intact",
     "check_state_matches",
     "load_model_tensor",
     "load_training_state",
@@ -253,19 +254,22 @@ def read_state_file(directory: str | Path) -> dict[str, Any]:
         CheckpointDamagedError: naming the file when it is not readable JSON.
     """
     path = Path(directory) / STATE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {directory} has no {STATE_FILE}")
+    return _read_json(pafs.LocalFileSystem(), str(directory), STATE_FILE, present=path.is_file())
+
+
+def _read_json(filesystem: pafs.FileSystem, root: str, name: str, *, present: bool) -> Any:
+    if not present:
+        raise FileNotFoundError(f"checkpoint {root} has no {name}")
     try:
-        return json.loads(path.read_text())
+        with filesystem.open_input_stream(f"{root}/{name}") as f:
+            return json.loads(f.read())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointDamagedError(
-            f"checkpoint {directory}: {STATE_FILE} is damaged: {exc}"
-        ) from exc
+        raise CheckpointDamagedError(f"checkpoint {root}: {name} is damaged: {exc}") from exc
 
 
-def _crc32(path: Path) -> int:
+def _crc32(filesystem: pafs.FileSystem, path: str) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with filesystem.open_input_stream(path) as f:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -276,7 +280,7 @@ def write_manifest(directory: str | Path, *, rank: int, world_size: int) -> Path
     file this rank wrote there (call it last, once the rank's files are complete)."""
     path = Path(directory)
     files = {
-        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(pafs.LocalFileSystem(), str(p))}
         for p in sorted(path.iterdir())
         if p.is_file() and not p.name.startswith(MANIFEST_PREFIX)
     }
@@ -285,43 +289,69 @@ def write_manifest(directory: str | Path, *, rank: int, world_size: int) -> Path
     return manifest
 
 
-def verify_checkpoint(directory: str | Path, *, checksums: bool = True) -> list[str]:
+def verify_checkpoint(
+    directory: str | Path, *, checksums: bool = True, filesystem: pafs.FileSystem | None = None
+) -> list[str]:
     """What is wrong with a checkpoint, one line per problem (empty when it is intact): a
     missing or unreadable ``trainer_state.json``, a missing rank manifest, a file missing,
     of another size or (with ``checksums``) another CRC-32 than its manifest says. A
     checkpoint written before manifests existed (format version 1) is checked for its state
-    file only."""
-    path = Path(directory)
+    file only.
+
+    Args:
+        directory: the checkpoint (a local directory, or a path on ``filesystem``).
+        checksums: also read every file for its CRC-32 (else sizes only).
+        filesystem: where ``directory`` is (default: the local disk), e.g. an object store.
+    """
+    filesystem = filesystem or pafs.LocalFileSystem()
+    root = str(directory).rstrip("/")
+    infos = {
+        i.base_name: i
+        for i in filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        if i.type == pafs.FileType.File
+    }
     try:
-        state = read_state_file(path)
+        state = _read_json(filesystem, root, STATE_FILE, present=STATE_FILE in infos)
     except (FileNotFoundError, CheckpointDamagedError) as exc:
         return [str(exc)]
-    manifests = sorted(path.glob(f"{MANIFEST_PREFIX}*.json"))
     if state.get("format_version", 1) < 2:
         return []  # written before manifests: nothing more to check against
-    problems = []
-    seen = set()
-    for manifest in manifests:
+    problems, seen = [], set()
+    for name in sorted(n for n in infos if n.startswith(MANIFEST_PREFIX)):
         try:
-            record = json.loads(manifest.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            problems.append(f"{manifest.name} is damaged: {exc}")
+            record = _read_json(filesystem, root, name, present=True)
+        except CheckpointDamagedError as exc:
+            problems.append(f"{name} is damaged: {exc.__cause__}")
             continue
         seen.add(int(record["rank"]))
-        for name, expected in record["files"].items():
-            file = path / name
-            if not file.is_file():
-                problems.append(f"{name} is missing")
-            elif file.stat().st_size != expected["bytes"]:
+        for file, expected in record["files"].items():
+            info = infos.get(file)
+            if info is None:
+                problems.append(f"{file} is missing")
+            elif info.size != expected["bytes"]:
                 problems.append(
-                    f"{name} has {file.stat().st_size} bytes, its manifest says {expected['bytes']}"
+                    f"{file} has {info.size} bytes, its manifest says {expected['bytes']}"
                 )
-            elif checksums and _crc32(file) != expected["crc32"]:
-                problems.append(f"{name} does not match its checksum")
+            elif checksums and _crc32(filesystem, f"{root}/{file}") != expected["crc32"]:
+                problems.append(f"{file} does not match its checksum")
     missing = sorted(set(range(int(state["world_size"]))) - seen)
     if missing:
         problems.append(f"no manifest of ranks {missing} (their part was not completed)")
     return problems
+
+
+def check_intact(
+    directory: str | Path, *, filesystem: pafs.FileSystem | None = None, checksums: bool = False
+) -> None:
+    """Raises :class:`CheckpointDamagedError` naming the checkpoint and its first problems
+    (:func:`verify_checkpoint`) unless it is intact: before anything reads its shards."""
+    problems = verify_checkpoint(directory, checksums=checksums, filesystem=filesystem)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointDamagedError(
+            f"checkpoint {directory} is damaged: {'; '.join(problems[:3])}{more} "
+            "(raydlrm checkpoint verify names every problem)"
+        )
 
 
 @contextmanager
@@ -425,9 +455,7 @@ def load_training_state(directory: str | Path, *, parts: TrainingParts) -> dict[
         ValueError: the checkpoint's tables or optimizer do not match ``parts``'.
     """
     state = read_state_file(directory)
-    problems = verify_checkpoint(directory, checksums=False)
-    if problems:
-        raise CheckpointDamagedError(f"checkpoint {directory} is damaged: {'; '.join(problems)}")
+    check_intact(directory)
     optimizer = parts.spec.sharding.optimizer
     check_state_matches(state, parts.plan, optimizer, source=str(directory))
     try:
@@ -511,9 +539,20 @@ def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
 def load_model_tensor(directory: str | Path, key: str, meta: Any) -> torch.Tensor:
     """One tensor of a training checkpoint (its DCP ``key`` and ``meta`` from
     :func:`model_tensors`), in one process: a table is assembled from the chunks every rank
-    wrote; nothing else is read."""
+    wrote; nothing else is read.
+
+    Raises:
+        CheckpointDamagedError: naming the checkpoint and the tensor when its chunks cannot be
+            read.
+    """
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     # Without a process group DCP reads in this process.
-    with _quiet():
-        dcp.load({key: tensor}, storage_reader=CheckpointReader(str(directory)), no_dist=True)
+    try:
+        with _quiet():
+            dcp.load({key: tensor}, storage_reader=CheckpointReader(str(directory)), no_dist=True)
+    except Exception as exc:  # a shard of the right size but damaged content
+        raise CheckpointDamagedError(
+            f"checkpoint {directory}: reading {key} failed ({type(exc).__name__}; raydlrm "
+            "checkpoint verify checks every file's checksum)"
+        ) from exc
     return tensor

@@ -11,8 +11,10 @@ its shards are the model's weights. It sees the training loop only through its s
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,6 +35,21 @@ from raydlrm.trainers.reporting import Reporter
 __all__ = ["Checkpointer", "Restored"]
 
 logger = logging.getLogger(__name__)
+
+_NO_SPACE = "No space left on device"  # strerror(ENOSPC)
+_FULL_BYTES = 1 << 20
+"""Free bytes below which a failed write is put down to a full staging disk."""
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether writing a checkpoint failed for a full disk: ``ENOSPC`` (as such, or in the
+    text of DCP's wrapper), or any error with the staging directory's disk full (torch's zip
+    writer reports a short write as a position mismatch)."""
+    if getattr(exc, "errno", None) == errno.ENOSPC or _NO_SPACE in str(exc):
+        return True
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        return False
+    return shutil.disk_usage(tempfile.gettempdir()).free < _FULL_BYTES
 
 
 @dataclass
@@ -62,6 +79,7 @@ class Checkpointer:
         reporter: reports each checkpoint with its metrics.
         hooks: called at the ``checkpoint`` moment (files written, not yet reported).
         device: the worker's device (for the collectives).
+        storage: where the run's checkpoints are stored (named when a disk is full).
     """
 
     def __init__(
@@ -72,8 +90,10 @@ class Checkpointer:
         reporter: Reporter,
         hooks: Sequence[TrainerHook],
         device: torch.device,
+        storage: str | None = None,
     ) -> None:
         self.config = config
+        self.storage = storage
         self.parts = parts
         self.reporter = reporter
         self.hooks = hooks
@@ -104,6 +124,28 @@ class Checkpointer:
         merged = EpochProgress.merged(
             [EpochProgress.from_dict(p) for p in all_gather_object(progress.to_dict())]
         )
+        try:
+            stored = self._write(metrics, loop_state=loop_state, position=merged, final=final)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if not _disk_full(exc):
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device for the checkpoint of step {loop_state['step']}: "
+                f"staged in {tempfile.gettempdir()} (this worker's temporary directory), "
+                f"stored under {self.storage or 'the run storage'} (run.storage_path): {exc}",
+            ) from exc
+        self._last = time.monotonic()
+        return stored
+
+    def _write(
+        self,
+        metrics: dict[str, float],
+        *,
+        loop_state: dict[str, Any],
+        position: EpochProgress,
+        final: bool,
+    ) -> Any:
         with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
             if final and self.parts.rank == 0:
                 save_model_metadata(
@@ -113,15 +155,13 @@ class Checkpointer:
                     metrics=self.reporter.merged(metrics, loop_state=loop_state),
                 )
             save_training_state(
-                tmp, parts=self.parts, loop_state=loop_state, position=merged.to_dict()
+                tmp, parts=self.parts, loop_state=loop_state, position=position.to_dict()
             )
             for hook in self.hooks:
                 hook("checkpoint", rank=self.parts.rank, step=loop_state["step"])
-            stored = self.reporter.report(
+            return self.reporter.report(
                 metrics, loop_state=loop_state, checkpoint_dir=tmp, final=final
             )
-        self._last = time.monotonic()
-        return stored
 
     def load(self, directory: str) -> Restored:
         """Restores the parts from a training checkpoint (any world size or plan); all ranks."""
@@ -141,4 +181,3 @@ class Checkpointer:
         state = load_training_state(directory, parts=self.parts)
         torch.manual_seed(self.parts.spec.training.seed)
         return int(state["step"])
-

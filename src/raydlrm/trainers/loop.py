@@ -96,6 +96,7 @@ class Trainer:
             injected fault, which needs the run's marker path: :func:`train_loop_per_worker`).
         report: called as ``report(metrics, checkpoint_dir=...)`` on every rank (default: Ray
             Train's, through ``raydlrm.trainers._ray``).
+        storage: where the run's checkpoints are stored (for messages).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class Trainer:
         device: torch.device,
         hooks: Sequence[TrainerHook] | None = None,
         report: ReportFn | None = None,
+        storage: str | None = None,
     ):
         self.spec, self.plan, self.rank = spec, plan, rank
         self.device = torch.device(device)
@@ -135,6 +137,7 @@ class Trainer:
             reporter=self.reporter,
             hooks=self.hooks,
             device=self.device,
+            storage=storage,
         )
 
     def _sharded_model(self) -> RecModel:
@@ -409,7 +412,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"{ctx.world_size}"
         )
     hooks = default_hooks(job.spec, fault_marker=job.fault_marker, fault_storage=job.fault_storage)
-    trainer = Trainer(job.spec, plan=job.plan, rank=ctx.rank, device=ctx.device, hooks=hooks)
+    trainer = Trainer(
+        job.spec,
+        plan=job.plan,
+        rank=ctx.rank,
+        device=ctx.device,
+        hooks=hooks,
+        storage=job.run_directory,
+    )
     with newest_intact(_ray.registered_checkpoint()) as (checkpoint_dir, stored):
         if checkpoint_dir is not None:
             trainer.load(checkpoint_dir, stored=stored)

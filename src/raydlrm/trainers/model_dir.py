@@ -33,7 +33,12 @@ import torch
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import redact
-from raydlrm.trainers.checkpoint import STATE_FILE, load_model_tensor, model_tensors
+from raydlrm.trainers.checkpoint import (
+    STATE_FILE,
+    check_intact,
+    load_model_tensor,
+    model_tensors,
+)
 from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = [
@@ -133,6 +138,7 @@ class ModelWeights:
 
     Raises:
         FileNotFoundError: naming the directory when it holds no weights in any known form.
+        CheckpointDamagedError: a training checkpoint whose files do not match its manifests.
     """
 
     def __init__(self, directory: str | Path):
@@ -152,6 +158,7 @@ class ModelWeights:
                 )
             self.form = "safetensors"
         elif (self.directory / STATE_FILE).is_file():
+            check_intact(self.directory)  # a damaged shard is named before anything reads it
             # Read once: every tensor's DCP key and metadata.
             self._dcp = model_tensors(self.directory)
             self.tensors = [

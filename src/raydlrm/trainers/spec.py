@@ -94,6 +94,7 @@ class WorkerJob:
         fault_marker: where an injected fault records that it fired (None: no fault).
         fault_storage: the object store of ``fault_marker`` (the run storage's).
         warm_start: another run's checkpoint to start from, or None.
+        run_directory: the run's directory in ``run.storage_path`` (for messages).
     """
 
     spec: WorkerSpec
@@ -105,3 +106,4 @@ class WorkerJob:
     fault_marker: str | None = None
     fault_storage: StorageConfig | None = None
     warm_start: ray.train.Checkpoint | None = None
+    run_directory: str | None = None

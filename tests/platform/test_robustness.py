@@ -1,0 +1,282 @@
+"""Failures a user meets, each named in one line: a run already running, an unreachable MLflow
+server, a resume with another model or feature list, a worker's bad-input error behind Ray
+Train's cut-short message, a full disk while checkpointing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from raydlrm.platform.cli import app
+from raydlrm.platform.config import load_config
+from raydlrm.platform.run_lock import LOCK_FILE, STALE_AFTER_S, RunLock, RunLockedError
+from raydlrm.sharding import plan_sharding
+from raydlrm.trainers.checkpoint import save_training_state
+from raydlrm.trainers.loop import Trainer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from raydlrm.ingestion import SyntheticConfig, generate_synthetic
+
+    root = tmp_path_factory.mktemp("data")
+    generate_synthetic(
+        SyntheticConfig(
+            num_train_rows=600, num_eval_rows=200, rows_per_file=300, max_cardinality=500
+        ),
+        out_dir=root,
+    )
+    return root
+
+
+def _train_args(tiny_data: Path, tmp_path: Path, *extra: str) -> list[str]:
+    sets = [
+        f"data.train_path={tiny_data / 'train'}",
+        f"data.eval_path={tiny_data / 'eval'}",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "run.name=the-run",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        *extra,
+    ]
+    return ["train", *(a for s in sets for a in ("--set", s))]
+
+
+def _error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(job) -> None:
+        raise AssertionError("Ray started before the job was refused")
+
+    monkeypatch.setattr("raydlrm.platform.launch.init_ray", refuse)
+
+
+def test_a_second_job_on_a_running_run_is_refused_naming_its_holder(
+    tiny_data: Path, tmp_path: Path, no_ray: None
+) -> None:
+    """Two jobs with one run name and storage would train side by side into one run: the
+    second stops at once (exit 2), naming the run and who holds it."""
+    lock = RunLock(_local(), str(tmp_path / "runs" / "the-run"), run_name="the-run")
+    with lock:
+        started = time.monotonic()
+        result = runner.invoke(app, _train_args(tiny_data, tmp_path))
+        assert result.exit_code == 2, result.output
+        line = _error_line(result)
+        assert "run the-run is already running" in line
+        assert f"pid {os.getpid()} on {socket.gethostname()}" in line
+        assert time.monotonic() - started < 30
+    assert not (tmp_path / "runs" / "the-run" / LOCK_FILE).exists()  # released
+    assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was opened
+
+
+def _local():
+    import pyarrow.fs as pafs
+
+    return pafs.LocalFileSystem()
+
+
+def test_a_dead_holders_lock_is_taken_over(tmp_path: Path) -> None:
+    """A holder killed with SIGKILL leaves its lock: on its host, taken over at once (its pid
+    is gone); from another host, taken over once its heartbeat is older than the limit."""
+    run = tmp_path / "runs" / "r"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, pyarrow.fs as fs\n"
+            "from raydlrm.platform.run_lock import RunLock\n"
+            f"RunLock(fs.LocalFileSystem(), {str(run)!r}, run_name='r').acquire()\n"
+            "print('held', flush=True)\ntime.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(RunLockedError, match=rf"pid {holder.pid} on"):
+        RunLock(_local(), str(run), run_name="r").acquire()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    with RunLock(_local(), str(run), run_name="r"):  # its pid is gone: taken over
+        pass
+    elsewhere = {"token": "t", "host": "another-host", "pid": 1, "started": time.time()}
+    (run / LOCK_FILE).write_text(json.dumps({**elsewhere, "heartbeat": time.time()}))
+    with pytest.raises(RunLockedError, match="another-host"):
+        RunLock(_local(), str(run), run_name="r").acquire()
+    stale = time.time() - STALE_AFTER_S - 1
+    (run / LOCK_FILE).write_text(json.dumps({**elsewhere, "heartbeat": stale}))
+    with RunLock(_local(), str(run), run_name="r"):
+        pass
+
+
+def test_the_lock_works_on_an_object_store(s3_server) -> None:
+    storage = s3_server("locks")
+    from raydlrm.storage import filesystem_for
+
+    filesystem, path = filesystem_for("s3://locks/runs/r", storage)
+    first = RunLock(filesystem, path, run_name="r")
+    with first:
+        with pytest.raises(RunLockedError, match="run r is already running"):
+            RunLock(filesystem, path, run_name="r").acquire()
+        assert first.read().token == first.holder.token
+    assert first.read() is None
+
+
+def test_an_unreachable_tracking_server_stops_the_job_in_seconds(
+    tiny_data: Path, tmp_path: Path, no_ray: None
+) -> None:
+    started = time.monotonic()
+    result = runner.invoke(
+        app, _train_args(tiny_data, tmp_path, "tracking.tracking_uri=http://127.0.0.1:9/")
+    )
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert "tracking.tracking_uri" in line and "http://127.0.0.1:9/" in line
+    assert time.monotonic() - started < 30
+
+
+def test_resuming_with_another_model_or_features_is_refused_before_ray_starts(
+    tiny_data: Path, tmp_path: Path, no_ray: None
+) -> None:
+    """The run's checkpoint was trained with ``embedding_dim`` 8 and 26 sparse columns: a
+    resume with 16, or without ``C26``, is refused naming each setting with both values."""
+    job = load_config(overrides=_train_args(tiny_data, tmp_path)[2::2] + _small_model(8))
+    spec = job.worker_spec()
+    plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+    trainer = Trainer(spec, plan=plan, rank=0, device=torch.device("cpu"))
+    save_training_state(
+        tmp_path / "runs" / "the-run" / "checkpoint_2026-11-24_10-00-00.000000",
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
+    wider = runner.invoke(app, _train_args(tiny_data, tmp_path, *_small_model(16)))
+    assert wider.exit_code == 2, wider.output
+    line = _error_line(wider)
+    assert "run the-run would resume from" in line
+    assert "model.embedding_dim: 8 in the checkpoint, 16 in the config" in line
+    assert "t_C1: " in line and " x 8 in the checkpoint" in line
+    columns = [f"C{i}" for i in range(1, 26)]
+    fewer = runner.invoke(
+        app,
+        _train_args(
+            tiny_data, tmp_path, *_small_model(8), f"data.sparse_columns={json.dumps(columns)}"
+        ),
+    )
+    assert fewer.exit_code == 2, fewer.output
+    assert "t_C26 is in the checkpoint but not in the config" in _error_line(fewer)
+    assert not (tmp_path / "mlflow.db").exists()  # no run, no tags from a refused attempt
+
+
+def _small_model(dim: int) -> list[str]:
+    return [f"model.embedding_dim={dim}", f"model.bottom_mlp=[16, {dim}]", "data.table_size=500"]
+
+
+def test_a_full_disk_while_checkpointing_names_the_checkpoint_and_storage(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint is staged in the worker's temporary directory: on a full disk (a tmpfs
+    of 64 KiB) the error names the step, that directory and the run storage, not only
+    ``[Errno 28] No space left on device``."""
+    import tempfile
+
+    from raydlrm.ingestion import Preprocessor
+
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(full))
+        job = load_config(overrides=_train_args(tiny_data, tmp_path)[2::2] + _small_model(8))
+        spec = job.worker_spec()
+        spec.checkpoint.every_steps = 1
+        plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+        trainer = Trainer(
+            spec,
+            plan=plan,
+            rank=0,
+            device=torch.device("cpu"),
+            report=lambda metrics, checkpoint_dir: None,
+            storage="s3://bucket/runs/the-run",
+        )
+        table = Preprocessor(spec.data)(pq.read_table(tiny_data / "train"))
+
+        class Rows:
+            def iter_batches(self, **_):
+                yield table.slice(0, spec.data.batch_size)
+
+        with pytest.raises(OSError, match="No space left") as error:
+            trainer.fit(train_data=Rows(), eval_data=None)
+        message = str(error.value)
+        assert "checkpoint of step 1" in message and str(full) in message
+        assert "s3://bucket/runs/the-run (run.storage_path)" in message
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+
+
+def test_a_workers_error_is_read_whole_behind_ray_trains_cut_message() -> None:
+    """Ray Train quotes each worker's error cut to its first and last 500 characters: the
+    bad-input error in the middle of a long traceback is lost from the message, and read from
+    the error's ``worker_failures`` instead."""
+    from ray.train import WorkerGroupError
+
+    from raydlrm._errors import cause_line
+
+    cause = (
+        "raydlrm.ingestion.badinput.BadInputError: /data/" + "deep/" * 100 + "part-0.parquet, "
+        "row group 0, row 7: label column 'label': label outside [0, 1]"
+    )
+    full = "Traceback (most recent call last):\n" + "  frame\n" * 200 + cause + "\n\n"
+    full += "The above exception was the direct cause of the following exception:\n"
+    full += "  frame\n" * 200 + "ray.exceptions.UserCodeException: UDF failed\n"
+    cut = full[:500] + "...\n... (Output truncated) ...\n" + full[-500:]
+    error = WorkerGroupError(cut, {0: RuntimeError(full), 1: RuntimeError(full)})
+    assert "BadInputError" not in str(error)
+    assert cause_line(error).startswith("BadInputError: /data/deep/deep/")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_bad_row_under_fail_is_the_last_line_however_deep_its_path(
+    tiny_data: Path, tmp_path: Path, ray_cluster
+) -> None:
+    """A label of 2 in data under a deep path: Ray Train's message cuts the worker's traceback
+    to its ends, where the bad-input error is not; the CLI's last line still names the file,
+    row group, row and column."""
+    import shutil
+
+    deep = tmp_path.joinpath(*["a-rather-long-directory-name-for-the-data"] * 8, "train")
+    shutil.copytree(tiny_data / "train", deep)
+    bad = sorted(deep.glob("*.parquet"))[0]
+    table = pq.read_table(bad)
+    labels = table.column("label").to_pylist()
+    labels[3] = 2
+    index = table.schema.get_field_index("label")
+    pq.write_table(
+        table.set_column(index, "label", pa.array(labels, table.schema.field(index).type)), bad
+    )
+    args = _train_args(tiny_data, tmp_path, f"data.train_path={deep}", *_small_model(8))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    line = _error_line(result)
+    assert line.startswith("error: training failed: BadInputError: "), line
+    assert f"{bad.name}, row group 0, row 3: label column 'label'" in line, line
