@@ -12,7 +12,7 @@ Variants:
   actors, Ray Data's default 32 Parquet footer-reader actors per pass, and a ``Preprocessor``
   whose import pulls torch and ``ray.data`` into every actor (the eager ``raydlrm.ingestion``).
 - ``after``: the reader path training uses now, with the environment of
-  :func:`raydlrm.platform.launch._init_ray` (``LOCAL_RAY_ENV``): the driver validates the
+  :func:`raydlrm.platform.ray_init.init_ray` (``LOCAL_RAY_ENV``): the driver validates the
   footers and each worker holds a :class:`raydlrm.ingestion.reader.WorkerSource` built as
   :func:`raydlrm.trainers.loop.train_loop_per_worker` builds it (its preprocessing actors are the
   cluster's share per worker, as ``raydlrm.platform.launch`` sizes them); every pass deals the
@@ -72,7 +72,7 @@ def _child(variant: str, data: str, num_cpus: int, epochs: int, eval_passes: int
     if variant == "before":
         os.environ.update(LEGACY_ENV)
     else:
-        from raydlrm.platform.launch import LOCAL_RAY_ENV
+        from raydlrm.platform.ray_init import LOCAL_RAY_ENV
 
         for name, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
@@ -148,7 +148,7 @@ def _before_sources(path: str, *, config: DataConfig, role: str) -> list:
 
 def _after_sources(path: str, *, config: DataConfig, role: str) -> list:
     """Every worker's ``WorkerSource``, as the driver describes the data set
-    (``raydlrm.platform.launch._source``) and each worker builds its own
+    (``raydlrm.platform.launch._worker_job``) and each worker builds its own
     (``raydlrm.trainers.loop.train_loop_per_worker``)."""
     from raydlrm.ingestion.reader import WorkerSource, default_num_actors
     from raydlrm.ingestion.schema import validate_data

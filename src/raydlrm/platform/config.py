@@ -10,6 +10,7 @@ naming the full dotted key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import asdict, field, fields
@@ -34,6 +35,7 @@ __all__ = [
     "TrackingConfig",
     "flatten",
     "load_config",
+    "replaced",
 ]
 
 
@@ -225,18 +227,27 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
     node[parts[-1]] = _parse_value(text.strip())
 
 
+def replaced(config: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` of a config dataclass, its checks run again (a value they refuse
+    is a :class:`ConfigError` naming the key, not pydantic's error)."""
+    try:
+        return dataclasses.replace(config, **changes)
+    except pydantic.ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
 def _format_error(error: pydantic.ValidationError) -> str:
     lines = []
     for e in error.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
         if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = "unknown key"
         elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
+            msg = msg[len("Value error, ") :]  # a __post_init__ check: it names its key
         elif e["type"] == "literal_error":
             msg = f"{msg}, got {e['input']!r}"
-        lines.append(f"{key}: {msg}")
+        lines.append(f"{key}: {msg}" if key else msg)
     return "invalid config: " + "; ".join(lines)
 
 

@@ -27,6 +27,7 @@ from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.preflight import (
     JobData,
+    Preflight,
     make_plan,
     preflight,
     resolve_job,
@@ -105,32 +106,57 @@ def train(
     data = validate_job_data(job)
     plan = make_plan(job)
     logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
-    job, warm_start = preflight(job, plan, data=data, run_name=run_name)
-    with run_lock(job, run_name):  # one job per run, from here to the registered model
-        init_ray(job)
-        tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
-        try:
-            trainer = TorchTrainer(
-                train_loop_per_worker,
-                train_loop_config={"job": _worker_job(job, plan, data, run_name, warm_start)},
-                scaling_config=scaling_config or _scaling(job),
-                run_config=_run_config(job, run_name=run_name, tracked=tracked, given=run_config),
-            )
-            result = _run(
-                trainer, job=job, data=data, tracked=tracked, plan=plan, run_name=run_name
-            )
-            _account_rows(
-                result,
-                job=job,
-                data=data,
-                run_name=run_name,
-                before=quarantined_before,
-                tracked=tracked,
-            )
-        except BaseException:
-            tracked.finish(failed=True)
-            raise
-        tracked.finish()
+    checked = preflight(job, plan, data=data, run_name=run_name)
+    with run_lock(checked.job, run_name):  # one job per run, from here to the registered model
+        return _tracked_run(
+            checked,
+            plan=plan,
+            data=data,
+            run_name=run_name,
+            quarantined_before=quarantined_before,
+            scaling_config=scaling_config,
+            run_config=run_config,
+        )
+
+
+def _tracked_run(
+    checked: Preflight,
+    *,
+    plan: ShardingPlan,
+    data: JobData,
+    run_name: str,
+    quarantined_before: dict[str, int],
+    scaling_config: ScalingConfig | None,
+    run_config: RunConfig | None,
+) -> TrainResult:
+    """Ray, the job's MLflow run, Ray Train's run, the final model and the row accounting;
+    a failure marks the MLflow run failed."""
+    job = checked.job
+    init_ray(job)
+    tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
+    try:
+        worker_job = _worker_job(
+            job, plan=plan, data=data, run_name=run_name, warm_start=checked.warm_start
+        )
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={"job": worker_job},
+            scaling_config=scaling_config or _scaling(job),
+            run_config=_run_config(job, run_name=run_name, tracked=tracked, given=run_config),
+        )
+        result = _run(trainer, job=job, data=data, tracked=tracked, plan=plan, run_name=run_name)
+        _account_rows(
+            result,
+            job=job,
+            data=data,
+            run_name=run_name,
+            before=quarantined_before,
+            tracked=tracked,
+        )
+    except BaseException:
+        tracked.finish(failed=True)
+        raise
+    tracked.finish()
     return result
 
 
@@ -170,6 +196,7 @@ def _run_config(
 
 def _worker_job(
     job: JobConfig,
+    *,
     plan: ShardingPlan,
     data: JobData,
     run_name: str,

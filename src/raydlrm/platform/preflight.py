@@ -37,7 +37,7 @@ from raydlrm.ingestion import (
     validate_data,
 )
 from raydlrm.ingestion.stats import dense_stats_of
-from raydlrm.platform.config import ConfigError, JobConfig
+from raydlrm.platform.config import ConfigError, JobConfig, replaced
 from raydlrm.platform.ray_init import ray_address
 from raydlrm.platform.tracking import check_tracking_of
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
@@ -49,6 +49,7 @@ from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, check_state_ma
 
 __all__ = [
     "JobData",
+    "Preflight",
     "make_plan",
     "preflight",
     "prepare_data",
@@ -71,7 +72,7 @@ def resolve_job(
         resources = scaling_config.resources_per_worker
         job = dataclasses.replace(
             job,
-            scaling=dataclasses.replace(
+            scaling=replaced(
                 job.scaling,
                 num_workers=scaling_config.num_workers,
                 use_gpu=scaling_config.use_gpu,
@@ -203,9 +204,17 @@ def make_plan(config: JobConfig) -> ShardingPlan:
         raise ConfigError(str(e)) from None
 
 
-def preflight(
-    job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: str
-) -> tuple[JobConfig, ray.train.Checkpoint | None]:
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks before Ray starts settle."""
+
+    job: JobConfig
+    """The job with its dense statistics and id kinds."""
+    warm_start: ray.train.Checkpoint | None
+    """The ``run.warm_start`` checkpoint, checked, or None."""
+
+
+def preflight(job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: str) -> Preflight:
     """The checks and statistics before Ray starts: the SSD tier's space, the warm start's
     checkpoint (whose dense statistics and id kinds the job keeps), the kind of every sparse
     column's ids, the dense statistics of the training data, the run storage and the MLflow
@@ -218,15 +227,15 @@ def preflight(
     _check_ssd_space(job, plan)
     warm_start = None
     if job.run.warm_start:
-        warm_start, saved = _warm_start_checkpoint(job, plan)
-        job = _with_dense_stats(job, saved.get("dense_stats") or {})
-        job = _with_id_kinds(job, saved.get("id_kinds") or {})
+        warm_start = _warm_start_checkpoint(job, plan)
+        job = _with_dense_stats(job, warm_start.data.get("dense_stats") or {})
+        job = _with_id_kinds(job, warm_start.data.get("id_kinds") or {})
     job = _with_id_kinds(job, _data_id_kinds(job, data))
     job = _with_dense_stats(job, _training_stats(job))
     _check_run_storage(job, run_name)
     _check_resume(job, plan, run_name)
     check_tracking_of(job)
-    return job, warm_start
+    return Preflight(job=job, warm_start=None if warm_start is None else warm_start.checkpoint)
 
 
 def _data_id_kinds(job: JobConfig, data: JobData) -> dict[str, str]:
@@ -390,12 +399,17 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def _warm_start_checkpoint(
-    job: JobConfig, plan: ShardingPlan
-) -> tuple[ray.train.Checkpoint, dict[str, Any]]:
+@dataclass(frozen=True)
+class _WarmStart:
+    checkpoint: ray.train.Checkpoint
+    data: dict[str, Any]
+    """The data config its model was trained with, as stored (dense statistics, id kinds)."""
+
+
+def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> _WarmStart:
     """The ``run.warm_start`` checkpoint for the workers, checked against the job first (it
-    must exist and hold the job's tables, names and shapes, and fused optimizer), and the data
-    config its model was trained with (as stored: its dense statistics and id kinds).
+    must exist, be intact and hold the job's tables, names and shapes, and fused optimizer),
+    with the data config its model was trained with.
 
     Raises:
         ConfigError: naming the checkpoint and what does not match.
@@ -416,10 +430,11 @@ def _warm_start_checkpoint(
     except ValueError as exc:  # CheckpointDamagedError too
         raise ConfigError(f"run.warm_start: {exc}") from None
     logger.info("warm start from %s (step %d, %d workers)", uri, state["step"], state["world_size"])
-    saved = state["spec"]["data"]
     if isinstance(filesystem, pafs.LocalFileSystem):
-        return ray.train.Checkpoint(path), saved
-    return ray.train.Checkpoint(path, filesystem=filesystem), saved
+        checkpoint = ray.train.Checkpoint(path)
+    else:
+        checkpoint = ray.train.Checkpoint(path, filesystem=filesystem)
+    return _WarmStart(checkpoint=checkpoint, data=state["spec"]["data"])
 
 
 def _check_ssd_space(job: JobConfig, plan: ShardingPlan) -> None:

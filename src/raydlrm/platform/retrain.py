@@ -270,7 +270,8 @@ def retrain(
     try:
         judged = _judge(trained, job=job, champion=champion, slot=chosen)
     except RetrainError as exc:
-        _tag(client, trained.run_id, {TAG_SLOT: chosen.value, TAG_DECISION: "rejected"}, str(exc))
+        rejected = {TAG_SLOT: chosen.value, TAG_DECISION: "rejected"}
+        _tag(client, trained.run_id, tags=rejected, reason=str(exc))
         raise
     version = _record(client, trained, judged, job=job, slot=chosen, champion=champion)
     return RetrainResult(
@@ -370,7 +371,7 @@ def _slot_job(
     )
 
 
-def _tag(client: MlflowClient, run_id: str, tags: dict[str, str], reason: str) -> None:
+def _tag(client: MlflowClient, run_id: str, *, tags: dict[str, str], reason: str) -> None:
     for tag, value in {**tags, TAG_REASON: reason[:5000]}.items():
         client.set_tag(run_id, tag, value)
 
@@ -388,7 +389,7 @@ def _record(
     returns the version."""
     cfg, name = job.retrain, job.tracking.registered_model_name
     run_tags = {TAG_SLOT: slot.value, TAG_DECISION: judged.decision}
-    _tag(client, trained.run_id, run_tags, judged.reason)
+    _tag(client, trained.run_id, tags=run_tags, reason=judged.reason)
     for metric, value in judged.metrics.items():
         client.log_metric(trained.run_id, f"retrain/{metric.replace('/', '_')}", value)
     version_tags = {

@@ -19,7 +19,7 @@ Every rank writes ``manifest.rank<r>.json`` last: the size and CRC-32 of each fi
 :func:`verify_checkpoint` checks a checkpoint against its manifests (every rank's present, every
 file there with its size, and with ``checksums`` its CRC-32): a truncated shard or state file
 is found before a load fails on it, and a resume falls back to the newest intact checkpoint
-(``raydlrm.trainers._ray``).
+(:func:`newest_intact`).
 """
 
 from __future__ import annotations

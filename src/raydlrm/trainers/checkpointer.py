@@ -2,9 +2,10 @@
 
 :class:`Checkpointer` decides when to write a training checkpoint (``[checkpoint]``: every
 ``every_steps`` steps, or when ``every_minutes`` passed since the last one, checked at the
-metrics reports; always at the end), writes this rank's part of it with the merged data
-position (:mod:`raydlrm.trainers.checkpoint`), and reports it: Ray Train merges the ranks'
-directories into one checkpoint, registered only once every rank's part is stored. The final
+log steps (``training.log_every_steps``); always at the end), writes this rank's part of it with
+the merged data position (:mod:`raydlrm.trainers.checkpoint`), and reports it: Ray Train
+merges the ranks' directories into one checkpoint, registered only once every rank's part is
+stored. The final
 checkpoint also holds the model's config, plan and metrics (:mod:`raydlrm.trainers.model_dir`):
 its shards are the model's weights. It sees the training loop only through its state dict.
 """

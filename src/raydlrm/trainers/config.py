@@ -69,8 +69,8 @@ class CheckpointConfig:
     every_steps: int = 0
     """Write a checkpoint every this many steps (0: not by steps)."""
     every_minutes: float = 0.0
-    """Write a checkpoint when this many minutes passed since the last one, checked at each
-    metrics report (``training.log_every_steps``) (0: not by time)."""
+    """Write a checkpoint when this many minutes passed since the last one, checked at each log
+    step (``training.log_every_steps``) (0: not by time)."""
     num_to_keep: int | None = None
     """Keep at most this many checkpoints (None: all). The latest is always kept for resume."""
     score_metric: str | None = None

@@ -275,9 +275,11 @@ class Trainer:
         for batch in self._batches(train_data, stream):
             self._train_on(batch)
             log_step = self.window.should_log(self.step)
-            metrics = self._log_metrics() if log_step else {}
+            metrics = self.window.compute(step=self.step) if log_step else {}
             if evaluator.should_evaluate(self.step):
                 metrics.update(evaluator.run())
+            if log_step:
+                metrics.update(self._tier_metrics())  # the evaluation's lookups included
             if self.checkpointer.should_save(self.step, log_step=log_step):
                 self._checkpoint(metrics)
             elif metrics:
@@ -320,8 +322,12 @@ class Trainer:
             logits=result.logits, labels=batch.labels, loss=result.loss, seconds=seconds
         )
 
-    def _log_metrics(self) -> dict[str, float]:
-        return {**self.window.compute(step=self.step), **self._telemetry("tier")}
+    def _tier_metrics(self) -> dict[str, float]:
+        """The SSD tier's metrics (none, and no collective, without ``ssd`` tables: the plan
+        is the same on every rank)."""
+        if not any(t.placement == "ssd" for t in self.plan.tables):
+            return {}
+        return self._telemetry("tier")
 
     def _checkpoint(self, metrics: dict[str, float], *, final: bool = False) -> Any:
         self.window.check_finite(step=self.step)  # no checkpoint of a diverged model
