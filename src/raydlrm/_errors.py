@@ -15,6 +15,7 @@ Data) sits there. The error also carries every worker's whole error (``worker_fa
 from __future__ import annotations
 
 import re
+import traceback
 
 __all__ = ["cause_line"]
 
@@ -27,11 +28,19 @@ def _full_text(exc: BaseException) -> str:
     controller's) error, which its message only quotes cut short."""
     failures = getattr(exc, "worker_failures", None)
     if isinstance(failures, dict) and failures:
-        return "\n".join(_full_text(e) for _, e in sorted(failures.items()))
+        return "\n".join(_printed(e) for _, e in sorted(failures.items()))
     controller = getattr(exc, "controller_failure", None)
     if isinstance(controller, BaseException):
-        return _full_text(controller)
+        return _printed(controller)
     return str(exc)
+
+
+def _printed(exc: BaseException) -> str:
+    """``exc`` as Python prints its last line(s), ``Name: message`` (a worker's exception
+    reaches the driver as the object, whose text lacks its name), after its chained causes."""
+    text = "".join(traceback.format_exception_only(type(exc), exc))
+    cause = exc.__cause__ or exc.__context__
+    return text if cause is None or cause is exc else f"{_printed(cause)}\n{text}"
 
 
 def cause_line(exc: BaseException) -> str:

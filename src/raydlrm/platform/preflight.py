@@ -365,18 +365,9 @@ def _check_resume(job: JobConfig, plan: ShardingPlan, run_name: str) -> None:
 
 def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingPlan) -> list[str]:
     """What a checkpoint's ``trainer_state.json`` (``state``) and the job disagree on that a
-    resume cannot change: the tables (names and shapes), the model, the dense and sparse
-    columns, the fused optimizer; one phrase each, with both values."""
-    saved = {t["name"]: (t["num_embeddings"], t["embedding_dim"]) for t in state["plan"]["tables"]}
-    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in plan.tables}
-    out = [f"{n} is in the checkpoint but not in the config" for n in saved if n not in ours]
-    out += [f"{n} is in the config but not in the checkpoint" for n in ours if n not in saved]
-    out += [
-        f"{n}: {saved[n][0]} x {saved[n][1]} in the checkpoint, {ours[n][0]} x {ours[n][1]} in "
-        "the config"
-        for n in ours
-        if n in saved and saved[n] != ours[n]
-    ]
+    resume cannot change: the model, the dense and sparse columns, the fused optimizer, the
+    tables (names and shapes; tables that differ alike are named together); one phrase each,
+    with both values."""
     spec = state["spec"]
     settings = {
         f"model.{k}": (v, getattr(job.model, k))
@@ -386,12 +377,37 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
     for key in ("dense_columns", "sparse_columns"):
         settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
     settings["sharding.optimizer"] = (spec["sharding"]["optimizer"], job.sharding.optimizer)
-    out += [
+    out = [
         f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
         for key, (theirs, mine) in settings.items()
         if _plain(theirs) != _plain(mine)
     ]
+    saved = {t["name"]: (t["num_embeddings"], t["embedding_dim"]) for t in state["plan"]["tables"]}
+    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in plan.tables}
+    gone = [n for n in saved if n not in ours]
+    new = [n for n in ours if n not in saved]
+    if gone:
+        out.append(f"{_names(gone)} {_are(gone)} in the checkpoint but not in the config")
+    if new:
+        out.append(f"{_names(new)} {_are(new)} in the config but not in the checkpoint")
+    reshaped: dict[tuple, list[str]] = {}
+    for n in ours:
+        if n in saved and saved[n] != ours[n]:
+            reshaped.setdefault((saved[n], ours[n]), []).append(n)
+    for ((rows, dim), (rows2, dim2)), names in reshaped.items():
+        out.append(
+            f"{_names(names)}: {rows} x {dim} in the checkpoint, {rows2} x {dim2} in the config"
+        )
     return out
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more tables"
+
+
+def _are(names: list[str]) -> str:
+    return "is" if len(names) == 1 else "are"
 
 
 def _plain(value: Any) -> Any:
