@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raydlrm"
-COMMON = {"batch", "_config", "_versions", "_errors", "storage", "_logs"}
+COMMON = {"batch", "_config", "_versions", "_errors", "storage", "_logs", "_lazy"}
 ALLOWED = {
+    "_lazy": set(),
     "_config": set(),
     "_errors": set(),
     "_versions": set(),

@@ -8,25 +8,14 @@ They are loaded lazily so that worker-side modules (``raydlrm.batch``, ``raydlrm
 import without Ray or MLflow.
 """
 
-from typing import Any
+from raydlrm._lazy import lazy_exports
 
-__all__ = [
-    "JobConfig",
-    "RetrainResult",
-    "ScoreResult",
-    "TrainResult",
-    "evaluate",
-    "load_config",
-    "retrain",
-    "score",
-    "train",
-]
+# The public API by the module that defines it (imported on first use).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "platform.config": ("JobConfig", "load_config"),
+    "platform.launch": ("TrainResult", "train"),
+    "platform.retrain": ("RetrainResult", "retrain"),
+    "platform.scoring": ("ScoreResult", "evaluate", "score"),
+}
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        import raydlrm.platform as platform_api
-
-        return getattr(platform_api, name)
-    raise AttributeError(f"module 'raydlrm' has no attribute {name!r}")

@@ -13,15 +13,23 @@ keeps the start-up of every preprocessing actor (one pool per pass over a data s
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raydlrm._lazy import lazy_exports
 
-# The public names by the submodule that defines them; __getattr__ imports that submodule on the
-# first use of one of its names.
+# The public names by the submodule that defines them (imported on first use).
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "config": ("DataConfig", "SyntheticConfig"),
-    "loader": ("arrow_to_batch", "iter_train_batches"),
-    "preprocess": ("Preprocessor", "hash_ids", "mix64"),
+    "config": (
+        "DataConfig",
+        "SyntheticConfig",
+    ),
+    "loader": (
+        "arrow_to_batch",
+        "iter_train_batches",
+    ),
+    "preprocess": (
+        "Preprocessor",
+        "hash_ids",
+        "mix64",
+    ),
     "reader": ("default_num_actors",),
     "schema": (
         "SAMPLE_ID_COLUMN",
@@ -31,21 +39,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "id_kinds_of",
         "validate_data",
     ),
-    "synthetic": ("SyntheticInfo", "generate_synthetic"),
+    "synthetic": (
+        "SyntheticInfo",
+        "generate_synthetic",
+    ),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

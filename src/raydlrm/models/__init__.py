@@ -1,21 +1,26 @@
-"""Recommendation models written unsharded: an embedding-bag collection plus dense arches."""
+"""Recommendation models written unsharded: an embedding-bag collection plus dense arches.
 
-from raydlrm.models.config import ModelConfig
-from raydlrm.models.dhen import DHENDense
-from raydlrm.models.dlrm import DCNv2Dense, DLRMDense, RecModel, build_model
-from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-from raydlrm.models.layers import CrossNet
-from raydlrm.models.wukong import WukongDense
+The names load lazily (``raydlrm._lazy``): a config module imports no torch."""
 
-__all__ = [
-    "CrossNet",
-    "DCNv2Dense",
-    "DHENDense",
-    "DLRMDense",
-    "EmbeddingBagCollection",
-    "EmbeddingBagConfig",
-    "ModelConfig",
-    "RecModel",
-    "WukongDense",
-    "build_model",
-]
+from __future__ import annotations
+
+from raydlrm._lazy import lazy_exports
+
+# The public names by the submodule that defines them (imported on first use).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "config": ("ModelConfig",),
+    "dhen": ("DHENDense",),
+    "dlrm": (
+        "DCNv2Dense",
+        "DLRMDense",
+        "RecModel",
+        "build_model",
+    ),
+    "embedding": (
+        "EmbeddingBagCollection",
+        "EmbeddingBagConfig",
+    ),
+    "layers": ("CrossNet",),
+    "wukong": ("WukongDense",),
+}
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

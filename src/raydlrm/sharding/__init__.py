@@ -4,28 +4,30 @@ Tables are placed on ranks by a :class:`ShardingPlan` (made by :func:`plan_shard
 with table-batched embedding kernels and fused optimizers (fbgemm's, or their PyTorch
 equivalent: ``sharding.kernel``) by :class:`ShardedEmbeddingBagCollection`, and a whole model is
 sharded by :func:`shard_model`. Every sharded collection implements
-:class:`~raydlrm.sharding.types.ShardedTables`.
+:class:`~raydlrm.sharding.types.ShardedTables`. The names load lazily (``raydlrm._lazy``).
 """
 
-from raydlrm.sharding.calibration import calibrate
-from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.cost import CostConstants, load_constants, save_constants
-from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
-from raydlrm.sharding.parallelize import shard_model
-from raydlrm.sharding.plan import MemoryBudget, Shard, ShardingPlan, TablePlan
-from raydlrm.sharding.planner import plan_sharding
+from __future__ import annotations
 
-__all__ = [
-    "CostConstants",
-    "MemoryBudget",
-    "Shard",
-    "ShardedEmbeddingBagCollection",
-    "ShardingConfig",
-    "ShardingPlan",
-    "TablePlan",
-    "calibrate",
-    "load_constants",
-    "plan_sharding",
-    "save_constants",
-    "shard_model",
-]
+from raydlrm._lazy import lazy_exports
+
+# The public names by the submodule that defines them (imported on first use).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "calibration": ("calibrate",),
+    "config": ("ShardingConfig",),
+    "cost": (
+        "CostConstants",
+        "load_constants",
+        "save_constants",
+    ),
+    "embedding": ("ShardedEmbeddingBagCollection",),
+    "parallelize": ("shard_model",),
+    "plan": (
+        "MemoryBudget",
+        "Shard",
+        "ShardingPlan",
+        "TablePlan",
+    ),
+    "planner": ("plan_sharding",),
+}
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -11,19 +11,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.schema import RowGroup
-from raydlrm.models import EmbeddingBagConfig, ModelConfig
+from raydlrm.models.config import ModelConfig
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.plan import ShardingPlan
-from raydlrm.storage import StorageConfig
 from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 
-if TYPE_CHECKING:  # the type only: this module runs without Ray
+if TYPE_CHECKING:
+    # Types only: the job config (the command line's config commands) imports this module,
+    # which then loads neither torch, pyarrow's readers nor Ray.
+    import pyarrow as pa
     import ray.train
+
+    from raydlrm.ingestion.schema import RowGroup
+    from raydlrm.models.embedding import EmbeddingBagConfig
+    from raydlrm.sharding.plan import ShardingPlan
+    from raydlrm.storage import StorageConfig
 
 __all__ = ["SourceDescription", "WorkerJob", "WorkerSpec"]
 
@@ -43,6 +46,8 @@ class WorkerSpec:
         """The embedding tables of the data config's sparse columns (``t_<column>`` unless a
         ``sparse_specs`` entry names a shared table), each looked up by its columns, sized from
         the data config, in order of their first column."""
+        from raydlrm.models.embedding import EmbeddingBagConfig
+
         return [
             EmbeddingBagConfig(
                 name=table,
