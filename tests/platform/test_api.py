@@ -3,6 +3,7 @@ and bad input stopping before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -77,6 +78,11 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     assert "eval/auc" not in result.metrics  # no eval path configured
     assert Path(result.checkpoint_path, "spec.json").is_file()
     assert result.registered_model_name is None and result.registered_model_version is None
+    assert result.registered_model_uri is None
+    registered = dataclasses.replace(
+        result, registered_model_name="ctr", registered_model_version="3"
+    )
+    assert registered.registered_model_uri == "models:/ctr/3"
     client = MlflowClient(result.tracking_uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"

@@ -261,6 +261,15 @@ def test_data_generate(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert pq.read_table(tmp_path / "d" / "train").num_rows == 500
+    # Another data set over it: one line naming the flag that replaces it, exit 2.
+    again = _invoke("data", "generate", "--out", str(tmp_path / "d"))
+    assert again.exit_code == 2, again.output
+    assert _error_line(again).endswith(
+        "holds a different synthetic data set (of another "
+        "[data.synthetic]): --overwrite replaces it"
+    )
+    assert "Traceback" not in again.output
+    assert "inspect" in _invoke("data", "--help").output  # the group names both commands
 
 
 def test_data_inspect(tmp_path: Path, tiny_data: Path) -> None:

@@ -120,3 +120,34 @@ def test_no_default_memory_budget_for_gpus_or_a_remote_cluster(
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert worker_memory_budget(load_config()) is None
     assert "Ray cluster at 10.0.0.1:6379" in caplog.text
+
+
+def test_relative_paths_resolve_against_the_base_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's relative data, storage and MLflow paths resolve against $RAYDLRM_BASE_DIR (else
+    the working directory); in Ray's temporary copy of a working directory without it, they
+    are refused naming the key (Ray deletes that copy, and the results with it)."""
+    from raydlrm.platform.preflight import resolve_job
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    copy = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    job = load_config(
+        overrides=[
+            "data.train_path=data/train",
+            "data.eval_path=data/eval",
+            "run.storage_path=runs",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=r"data\.train_path: 'data/train' is relative.*RAYDLRM_BASE"
+    ):
+        resolve_job(job, run_name="r")
+    monkeypatch.setenv("RAYDLRM_BASE_DIR", str(tmp_path / "base"))
+    resolved = resolve_job(job, run_name="r")
+    assert resolved.data.train_path == str(tmp_path / "base" / "data" / "train")
+    assert resolved.run.storage_path == str(tmp_path / "base" / "runs")
+    assert resolved.tracking.tracking_uri == f"sqlite:///{tmp_path / 'base' / 'mlflow.db'}"
+    assert job.run.storage_path == "runs"  # the caller's config is not changed

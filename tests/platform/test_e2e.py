@@ -282,7 +282,7 @@ def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
     assert not any(Path(checkpoint, n).exists() for n in ("model.pt", "model.safetensors"))
     proc = _cli(workdir, "export", checkpoint, "--output", "exported", "--register", "e2e-exported")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "version: 1" in proc.stdout
+    assert "registered: e2e-exported version 1" in proc.stdout
     mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
     rows = pd.read_parquet(workdir / "data" / "eval").head(500)
     features = rows.drop(columns=["label", "sample_id", "session_id"])
@@ -299,7 +299,7 @@ def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
     assert "model.safetensors" in exported and not any(n.endswith(".distcp") for n in exported)
     assert "trainer_state.json" not in exported
     missing = _cli(workdir, "export", str(workdir / "data"), "--output", "x")
-    assert missing.returncode == 2 and "has no spec.json" in missing.stderr
+    assert missing.returncode == 2 and "is not a checkpoint directory" in missing.stderr
     # An output directory in the way, and a damaged checkpoint: one line each, before any
     # weight is read or written.
     runner = CliRunner()

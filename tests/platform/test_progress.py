@@ -67,3 +67,40 @@ def test_bar_shows_samples(tmp_path: Path, monkeypatch) -> None:
     with TrainingProgress(client, run_id, total_samples=1000, mode="bar", poll_s=0.05):
         time.sleep(0.2)
     assert "600/1000" in out.getvalue() and "training" in out.getvalue()
+
+
+def test_lines_move_between_reports_with_the_workers_progress_file(tmp_path: Path) -> None:
+    """No metrics report lands (they are barriers, minutes apart in a large job): the lines
+    follow the progress file rank 0 writes, at the stated cadence, with samples, epoch and a
+    labelled rate."""
+    import pyarrow.fs as pafs
+
+    from raydlrm.trainers.hooks import PROGRESS_FILE, ProgressBeacon
+
+    client, run_id = _run(tmp_path)
+    beacon = ProgressBeacon(str(tmp_path), storage=None, world_size=2, every_s=0.1)
+    batch = type("B", (), {"batch_size": 50})()
+
+    def train() -> None:  # rank 0's steps; rank 1 (not shown) trains as many samples
+        for step in range(1, 11):
+            beacon("step", rank=0, step=step, epoch=step // 6, batch=batch)
+            beacon("step", rank=1, step=step, epoch=step // 6, batch=batch)  # writes nothing
+            time.sleep(0.15)
+
+    progress = TrainingProgress(
+        client,
+        run_id,
+        total_samples=1000,
+        mode="lines",
+        progress_file=(pafs.LocalFileSystem(), str(tmp_path / PROGRESS_FILE)),
+        poll_s=0.05,
+        line_interval_s=0.25,
+    )
+    with progress:
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join()
+    assert len(progress.lines) >= 2, progress.lines
+    seen = [int(line.split()[1].split("/")[0]) for line in progress.lines]
+    assert seen == sorted(seen) and seen[-1] == 1000
+    assert "epoch 1" in progress.lines[-1] and "samples/s since the start" in progress.lines[-1]

@@ -285,17 +285,38 @@ def test_ray_job_submit_trains_registers_and_stops_cleanly(
     assert stopped.returncode == 0, stopped.stdout[-3000:]
     assert jobs.get_job_status("sleeper") == JobStatus.STOPPED
 
+    # Relative paths in a job that runs in Ray's temporary copy of its working directory
+    # would put the data, checkpoints and mlflow.db there: refused, naming the key...
+    lost = head.ray(
+        "job",
+        "submit",
+        *upload,
+        "--",
+        "python",
+        "-m",
+        "raydlrm",
+        "train",
+        "--config",
+        "configs/quickstart.toml",
+    )
+    assert lost.returncode != 0, lost.stdout[-3000:]
+    assert "error: data.train_path: 'data/synthetic/train' is relative" in lost.stdout
+    assert "RAYDLRM_BASE_DIR" in lost.stdout
+    # ...unless the submitting side says where relative paths go (the README's recipe).
+    runtime_env["env_vars"]["RAYDLRM_BASE_DIR"] = str(tmp_path)
+    upload = ["--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env)]
+
     # The training job: blocks until it ends, exit code 0 only if it succeeded.
     model_name = f"ray-job-submit-{uuid.uuid4().hex[:8]}"
     overrides = {
-        "data.train_path": tmp_path / "data" / "train",
-        "data.eval_path": tmp_path / "data" / "eval",
+        "data.train_path": "data/train",
+        "data.eval_path": "data/eval",
         "data.synthetic.num_train_rows": 4000,
         "data.synthetic.num_eval_rows": 1000,
         "data.synthetic.rows_per_file": 1000,
         "data.batch_size": 256,
         "data.table_size": 2000,
-        "run.storage_path": tmp_path / "runs",
+        "run.storage_path": "runs",
         "run.name": "ray-job-submit",
         "tracking.experiment_name": "ray-job-submit",
         "tracking.registered_model_name": model_name,
@@ -328,6 +349,9 @@ def test_ray_job_submit_trains_registers_and_stops_cleanly(
     metrics = run.data.metrics
     assert 0.0 < metrics["eval/auc"] < 1.0
     assert metrics["data/rows_trained"] == metrics["data/rows_read"] == 4000
+    # The relative paths landed under RAYDLRM_BASE_DIR, which outlives the job.
+    assert list((tmp_path / "data" / "train").glob("*.parquet"))
+    assert list((tmp_path / "runs" / "ray-job-submit").glob("checkpoint_*"))
 
     # The upload: the checkout's code and configs, none of what git ignores.
     packages = _uploaded_packages(head)
@@ -375,14 +399,26 @@ def tiny_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir
 
 
-@pytest.mark.parametrize("via", ["config", "RAY_ADDRESS"])
+@pytest.mark.parametrize("via", ["config", "RAY_ADDRESS", "not-ray"])
 def test_train_without_a_reachable_cluster_fails_fast_with_one_line(
     via: str, tiny_job: Path
 ) -> None:
+    """Nothing listens at the address, or (``not-ray``) an HTTP server does, as a wrong port or
+    a proxy would: one line, exit 2, in seconds, not ray.init's retries and a traceback."""
+    import http.server
+    import threading
+
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     argv = [sys.executable, "-m", "raydlrm", "train", "--config", "run.toml"]
     env = _base_env()
-    if via == "config":
+    server = None
+    if via == "not-ray":
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), http.server.BaseHTTPRequestHandler
+        )
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        address = f"127.0.0.1:{server.server_address[1]}"
+    if via in ("config", "not-ray"):
         argv += ["--set", f"ray.address={address}"]
         source = "ray.address"
     else:
@@ -390,7 +426,13 @@ def test_train_without_a_reachable_cluster_fails_fast_with_one_line(
         env["RAY_ADDRESS"] = address
         source = "$RAY_ADDRESS"
     started = time.monotonic()
-    proc = subprocess.run(argv, cwd=tiny_job, env=env, capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run(
+            argv, cwd=tiny_job, env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        if server is not None:
+            server.shutdown()
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -82,7 +82,7 @@ def _cli(*args: str):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_retraining_slots_against_mlflow_server(
-    tmp_path: Path, ray_cluster, mlflow_server: str, caplog
+    tmp_path: Path, ray_cluster, mlflow_server: str, caplog, capfd
 ) -> None:
     config = _config(tmp_path, mlflow_server)
     client = MlflowClient(mlflow_server)
@@ -104,6 +104,8 @@ def test_retraining_slots_against_mlflow_server(
     assert run.info.status == "FINISHED"
     assert run.data.metrics["retrain/new_auc"] == pytest.approx(first.metrics["new/auc"])
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # proxied to the S3 bucket
+    # Registered without MLflow's "Successfully registered model ..." on the screen.
+    assert "Successfully registered" not in capfd.readouterr().err
 
     # 2. The same slot again (the CLI, as a scheduler runs it): nothing is trained.
     runs_before = len(client.search_runs([run.info.experiment_id]))
@@ -112,6 +114,8 @@ def test_retraining_slots_against_mlflow_server(
     assert "already retrained" in again.stdout and "version 1 (champion)" in again.stdout
     assert len(client.search_runs([run.info.experiment_id])) == runs_before
     assert len(client.search_model_versions(f"name='{MODEL}'")) == 1
+    repeat = raydlrm.retrain(config, slot=DAYS[1])  # the API gives the stored decision's metrics
+    assert repeat.skipped and repeat.metrics == pytest.approx(first.metrics)
 
     # 3. The next slot, on 3 workers instead of 2: warm-started from the champion (resharded);
     # with an unreachable margin it becomes the challenger, with the comparison as reason.

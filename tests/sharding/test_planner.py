@@ -296,3 +296,22 @@ def test_ssd_tier_cost_is_the_disk_time_of_the_rows_a_step_touches() -> None:
     assert cost("row_wise", 2, placement="ssd").disk_rows == pytest.approx(distinct)
     per_replica = 1000 * (1 - math.exp(-500 / 1000))
     assert cost("data_parallel", 2, placement="ssd").disk_rows == pytest.approx(2 * per_replica)
+
+
+def test_a_row_cache_as_large_as_its_table_is_warned_about(caplog) -> None:
+    """An ssd table whose DRAM cache would hold every row costs more memory than in DRAM: the
+    planner says so, naming the table and the key; a cache smaller than the table is quiet."""
+    import logging
+
+    table = EmbeddingBagConfig(
+        "t_big", num_embeddings=50_000, embedding_dim=16, feature_names=("f",)
+    )
+    for min_rows, warned in ((65536, True), (8192, False)):
+        caplog.clear()
+        config = ShardingConfig(placement={"t_big": "ssd"}, ssd_cache_min_rows=min_rows)
+        with caplog.at_level(logging.WARNING, logger="raydlrm.sharding.planner"):
+            plan_sharding([table], world_size=1, config=config)
+        messages = [r.getMessage() for r in caplog.records]
+        assert bool(messages) == warned, messages
+        if warned:
+            assert "t_big" in messages[0] and "sharding.ssd_cache_min_rows" in messages[0]

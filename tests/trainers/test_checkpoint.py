@@ -290,11 +290,14 @@ def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) 
 
 
 def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> None:
+    """Also: a run directory means its newest intact checkpoint (said on stderr); a file that
+    ``runs/<run>/checkpoint_*`` also matches (Ray's checkpoint-manager snapshot) is not a
+    checkpoint directory, said in one line, not called damaged."""
     from typer.testing import CliRunner
 
     from raydlrm.platform.cli import app
 
-    ckpt = tmp_path / "ckpt"
+    ckpt = tmp_path / "run" / "checkpoint_2026-11-24_10-00-00.000000"
     trainer = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=7)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
     position = {"epoch": 0, "consumed": {"0": 96}, "totals": {"0": 640}}
@@ -316,6 +319,16 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     assert all(torch.equal(plain[k], v) for k, v in expected.items())
     missing = runner.invoke(app, ["checkpoint", "show", str(tmp_path)])
     assert missing.exit_code == 2 and "trainer_state.json" in missing.output
+    snapshot = tmp_path / "run" / "checkpoint_manager_snapshot.json"
+    snapshot.write_text("{}")
+    for command in ("show", "verify"):
+        result = runner.invoke(app, ["checkpoint", command, str(snapshot)])
+        assert result.exit_code == 2, result.output
+        assert "is not a checkpoint directory" in result.stderr
+        assert "damaged" not in result.output.lower()
+    run = runner.invoke(app, ["checkpoint", "verify", str(tmp_path / "run")])
+    assert run.exit_code == 0, run.output
+    assert f"using its newest intact checkpoint {ckpt}" in run.stderr
 
 
 @pytest.mark.parametrize(

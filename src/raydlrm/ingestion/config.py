@@ -80,14 +80,14 @@ class SyntheticConfig:
         files = -(-self.num_train_rows // max(1, self.rows_per_file))
         if len(self.partitions) > files:
             raise ValueError(
-                f"synthetic.partitions: {len(self.partitions)} partitions need at least as "
-                f"many training files, got {files} (lower synthetic.rows_per_file)"
+                f"data.synthetic.partitions: {len(self.partitions)} partitions need at least as "
+                f"many training files, got {files} (lower data.synthetic.rows_per_file)"
             )
         if len(set(self.partitions)) != len(self.partitions):
-            raise ValueError("synthetic.partitions: values must be distinct")
+            raise ValueError("data.synthetic.partitions: values must be distinct")
         bad = [v for v in self.partitions if not v or "/" in v or "=" in v]
         if bad:
-            raise ValueError(f"synthetic.partitions: invalid partition values {bad}")
+            raise ValueError(f"data.synthetic.partitions: invalid partition values {bad}")
 
     def _check_sizes(self) -> None:
         for name in (
@@ -99,51 +99,57 @@ class SyntheticConfig:
             "max_cardinality",
         ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"synthetic.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"data.synthetic.{name} must be positive, got {getattr(self, name)}"
+                )
         if self.num_eval_rows < 0:
-            raise ValueError(f"synthetic.num_eval_rows must be >= 0, got {self.num_eval_rows}")
+            raise ValueError(f"data.synthetic.num_eval_rows must be >= 0, got {self.num_eval_rows}")
         if not 0 <= self.num_list_features <= self.num_sparse:
             raise ValueError(
-                f"synthetic.num_list_features must be in [0, num_sparse={self.num_sparse}], "
+                f"data.synthetic.num_list_features must be in [0, num_sparse={self.num_sparse}], "
                 f"got {self.num_list_features}"
             )
         if not 0 <= self.num_user_features <= self.num_sparse - self.num_list_features:
             raise ValueError(
-                "synthetic.num_user_features must be in [0, num_sparse - num_list_features], "
+                "data.synthetic.num_user_features must be in [0, num_sparse - num_list_features], "
                 f"got {self.num_user_features}"
             )
 
     def _check_distributions(self) -> None:
         if self.mean_session_length < 1:
             raise ValueError(
-                f"synthetic.mean_session_length must be >= 1, got {self.mean_session_length}"
+                f"data.synthetic.mean_session_length must be >= 1, got {self.mean_session_length}"
             )
         if not 0 <= self.dense_null_fraction < 1:
             raise ValueError(
-                f"synthetic.dense_null_fraction must be in [0, 1), got {self.dense_null_fraction}"
+                "data.synthetic.dense_null_fraction must be in [0, 1), got "
+                f"{self.dense_null_fraction}"
             )
         if not 0.55 <= self.target_auc <= 0.95:
-            raise ValueError(f"synthetic.target_auc must be in [0.55, 0.95], got {self.target_auc}")
+            raise ValueError(
+                f"data.synthetic.target_auc must be in [0.55, 0.95], got {self.target_auc}"
+            )
         if not 0.01 <= self.positive_rate <= 0.99:
             raise ValueError(
-                f"synthetic.positive_rate must be in [0.01, 0.99], got {self.positive_rate}"
+                f"data.synthetic.positive_rate must be in [0.01, 0.99], got {self.positive_rate}"
             )
 
     def _check_interactions(self) -> None:
         bad_orders = [k for k in self.interaction_orders if not 2 <= k <= max(2, self.num_sparse)]
         if bad_orders:
             raise ValueError(
-                f"synthetic.interaction_orders: orders must be in [2, num_sparse="
+                f"data.synthetic.interaction_orders: orders must be in [2, num_sparse="
                 f"{self.num_sparse}], got {bad_orders}"
             )
         if sum(self.interaction_orders) > max(2, self.num_sparse):
             raise ValueError(
-                f"synthetic.interaction_orders: the terms need {sum(self.interaction_orders)} "
+                f"data.synthetic.interaction_orders: the terms need {sum(self.interaction_orders)} "
                 f"distinct features, there are num_sparse={self.num_sparse}"
             )
         if not 0 <= self.interaction_share <= 0.9:
             raise ValueError(
-                f"synthetic.interaction_share must be in [0, 0.9], got {self.interaction_share}"
+                "data.synthetic.interaction_share must be in [0, 0.9], got "
+                f"{self.interaction_share}"
             )
 
 

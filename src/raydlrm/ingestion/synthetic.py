@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from raydlrm.ingestion.config import SyntheticConfig
 from raydlrm.ingestion.preprocess import mix64
 
-__all__ = ["SyntheticInfo", "generate_synthetic"]
+__all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic"]
 
 logger = logging.getLogger(__name__)
 
@@ -485,11 +485,27 @@ def _existing(config: SyntheticConfig, *, out_dir: Path) -> SyntheticInfo | None
     if stored is not None and {**defaults, **stored.config} == dataclasses.asdict(config):
         return stored.info
     if stored is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
-        state = "a different" if stored is not None else "an incomplete"
-        raise FileExistsError(
-            f"{out_dir} holds {state} synthetic data set; pass overwrite=True to replace it"
-        )
+        raise SyntheticDataExistsError(out_dir, different=stored is not None)
     return None
+
+
+class SyntheticDataExistsError(FileExistsError):
+    """The output directory holds a synthetic data set of another config, or an incomplete one.
+
+    Attributes:
+        out_dir: the directory.
+        what: ``a different synthetic data set (of another [data.synthetic])`` or ``an
+            incomplete synthetic data set``.
+    """
+
+    def __init__(self, out_dir: Path, *, different: bool) -> None:
+        self.out_dir = out_dir
+        self.what = (
+            "a different synthetic data set (of another [data.synthetic])"
+            if different
+            else "an incomplete synthetic data set"
+        )
+        super().__init__(f"{out_dir} holds {self.what}; pass overwrite=True to replace it")
 
 
 def _clear(out_dir: Path) -> None:

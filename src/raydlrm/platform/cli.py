@@ -27,7 +27,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-data_app = typer.Typer(help="Data sets: generate synthetic data.", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Data sets: generate synthetic data, inspect a data set.", no_args_is_help=True
+)
 config_app = typer.Typer(
     help="Run configs: show or validate the resolved config.", no_args_is_help=True
 )
@@ -282,14 +284,17 @@ def export(
     if output is None and register is None:
         _fail("give --output DIR and/or --register NAME")
     try:
-        with _checkpoint_dir(checkpoint) as directory:
+        with _checkpoint_dir(checkpoint, model_dir_ok=True) as directory:
             out = export_model(
                 directory, output=output, registered_model_name=register, example_path=data
             )
     except (*_bad_input_errors(), ValueError) as e:
         _fail(str(e))
-    for key, value in out.items():
-        typer.echo(f"{key}: {value}")
+    for key in ("path", "model_uri", "run_id"):
+        if key in out:
+            typer.echo(f"{key}: {out[key]}")
+    if "version" in out:
+        typer.echo(f"registered: {register} version {out['version']}")
 
 
 @app.command()
@@ -355,9 +360,11 @@ def data_generate(
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing data set.")] = False,
 ) -> None:
-    """Generate the synthetic Criteo-shaped data set described by ``[data.synthetic]``."""
+    """Generate the synthetic Criteo-shaped data set the config's data.synthetic section
+    describes."""
     _setup_logging()
     from raydlrm.ingestion import SyntheticConfig, generate_synthetic
+    from raydlrm.ingestion.synthetic import SyntheticDataExistsError
 
     try:
         job = load_config(config, overrides=set_ or [])
@@ -365,7 +372,10 @@ def data_generate(
         _fail(str(e))
     synthetic = job.data.synthetic or SyntheticConfig()
     target = out or Path(job.data.train_path).parent
-    info = generate_synthetic(synthetic, out_dir=target, overwrite=overwrite)
+    try:
+        info = generate_synthetic(synthetic, out_dir=target, overwrite=overwrite)
+    except SyntheticDataExistsError as e:
+        _fail(f"{e.out_dir} holds {e.what}: --overwrite replaces it")
     typer.echo(
         f"wrote {info.num_train_rows} train and {info.num_eval_rows} eval rows to "
         f"{target} (planted-model eval AUC {info.planted_auc:.4f})"
@@ -438,25 +448,51 @@ def config_validate(config: ConfigOption = None, set_: SetOption = None) -> None
 CheckpointArg = Annotated[
     str,
     typer.Argument(
-        help="A checkpoint directory (runs/<run>/checkpoint_...), with trainer_state.json; "
-        "or an s3:// URI (endpoint, region and credentials from the AWS_* environment "
-        "variables)."
+        help="A checkpoint directory (runs/<run>/checkpoint_...), with trainer_state.json; a run "
+        "directory (runs/<run>: its newest intact checkpoint); or an s3:// URI (endpoint, "
+        "region and credentials from the AWS_* environment variables)."
     ),
 ]
 
 
 @contextlib.contextmanager
-def _checkpoint_dir(checkpoint: str) -> Iterator[Path]:
-    """A local directory holding ``checkpoint`` (downloaded first when it is remote); stops
-    with one line when there is none."""
+def _checkpoint_dir(checkpoint: str, *, model_dir_ok: bool = False) -> Iterator[Path]:
+    """A local directory holding ``checkpoint`` (downloaded first when it is remote); for a
+    local run directory (``runs/<run>``), its newest intact checkpoint, said on stderr. Stops
+    with one line when there is none, or ``checkpoint`` is not a checkpoint directory (an
+    exported model directory also passes with ``model_dir_ok``)."""
     from raydlrm.storage import StorageConfig, StorageError, local_directory
+    from raydlrm.trainers.checkpoint import STATE_FILE
+    from raydlrm.trainers.model_dir import SPEC_FILE
 
     with contextlib.ExitStack() as stack:
         try:
             directory = stack.enter_context(local_directory(checkpoint, StorageConfig()))
         except (StorageError, FileNotFoundError) as e:
             _fail(f"checkpoint {e}")
-        yield directory
+        if (directory / STATE_FILE).is_file() or (
+            model_dir_ok and (directory / SPEC_FILE).is_file()
+        ):
+            yield directory
+            return
+        newest = _newest_checkpoint(directory) if directory.is_dir() else None
+        if newest is None:
+            _fail(
+                f"{checkpoint} is not a checkpoint directory (it holds no {STATE_FILE}): give "
+                "runs/<run>/checkpoint_<time>/, or the run directory runs/<run> for its newest "
+                "intact checkpoint"
+            )
+        typer.echo(f"{checkpoint}: using its newest intact checkpoint {newest}", err=True)
+        yield newest
+
+
+def _newest_checkpoint(run: Path) -> Path | None:
+    """The newest intact ``checkpoint_*`` directory of a run directory (by Ray's time-stamped
+    names), or None."""
+    from raydlrm.trainers.checkpoint import verify_checkpoint
+
+    candidates = sorted((p for p in run.glob("checkpoint_*") if p.is_dir()), reverse=True)
+    return next((p for p in candidates if not verify_checkpoint(p, checksums=False)), None)
 
 
 @checkpoint_app.command("show")

@@ -247,7 +247,8 @@ def _format_error(error: pydantic.ValidationError) -> str:
             msg = msg[len("Value error, ") :]  # a __post_init__ check: it names its key
         elif e["type"] == "literal_error":
             msg = f"{msg}, got {e['input']!r}"
-        lines.append(f"{key}: {msg}" if key else msg)
+        # A section's own check names its full dotted key already.
+        lines.append(msg if not key or msg.startswith(f"{key}.") else f"{key}: {msg}")
     return "invalid config: " + "; ".join(lines)
 
 
@@ -299,11 +300,25 @@ def load_config(
         raise ConfigError(f"invalid config: {e}") from None
 
 
+BASE_DIR_ENV = "RAYDLRM_BASE_DIR"
+"""Where a job's relative local paths (data, run storage, the default ``mlflow.db``) resolve;
+default: the working directory. ``ray job submit --working-dir`` runs a job in a temporary copy
+of the directory, which Ray deletes: pass the submitting directory in the runtime env."""
+
+
+def base_dir() -> Path:
+    """The directory relative local paths resolve against (:data:`BASE_DIR_ENV`, else the
+    working directory)."""
+    return Path(os.environ.get(BASE_DIR_ENV) or Path.cwd()).expanduser().resolve()
+
+
 def default_tracking_uri(config: TrackingConfig) -> str:
-    """The MLflow tracking URI, made absolute (the Ray Train controller runs elsewhere)."""
+    """The MLflow tracking URI, made absolute (the Ray Train controller runs elsewhere):
+    ``tracking.tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else ``mlflow.db`` in
+    :func:`base_dir`; a relative SQLite path resolves against :func:`base_dir`."""
     uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+        return f"sqlite:///{base_dir() / 'mlflow.db'}"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return f"sqlite:///{Path(uri[len('sqlite:///') :]).resolve()}"
+        return f"sqlite:///{base_dir() / uri[len('sqlite:///') :]}"
     return uri

@@ -40,6 +40,7 @@ __all__ = [
     "example_rows",
     "export_model",
     "log_model",
+    "register_version",
     "save_model",
     "score_table",
 ]
@@ -231,7 +232,9 @@ def _log(
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pyfunc.log_model(name=MODEL_ARTIFACT, **_pyfunc_kwargs(model_dir, example))
     if registered_model_name:
-        info.registered_model_version = _register(info, registered_model_name, run_id)
+        info.registered_model_version = register_version(
+            info.model_uri, registered_model_name, run_id=run_id
+        )
     logger.debug(
         "logged model %s%s",
         info.model_uri,
@@ -242,19 +245,31 @@ def _log(
     return info
 
 
-def _register(info: mlflow.models.model.ModelInfo, name: str, run_id: str) -> int:
-    """Registers the logged model as a new version of ``name`` (created if new) through the
-    client API (``mlflow.register_model`` prints what it does to stderr); returns the version."""
+def register_version(
+    model_uri: str,
+    name: str,
+    *,
+    run_id: str,
+    tags: dict[str, str] | None = None,
+    client: mlflow.MlflowClient | None = None,
+) -> int:
+    """Registers a logged model (``models:/m-<id>``) as a new version of ``name`` (created if
+    new), with ``tags``, through the client API (``mlflow.register_model`` prints what it does
+    to stderr, on a screen that is otherwise quiet); returns the version."""
     from mlflow.exceptions import MlflowException
 
-    client = mlflow.MlflowClient()
+    client = client or mlflow.MlflowClient()
     try:
         client.create_registered_model(name)
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     version = client.create_model_version(
-        name, source=info.model_uri, run_id=run_id, model_id=info.model_id
+        name,
+        source=model_uri,
+        run_id=run_id,
+        tags=tags,
+        model_id=model_uri.removeprefix("models:/"),
     )
     return int(version.version)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray.train
 from ray.train import CheckpointConfig as RayCheckpointConfig
 from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -41,6 +42,7 @@ from raydlrm.platform.tracking import TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
 from raydlrm.trainers.checkpoint import newest_intact
+from raydlrm.trainers.hooks import PROGRESS_FILE
 from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.model_dir import model_metrics
 from raydlrm.trainers.spec import SourceDescription, WorkerJob
@@ -63,11 +65,19 @@ class TrainResult:
     tracking_uri: str
     """Where the MLflow run lives."""
     model_uri: str
-    """The logged MLflow model (``models:/...``)."""
+    """The logged MLflow model (``models:/m-<model id>``, MLflow's id of the logged model)."""
     registered_model_name: str | None
     registered_model_version: str | None
     plan: ShardingPlan = field(repr=False)
     """The sharding plan the job ran with."""
+
+    @property
+    def registered_model_uri(self) -> str | None:
+        """The registered version (``models:/<name>/<version>``), or None when the model was
+        not registered."""
+        if self.registered_model_name is None or self.registered_model_version is None:
+            return None
+        return f"models:/{self.registered_model_name}/{self.registered_model_version}"
 
 
 class EvaluationError(RuntimeError):
@@ -229,7 +239,7 @@ def _worker_job(
             if job.fault.at_step is not None
             else None
         ),
-        fault_storage=job.run.storage,
+        run_storage=job.run.storage_or(job.data.storage),
         warm_start=warm_start,
         run_directory=join(job.run.storage_path, run_name),
     )
@@ -256,8 +266,15 @@ def _run(
     if job.training.max_steps is not None:
         per_step = job.data.batch_size * job.scaling.num_workers
         total = min(total, job.training.max_steps * per_step)
-    mode = progress_mode(job.run.progress)
-    with TrainingProgress(tracked.client, tracked.run_id, total_samples=total, mode=mode):
+    root, filesystem = run_storage(job)
+    progress_file = (filesystem or pafs.LocalFileSystem(), f"{root}/{run_name}/{PROGRESS_FILE}")
+    with TrainingProgress(
+        tracked.client,
+        tracked.run_id,
+        total_samples=total,
+        mode=progress_mode(job.run.progress),
+        progress_file=progress_file,
+    ):
         result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")

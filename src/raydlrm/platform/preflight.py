@@ -37,7 +37,14 @@ from raydlrm.ingestion import (
     validate_data,
 )
 from raydlrm.ingestion.stats import dense_stats_of
-from raydlrm.platform.config import ConfigError, JobConfig, replaced
+from raydlrm.platform.config import (
+    BASE_DIR_ENV,
+    ConfigError,
+    JobConfig,
+    base_dir,
+    default_tracking_uri,
+    replaced,
+)
 from raydlrm.platform.ray_init import ray_address
 from raydlrm.platform.tracking import check_tracking_of
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
@@ -54,6 +61,7 @@ __all__ = [
     "preflight",
     "prepare_data",
     "resolve_job",
+    "resolve_paths",
     "run_storage",
     "validate_job_data",
     "worker_memory_budget",
@@ -81,10 +89,76 @@ def resolve_job(
                 ),
             ),
         )
+    job = resolve_paths(job)
     if job.data.bad_input == "quarantine" and job.data.quarantine_path is None:
         path = join(job.run.storage_path, run_name, "quarantine")
         job = dataclasses.replace(job, data=dataclasses.replace(job.data, quarantine_path=path))
     return job
+
+
+def _in_ray_working_dir_copy() -> bool:
+    """This process runs in the temporary copy of a working directory that a Ray runtime env
+    uploaded (``ray job submit --working-dir``): Ray deletes it with its session."""
+    return {"runtime_resources", "working_dir_files"} <= set(Path.cwd().parts)
+
+
+def resolve_paths(job: JobConfig) -> JobConfig:
+    """``job`` with its relative local paths resolved against :func:`base_dir`, and the
+    tracking URI made absolute (the Ray Train controller runs elsewhere).
+
+    Raises:
+        ConfigError: a relative path (or the default ``mlflow.db``) in a job that runs in Ray's
+            temporary copy of its working directory without :data:`BASE_DIR_ENV`, naming the key.
+    """
+    keys = {
+        "data.train_path": job.data.train_path,
+        "data.eval_path": job.data.eval_path,
+        "data.quarantine_path": job.data.quarantine_path,
+        "run.storage_path": job.run.storage_path,
+        "run.warm_start": job.run.warm_start,
+    }
+    relative = {
+        k: v for k, v in keys.items() if v and not is_remote(v) and not Path(v).is_absolute()
+    }
+    tracking = _relative_tracking(job)
+    if tracking is not None:
+        relative["tracking.tracking_uri"] = tracking
+    if relative and _in_ray_working_dir_copy() and BASE_DIR_ENV not in os.environ:
+        key, value = next(iter(relative.items()))
+        raise ConfigError(
+            f"{key}: {value!r} is relative, and this job runs in Ray's temporary copy of its "
+            f"working directory ({Path.cwd()}), which Ray deletes: set {BASE_DIR_ENV} in the "
+            "job's runtime env (env_vars) to the directory relative paths mean, or give "
+            "absolute paths (s3:// for a cluster)"
+        )
+    base = base_dir()
+    resolved = {k: str(base / v) for k, v in relative.items() if k != "tracking.tracking_uri"}
+    return dataclasses.replace(
+        job,
+        data=dataclasses.replace(
+            job.data,
+            train_path=resolved.get("data.train_path", job.data.train_path),
+            eval_path=resolved.get("data.eval_path", job.data.eval_path),
+            quarantine_path=resolved.get("data.quarantine_path", job.data.quarantine_path),
+        ),
+        run=dataclasses.replace(
+            job.run,
+            storage_path=resolved.get("run.storage_path", job.run.storage_path),
+            warm_start=resolved.get("run.warm_start", job.run.warm_start),
+        ),
+        tracking=dataclasses.replace(job.tracking, tracking_uri=default_tracking_uri(job.tracking)),
+    )
+
+
+def _relative_tracking(job: JobConfig) -> str | None:
+    """The job's tracking URI when it is a local path relative to the working directory (or
+    the default ``mlflow.db`` there), else None."""
+    uri = job.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return "(default: mlflow.db)"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return uri
+    return None
 
 
 def prepare_data(config: JobConfig) -> None:

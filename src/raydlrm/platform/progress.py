@@ -1,15 +1,21 @@
 """Training progress on the driver: a progress bar in a terminal, plain log lines otherwise.
 
-The workers' reports reach the job's MLflow run through the Train controller (see
-``raydlrm.platform.tracking``); a thread on the driver polls that run for ``samples_seen``,
-``epoch`` and the last training loss while ``trainer.fit()`` blocks. In a terminal (stderr is a
-TTY, or a notebook) it draws a ``rich`` progress bar with the rate and time left; under
-``ray job submit``, a scheduler or a pipe it logs one line every ``line_interval_s`` seconds
-when something moved. ``run.progress`` chooses (``auto``, ``bar``, ``lines``, ``off``).
+While ``trainer.fit()`` blocks, a thread on the driver reads the run's progress file, which the
+workers' rank 0 writes every few seconds (samples, over all workers estimated from rank 0's,
+and epoch: ``raydlrm.trainers.hooks.ProgressBeacon``), and the job's MLflow run, which the
+workers' metrics reports reach through the Train controller (``raydlrm.platform.tracking``:
+the last training loss, the exact sample count). A report is a barrier across the workers and
+comes every ``training.log_every_steps``, maybe minutes apart; the file is a small write by one
+worker, so the progress moves between reports. In a terminal (stderr is a TTY, or a notebook)
+a ``rich`` progress bar shows the rate and time left; under ``ray job submit``, a scheduler or a
+pipe one line every ``line_interval_s`` seconds when something moved, whose samples/s are over
+the wall time since the start (start-up included; the summary's throughput counts training
+steps only). ``run.progress`` chooses (``auto``, ``bar``, ``lines``, ``off``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -17,6 +23,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+import pyarrow.fs as pafs
 from mlflow import MlflowClient
 
 __all__ = ["TrainingProgress", "progress_mode"]
@@ -50,6 +57,7 @@ class TrainingProgress:
         run_id: the job's run.
         total_samples: samples the job will train on (all epochs), or None when unknown.
         mode: ``bar``, ``lines`` or ``off``.
+        progress_file: the run's progress file (its filesystem and path), or None.
         poll_s: seconds between polls.
         line_interval_s: seconds between log lines in ``lines`` mode.
     """
@@ -61,10 +69,12 @@ class TrainingProgress:
         *,
         total_samples: int | None,
         mode: str,
+        progress_file: tuple[pafs.FileSystem, str] | None = None,
         poll_s: float = POLL_S,
         line_interval_s: float = LINE_INTERVAL_S,
     ):
         self.client = client
+        self.progress_file = progress_file
         self.run_id = run_id
         self.total = total_samples
         self.mode = mode
@@ -129,13 +139,28 @@ class TrainingProgress:
             except Exception as exc:  # progress must never break training
                 logger.debug("progress poll failed: %s", exc)
 
+    def _beacon(self) -> dict[str, Any]:
+        """The workers' last progress record (empty before the first)."""
+        if self.progress_file is None:
+            return {}
+        filesystem, path = self.progress_file
+        try:
+            with filesystem.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            return {}
+
     def _poll(self, *, final: bool) -> None:
         try:
             metrics = self.client.get_run(self.run_id).data.metrics
         except Exception:
-            return
-        samples = int(metrics.get("samples_seen", 0))
-        epoch = int(metrics.get("epoch", 0))
+            metrics = {}
+        beacon = self._beacon()
+        estimate = int(beacon.get("samples", 0))
+        if self.total:
+            estimate = min(estimate, self.total)
+        samples = max(int(metrics.get("samples_seen", 0)), estimate)
+        epoch = int(max(metrics.get("epoch", 0), beacon.get("epoch") or 0))
         loss = metrics.get("train/loss")
         status = f"epoch {epoch}" + (f", loss {loss:.4f}" if loss is not None else "")
         if self._bar is not None:
@@ -150,6 +175,9 @@ class TrainingProgress:
         done = f"{samples}/{self.total}" if self.total else str(samples)
         share = f" ({100 * samples / self.total:.1f}%)" if self.total else ""
         rate = samples / elapsed if elapsed > 0 else 0.0
-        line = f"training: {done} samples{share}, {status}, {rate:.0f} samples/s, {elapsed:.0f}s"
+        line = (
+            f"training: {done} samples{share}, {status}, {rate:.0f} samples/s since the start, "
+            f"{elapsed:.0f}s"
+        )
         self.lines.append(line)
         logger.info(line)

@@ -163,9 +163,11 @@ _CONNECT_TIMEOUT_S = 5.0
 
 
 def _check_reachable(address: str, *, source: str) -> None:
-    """Raises :class:`ConfigError` unless a TCP connection to ``address`` (``host:port`` or
-    ``ray://host:port``) opens: ``ray.init`` retries an unreachable GCS for many minutes
-    instead of failing."""
+    """Raises :class:`ConfigError` unless ``address`` (``host:port`` or ``ray://host:port``)
+    answers as a Ray cluster does: a TCP connection opens, and a gRPC channel (HTTP/2, which
+    the GCS and the Ray client server speak) gets ready. ``ray.init`` retries an unreachable
+    GCS for many minutes, and one that is not a GCS (a wrong port, a proxy) for about 20 s of
+    warnings and a traceback, instead of failing."""
     scheme, sep, rest = address.rpartition("://")
     if sep and scheme != "ray":
         return  # another client scheme (e.g. anyscale://): ray.init resolves it
@@ -176,3 +178,15 @@ def _check_reachable(address: str, *, source: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()
     except OSError as e:
         raise ConfigError(f"no Ray cluster reachable at {address} ({source}): {e}") from None
+    import grpc
+
+    channel = grpc.insecure_channel(rest)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=_CONNECT_TIMEOUT_S)
+    except grpc.FutureTimeoutError:
+        raise ConfigError(
+            f"no Ray cluster reachable at {address} ({source}): something answers on that "
+            "port, but not as Ray does (no gRPC; a wrong port or a proxy?)"
+        ) from None
+    finally:
+        channel.close()

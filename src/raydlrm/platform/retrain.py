@@ -44,9 +44,10 @@ from raydlrm.platform.config import (
     default_tracking_uri,
     load_config,
 )
+from raydlrm.platform.export import register_version
 from raydlrm.platform.launch import TrainResult
 from raydlrm.platform.launch import train as run_training
-from raydlrm.platform.preflight import prepare_data
+from raydlrm.platform.preflight import prepare_data, resolve_paths
 from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
 from raydlrm.platform.tracking import check_tracking_of
 from raydlrm.storage import PartitionSelector, StorageError, partition_values
@@ -69,6 +70,7 @@ TAG_REASON = "raydlrm.retrain.reason"
 TAG_CHAMPION = "raydlrm.retrain.previous_champion"
 TAG_CHECKPOINT = "raydlrm.checkpoint"
 CHAMPION, CHALLENGER = "champion", "challenger"
+_METRIC_PREFIX = "retrain/"  # new/auc is logged as retrain/new_auc
 
 
 class RetrainError(RuntimeError):
@@ -195,6 +197,7 @@ def _finish_slot(
         version.version,
         decision,
     )
+    logged = client.get_run(version.run_id).data.metrics
     return RetrainResult(
         slot=version.tags[TAG_SLOT],
         model_name=name,
@@ -203,6 +206,12 @@ def _finish_slot(
         reason=version.tags.get(TAG_REASON, ""),
         skipped=True,
         champion_version=previous,
+        # The held-out metrics the decision was made on, as _record logged them.
+        metrics={
+            key.removeprefix(_METRIC_PREFIX).replace("_", "/", 1): value
+            for key, value in logged.items()
+            if key.startswith(_METRIC_PREFIX)
+        },
         run_id=version.run_id,
     )
 
@@ -252,7 +261,7 @@ def retrain(
         StorageError: the data has no such partition, or not enough partitions.
         RetrainError: the new model failed a guard, or the champion has no checkpoint.
     """
-    job = load_config(config, overrides=overrides)
+    job = resolve_paths(load_config(config, overrides=overrides))
     name = job.tracking.registered_model_name
     if not name:
         raise ConfigError("retrain needs tracking.registered_model_name (the champion's model)")
@@ -391,17 +400,19 @@ def _record(
     run_tags = {TAG_SLOT: slot.value, TAG_DECISION: judged.decision}
     _tag(client, trained.run_id, tags=run_tags, reason=judged.reason)
     for metric, value in judged.metrics.items():
-        client.log_metric(trained.run_id, f"retrain/{metric.replace('/', '_')}", value)
+        client.log_metric(trained.run_id, f"{_METRIC_PREFIX}{metric.replace('/', '_')}", value)
     version_tags = {
         **run_tags,
         TAG_REASON: judged.reason,
         TAG_CHAMPION: "" if champion is None else str(champion.version),
     }
-    registered = mlflow.register_model(trained.model_uri, name, tags=version_tags)
+    version = register_version(
+        trained.model_uri, name, run_id=trained.run_id, tags=version_tags, client=client
+    )
     alias = cfg.champion_alias if judged.decision == CHAMPION else cfg.challenger_alias
-    client.set_registered_model_alias(name, alias, registered.version)
-    logger.info("%s version %s is the %s: %s", name, registered.version, alias, judged.reason)
-    return str(registered.version)
+    client.set_registered_model_alias(name, alias, str(version))
+    logger.info("%s version %s is the %s: %s", name, version, alias, judged.reason)
+    return str(version)
 
 
 def _judge(trained: TrainResult, *, job: JobConfig, champion: Any | None, slot: _Slot) -> Judgement:

@@ -346,7 +346,8 @@ def _score(
     if rows != expected:
         raise RuntimeError(f"scored {rows} rows of {expected} in {data}: output {output}")
     seconds = time.perf_counter() - started
-    logger.info("scored %d rows of %s in %.1fs into %s", rows, data, seconds, output)
+    # (The command line prints the result; an evaluation's output is a directory it deletes.)
+    logger.debug("scored %d rows of %s in %.1fs into %s", rows, data, seconds, output)
     return ScoreResult(rows=rows, output=output, seconds=seconds)
 
 

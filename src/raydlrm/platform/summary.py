@@ -48,8 +48,8 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
             torch_ranks, f", torch kernels on {torch_ranks} of {workers} workers"
         )
     console.print(
-        f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s "
-        f"over {int(m.get('step', 0))} steps{kernel}"
+        f"throughput: {_fmt(m.get('train/samples_per_second'), ',.0f')} samples/s in the "
+        f"{int(m.get('step', 0))} training steps (not start-up, evaluation or reports){kernel}"
     )
     wire = {k: v for k, v in m.items() if k.startswith("comm/")}
     if wire:

@@ -38,6 +38,7 @@ tables of one group, or the plain ones) on its own, since each set runs its own 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Literal
@@ -65,6 +66,8 @@ __all__ = [
     "plan_sharding",
     "table_cost",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 512
 """Global samples per step the planner's costs assume unless told."""
@@ -173,7 +176,32 @@ def plan_sharding(
         search=search,
         memory_budget=memory_budget,
     )
-    return _plan_spilling(request)
+    plan = _plan_spilling(request)
+    _warn_whole_table_caches(plan, config)
+    return plan
+
+
+def _warn_whole_table_caches(plan: ShardingPlan, config: ShardingConfig) -> None:
+    """Warns of ``ssd`` tables whose DRAM row cache holds every row of a shard: such a table
+    takes more memory than in DRAM (the cache plus the mapped file), for nothing."""
+    for table in plan.tables:
+        if table.placement != "ssd":
+            continue
+        rows = min(s.row_end - s.row_start for s in table.shards)
+        cached = cache_rows(
+            rows, load_factor=config.ssd_cache_load_factor, min_rows=config.ssd_cache_min_rows
+        )
+        if cached >= rows:
+            logger.warning(
+                "table %s on ssd: its DRAM row cache holds all %d rows of a shard "
+                "(sharding.ssd_cache_min_rows = %d, ssd_cache_load_factor = %g), so it takes "
+                "more memory than in DRAM; lower sharding.ssd_cache_min_rows, or keep the "
+                "table in DRAM",
+                table.name,
+                rows,
+                config.ssd_cache_min_rows,
+                config.ssd_cache_load_factor,
+            )
 
 
 @dataclasses.dataclass(frozen=True)

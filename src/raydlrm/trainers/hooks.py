@@ -7,17 +7,22 @@ evaluation. Two ship with raydlrm, made from the job's config by :func:`default_
 - :class:`SampleAudit` (``training.sample_log_dir``): the sample ids of every step, one file per
   rank and step (a step redone after a restart overwrites its file);
 - :class:`FaultInjection` (``[fault]``, ``RAYDLRM_FAULT``): kills the process at a chosen rank,
-  step and moment, once per run (a marker object in the run storage records that it fired).
+  step and moment, once per run (a marker object in the run storage records that it fired);
+- :class:`ProgressBeacon`: rank 0 writes the run's progress to ``progress.json`` in its run
+  directory every few seconds, which the driver's progress line reads (a metrics report, a
+  barrier across the workers, comes only every ``training.log_every_steps``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from typing import Literal, Protocol
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
@@ -25,9 +30,21 @@ from raydlrm.batch import Batch
 from raydlrm.storage import StorageConfig, filesystem_for
 from raydlrm.trainers.spec import WorkerSpec
 
-__all__ = ["FaultInjection", "Moment", "SampleAudit", "TrainerHook", "default_hooks"]
+__all__ = [
+    "PROGRESS_FILE",
+    "FaultInjection",
+    "Moment",
+    "ProgressBeacon",
+    "SampleAudit",
+    "TrainerHook",
+    "default_hooks",
+]
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_FILE = "progress.json"
+"""The run's progress, in its run directory: ``step``, ``epoch``, ``samples`` (an estimate over
+all workers: rank 0's times the world size), ``time`` (seconds since the epoch)."""
 
 Moment = Literal["step", "checkpoint", "eval"]
 """``step``: after a training step; ``checkpoint``: a checkpoint's files written, not yet
@@ -41,6 +58,7 @@ class TrainerHook(Protocol):
         moment: when.
         rank: the caller's rank.
         step: the steps trained so far.
+        epoch: the current epoch (``step`` moments), else None.
         batch: the step's batch (``step`` moments), else None.
         loss: the step's mean loss over this rank's batch (0-d, on the device), else None.
     """
@@ -51,6 +69,7 @@ class TrainerHook(Protocol):
         *,
         rank: int,
         step: int,
+        epoch: int | None = None,
         batch: Batch | None = None,
         loss: torch.Tensor | None = None,
     ) -> None: ...
@@ -115,12 +134,79 @@ class FaultInjection:
         os._exit(17)
 
 
+class ProgressBeacon:
+    """Writes the run's progress (:data:`PROGRESS_FILE`) from rank 0 at most every
+    ``every_s`` seconds: a small write, no collective; an error writing it is logged, not
+    raised (progress never stops training).
+
+    Args:
+        directory: the run's directory (local or an object-store path).
+        storage: its object store (None: local or default credentials).
+        world_size: the workers (rank 0's samples times this is the estimate).
+        every_s: the least seconds between writes.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        storage: StorageConfig | None,
+        world_size: int,
+        every_s: float = 5.0,
+    ):
+        self.path, self.storage, self.world_size = (
+            f"{directory.rstrip('/')}/{PROGRESS_FILE}",
+            storage,
+            world_size,
+        )
+        self.every_s = every_s
+        self._samples = 0
+        self._last = -float("inf")
+
+    def __call__(
+        self,
+        moment: Moment,
+        *,
+        rank: int,
+        step: int,
+        epoch: int | None = None,
+        batch: Batch | None = None,
+        **_: object,
+    ) -> None:
+        if moment != "step" or rank != 0 or batch is None:
+            return
+        self._samples += batch.batch_size
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        self._last = now
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "samples": self._samples * self.world_size,
+            "time": time.time(),
+        }
+        try:
+            filesystem, path = filesystem_for(self.path, self.storage)
+            with filesystem.open_output_stream(path) as f:
+                f.write(json.dumps(record).encode())
+        except (OSError, pa.ArrowException) as exc:
+            logger.debug("progress not written to %s: %s", self.path, exc)
+
+
 def default_hooks(
-    spec: WorkerSpec, *, fault_marker: str | None, fault_storage: StorageConfig | None
+    spec: WorkerSpec,
+    *,
+    fault_marker: str | None = None,
+    run_directory: str | None = None,
+    run_storage: StorageConfig | None = None,
+    world_size: int = 1,
 ) -> list[TrainerHook]:
     """The hooks the job's config asks for: the sample audit, the injected fault (which needs
-    the run's marker path)."""
+    the run's marker path), the progress beacon (which needs the run's directory)."""
     hooks: list[TrainerHook] = []
+    if run_directory is not None:
+        hooks.append(ProgressBeacon(run_directory, storage=run_storage, world_size=world_size))
     if spec.training.sample_log_dir is not None:
         hooks.append(SampleAudit(spec.training.sample_log_dir))
     fault = spec.fault
@@ -131,7 +217,7 @@ def default_hooks(
                 step=fault.at_step,
                 during=fault.during,
                 marker=fault_marker,
-                storage=fault_storage or spec.data.storage,
+                storage=run_storage or spec.data.storage,
             )
         )
     return hooks

@@ -123,7 +123,7 @@ class Trainer:
         self.resume_world_size: int | None = None
         self.finished: FinishedRun | None = None  # the loaded checkpoint is the run's final one
         if hooks is None:
-            hooks = default_hooks(spec, fault_marker=None, fault_storage=None)
+            hooks = default_hooks(spec)
         self.hooks = list(hooks)
         self.window = MetricsWindow(
             every=spec.training.log_every_steps, device=self.device, rank=rank
@@ -317,7 +317,14 @@ class Trainer:
         self._pending_samples += batch.batch_size
         seconds = self.clock.step_done()
         for hook in self.hooks:
-            hook("step", rank=self.rank, step=self.step, batch=batch, loss=result.loss)
+            hook(
+                "step",
+                rank=self.rank,
+                step=self.step,
+                epoch=self.epoch,
+                batch=batch,
+                loss=result.loss,
+            )
         self.window.add(
             logits=result.logits, labels=batch.labels, loss=result.loss, seconds=seconds
         )
@@ -417,7 +424,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"the sharding plan is for {job.plan.world_size} workers but the job has "
             f"{ctx.world_size}"
         )
-    hooks = default_hooks(job.spec, fault_marker=job.fault_marker, fault_storage=job.fault_storage)
+    hooks = default_hooks(
+        job.spec,
+        fault_marker=job.fault_marker,
+        run_directory=job.run_directory,
+        run_storage=job.run_storage,
+        world_size=ctx.world_size,
+    )
     trainer = Trainer(
         job.spec,
         plan=job.plan,

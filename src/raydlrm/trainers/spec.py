@@ -97,9 +97,11 @@ class WorkerJob:
         log_level: raydlrm's log level in the workers (see ``raydlrm._logs``).
         library_log_level: the libraries' log level in the workers.
         fault_marker: where an injected fault records that it fired (None: no fault).
-        fault_storage: the object store of ``fault_marker`` (the run storage's).
+        run_storage: the run storage's object store (``[run.storage]``, else
+            ``[data.storage]``): of ``fault_marker`` and the progress file.
         warm_start: another run's checkpoint to start from, or None.
-        run_directory: the run's directory in ``run.storage_path`` (for messages).
+        run_directory: the run's directory in ``run.storage_path`` (the progress file;
+            messages).
     """
 
     spec: WorkerSpec
@@ -109,6 +111,6 @@ class WorkerJob:
     log_level: int
     library_log_level: int
     fault_marker: str | None = None
-    fault_storage: StorageConfig | None = None
+    run_storage: StorageConfig | None = None
     warm_start: ray.train.Checkpoint | None = None
     run_directory: str | None = None
