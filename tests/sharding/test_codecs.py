@@ -139,7 +139,7 @@ def _run(rank: int, world_size: int, sc: dict) -> dict:
         "pooled": pooled,
         "tables": gather_full_tables(ebc, dst=0),
         "bytes": ebc.comm_bytes(),
-        "codec_cols": [c.cols for c in ebc._output.codecs],
+        "codec_cols": [codecs[0].cols for codecs in ebc._output.codecs],  # one batch class
     }
 
 

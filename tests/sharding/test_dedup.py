@@ -1,17 +1,24 @@
 """RecD parity: looking dedup groups up on their unique rows gives the plain path's outputs,
-gradients, updated tables and optimizer state, for every sharding type and world size; the
-unsharded collection too. Plus the group-boundary error and the statistics."""
+gradients, updated tables and optimizer state, for every sharding type and 1-4 ranks, with a
+batch size per rank and per feature (a group's unique rows) and a rank whose unique rows hold
+no ids; the unsharded collection too. Plus one input and one output all-to-all per step, the
+group-boundary error and the statistics."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding import MemoryBudget, ShardingConfig, plan_sharding, shard_model
-from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection
-from raydlrm.sharding.planner import feature_sets, plan_feature_sets
+from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+from raydlrm.sharding._layout import batch_classes
+from raydlrm.sharding.cost import estimate_table_cost
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     TinyModel,
@@ -43,7 +50,7 @@ def _kjt(keys: list[str], rows: int, gen: torch.Generator, *, weighted: bool) ->
 
 def _batch(rank: int, step: int, *, weighted: bool):
     """This rank's batch: plain features of B rows, and each group as U unique rows + inverse
-    (U differs across ranks)."""
+    (B and U differ across ranks; rank 1's first group has no ids at all)."""
     gen = torch.Generator().manual_seed(100 * step + rank)
     batch = 6 + rank
     plain = _kjt(["f2", "f4"], batch, gen, weighted=weighted)
@@ -52,13 +59,47 @@ def _batch(rank: int, step: int, *, weighted: bool):
         unique = 2 + (rank + g) % 3
         inverse = torch.cat([torch.arange(unique), torch.randint(0, unique, (batch - unique,))])
         inverse = inverse[torch.randperm(batch, generator=gen)]
-        groups.append(DedupGroup(_kjt(keys, unique, gen, weighted=weighted), inverse))
+        kjt = _kjt(keys, unique, gen, weighted=weighted)
+        if rank == 1 and g == 0:
+            kjt = KeyedJaggedTensor.from_lengths(
+                keys,
+                kjt.values[:0],
+                torch.zeros_like(kjt.lengths),
+                weights=None if kjt.weights is None else kjt.weights[:0],
+            )
+        groups.append(DedupGroup(kjt, inverse))
     return plain, groups
 
 
-def _run(rank: int, world_size: int, kind: str, *, optimizer: str, weighted: bool) -> dict:
+@contextlib.contextmanager
+def _count_collectives() -> Iterator[Counter]:
+    """Counts the calls of torch.distributed's collectives the collection uses, by name."""
+    calls: Counter = Counter()
+    names = ("all_to_all_single", "all_gather")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _run(
+    rank: int, world_size: int, kind: str, *, optimizer: str, weighted: bool, kernel: str = "auto"
+) -> dict:
     tables = make_tables(mean_pooling=not weighted)
     config = ShardingConfig(
+        kernel=kernel,
         optimizer=optimizer,
         learning_rate=0.1,
         default_type="table_wise" if kind == "mixed" else kind,
@@ -69,8 +110,7 @@ def _run(rank: int, world_size: int, kind: str, *, optimizer: str, weighted: boo
     dedup_model = shard_model(
         TinyModel(tables), plan=plan, config=config, device="cpu", dedup_groups=GROUPS
     )
-    assert isinstance(dedup_model.embedding_bags, DedupShardedEmbeddingBagCollection)
-    out = {"plain": [], "dedup": []}
+    out = {"plain": [], "dedup": [], "collectives": {}}
     for step in range(STEPS):
         plain, groups = _batch(rank, step, weighted=weighted)
         expanded = KeyedJaggedTensor.concat([plain] + [g.expand() for g in groups])
@@ -78,10 +118,12 @@ def _run(rank: int, world_size: int, kind: str, *, optimizer: str, weighted: boo
             ("plain", plain_model, (expanded,)),
             ("dedup", dedup_model, (plain, groups)),
         ):
-            pooled = model.embedding_bags(*args).values
-            loss = model.dense(pooled).pow(2).mean()
-            model.dense.zero_grad()
-            loss.backward()
+            with _count_collectives() as calls:
+                pooled = model.embedding_bags(*args).values
+                loss = model.dense(pooled).pow(2).mean()
+                model.dense.zero_grad()
+                loss.backward()
+            out["collectives"][name] = calls
             dense = getattr(model.dense, "module", model.dense)
             out[name].append(
                 {"pooled": pooled.detach(), "grad": [p.grad.clone() for p in dense.parameters()]}
@@ -97,8 +139,8 @@ def _run(rank: int, world_size: int, kind: str, *, optimizer: str, weighted: boo
     return out
 
 
-def _worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]]) -> list[dict]:
-    return [_run(rank, world_size, k, optimizer=o, weighted=w) for k, o, w in cases]
+def _worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    return [_run(rank, world_size, k, optimizer=o, weighted=w, kernel=n) for k, o, w, n in cases]
 
 
 def _assert_parity(result: dict, rank: int) -> None:
@@ -115,9 +157,9 @@ def _assert_parity(result: dict, rank: int) -> None:
                 torch.testing.assert_close(sd, sp, **TOL)
 
 
-CASES = [(kind, "rowwise_adagrad", False) for kind in TYPES] + [
-    ("mixed", "adagrad", True),
-    ("table_wise", "sgd", True),
+CASES = [(kind, "rowwise_adagrad", False, "auto") for kind in TYPES] + [
+    ("mixed", "adagrad", True, "auto"),
+    ("table_wise", "sgd", True, "auto"),
 ]
 
 
@@ -131,17 +173,30 @@ def test_dedup_matches_the_plain_path(world_size: int) -> None:
                 _assert_parity(result, rank)
             except AssertionError as e:
                 raise AssertionError(f"case {case}, rank {rank}/{world_size}: {e}") from e
-    # Only unique rows crossed the network: fewer output bytes than the plain path.
+    # Only unique rows crossed the network: fewer output bytes than the plain path, in as many
+    # collectives (one input and one output all-to-all per step, whatever the groups).
     plain_bytes, dedup_bytes = results[0][0]["bytes"]
     if world_size > 1:
         assert sum(dedup_bytes["forward"].values()) < sum(plain_bytes["forward"].values())
+        for case, result in zip(CASES, results[0], strict=True):
+            calls = result["collectives"]
+            assert calls["dedup"] == calls["plain"], (case, calls)
+        # table-wise, unweighted: lengths and ids, the batch sizes, forward and backward
+        assert results[0][0]["collectives"]["dedup"] == Counter(all_to_all_single=4, all_gather=1)
 
 
 @pytest.mark.distributed
-def test_dedup_matches_the_plain_path_on_three_ranks() -> None:
-    cases = [("mixed", "rowwise_adagrad", True)]
-    for rank, per_case in enumerate(run_distributed(_worker, world_size=3, args=(cases,))):
-        _assert_parity(per_case[0], rank)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_dedup_matches_the_plain_path_on_more_ranks(world_size: int) -> None:
+    # the torch kernel's permutations too (the cases above run fbgemm's where it is installed)
+    cases = [("mixed", "rowwise_adagrad", True, "torch"), ("row_wise", "adagrad", False, "torch")]
+    results = run_distributed(_worker, world_size=world_size, args=(cases,))
+    for rank, per_case in enumerate(results):
+        for case, result in zip(cases, per_case, strict=True):
+            try:
+                _assert_parity(result, rank)
+            except AssertionError as e:
+                raise AssertionError(f"case {case}, rank {rank}/{world_size}: {e}") from e
 
 
 def test_unsharded_collection_dedup_parity() -> None:
@@ -162,10 +217,11 @@ def test_unsharded_collection_dedup_parity() -> None:
 def test_a_table_across_a_group_boundary_is_an_error() -> None:
     tables = make_tables()  # t0 is looked up by f0 and f1
     with pytest.raises(ValueError, match=r"table 't0'.*not all in the same dedup group"):
-        feature_sets(tables, [["f0"]])
+        batch_classes(tables, [["f0"]])
     with pytest.raises(ValueError, match=r"features \['nope'\]"):
-        feature_sets(tables, [["nope"]])
-    assert [t.name for t in feature_sets(tables, GROUPS)[1]] == ["t0"]
+        batch_classes(tables, [["nope"]])
+    classes = batch_classes(tables, GROUPS)
+    assert classes == {"f0": 1, "f1": 1, "f2": 0, "f3": 2, "f4": 0}
 
 
 def test_dedup_stats_count_rows_and_lookups_saved() -> None:
@@ -189,33 +245,30 @@ def test_dedup_stats_count_rows_and_lookups_saved() -> None:
     assert stats["lookups_saved"] == 7.0
 
 
-def test_each_feature_set_is_balanced_on_its_own() -> None:
-    # One wide plain table costs as much as the four user tables together; each set (with its
-    # own collectives) must still be spread over both ranks.
-    users = [
-        EmbeddingBagConfig(
-            name=f"u{i}", num_embeddings=1000, embedding_dim=16, feature_names=(f"u{i}",)
+def test_the_planner_counts_a_dedup_table_on_its_unique_rows() -> None:
+    user = EmbeddingBagConfig(name="u", num_embeddings=1000, embedding_dim=16, feature_names=("u",))
+    kwargs = {"world_size": 2, "config": ShardingConfig(), "batch_size": 4096}
+    pooling = {"pooling_factors": {"u": 100.0}}
+    plain = plan_sharding([user], **kwargs, **pooling).table("u").cost
+    dedup = plan_sharding([user], **kwargs, **pooling, dedup_ratios={"u": 8.0}).table("u").cost
+
+    def cost(rows: float):
+        return estimate_table_cost(
+            user,
+            sharding_type="table_wise",
+            num_shards=1,
+            world_size=2,
+            batch_size=rows,
+            pooling_factor=100.0,
         )
-        for i in range(4)
-    ]
-    wide = EmbeddingBagConfig(name="w", num_embeddings=1000, embedding_dim=64, feature_names=("w",))
-    tables = [*users, wide]
-    groups = [[f"u{i}" for i in range(4)]]
-    plan = plan_feature_sets(tables, groups, world_size=2, config=ShardingConfig())
-    plan.validate(tables)
-    assert sorted(plan.table(t.name).shards[0].rank for t in users) == [0, 0, 1, 1]
 
-
-def test_feature_sets_together_keep_to_the_memory_budget() -> None:
-    # Each set fits one rank's budget on its own (700 kB of 1 MB); together they do not.
-    tables = [
-        EmbeddingBagConfig(name=n, num_embeddings=35_000, embedding_dim=4, feature_names=(n,))
-        for n in ("u", "w")
-    ]
-    budget = MemoryBudget(1_000_000, "test budget")
-    kwargs = {"world_size": 1, "config": ShardingConfig(), "memory_budget": budget}
-    with pytest.raises(ValueError, match=r"^rank 0 holds 1400000 bytes .* short by 400000 bytes"):
-        plan_feature_sets(tables, [["u"]], **kwargs)
-    unknown = ShardingConfig(weights_precision_per_table={"nope": "fp16"})
-    with pytest.raises(ValueError, match=r"weights_precision_per_table names unknown tables"):
-        plan_feature_sets(tables, [["u"]], world_size=1, config=unknown)
+    assert plain == pytest.approx(cost(4096).seconds)
+    assert dedup == pytest.approx(cost(512).seconds) and dedup < plain / 4
+    full, eighth = cost(4096), cost(512)
+    assert eighth.compute_bytes == pytest.approx(full.compute_bytes / 8)
+    assert eighth.input_comm_bytes == pytest.approx(full.input_comm_bytes / 8)
+    assert eighth.output_comm_bytes == pytest.approx(full.output_comm_bytes / 8)
+    with pytest.raises(ValueError, match=r"dedup_ratios below 1 .*'u': 0.5"):
+        plan_sharding([user], **kwargs, dedup_ratios={"u": 0.5})
+    with pytest.raises(ValueError, match=r"dedup_ratios names unknown tables \['v'\]"):
+        plan_sharding([user], **kwargs, dedup_ratios={"v": 2.0})

@@ -49,7 +49,7 @@ from raydlrm.platform.ray_init import ray_address
 from raydlrm.platform.tracking import check_tracking_of
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.plan import format_bytes
-from raydlrm.sharding.planner import plan_feature_sets
+from raydlrm.sharding.planner import plan_sharding
 from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join
 from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, check_state_matches
@@ -264,10 +264,8 @@ def make_plan(config: JobConfig) -> ShardingPlan:
     constants = load_constants(constants_path) if constants_path.exists() else None
     budget = worker_memory_budget(config)
     try:
-        # With dedup groups each feature set runs its own collectives: balance each set.
-        return plan_feature_sets(
+        return plan_sharding(
             spec.tables(),
-            config.data.dedup_groups,
             world_size=config.scaling.num_workers,
             config=config.sharding,
             batch_size=config.data.batch_size,

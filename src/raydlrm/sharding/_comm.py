@@ -54,13 +54,16 @@ def all_to_all(
     return output
 
 
-def all_gather_ints(value: int, *, device: torch.device, pg: ProcessGroup | None) -> list[int]:
-    """Every rank's ``value``, in rank order."""
+def all_gather_ints(
+    values: list[int], *, device: torch.device, pg: ProcessGroup | None
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank), transposed: ``out[i][r]`` is
+    rank ``r``'s ``values[i]``."""
     _, world_size = rank_and_world_size(pg)
-    local = torch.tensor([value], dtype=torch.int64, device=device)
+    local = torch.tensor(values, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local, group=pg)
-    return torch.cat(gathered).tolist()
+    return torch.stack(gathered, dim=1).tolist()
 
 
 class CommBytes:

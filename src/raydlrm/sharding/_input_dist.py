@@ -1,4 +1,10 @@
-"""Input distribution: sends every id to the shards that look it up.
+"""Input distribution: sends every id to the shards that look it up, in one all-to-all.
+
+The input is one jagged tensor per *batch class* (:mod:`raydlrm.sharding._layout`): the plain
+features with a bag per sample, and each dedup group's features with a bag per unique row, so
+a feature's batch size is that of its class (a variable-batch input, as fbgemm's VBE and
+TorchRec's variable-batch KJT have). They are routed together: one lengths, one ids and one
+weights all-to-all per batch, whatever the number of classes.
 
 An id of feature ``f`` goes to one unit per *column group* of ``f``: a column range of its
 table (one for table-wise and row-wise tables, one per column shard for column-wise ones), or a
@@ -9,17 +15,22 @@ row subtracted (bucketization). All of this is vectorized over the batch:
 Plans without row-split shards skip steps 1-3: every unit reads all its feature's bags, so one
 bag permutation repeats and orders them unit by unit.
 
+The bags are numbered feature after feature, classes in order (class 0's features, then class
+1's, ...; within a class in collection order), feature ``f`` holding its class's batch size of
+bags.
+
 1. repeat each id once per column group of its feature (``fanout``);
 2. find each copy's unit with one ``searchsorted`` over the keys ``group * stride + row_start``
    of all units (``stride`` exceeds every table's size, so groups never overlap);
 3. stable-sort the copies by unit (each unit reads one feature, so the copies of a unit stay
    in bag order), count them per (unit, sample) into bag lengths;
 4. all-to-all lengths, ids and weights: every rank receives its units' bags for every rank's
-   samples, ``(source rank, unit, sample)``, and permutes them to the ``(unit, global sample)``
-   layout TBE reads with a second bag permutation.
+   samples (unique rows for a dedup class), ``(source rank, unit, sample)``, and permutes them
+   to the ``(unit, global sample)`` layout TBE reads with a second bag permutation.
 
-The bag permutations are fbgemm's ``permute_2D_sparse_data`` / ``permute_1D_sparse_data`` with
-``sharding.kernel = "fbgemm"``, else :func:`permute_bags` (PyTorch operators, the same output).
+The bag permutations are fbgemm's ``permute_2D_sparse_data`` (one class) /
+``permute_1D_sparse_data`` with ``sharding.kernel = "fbgemm"``, else :func:`permute_bags`
+(PyTorch operators, the same output).
 """
 
 from __future__ import annotations
@@ -69,16 +80,57 @@ class LocalBags:
     """This rank's units over the global batch, unit-major.
 
     Attributes:
-        lengths: ``(U_local * sum(batch_sizes),)`` bag lengths.
+        lengths: ``(sum over units of the unit's class's global batch,)`` bag lengths.
         values: ids, local to each unit's shard (row offset subtracted).
         weights: per-id weights or None.
-        batch_sizes: samples of every rank.
+        batch_sizes: ``batch_sizes[c][r]``, the bags of batch class ``c`` on rank ``r``.
     """
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
-    batch_sizes: list[int]
+    batch_sizes: list[list[int]]
+
+
+@dataclass
+class _Jagged:
+    """Bags of several features with a batch size per feature (a variable-batch KJT)."""
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None
+
+    @classmethod
+    def concat(cls, kjts: list[KeyedJaggedTensor | None]) -> _Jagged:
+        """The KJTs' bags one after the other (None: no features); unweighted ones get weights
+        of 1 when any KJT is weighted (what an unweighted id counts for)."""
+        present = [k for k in kjts if k is not None]
+        if len(present) == 1:
+            return cls(present[0].lengths, present[0].values, present[0].weights)
+        weights = None
+        weighted = [k.weights for k in present if k.weights is not None]
+        if weighted:
+            weights = torch.cat(
+                [
+                    k.weights
+                    if k.weights is not None
+                    else k.values.new_ones(k.values.shape, dtype=weighted[0].dtype)
+                    for k in present
+                ]
+            )
+        return cls(
+            torch.cat([k.lengths for k in present]), torch.cat([k.values for k in present]), weights
+        )
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return lengths_to_offsets(x)[:-1]
+
+
+def _gather_bags(counts: torch.Tensor, starts: torch.Tensor, *, total: int) -> torch.Tensor:
+    """The bag indices ``starts[i], ..., starts[i] + counts[i] - 1`` for every ``i``, in order."""
+    shift = torch.repeat_interleave(starts - _exclusive_cumsum(counts), counts, output_size=total)
+    return torch.arange(total, device=counts.device) + shift
 
 
 class InputDistributor:
@@ -86,8 +138,8 @@ class InputDistributor:
 
     Args:
         units: every rank's units (from :func:`~raydlrm.sharding._layout.rank_units`).
-        num_features: features of the collection (the KJT given to :meth:`__call__` holds
-            exactly these, in collection order).
+        feature_classes: the batch class of each of the collection's features, in collection
+            order.
         rank: this rank.
         device: where the routing tensors live.
         pg: process group.
@@ -99,7 +151,7 @@ class InputDistributor:
         self,
         units: list[list[LookupUnit]],
         *,
-        num_features: int,
+        feature_classes: list[int],
         rank: int,
         device: torch.device,
         pg: ProcessGroup | None,
@@ -110,12 +162,41 @@ class InputDistributor:
         self._fbgemm = fbgemm
         self._comm_bytes = comm_bytes
         self._num_units = [len(us) for us in units]
+        self._num_classes = max(feature_classes, default=0) + 1
+        # Bag order: by class, then collection order (the module docstring).
+        order = sorted(range(len(feature_classes)), key=lambda f: (feature_classes[f], f))
+        position = {f: p for p, f in enumerate(order)}
         flat = [u for us in units for u in us]
-        index = {id(u): i for i, u in enumerate(flat)}
         self._stride = max(u.table.num_embeddings for u in flat) + 1 if flat else 1
-        fanout, group_base, seg_keys, seg_units = [0] * num_features, [0] * num_features, [], []
+        self._routing_keys(flat, order)
+
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self._position_class = tensor([feature_classes[f] for f in order])
+        self._unit_position = tensor([position[u.feature_index] for u in flat])
+        self._unit_class = tensor([u.batch_class for u in flat])
+        self._unit_row_start = tensor([u.shard.row_start for u in flat])
+        self._unit_rank = tensor([u.shard.rank for u in flat])
+        self._local_class = tensor([u.batch_class for u in units[rank]])
+        # units of each class on each rank: the bags sent to (and received from) a rank
+        self._class_units = [
+            [sum(u.batch_class == c for u in us) for c in range(self._num_classes)] for us in units
+        ]
+        # Without row-split shards every unit reads all the ids of its feature: the send buffer
+        # is the features' bags repeated and reordered unit by unit, one fbgemm permute.
+        self._whole_rows = all(
+            u.shard.row_start == 0 and u.shard.row_end == u.table.num_embeddings for u in flat
+        )
+        self._unit_feature = tensor([position[u.feature_index] for u in flat], torch.int32)
+
+    def _routing_keys(self, flat: list[LookupUnit], order: list[int]) -> None:
+        """The column groups of every feature (in bag order) and the bucketization keys of
+        their units (see the module docstring)."""
+        fanout, group_base, seg_keys, seg_units = [], [], [], []
+        index = {id(u): i for i, u in enumerate(flat)}
         num_groups = 0
-        for f in range(num_features):
+        for f in order:
             feature_units = [u for u in flat if u.feature_index == f]
             if feature_units and feature_units[0].replicated:
                 groups = [[u] for u in feature_units]
@@ -128,70 +209,55 @@ class InputDistributor:
                     )
                     for c in columns
                 ]
-            fanout[f], group_base[f] = len(groups), num_groups
+            fanout.append(len(groups))
+            group_base.append(num_groups)
             for group in groups:
                 for u in group:
                     seg_keys.append(num_groups * self._stride + u.shard.row_start)
                     seg_units.append(index[id(u)])
                 num_groups += 1
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        self._fanout, self._group_base = tensor(fanout), tensor(group_base)
-        self._seg_keys, self._seg_units = tensor(seg_keys), tensor(seg_units)
-        self._unit_row_start = tensor([u.shard.row_start for u in flat])
-        self._unit_rank = tensor([u.shard.rank for u in flat])
-        # Without row-split shards every unit reads all the ids of its feature: the send buffer
-        # is the features' bags repeated and reordered unit by unit, one fbgemm permute.
-        self._whole_rows = all(
-            u.shard.row_start == 0 and u.shard.row_end == u.table.num_embeddings for u in flat
-        )
-        self._unit_feature = torch.tensor(
-            [u.feature_index for u in flat], dtype=torch.int32, device=device
-        )
+        device = self._device
+        self._fanout = torch.tensor(fanout, dtype=torch.int64, device=device)
+        self._group_base = torch.tensor(group_base, dtype=torch.int64, device=device)
+        self._seg_keys = torch.tensor(seg_keys, dtype=torch.int64, device=device)
+        self._seg_units = torch.tensor(seg_units, dtype=torch.int64, device=device)
 
     def _bucketize(
-        self, kjt: KeyedJaggedTensor
+        self, kjt: _Jagged, local_batch: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
-        """Send buffers: lengths ``(U_total * B,)`` rank-major, ids, weights, ids per rank."""
-        if self._whole_rows:
-            if self._fbgemm:
-                lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-                    self._unit_feature,
-                    kjt.lengths.view(len(kjt.keys), kjt.batch_size),
-                    kjt.values,
-                    kjt.weights,
-                    None,
-                )
-            else:
-                batch = kjt.batch_size
-                bags = self._unit_feature.to(torch.int64).unsqueeze(1) * batch + torch.arange(
-                    batch, device=self._device
-                )
-                lengths, values, weights = permute_bags(
-                    bags.reshape(-1), kjt.lengths, kjt.values, kjt.weights
-                )
-                lengths = lengths.view(self._unit_feature.numel(), batch)
-            ids_per_unit = lengths.sum(dim=1)
-            ids_per_rank = torch.zeros(
-                len(self._num_units), dtype=ids_per_unit.dtype, device=self._device
-            ).index_add_(0, self._unit_rank, ids_per_unit)
-            return lengths.reshape(-1), values, weights, ids_per_rank.tolist()
-        device, batch = self._device, kjt.batch_size
-        num_ids = kjt.values.numel()
-        num_bags = kjt.lengths.numel()
-        bag = torch.repeat_interleave(
-            torch.arange(num_bags, device=device), kjt.lengths, output_size=num_ids
+        """Send buffers: lengths (every unit's bags, rank-major), ids, weights, ids per rank.
+
+        Args:
+            kjt: every feature's bags, in bag order (one batch size per class).
+            local_batch: this rank's bags per feature of each class.
+        """
+        device = self._device
+        batch = torch.tensor(local_batch, dtype=torch.int64, device=device)
+        unit_bags = batch[self._unit_class]  # bags of each unit, rank-major
+        total_bags = sum(
+            n * b for us in self._class_units for n, b in zip(us, local_batch, strict=True)
         )
-        feature, sample = bag // batch, bag % batch
+        if self._whole_rows:
+            return self._repeat_bags(kjt, local_batch, unit_bags, total_bags)
+        num_ids = kjt.values.numel()
+        position_bags = batch[self._position_class]
+        bag_start = _exclusive_cumsum(position_bags)
+        bag = torch.repeat_interleave(
+            torch.arange(kjt.lengths.numel(), device=device), kjt.lengths, output_size=num_ids
+        )
+        feature = torch.repeat_interleave(
+            torch.arange(position_bags.numel(), device=device),
+            position_bags,
+            output_size=kjt.lengths.numel(),
+        )[bag]
+        sample = bag - bag_start[feature]
         fanout = self._fanout[feature]
         num_copies = int(fanout.sum())
         source = torch.repeat_interleave(
             torch.arange(num_ids, device=device), fanout, output_size=num_copies
         )
         first_copy = torch.repeat_interleave(
-            lengths_to_offsets(fanout)[:-1], fanout, output_size=num_copies
+            _exclusive_cumsum(fanout), fanout, output_size=num_copies
         )
         group = self._group_base[feature[source]] + (
             torch.arange(num_copies, device=device) - first_copy
@@ -202,44 +268,91 @@ class InputDistributor:
         values = ids[order] - self._unit_row_start[unit]
         source = source[order]
         weights = None if kjt.weights is None else kjt.weights[source]
-        total_bags = sum(self._num_units) * batch
-        lengths = torch.bincount(unit * batch + sample[source], minlength=total_bags)
+        lengths = torch.bincount(
+            _exclusive_cumsum(unit_bags)[unit] + sample[source], minlength=total_bags
+        )
         ids_per_rank = torch.bincount(self._unit_rank[unit], minlength=len(self._num_units))
         return lengths, values, weights, ids_per_rank.tolist()
 
-    def _bag_permutation(self, batch_sizes: list[int]) -> torch.Tensor:
-        """Bag index mapping ``(unit, global sample)`` order to the received
-        ``(source rank, unit, sample)`` order, int32, shape ``(U_local * sum(B),)``."""
-        device = self._device
-        num_units = self._num_units[self._rank]
-        sizes = torch.tensor(batch_sizes, dtype=torch.int64, device=device)
-        total = int(sum(batch_sizes))
-        starts = lengths_to_offsets(sizes)[:-1]
-        source = torch.repeat_interleave(
-            torch.arange(len(batch_sizes), device=device), sizes, output_size=total
+    def _repeat_bags(
+        self, kjt: _Jagged, local_batch: list[int], unit_bags: torch.Tensor, total_bags: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+        """:meth:`_bucketize` when every unit reads all its feature's ids."""
+        if self._num_classes == 1:  # one batch size: a 2-D permutation of (feature, sample)
+            rows = local_batch[0]
+            if self._fbgemm:
+                lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                    self._unit_feature,
+                    kjt.lengths.view(len(self._fanout), rows),
+                    kjt.values,
+                    kjt.weights,
+                    None,
+                )
+            else:
+                bags = self._unit_feature.to(torch.int64).unsqueeze(1) * rows
+                bags = bags + torch.arange(rows, device=self._device)
+                lengths, values, weights = permute_bags(
+                    bags.reshape(-1), kjt.lengths, kjt.values, kjt.weights
+                )
+            lengths = lengths.reshape(-1)
+        else:
+            position_bags = unit_bags.new_tensor(local_batch)[self._position_class]
+            bags = _gather_bags(
+                unit_bags, _exclusive_cumsum(position_bags)[self._unit_position], total=total_bags
+            )
+            if self._fbgemm:
+                lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+                    bags.int(), kjt.lengths, kjt.values, kjt.weights, None
+                )
+            else:
+                lengths, values, weights = permute_bags(bags, kjt.lengths, kjt.values, kjt.weights)
+        rank_of_bag = torch.repeat_interleave(
+            self._unit_rank, unit_bags, output_size=lengths.numel()
         )
-        sample = torch.arange(total, device=device) - starts[source]
-        base = num_units * starts[source] + sample
-        unit = torch.arange(num_units, device=device).unsqueeze(1)
-        return (base.unsqueeze(0) + unit * sizes[source].unsqueeze(0)).reshape(-1).int()
+        ids_per_rank = torch.zeros(
+            len(self._num_units), dtype=lengths.dtype, device=self._device
+        ).index_add_(0, rank_of_bag, lengths)
+        return lengths, values, weights, ids_per_rank.tolist()
 
-    def __call__(self, kjt: KeyedJaggedTensor, *, pg: ProcessGroup | None = None) -> LocalBags:
+    def _bag_permutation(self, batch_sizes: list[list[int]], total: int) -> torch.Tensor:
+        """Bag index mapping ``(unit, global sample)`` order to the received
+        ``(source rank, unit, sample)`` order (``total`` bags), int64."""
+        sizes = torch.tensor(batch_sizes, dtype=torch.int64, device=self._device)
+        counts = sizes[self._local_class]  # (local units, source ranks)
+        received_start = _exclusive_cumsum(counts.t().reshape(-1)).view(counts.t().shape).t()
+        counts = counts.reshape(-1)
+        return _gather_bags(counts, received_start.reshape(-1), total=total)
+
+    def __call__(
+        self,
+        kjts: list[KeyedJaggedTensor | None],
+        local_batch: list[int],
+        *,
+        pg: ProcessGroup | None = None,
+    ) -> LocalBags:
         """Sends this rank's samples' ids to their units; returns this rank's units' bags.
 
         Args:
-            kjt: shape ``(F, B, L[f][b])``, the collection's features in collection order,
-                ids already checked against their tables.
+            kjts: one per batch class, holding exactly that class's features in collection
+                order (a bag per sample, or per unique row of a dedup class), ids already
+                checked against their tables; None for a class without features.
+            local_batch: this rank's bags per feature of each class.
             pg: the process group to exchange them on (default: the collection's; a
                 pipeline's background thread passes its own).
         """
-        lengths, values, weights, send_ids = self._bucketize(kjt)
+        lengths, values, weights, send_ids = self._bucketize(_Jagged.concat(kjts), local_batch)
         world_size = len(self._num_units)
         if world_size == 1:
-            return LocalBags(lengths, values, weights, [kjt.batch_size])
-        pg, local_units = pg or self._pg, self._num_units[self._rank]
-        batch_sizes = all_gather_ints(kjt.batch_size, device=self._device, pg=pg)
-        recv_bags = [local_units * b for b in batch_sizes]
-        send_bags = [n * kjt.batch_size for n in self._num_units]
+            return LocalBags(lengths, values, weights, [[b] for b in local_batch])
+        pg = pg or self._pg
+        batch_sizes = all_gather_ints(local_batch, device=self._device, pg=pg)
+        local = self._class_units[self._rank]
+        recv_bags = [
+            sum(n * batch_sizes[c][s] for c, n in enumerate(local)) for s in range(world_size)
+        ]
+        send_bags = [
+            sum(n * b for n, b in zip(us, local_batch, strict=True)) for us in self._class_units
+        ]
         sent_ids = sum(send_ids) - send_ids[self._rank]
         self._comm_bytes.add(
             "input", "lengths", (sum(send_bags) - send_bags[self._rank]) * lengths.element_size()
@@ -252,16 +365,13 @@ class InputDistributor:
         values = all_to_all(values, input_splits=send_ids, output_splits=recv_ids, pg=pg)
         if weights is not None:
             weights = all_to_all(weights, input_splits=send_ids, output_splits=recv_ids, pg=pg)
+        permutation = self._bag_permutation(batch_sizes, sum(recv_bags))
         if self._fbgemm:
             lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                self._bag_permutation(batch_sizes), lengths, values, weights, values.numel()
+                permutation.int(), lengths, values, weights, values.numel()
             )
         else:
             lengths, values, weights = permute_bags(
-                self._bag_permutation(batch_sizes).to(torch.int64),
-                lengths,
-                values,
-                weights,
-                num_values=values.numel(),
+                permutation, lengths, values, weights, num_values=values.numel()
             )
         return LocalBags(lengths, values, weights, batch_sizes)

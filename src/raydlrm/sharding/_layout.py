@@ -6,15 +6,20 @@ shard, a row-wise table one per feature and row shard, a data-parallel table one
 rank. Every rank derives the same layout from the plan, so senders and receivers agree on the
 order of what they exchange without talking.
 
-On each rank, units are ordered by (replicated, kernel pooling mode, weights precision,
-placement, table, feature): the sharded units come first (their pooled output goes through the
-output all-to-all) and the data-parallel ones last (their output stays local), and units looked
-up by the same fbgemm TBE (one pooling mode, weights precision and placement) are contiguous.
+Every feature has a *batch class*: 0 for the plain features, looked up for each of the batch's
+``B`` samples, and ``g + 1`` for the features of dedup group ``g`` (RecD), looked up for each of
+the group's ``U_g`` unique rows (:func:`batch_classes`). A table belongs to one class.
+
+On each rank, units are ordered by (batch class, replicated, kernel pooling mode, weights
+precision, placement, table, feature): within a class the sharded units come first (their pooled
+output goes through the output all-to-all) and the data-parallel ones last (their output stays
+local), and units looked up by the same fbgemm TBE (one batch class, pooling mode, weights
+precision and placement, so one batch size) are contiguous.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal
@@ -22,7 +27,7 @@ from typing import Literal
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
 
-__all__ = ["LookupUnit", "TbeGroup", "rank_units", "tbe_groups"]
+__all__ = ["LookupUnit", "TbeGroup", "batch_classes", "rank_units", "tbe_groups"]
 
 ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
 
@@ -40,6 +45,7 @@ class LookupUnit:
         sharding_type: the table's sharding type.
         precision: the table's weights precision (``fp32`` or ``fp16``).
         placement: where the table's weights live (``dram`` or ``ssd``).
+        batch_class: 0 for a plain feature, ``g + 1`` for a feature of dedup group ``g``.
     """
 
     feature: str
@@ -50,6 +56,7 @@ class LookupUnit:
     sharding_type: str
     precision: str = "fp32"
     placement: str = "dram"
+    batch_class: int = 0
 
     @property
     def replicated(self) -> bool:
@@ -82,6 +89,7 @@ class TbeGroup:
         feature_table_map: TBE table of each unit.
         precision: the weights precision of the TBE's tables.
         placement: where the TBE's weights live (``dram`` or ``ssd``).
+        batch_class: the batch class of its units (one batch size per TBE).
         num_units: units (TBE features) of the group.
     """
 
@@ -90,19 +98,49 @@ class TbeGroup:
     feature_table_map: list[int]
     precision: str = "fp32"
     placement: str = "dram"
+    batch_class: int = 0
 
     @property
     def num_units(self) -> int:
         return len(self.feature_table_map)
 
 
+def batch_classes(
+    tables: Sequence[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
+) -> dict[str, int]:
+    """Feature name -> batch class (0 plain, ``g + 1`` in dedup group ``g``), every feature of
+    ``tables``.
+
+    Raises:
+        ValueError: naming a table whose features are not all in one class, or group features
+            no table looks up.
+    """
+    group_of = {f: g + 1 for g, features in enumerate(dedup_groups) for f in features}
+    unknown = sorted(set(group_of) - {f for t in tables for f in t.feature_names})
+    if unknown:
+        raise ValueError(f"dedup groups name features {unknown} that no table looks up")
+    classes = {}
+    for table in tables:
+        ids = {group_of.get(f, 0) for f in table.feature_names}
+        if len(ids) > 1:
+            raise ValueError(
+                f"table {table.name!r} is looked up by features {list(table.feature_names)} that "
+                "are not all in the same dedup group"
+            )
+        classes.update((f, group_of.get(f, 0)) for f in table.feature_names)
+    return classes
+
+
 def rank_units(
     tables: list[EmbeddingBagConfig],
     plan: ShardingPlan,
     precision_of: Callable[[str], str] = lambda _: "fp32",
+    class_of: dict[str, int] | None = None,
 ) -> list[list[LookupUnit]]:
     """The units of every rank, in that rank's lookup order (see the module docstring);
-    ``precision_of`` gives each table's weights precision."""
+    ``precision_of`` gives each table's weights precision, ``class_of`` each feature's batch
+    class (default: all plain)."""
+    class_of = class_of or {}
     units: list[list[LookupUnit]] = [[] for _ in range(plan.world_size)]
     feature_index = 0
     for table_index, table in enumerate(tables):
@@ -119,6 +157,7 @@ def rank_units(
                         sharding_type=table_plan.sharding_type,
                         precision=precision_of(table.name),
                         placement=table_plan.placement,
+                        batch_class=class_of.get(feature, 0),
                     )
                 )
             feature_index += 1
@@ -126,6 +165,7 @@ def rank_units(
         sorted(
             us,
             key=lambda u: (
+                u.batch_class,
                 u.replicated,
                 u.kernel_pooling != "sum",
                 u.precision,
@@ -139,11 +179,14 @@ def rank_units(
 
 
 def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
-    """Splits one rank's units into TBEs: one per (replicated, kernel pooling, precision,
-    placement) run."""
+    """Splits one rank's units into TBEs: one per (batch class, replicated, kernel pooling,
+    precision, placement) run."""
     groups = []
-    runs = groupby(units, key=lambda u: (u.replicated, u.kernel_pooling, u.precision, u.placement))
-    for (_, pooling, precision, placement), run in runs:
+    runs = groupby(
+        units,
+        key=lambda u: (u.batch_class, u.replicated, u.kernel_pooling, u.precision, u.placement),
+    )
+    for (batch_class, _, pooling, precision, placement), run in runs:
         run = list(run)
         names = list(dict.fromkeys(u.table.name for u in run))
         shards = {u.table.name: (u.table, u.shard) for u in run}
@@ -154,6 +197,7 @@ def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
                 feature_table_map=[names.index(u.table.name) for u in run],
                 precision=precision,
                 placement=placement,
+                batch_class=batch_class,
             )
         )
     return groups

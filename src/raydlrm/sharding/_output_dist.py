@@ -1,14 +1,21 @@
 """Output distribution: pooled embeddings to the ranks that own the samples, in feature order.
 
 Rank ``r`` looked up its units for the global batch (the concatenation of every rank's samples,
-in rank order). Its *sharded* units' pooled vectors go through one all-to-all: rank ``r`` sends
-each rank ``t`` the rows of ``t``'s samples and receives, from every rank ``s``, ``s``'s
-columns for its own samples. Its *data-parallel* (replicated) units' vectors stay local: ``r``
-keeps the rows of its own samples. The output is then assembled in the collection's feature
+in rank order): one pooled block per batch class (:mod:`raydlrm.sharding._layout`), with a row
+per sample, or per unique row for a dedup group's class. Its *sharded* units' pooled vectors go
+through one all-to-all, whatever the number of classes: rank ``r`` sends each rank ``t`` its
+rows of ``t``'s samples (class after class) and receives, from every rank ``s``, ``s``'s columns
+for its own samples. Its *data-parallel* (replicated) units' vectors stay local: ``r`` keeps the
+rows of its own samples. The output of each class is then assembled in the class's feature
 order by copying column *runs* (:class:`ColumnRun`): contiguous columns of one received block
 that land on contiguous output columns. Row-split shards' partial sums land on the same output
 columns; the first run to reach a column copies, the later ones add (a reduce-scatter done as an
 all-to-all plus a sum).
+
+A dedup group's class comes out with its ``U_g`` unique rows; the caller expands them to the
+batch with the group's inverse index. Expanding after the exchange rather than on the owning
+rank before it moves ``U_g`` rows instead of ``B``, and no inverse index has to travel: it
+always moves fewer bytes, so it is the only way taken.
 
 The backward pass runs the same in reverse: the output gradient's runs are written, divided by
 the world size, straight into the send buffer of the reverse all-to-all; the received buffer is
@@ -20,9 +27,10 @@ Gradient division: each rank's loss is the mean over its own samples, so the gra
 ranks are averaged, not summed (as DDP does for dense parameters). The embedding update then
 equals that of one process training on the global batch.
 
-With fp32 codecs (no compression) the pooled output is sent without a copy and each direction
-touches the data once after (forward) or before (backward) the exchange. Compressed codecs
-encode each rank's block into bytes (:class:`~raydlrm.sharding.codecs.ColumnBlockCodec`).
+With fp32 codecs (no compression) and one class the pooled output is sent without a copy and
+each direction touches the data once after (forward) or before (backward) the exchange (several
+classes add one copy into the send buffer). Compressed codecs encode each rank's block into
+bytes (:class:`~raydlrm.sharding.codecs.ColumnBlockCodec`).
 """
 
 from __future__ import annotations
@@ -88,156 +96,215 @@ def column_runs(targets: list[list[int]]) -> list[ColumnRun]:
     return runs
 
 
+Blocks = list[list[torch.Tensor]]
+"""``blocks[r][c]``: a block of batch class ``c`` to or from rank ``r``."""
+
+
 @dataclass
 class OutputDist:
     """The static part of the output distribution of one rank (see the module docstring).
 
     Attributes:
-        runs: column runs of the received blocks (and the replicated block) into the output.
-        num_columns: output columns (sum of the features' dims).
-        codecs: the codec of the sharded columns of every rank; it encodes that rank's blocks,
-            forward and backward.
+        runs: per batch class, the column runs of the received blocks (and the replicated
+            block) into the class's output.
+        num_columns: per batch class, its output columns (the sum of its features' dims).
+        codecs: ``codecs[r][c]``, the codec of rank ``r``'s sharded columns of class ``c``; it
+            encodes that rank's blocks, forward and backward.
         pg: process group.
         comm_bytes: counts the bytes sent.
     """
 
-    runs: list[ColumnRun]
-    num_columns: int
-    codecs: list[ColumnBlockCodec]
+    runs: list[list[ColumnRun]]
+    num_columns: list[int]
+    codecs: list[list[ColumnBlockCodec]]
     pg: ProcessGroup | None
     comm_bytes: CommBytes
 
-    def __call__(self, pooled: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
-        """This rank's samples' pooled embeddings in feature order.
+    def __call__(
+        self, pooled: list[torch.Tensor], batch_sizes: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """This rank's rows of every batch class, in the class's feature order.
 
         Args:
-            pooled: ``(sum(batch_sizes), D_r + D_rep)``, this rank's units over the global
-                batch: the sharded ones' ``D_r = codecs[rank].cols`` columns, then the
-                replicated ones'.
-            batch_sizes: samples of each rank.
+            pooled: per class ``c``, ``(sum(batch_sizes[c]), D_rc + D_rep)``: this rank's
+                units of the class over the global batch, the sharded ones' ``D_rc =
+                codecs[rank][c].cols`` columns, then the replicated ones'.
+            batch_sizes: ``batch_sizes[c][r]``, the rows of class ``c`` on rank ``r``.
 
         Returns:
-            ``(batch_sizes[rank], num_columns)``.
+            Per class ``(batch_sizes[c][rank], num_columns[c])``.
         """
-        return _OutputDistFn.apply(pooled, batch_sizes, self)
+        return list(_OutputDistFn.apply(batch_sizes, self, *pooled))
 
     @property
     def exchanges(self) -> bool:
         """Whether any rank has sharded columns (else there is no all-to-all)."""
-        return any(c.cols for c in self.codecs)
+        return any(c.cols for codecs in self.codecs for c in codecs)
 
     def _exchange(
         self,
-        flat: torch.Tensor,
-        blocks: list[torch.Tensor],
+        blocks: Blocks,
         *,
-        send_codecs: list[ColumnBlockCodec],
-        recv_codecs: list[ColumnBlockCodec],
-        recv_rows: list[int],
+        flat: torch.Tensor,
+        send_codecs: list[list[ColumnBlockCodec]],
+        recv_codecs: list[list[ColumnBlockCodec]],
+        recv_rows: list[list[int]],
         direction: str,
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Sends ``blocks[r]`` encoded by ``send_codecs[r]`` to rank ``r``.
+    ) -> tuple[Blocks, torch.Tensor | None]:
+        """Sends ``blocks[r][c]`` encoded by ``send_codecs[r][c]`` to rank ``r``.
 
         Args:
-            flat: the blocks concatenated, 1-D and contiguous (sent as it is when every send
-                codec is fp32).
-            blocks: ``(rows, send_codecs[r].cols)`` views of ``flat``.
+            blocks: ``(rows, send_codecs[r][c].cols)`` blocks, views of ``flat``.
+            flat: the blocks concatenated in ``(r, c)`` order, 1-D and contiguous (sent as it
+                is when every send codec is fp32).
+            recv_rows: ``recv_rows[s][c]``, the rows of class ``c`` received from rank ``s``.
 
         Returns:
-            The ``recv_rows[s]``-row block from each rank ``s``, and, when every received
-            block is fp32, the 1-D buffer holding them all (the blocks are views of it).
+            The blocks received, ``[s][c]``, and, when every received block is fp32, the 1-D
+            buffer holding them all (the blocks are views of it).
         """
-        dtype, (rank, _) = flat.dtype, rank_and_world_size(self.pg)
-        for r, (codec, block) in enumerate(zip(send_codecs, blocks, strict=True)):
-            if r != rank:
-                for name, num_bytes in codec.bytes_by_codec(block.shape[0]).items():
-                    self.comm_bytes.add(direction, name, num_bytes)
-        if all(_lossless(c, dtype) for c in send_codecs):
-            payload = flat.view(torch.uint8)
-            input_splits = [b.numel() * b.element_size() for b in blocks]
-        else:
-            parts = [c.encode(b) for c, b in zip(send_codecs, blocks, strict=True)]
-            payload = torch.cat(parts)
-            input_splits = [p.numel() for p in parts]
-        recv_bytes = [c.payload_bytes(n) for c, n in zip(recv_codecs, recv_rows, strict=True)]
+        payload, input_splits = self._payload(blocks, flat=flat, codecs=send_codecs)
+        rank, _ = rank_and_world_size(self.pg)
+        for r, (codecs, row_blocks) in enumerate(zip(send_codecs, blocks, strict=True)):
+            for codec, block in zip(codecs, row_blocks, strict=True):
+                if r != rank:
+                    for name, num_bytes in codec.bytes_by_codec(block.shape[0]).items():
+                        self.comm_bytes.add(direction, name, num_bytes)
+        recv_bytes = [
+            [c.payload_bytes(n) for c, n in zip(cs, ns, strict=True)]
+            for cs, ns in zip(recv_codecs, recv_rows, strict=True)
+        ]
         received = all_to_all(
-            payload, input_splits=input_splits, output_splits=recv_bytes, pg=self.pg
+            payload,
+            input_splits=input_splits,
+            output_splits=[sum(bs) for bs in recv_bytes],
+            pg=self.pg,
         )
-        if all(_lossless(c, dtype) for c in recv_codecs):
+        if all(_lossless(c, flat.dtype) for cs in recv_codecs for c in cs):
             values = received.view(torch.float32)
-            chunks = values.split([b // values.element_size() for b in recv_bytes])
-            return [
-                chunk.view(n, c.cols)
-                for chunk, n, c in zip(chunks, recv_rows, recv_codecs, strict=True)
-            ], values
-        chunks = received.split(recv_bytes)
+            shapes = [
+                [(n, c.cols) for c, n in zip(cs, ns, strict=True)]
+                for cs, ns in zip(recv_codecs, recv_rows, strict=True)
+            ]
+            chunks = iter(values.split([n * cols for ss in shapes for n, cols in ss]))
+            return [[next(chunks).view(n, cols) for n, cols in ss] for ss in shapes], values
+        chunks = iter(received.split([b for bs in recv_bytes for b in bs]))
         return [
-            codec.decode(chunk, rows=n, dtype=dtype)
-            for codec, chunk, n in zip(recv_codecs, chunks, recv_rows, strict=True)
+            [c.decode(next(chunks), rows=n, dtype=flat.dtype) for c, n in zip(cs, ns, strict=True)]
+            for cs, ns in zip(recv_codecs, recv_rows, strict=True)
         ], None
 
-    def forward_blocks(self, sharded: torch.Tensor, batch_sizes: list[int]) -> list[torch.Tensor]:
-        """Every rank's sharded columns for this rank's samples, one block per rank."""
+    @staticmethod
+    def _payload(
+        blocks: Blocks, *, flat: torch.Tensor, codecs: list[list[ColumnBlockCodec]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The bytes to send (``flat`` itself when every codec is fp32) and their splits."""
+        if all(_lossless(c, flat.dtype) for cs in codecs for c in cs):
+            splits = [sum(b.numel() * b.element_size() for b in bs) for bs in blocks]
+            return flat.view(torch.uint8), splits
+        parts = [
+            [c.encode(b) for c, b in zip(cs, bs, strict=True)]
+            for cs, bs in zip(codecs, blocks, strict=True)
+        ]
+        return torch.cat([p for ps in parts for p in ps]), [
+            sum(p.numel() for p in ps) for ps in parts
+        ]
+
+    def forward_blocks(self, sharded: list[torch.Tensor], batch_sizes: list[list[int]]) -> Blocks:
+        """Every rank's sharded columns of each class for this rank's rows, ``[rank][class]``."""
         rank, world_size = rank_and_world_size(self.pg)
         if world_size == 1:
             return [sharded]
-        rows = batch_sizes[rank]
+        rows = [sizes[rank] for sizes in batch_sizes]
         if not self.exchanges:
-            return [sharded.new_empty(rows, 0) for _ in range(world_size)]
-        sharded = sharded.contiguous()
-        blocks, _ = self._exchange(
-            sharded.view(-1),
-            list(sharded.split(batch_sizes, dim=0)),
+            return [[x.new_empty(n, 0) for x, n in zip(sharded, rows, strict=True)]] * world_size
+        if len(sharded) == 1:  # one class: the rows of each rank are contiguous, no copy
+            flat = sharded[0].contiguous()
+            blocks = [[b] for b in flat.split(batch_sizes[0], dim=0)]
+            flat = flat.view(-1)
+        else:
+            splits = [x.split(sizes, dim=0) for x, sizes in zip(sharded, batch_sizes, strict=True)]
+            blocks = [[split[t] for split in splits] for t in range(world_size)]
+            flat = torch.cat([b.reshape(-1) for bs in blocks for b in bs])
+        received, _ = self._exchange(
+            blocks,
+            flat=flat,
             send_codecs=[self.codecs[rank]] * world_size,
             recv_codecs=self.codecs,
             recv_rows=[rows] * world_size,
             direction="forward",
         )
-        return blocks
+        return received
 
     def backward_pooled(
-        self, flat: torch.Tensor, blocks: list[torch.Tensor], batch_sizes: list[int]
-    ) -> torch.Tensor:
-        """The gradient of this rank's sharded lookups, ``(sum(batch_sizes), D_r)``.
+        self, flat: torch.Tensor, blocks: Blocks, batch_sizes: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """The gradient of this rank's sharded lookups of each class, ``(sum(batch_sizes[c]),
+        D_rc)``.
 
         Args:
-            flat: 1-D buffer of the gradient blocks.
-            blocks: ``blocks[s]``, a view of ``flat``: the gradient of ``s``'s columns for this
-                rank's samples.
+            flat: 1-D buffer of the gradient blocks, in ``(rank, class)`` order.
+            blocks: ``blocks[s][c]``, a view of ``flat``: the gradient of ``s``'s columns of
+                class ``c`` for this rank's rows.
         """
         rank, world_size = rank_and_world_size(self.pg)
         if world_size == 1:
             return blocks[0]
-        cols = self.codecs[rank].cols
+        cols = [c.cols for c in self.codecs[rank]]
         if not self.exchanges:
-            return flat.new_zeros(sum(batch_sizes), cols)
+            return [
+                flat.new_zeros(sum(sizes), n) for sizes, n in zip(batch_sizes, cols, strict=True)
+            ]
         received, values = self._exchange(
-            flat,
             blocks,
+            flat=flat,
             send_codecs=self.codecs,
             recv_codecs=[self.codecs[rank]] * world_size,
-            recv_rows=batch_sizes,
+            recv_rows=[[sizes[t] for sizes in batch_sizes] for t in range(world_size)],
             direction="backward",
         )
-        if values is not None:
-            return values.view(sum(batch_sizes), cols)
-        return torch.cat(received, dim=0)
+        if values is not None and len(cols) == 1:
+            return [values.view(sum(batch_sizes[0]), cols[0])]
+        return [torch.cat([r[c] for r in received], dim=0) for c in range(len(cols))]
 
-    def gather_replicated(self, grad: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
-        """All-gathers the replicated columns' gradient rows of every rank (rank order)."""
+    def gather_replicated(
+        self, grads: list[torch.Tensor], batch_sizes: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """All-gathers the replicated columns' gradient rows of every rank (rank order), per
+        class, in one exchange."""
         _, world_size = rank_and_world_size(self.pg)
         if world_size == 1:
-            return grad
-        dim = grad.shape[1]
-        payload = grad.reshape(-1)
+            return grads
+        dims = [g.shape[1] for g in grads]
+        payload = (
+            torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+        )
         self.comm_bytes.add("backward", "fp32", payload.nbytes * (world_size - 1))
         gathered = all_to_all(
             payload.repeat(world_size),
             input_splits=[payload.numel()] * world_size,
-            output_splits=[b * dim for b in batch_sizes],
+            output_splits=[
+                sum(sizes[s] * d for sizes, d in zip(batch_sizes, dims, strict=True))
+                for s in range(world_size)
+            ],
             pg=self.pg,
         )
-        return gathered.view(-1, dim)
+        if len(grads) == 1:
+            return [gathered.view(-1, dims[0])]
+        chunks = iter(
+            gathered.split(
+                [
+                    sizes[s] * d
+                    for s in range(world_size)
+                    for sizes, d in zip(batch_sizes, dims, strict=True)
+                ]
+            )
+        )
+        per_rank = [
+            [next(chunks).view(sizes[s], d) for sizes, d in zip(batch_sizes, dims, strict=True)]
+            for s in range(world_size)
+        ]
+        return [torch.cat([r[c] for r in per_rank], dim=0) for c in range(len(dims))]
 
 
 def _lossless(codec: ColumnBlockCodec, dtype: torch.dtype) -> bool:
@@ -248,46 +315,64 @@ def _lossless(codec: ColumnBlockCodec, dtype: torch.dtype) -> bool:
 class _OutputDistFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, pooled: torch.Tensor, batch_sizes: list[int], dist: OutputDist
-    ) -> torch.Tensor:
-        rank, _ = rank_and_world_size(dist.pg)
-        sharded_cols = dist.codecs[rank].cols
+        ctx: Any, batch_sizes: list[list[int]], dist: OutputDist, *pooled: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        rank, world_size = rank_and_world_size(dist.pg)
+        sharded_cols = [c.cols for c in dist.codecs[rank]]
         ctx.batch_sizes, ctx.dist = batch_sizes, dist
-        ctx.replicated_cols = pooled.shape[1] - sharded_cols
-        start = sum(batch_sizes[:rank])
-        blocks = dist.forward_blocks(pooled[:, :sharded_cols], batch_sizes)
-        blocks.append(pooled[start : start + batch_sizes[rank], sharded_cols:])
-        out = pooled.new_empty(batch_sizes[rank], dist.num_columns)
-        for run in dist.runs:
-            src = blocks[run.block][:, run.src : run.src + run.width]
-            dst = out[:, run.dst : run.dst + run.width]
-            if run.accumulate:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
-        return out
+        ctx.replicated_cols = [p.shape[1] - n for p, n in zip(pooled, sharded_cols, strict=True)]
+        blocks = dist.forward_blocks(
+            [p[:, :n] for p, n in zip(pooled, sharded_cols, strict=True)], batch_sizes
+        )
+        outs = []
+        for c, (p, runs) in enumerate(zip(pooled, dist.runs, strict=True)):
+            start, rows = sum(batch_sizes[c][:rank]), batch_sizes[c][rank]
+            local = p[start : start + rows, sharded_cols[c] :]
+            out = p.new_empty(rows, dist.num_columns[c])
+            for run in runs:
+                block = local if run.block == world_size else blocks[run.block][c]
+                src = block[:, run.src : run.src + run.width]
+                dst = out[:, run.dst : run.dst + run.width]
+                if run.accumulate:
+                    dst.add_(src)
+                else:
+                    dst.copy_(src)
+            outs.append(out)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         dist: OutputDist = ctx.dist
         rank, world_size = rank_and_world_size(dist.pg)
-        rows = ctx.batch_sizes[rank]
-        widths = [c.cols for c in dist.codecs] + [ctx.replicated_cols]
-        # One buffer for every block's gradient, in block order: the sharded blocks are sent
-        # from it as they are.
-        buffer = grad.new_empty(rows * sum(widths))
-        pieces = buffer.split([rows * w for w in widths])
-        blocks = [b.view(rows, w) for b, w in zip(pieces, widths, strict=True)]
-        for run in dist.runs:
-            src = grad[:, run.dst : run.dst + run.width]
-            dst = blocks[run.block][:, run.src : run.src + run.width]
-            if world_size > 1:
-                torch.div(src, world_size, out=dst)
-            else:
-                dst.copy_(src)
-        sharded_numel = rows * sum(widths[:-1])
-        grad_sharded = dist.backward_pooled(buffer[:sharded_numel], blocks[:-1], ctx.batch_sizes)
-        if not ctx.replicated_cols:
-            return grad_sharded, None, None
-        grad_replicated = dist.gather_replicated(blocks[-1], ctx.batch_sizes)
-        return torch.cat([grad_sharded, grad_replicated], dim=1), None, None
+        rows = [sizes[rank] for sizes in ctx.batch_sizes]
+        # One buffer for every block's gradient, the sharded blocks in (rank, class) order (sent
+        # from it as they are), then the replicated ones of each class.
+        shapes = [(n, c.cols) for codecs in dist.codecs for c, n in zip(codecs, rows, strict=True)]
+        shapes += list(zip(rows, ctx.replicated_cols, strict=True))
+        buffer = grads[0].new_empty(sum(n * w for n, w in shapes))
+        views = [
+            b.view(n, w)
+            for b, (n, w) in zip(buffer.split([n * w for n, w in shapes]), shapes, strict=True)
+        ]
+        classes = len(rows)
+        blocks = [views[s * classes : (s + 1) * classes] for s in range(world_size)]
+        replicated = views[world_size * classes :]
+        for c, (grad, runs) in enumerate(zip(grads, dist.runs, strict=True)):
+            for run in runs:
+                src = grad[:, run.dst : run.dst + run.width]
+                block = replicated[c] if run.block == world_size else blocks[run.block][c]
+                dst = block[:, run.src : run.src + run.width]
+                if world_size > 1:
+                    torch.div(src, world_size, out=dst)
+                else:
+                    dst.copy_(src)
+        sharded_numel = sum(n * w for n, w in shapes[: world_size * classes])
+        grad_sharded = dist.backward_pooled(buffer[:sharded_numel], blocks, ctx.batch_sizes)
+        if not any(ctx.replicated_cols):
+            return None, None, *grad_sharded
+        grad_replicated = dist.gather_replicated(replicated, ctx.batch_sizes)
+        return (
+            None,
+            None,
+            *(torch.cat([s, r], dim=1) for s, r in zip(grad_sharded, grad_replicated, strict=True)),
+        )

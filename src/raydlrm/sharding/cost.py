@@ -200,7 +200,7 @@ def estimate_table_cost(
     sharding_type: str,
     num_shards: int,
     world_size: int,
-    batch_size: int,
+    batch_size: float,
     pooling_factor: float = 1.0,
     optimizer: str = "rowwise_adagrad",
     weights_precision: str = "fp32",
@@ -217,7 +217,8 @@ def estimate_table_cost(
         sharding_type: one of :data:`~raydlrm.sharding.config.ShardingType`.
         num_shards: shards of the table (``world_size`` for data-parallel).
         world_size: ranks in the job.
-        batch_size: global samples per step.
+        batch_size: global samples per step (unique rows per step for a table of a dedup
+            group: its lookups, ids and pooled vectors shrink with them).
         pooling_factor: average ids per bag of each of the table's features.
         optimizer: the fused optimizer (for the state's memory).
         weights_precision: precision of the weights (their memory and the bytes a lookup reads).
@@ -263,12 +264,12 @@ class _Step:
     sharding_type: str
     num_shards: int
     world_size: int
-    batch_size: int
+    batch_size: float
     pooling_factor: float
 
     @property
-    def bags(self) -> int:
-        """Bags looked up: one per feature and sample."""
+    def bags(self) -> float:
+        """Bags looked up: one per feature and sample (unique row, deduplicated)."""
         return len(self.table.feature_names) * self.batch_size
 
     @property

@@ -3,9 +3,9 @@
 Every table is sharded by the :class:`~raydlrm.sharding.plan.ShardingPlan` (table-wise,
 column-wise, row-wise, table-row-wise or data-parallel; types mix freely in one collection).
 The unit of work is one feature looked up in one shard (:mod:`raydlrm.sharding._layout`); each
-rank looks up its units for the whole global batch with one TBE per (replicated, pooling
-mode, precision, placement): fbgemm's, or its PyTorch equivalent (``sharding.kernel``, see
-:mod:`raydlrm.sharding.kernel`). The collection implements
+rank looks up its units for the whole global batch with one TBE per (batch class, replicated,
+pooling mode, precision, placement): fbgemm's, or its PyTorch equivalent (``sharding.kernel``,
+see :mod:`raydlrm.sharding.kernel`). The collection implements
 :class:`~raydlrm.sharding.types.ShardedTables`; a forward pass is its ``input_dist`` (step 1,
 which a pipeline may run ahead) and its ``compute_and_output_dist`` (steps 2-4):
 
@@ -17,6 +17,17 @@ which a pipeline may run ahead) and its ``compute_and_output_dist`` (steps 2-4):
    columns: column shards land side by side, row shards' partial sums add up (a reduce-scatter
    done as all-to-all plus sum) (:mod:`raydlrm.sharding._output_dist`);
 4. row-split mean tables, pooled as sums, are divided by the bag's true length.
+
+Deduplicated features (RecD): features declared as a dedup group (e.g. the user features,
+identical over a session's samples) reach the collection as a
+:class:`~raydlrm.batch.DedupGroup`, the group's ``U`` unique rows in the batch and an inverse
+index. Each group is a *batch class* of its own: its features are routed, looked up and sent
+back on their unique rows, in the same input and output all-to-alls as the plain features (one
+of each per batch, a variable batch size per feature), and expanded to the batch with the
+inverse index after the output exchange (a row gather whose backward sums the gradients of
+duplicate samples, so the fused optimizer's update equals that of the plain path up to float
+summation order). A table belongs to one class: a table looked up both by a deduplicated
+feature and by a feature outside its group is an error.
 
 Design choices:
 
@@ -45,8 +56,10 @@ error names the table and shows up where the bad batch is.
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -56,11 +69,11 @@ from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
 from raydlrm.sharding._comm import CommBytes, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
-from raydlrm.sharding._layout import LookupUnit, TbeGroup, rank_units, tbe_groups
+from raydlrm.sharding._layout import LookupUnit, TbeGroup, batch_classes, rank_units, tbe_groups
 from raydlrm.sharding._output_dist import OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.cost import cache_rows
+from raydlrm.sharding.cost import cache_rows, wire_bytes_per_vector
 from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe, resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.row_cache import RowCache
@@ -78,24 +91,31 @@ class _Routed:
 
     Attributes:
         features: the batch's features it was made for.
-        kjt: the collection's features of the batch (dedup groups expanded), ``(F, B, L)``.
+        kjts: per batch class, its features of the batch (a row per sample, or per unique row
+            of a dedup group); None for a class without features.
+        inverses: per batch class, the inverse index of its dedup group (None: a row per
+            sample).
         bags: this rank's units' bags for every rank's samples.
     """
 
     features: KeyedJaggedTensor
-    kjt: KeyedJaggedTensor
+    kjts: list[KeyedJaggedTensor | None]
+    inverses: list[torch.Tensor | None]
     bags: LocalBags
 
     def tensors(self) -> Iterator[torch.Tensor | None]:
-        yield from (self.kjt.values, self.kjt.lengths, self.kjt.weights)
+        for kjt in self.kjts:
+            if kjt is not None:
+                yield from (kjt.values, kjt.lengths, kjt.weights)
+        yield from self.inverses
         yield from (self.bags.lengths, self.bags.values, self.bags.weights)
 
 
 def _output_codecs(
-    units: list[list[LookupUnit]], config: ShardingConfig, *, kernel: str
-) -> list[ColumnBlockCodec]:
-    """The codec of the columns of every rank's sharded units (per-table precision), with
-    ``kernel``'s operators.
+    units: list[list[LookupUnit]], config: ShardingConfig, *, kernel: str, num_classes: int
+) -> list[list[ColumnBlockCodec]]:
+    """The codec of the columns of every rank's sharded units of each batch class (per-table
+    precision), with ``kernel``'s operators.
 
     Raises:
         ValueError: if ``config.comm_precision_per_table`` names a table with no units.
@@ -113,16 +133,24 @@ def _output_codecs(
             stacklevel=3,
         )
     return [
-        ColumnBlockCodec.from_columns(
-            [
-                (per_table.get(u.table.name, config.comm_precision), u.dim)
-                for u in us
-                if not u.replicated
-            ],
-            kernel=kernel,
-        )
+        [
+            ColumnBlockCodec.from_columns(
+                [
+                    (per_table.get(u.table.name, config.comm_precision), u.dim)
+                    for u in us
+                    if not u.replicated and u.batch_class == c
+                ],
+                kernel=kernel,
+            )
+            for c in range(num_classes)
+        ]
         for us in units
     ]
+
+
+def _column_starts(features: list[str], dims: dict[str, int]) -> dict[str, int]:
+    """The first column of each of ``features`` when their columns are side by side."""
+    return dict(zip(features, accumulate((dims[f] for f in features), initial=0), strict=False))
 
 
 class ShardedEmbeddingBagCollection(ShardedTables):
@@ -142,14 +170,17 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         device: ``cpu`` (host TBE, gloo) or a CUDA device (device TBE, NCCL).
         pg: process group (default: torch.distributed's default group; none initialized or a
             world size of 1 means no communication).
+        dedup_groups: the feature names of each dedup group (RecD, see the module docstring).
 
     Attributes:
         kernel: the kernel this rank runs (``fbgemm`` or ``torch``; ``sharding.kernel``
             resolved).
+        dedup_groups: the feature names of each dedup group.
 
     Raises:
-        ValueError: if the plan does not match the tables or the process group's size, or
-            ``comm_precision_per_table`` names an unknown table.
+        ValueError: if the plan does not match the tables or the process group's size,
+            ``comm_precision_per_table`` names an unknown table, a dedup group names a feature
+            no table looks up, or a table is looked up across a group boundary.
         ImportError: ``sharding.kernel = "fbgemm"`` without a usable fbgemm-gpu.
     """
 
@@ -161,9 +192,12 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         config: ShardingConfig,
         device: torch.device | str,
         pg: ProcessGroup | None = None,
+        dedup_groups: Sequence[Sequence[str]] = (),
     ):
         super().__init__()
         plan.validate(ebc.tables)
+        class_of = batch_classes(ebc.tables, dedup_groups)
+        self.dedup_groups = [list(g) for g in dedup_groups]
         self._pg = pg
         self._rank, self._world_size = rank_and_world_size(pg)
         if plan.world_size != self._world_size:
@@ -182,10 +216,14 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._dtypes = {
             t.name: WEIGHT_DTYPES[config.weights_precision_of(t.name)] for t in self.tables
         }
-        units = rank_units(self.tables, plan, config.weights_precision_of)
+        self._class_features = [
+            [f for f in self.feature_names if class_of[f] == c]
+            for c in range(len(self.dedup_groups) + 1)
+        ]
+        units = rank_units(self.tables, plan, config.weights_precision_of, class_of)
         self._input = InputDistributor(
             units,
-            num_features=len(self.feature_names),
+            feature_classes=[class_of[f] for f in self.feature_names],
             rank=self._rank,
             device=self._device,
             pg=pg,
@@ -194,6 +232,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         )
         self._output = self._output_dist(units, config)
         self._register_feature_buffers()
+        self._dedup = _DedupCounters(self.tables, class_of, units[self._rank], config, self._rank)
         self._groups = tbe_groups(units[self._rank])
         self._pieces: list[tuple[EmbeddingBagConfig, Shard]] = [
             p for g in self._groups for p in g.shards
@@ -204,43 +243,64 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._init_weights(ebc)
 
     def _output_dist(self, units: list[list[LookupUnit]], config: ShardingConfig) -> OutputDist:
-        """The output distribution: the output column of every column of the blocks received
-        (sharded units of every rank, in rank order), then of this rank's replicated units."""
-        feature_start = lengths_to_offsets(torch.tensor(self.feature_dims)).tolist()
+        """The output distribution: per batch class, the output column (among the class's
+        features) of every column of the blocks received (sharded units of every rank, in rank
+        order), then of this rank's replicated units."""
+        dims = dict(zip(self.feature_names, self.feature_dims, strict=True))
+        runs = []
+        for c, features in enumerate(self._class_features):
+            start = _column_starts(features, dims)
 
-        def targets(us: list[LookupUnit]) -> list[int]:
-            return [
-                feature_start[u.feature_index] + c
-                for u in us
-                for c in range(u.shard.col_start, u.shard.col_end)
-            ]
+            def targets(us: list[LookupUnit], c: int = c, start: dict = start) -> list[int]:
+                return [
+                    start[u.feature] + col
+                    for u in us
+                    if u.batch_class == c
+                    for col in range(u.shard.col_start, u.shard.col_end)
+                ]
 
+            runs.append(
+                column_runs(
+                    [targets([u for u in us if not u.replicated]) for us in units]
+                    + [targets([u for u in units[self._rank] if u.replicated])]
+                )
+            )
+        # The classes' outputs side by side, then in feature order (skipped when they are).
+        column = _column_starts([f for fs in self._class_features for f in fs], dims)
+        perm = [column[f] + i for f in self.feature_names for i in range(dims[f])]
+        self._in_order = perm == sorted(perm)
+        self._register("_columns", torch.tensor(perm, dtype=torch.int64))
         return OutputDist(
-            runs=column_runs(
-                [targets([u for u in us if not u.replicated]) for us in units]
-                + [targets([u for u in units[self._rank] if u.replicated])]
+            runs=runs,
+            num_columns=[sum(dims[f] for f in fs) for fs in self._class_features],
+            codecs=_output_codecs(
+                units, config, kernel=self.kernel, num_classes=len(self._class_features)
             ),
-            num_columns=sum(self.feature_dims),
-            codecs=_output_codecs(units, config, kernel=self.kernel),
             pg=self._pg,
             comm_bytes=self._comm_bytes,
         )
 
     def _register_feature_buffers(self) -> None:
-        """Per feature: its table's size (the id check) and dim, and whether it is a mean bag
-        of a row-split table (pooled as sums by the shards, divided after the exchange)."""
+        """Per batch class, per feature: its table's size (the id check) and dim, and whether
+        it is a mean bag of a row-split table (pooled as sums by the shards, divided after the
+        exchange)."""
         table_of = {f: t for t in self.tables for f in t.feature_names}
-        self._register(
-            "_limits", torch.tensor([table_of[f].num_embeddings for f in self.feature_names])
-        )
         row_split = {t.name for t in self.plan.tables if t.sharding_type in _ROW_SPLIT}
-        mean_features = [
-            table_of[f].pooling == "mean" and table_of[f].name in row_split
-            for f in self.feature_names
-        ]
-        self._has_row_split_mean = any(mean_features)
-        self._register("_row_split_mean", torch.tensor(mean_features, dtype=torch.bool))
-        self._register("_feature_dims", torch.tensor(self.feature_dims))
+        self._has_row_split_mean = []
+        for c, features in enumerate(self._class_features):
+            self._register(
+                f"_limits{c}",
+                torch.tensor([table_of[f].num_embeddings for f in features], dtype=torch.int64),
+            )
+            mean = [
+                table_of[f].pooling == "mean" and table_of[f].name in row_split for f in features
+            ]
+            self._has_row_split_mean.append(any(mean))
+            self._register(f"_row_split_mean{c}", torch.tensor(mean, dtype=torch.bool))
+            self._register(
+                f"_feature_dims{c}",
+                torch.tensor([table_of[f].embedding_dim for f in features], dtype=torch.int64),
+            )
 
     def _build_tbes(self, config: ShardingConfig) -> None:
         """One TBE per group of this rank's units; an ``ssd`` group's over its mapped files, or
@@ -445,10 +505,11 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             states.update({t.name: list(s) for (t, _), s in zip(group.shards, split, strict=True)})
         return states
 
-    def _check_ids(self, kjt: KeyedJaggedTensor) -> None:
+    def _check_ids(self, kjt: KeyedJaggedTensor, batch_class: int) -> None:
         """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
+        limit = getattr(self, f"_limits{batch_class}")
         limits = torch.repeat_interleave(
-            self._limits, kjt.length_per_key(), output_size=kjt.values.numel()
+            limit, kjt.length_per_key(), output_size=kjt.values.numel()
         )
         bad = (kjt.values < 0) | (kjt.values >= limits)
         if not bool(bad.any()):
@@ -458,41 +519,74 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         name = next(t.name for t in self.tables if kjt.keys[feature] in t.feature_names)
         raise ValueError(
             f"table {name!r} (feature {kjt.keys[feature]!r}): id {int(kjt.values[pos])} "
-            f"not in [0, {int(self._limits[feature])})"
+            f"not in [0, {int(limit[feature])})"
         )
 
-    def _lookup(self, bags: LocalBags, total_batch: int) -> torch.Tensor:
-        """Pooled vectors of this rank's units, shape ``(total_batch, D_units)``."""
-        if not self._groups:
-            # Requires grad so that backward still reaches the output all-to-all on this rank.
-            return torch.zeros(total_batch, 0, device=self._device, requires_grad=True)
+    def _lookup(self, bags: LocalBags) -> list[torch.Tensor]:
+        """Pooled vectors of this rank's units of each batch class, ``(global rows of the
+        class, D_units)``."""
+        totals = [sum(sizes) for sizes in bags.batch_sizes]
         offsets = lengths_to_offsets(bags.lengths)
-        # Every group's first and last id, read in one transfer (one synchronization on a GPU).
-        bounds, first = [0], 0
+        # Every group's first and last bag, and id, read in one transfer (one synchronization on
+        # a GPU).
+        bounds = [0]
         for group in self._groups:
-            first += group.num_units
-            bounds.append(first * total_batch)
+            bounds.append(bounds[-1] + group.num_units * totals[group.batch_class])
         id_bounds = offsets[torch.tensor(bounds, device=offsets.device)].tolist()
-        pooled, first = [], 0
+        pooled: list[list[torch.Tensor]] = [[] for _ in totals]
         for index, (group, tbe, cache) in enumerate(
             zip(self._groups, self.tbes, self._caches, strict=True)
         ):
-            lo, hi = first * total_batch, (first + group.num_units) * total_batch
+            lo, hi, rows = bounds[index], bounds[index + 1], totals[group.batch_class]
             id_lo, id_hi = id_bounds[index], id_bounds[index + 1]
             weights = bags.weights
             indices = bags.values[id_lo:id_hi].to(torch.int64)
             if cache is not None:  # ids become the slots of their rows in the DRAM cache
-                ids_per_unit = offsets[lo : hi + 1 : total_batch].diff()
+                ids_per_unit = offsets[lo : hi + 1 : rows].diff()
                 indices = cache.prefetch(indices, ids_per_unit)
-            pooled.append(
+            pooled[group.batch_class].append(
                 tbe(
                     indices,
                     offsets[lo : hi + 1] - id_lo,
                     per_sample_weights=None if weights is None else weights[id_lo:id_hi],
                 )
             )
-            first += group.num_units
-        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+        out = []
+        for parts, rows in zip(pooled, totals, strict=True):
+            if not parts:
+                # Requires grad so that backward still reaches the output all-to-all on this rank.
+                parts = [torch.zeros(rows, 0, device=self._device, requires_grad=True)]
+            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return out
+
+    def _class_inputs(
+        self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup]
+    ) -> tuple[list[KeyedJaggedTensor | None], list[torch.Tensor | None]]:
+        """Each batch class's features of a batch and its inverse index. A declared group
+        missing from the batch is read from ``features`` (a row per sample); a group the
+        collection was not built for is expanded into the plain features."""
+        declared = {tuple(sorted(g)): c + 1 for c, g in enumerate(self.dedup_groups)}
+        given: dict[int, DedupGroup] = {}
+        expanded = []
+        for group in dedup_groups:
+            c = declared.get(tuple(sorted(group.keys)))
+            if c is None:
+                expanded.append(group.expand())
+            else:
+                given[c] = group
+        if expanded:
+            features = KeyedJaggedTensor.concat([features, *expanded])
+        kjts: list[KeyedJaggedTensor | None] = []
+        inverses: list[torch.Tensor | None] = []
+        for c, names in enumerate(self._class_features):
+            group = given.get(c)
+            source = features if group is None else group.unique
+            kjt = source.select(names) if names else None
+            if kjt is not None:
+                self._check_ids(kjt, c)
+            kjts.append(kjt)
+            inverses.append(None if group is None else group.inverse)
+        return kjts, inverses
 
     def input_dist(
         self,
@@ -501,33 +595,125 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         *,
         pg: ProcessGroup | None = None,
     ) -> _Routed:
-        """Routes ``features`` (and ``dedup_groups``, expanded to the batch) to this
-        collection's shards: see :meth:`ShardedTables.input_dist
+        """Routes ``features`` and ``dedup_groups`` (their unique rows) to this collection's
+        shards: see :meth:`ShardedTables.input_dist
         <raydlrm.sharding.types.ShardedTables.input_dist>`."""
-        if dedup_groups:
-            features_all = KeyedJaggedTensor.concat([features] + [g.expand() for g in dedup_groups])
-        else:
-            features_all = features
-        kjt = features_all.select(self.feature_names)
-        self._check_ids(kjt)
-        return _Routed(features=features, kjt=kjt, bags=self._input(kjt, pg=pg))
+        kjts, inverses = self._class_inputs(features, dedup_groups)
+        local_batch = [features.batch_size if kjt is None else kjt.batch_size for kjt in kjts]
+        bags = self._input(kjts, local_batch, pg=pg)
+        return _Routed(features=features, kjts=kjts, inverses=inverses, bags=bags)
 
     def compute_and_output_dist(self, routed: _Routed) -> KeyedTensor:
-        """Pooled embeddings of this rank's samples from their routed ids (the lookups, then
-        the output all-to-all), ``B x sum(D_f)`` in ``feature_names`` order."""
-        kjt, bags = routed.kjt, routed.bags
-        pooled = self._lookup(bags, sum(bags.batch_sizes))
-        values = self._output(pooled, bags.batch_sizes)
-        if self._has_row_split_mean:
-            lengths = kjt.lengths.view(len(self.feature_names), kjt.batch_size)
-            scale = torch.where(
-                self._row_split_mean.unsqueeze(1),
-                1.0 / lengths.clamp(min=1).to(values.dtype),
-                torch.ones((), dtype=values.dtype, device=values.device),
-            )
-            values = values * scale.t().repeat_interleave(
-                self._feature_dims, dim=1, output_size=values.shape[1]
-            )
+        """Pooled embeddings of this rank's samples from their routed ids (the lookups, the
+        output all-to-all, the dedup groups' expansion), ``B x sum(D_f)`` in ``feature_names``
+        order."""
+        bags = routed.bags
+        outputs = self._output(self._lookup(bags), bags.batch_sizes)
+        for c, (kjt, inverse) in enumerate(zip(routed.kjts, routed.inverses, strict=True)):
+            if kjt is None:
+                continue
+            if self._has_row_split_mean[c]:
+                outputs[c] = self._divide_row_split_means(outputs[c], kjt, c)
+            if inverse is not None:
+                self._dedup.count(c, kjt, inverse, bags.batch_sizes)
+                outputs[c] = outputs[c].index_select(0, inverse)
+        values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if not self._in_order:
+            values = values.index_select(1, self._columns)
         return KeyedTensor(
             keys=list(self.feature_names), dims=list(self.feature_dims), values=values
         )
+
+    def _divide_row_split_means(
+        self, values: torch.Tensor, kjt: KeyedJaggedTensor, c: int
+    ) -> torch.Tensor:
+        """Divides the row-split mean bags of class ``c``, pooled as sums, by their lengths."""
+        lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size)
+        scale = torch.where(
+            getattr(self, f"_row_split_mean{c}").unsqueeze(1),
+            1.0 / lengths.clamp(min=1).to(values.dtype),
+            torch.ones((), dtype=values.dtype, device=values.device),
+        )
+        return values * scale.t().repeat_interleave(
+            getattr(self, f"_feature_dims{c}"), dim=1, output_size=values.shape[1]
+        )
+
+    def dedup_stats(self) -> dict[str, dict[str, float]]:
+        """Per deduplicated table, cumulative since construction (this rank's batches and
+        units): ``ratio`` (samples / unique rows), ``lookups_saved`` (ids of this rank's samples
+        not looked up) and ``a2a_bytes_saved`` (bytes this rank's units would have sent
+        beyond what they sent in the pooled output all-to-all and its gradient with a row per
+        sample)."""
+        return self._dedup.stats()
+
+
+class _DedupCounters:
+    """What deduplication saved on one rank (see
+    :meth:`ShardedEmbeddingBagCollection.dedup_stats`).
+
+    Args:
+        tables: every table of the collection.
+        class_of: each feature's batch class.
+        units: this rank's units.
+        config: the codecs of the output all-to-all.
+        rank: this rank.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        class_of: dict[str, int],
+        units: list[LookupUnit],
+        config: ShardingConfig,
+        rank: int,
+    ) -> None:
+        self._rank = rank
+        self._table_of = {f: t.name for t in tables for f in t.feature_names}
+        self._class_of_table = {
+            t.name: class_of[t.feature_names[0]] for t in tables if class_of[t.feature_names[0]]
+        }
+        self._row_bytes: dict[str, int] = defaultdict(int)  # table -> its units' bytes per row
+        for u in units:
+            if u.batch_class and not u.replicated:
+                precision = config.comm_precision_per_table.get(u.table.name, config.comm_precision)
+                self._row_bytes[u.table.name] += wire_bytes_per_vector(u.dim, precision=precision)
+        self._rows: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # class -> [B, U]
+        self._rows_not_sent: dict[int, int] = defaultdict(int)  # class -> rows
+        self._ids_saved: dict[str, int] = defaultdict(int)
+
+    def count(
+        self,
+        batch_class: int,
+        kjt: KeyedJaggedTensor,
+        inverse: torch.Tensor,
+        batch_sizes: list[list[int]],
+    ) -> None:
+        """Counts one batch's dedup group: its unique rows ``kjt`` and ``inverse``, and the
+        rows of every rank (``batch_sizes[0]`` samples, ``batch_sizes[batch_class]`` unique
+        rows)."""
+        rows = self._rows[batch_class]
+        rows[0] += inverse.numel()
+        rows[1] += kjt.batch_size
+        lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size)
+        repeats = torch.bincount(inverse, minlength=kjt.batch_size) - 1
+        for key, n in zip(kjt.keys, (lengths * repeats).sum(dim=1).tolist(), strict=True):
+            self._ids_saved[self._table_of[key]] += int(n)
+        self._rows_not_sent[batch_class] += sum(
+            b - u
+            for r, (b, u) in enumerate(zip(batch_sizes[0], batch_sizes[batch_class], strict=True))
+            if r != self._rank
+        )
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        stats = {}
+        for table, c in self._class_of_table.items():
+            samples, unique = self._rows.get(c, (0, 0))
+            if not samples:  # no batch has carried the group yet
+                continue
+            stats[table] = {
+                "ratio": samples / max(unique, 1),
+                "lookups_saved": float(self._ids_saved[table]),
+                # the pooled rows and, the same size, their gradient
+                "a2a_bytes_saved": 2.0 * self._rows_not_sent[c] * self._row_bytes[table],
+            }
+        return stats

@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 from raydlrm.models.embedding import EmbeddingBagCollection
 from raydlrm.sharding._comm import rank_and_world_size
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.dedup import DedupShardedEmbeddingBagCollection
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import ShardingPlan
 
@@ -45,7 +44,7 @@ def shard_model(
         device: ``cpu`` or a CUDA device.
         pg: process group (default: torch.distributed's default group).
         dedup_groups: feature names of each dedup group (RecD); when given, each group is
-            looked up on its unique rows (:mod:`raydlrm.sharding.dedup`).
+            looked up on its unique rows (see :mod:`raydlrm.sharding.embedding`).
 
     Returns:
         ``model``, modified.
@@ -61,14 +60,9 @@ def shard_model(
             "`dense` nn.Module to be sharded"
         )
     device = torch.device(device)
-    if dedup_groups:
-        model.embedding_bags = DedupShardedEmbeddingBagCollection(
-            ebc, plan=plan, config=config, device=device, pg=pg, dedup_groups=dedup_groups
-        )
-    else:
-        model.embedding_bags = ShardedEmbeddingBagCollection(
-            ebc, plan=plan, config=config, device=device, pg=pg
-        )
+    model.embedding_bags = ShardedEmbeddingBagCollection(
+        ebc, plan=plan, config=config, device=device, pg=pg, dedup_groups=dedup_groups
+    )
     dense = dense.to(device)
     _, world_size = rank_and_world_size(pg)
     if world_size > 1 and any(p.requires_grad for p in dense.parameters()):

@@ -31,15 +31,15 @@ cost. The search, deterministic for the same inputs (tables are ordered by cost,
 The maximum per-rank cost never increases after the greedy placement.
 
 Tables placed ``auto`` start in DRAM and go to the SSD tier one by one while the plan does not
-fit the memory budget. With dedup groups, :func:`plan_feature_sets` plans each feature set (the
-tables of one group, or the plain ones) on its own, since each set runs its own collectives.
+fit the memory budget. A table of a dedup group (RecD) is costed on the unique rows of a step,
+``batch_size / dedup_ratios[table]``: deduplicated and plain features share the same collectives,
+so one balance over all tables is what every step waits for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -60,9 +60,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "BudgetError",
     "check_table_names",
-    "feature_sets",
     "page_cache_hit",
-    "plan_feature_sets",
     "plan_sharding",
     "table_cost",
 ]
@@ -105,8 +103,10 @@ def check_table_names(
     *,
     config: ShardingConfig,
     pooling_factors: dict[str, float] | None = None,
+    dedup_ratios: dict[str, float] | None = None,
 ) -> None:
-    """Checks that the per-table settings of ``config`` (and ``pooling_factors``) name tables.
+    """Checks that the per-table settings of ``config`` (and ``pooling_factors``,
+    ``dedup_ratios``) name tables.
 
     Raises:
         ValueError: naming the dotted key and its unknown tables.
@@ -118,6 +118,7 @@ def check_table_names(
         ("sharding.weights_precision_per_table", config.weights_precision_per_table),
         ("sharding.placement", config.placement),
         ("pooling_factors", pooling_factors or {}),
+        ("dedup_ratios", dedup_ratios or {}),
     ):
         unknown = sorted(set(keys) - names)
         if unknown:
@@ -139,6 +140,7 @@ def plan_sharding(
     constants: CostConstants | None = None,
     search: Literal["greedy", "refine"] = "refine",
     memory_budget: MemoryBudget | None = None,
+    dedup_ratios: dict[str, float] | None = None,
 ) -> ShardingPlan:
     """Places every table on ranks, balancing the per-rank cost within the memory budget.
 
@@ -152,30 +154,34 @@ def plan_sharding(
         search: ``greedy`` placement only, or ``refine`` it (moves, swaps, splits).
         memory_budget: bytes each rank may hold; default: ``config.device_memory_bytes`` if
             set, else no budget.
+        dedup_ratios: table name -> samples per unique row of its dedup group in a batch
+            (RecD; default 1.0): the table is looked up, routed and sent back on
+            ``batch_size / ratio`` rows, so its lookups and bytes are counted after dedup.
 
     Returns:
         A validated plan for ``tables`` on ``world_size`` ranks, recording the budget.
 
     Raises:
         ValueError: for a non-positive world size, or naming a pinned, per-table precision or
-            pooling-factor table that is not among ``tables``, a pinned rank ``>= world_size``,
-            a ``group_size`` that does not divide ``world_size``, or a table that does not fit
-            the budget (with the rank, the shortfall in bytes and the budget's source).
+            pooling-factor or dedup-ratio table that is not among ``tables``, a ratio below 1,
+            a pinned rank ``>= world_size``, a ``group_size`` that does not divide
+            ``world_size``, or a table that does not fit the budget (with the rank, the
+            shortfall in bytes and the budget's source).
     """
-    pooling_factors = pooling_factors or {}
-    _check_arguments(tables, world_size=world_size, config=config, pooling_factors=pooling_factors)
     if memory_budget is None and config.device_memory_bytes is not None:
         memory_budget = MemoryBudget(config.device_memory_bytes, "sharding.device_memory_bytes")
     request = _Request(
         tables=tables,
         world_size=world_size,
         config=config,
-        pooling_factors=pooling_factors,
+        pooling_factors=pooling_factors or {},
         batch_size=batch_size,
         constants=constants or CostConstants(),
         search=search,
         memory_budget=memory_budget,
+        dedup_ratios=dedup_ratios or {},
     )
+    _check_arguments(request)
     plan = _plan_spilling(request)
     _warn_whole_table_caches(plan, config)
     return plan
@@ -216,19 +222,27 @@ class _Request:
     constants: CostConstants
     search: Literal["greedy", "refine"]
     memory_budget: MemoryBudget | None
+    dedup_ratios: dict[str, float]
+
+    def rows(self, table: str) -> float:
+        """Rows a step looks ``table`` up for: samples, or unique rows of a dedup group."""
+        return self.batch_size / self.dedup_ratios.get(table, 1.0)
 
 
-def _check_arguments(
-    tables: Sequence[EmbeddingBagConfig],
-    *,
-    world_size: int,
-    config: ShardingConfig,
-    pooling_factors: dict[str, float],
-) -> None:
+def _check_arguments(request: _Request) -> None:
     """The checks of :func:`plan_sharding`'s arguments against each other (see its ``Raises``)."""
+    tables, world_size, config = request.tables, request.world_size, request.config
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    check_table_names(tables, config=config, pooling_factors=pooling_factors)
+    check_table_names(
+        tables,
+        config=config,
+        pooling_factors=request.pooling_factors,
+        dedup_ratios=request.dedup_ratios,
+    )
+    low = {k: v for k, v in request.dedup_ratios.items() if not v >= 1}
+    if low:
+        raise ValueError(f"dedup_ratios below 1 (samples per unique row): {low}")
     for name, ranks in config.pinned_ranks.items():
         bad = [r for r in ranks if r >= world_size]
         if bad:
@@ -281,91 +295,13 @@ def _spill_order(
             sharding_type="table_wise",
             num_shards=1,
             world_size=request.world_size,
-            batch_size=request.batch_size,
+            batch_size=request.rows(t.name),
             pooling_factor=request.pooling_factors.get(t.name, 1.0),
             placement="ssd",
             cache_rows=ssd_cache_rows(t, config),
         ).disk_rows
         keyed.append(((disk_rows / freed, t.name), t))
     return [t for _, t in sorted(keyed, key=lambda pair: pair[0])]
-
-
-def feature_sets(
-    tables: list[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
-) -> dict[int, list[EmbeddingBagConfig]]:
-    """Tables by feature set: 0 for the plain features, ``g + 1`` for dedup group ``g``.
-
-    Raises:
-        ValueError: naming a table whose features straddle a group boundary, or a group
-            feature no table looks up.
-    """
-    group_of = {f: g + 1 for g, features in enumerate(dedup_groups) for f in features}
-    known = {f for t in tables for f in t.feature_names}
-    unknown = sorted(set(group_of) - known)
-    if unknown:
-        raise ValueError(f"dedup groups name features {unknown} that no table looks up")
-    sets: dict[int, list[EmbeddingBagConfig]] = defaultdict(list)
-    for table in tables:
-        ids = {group_of.get(f, 0) for f in table.feature_names}
-        if len(ids) > 1:
-            raise ValueError(
-                f"table {table.name!r} is looked up by features {list(table.feature_names)} that "
-                "are not all in the same dedup group"
-            )
-        sets[ids.pop()].append(table)
-    return dict(sorted(sets.items()))
-
-
-def plan_feature_sets(
-    tables: list[EmbeddingBagConfig],
-    dedup_groups: Sequence[Sequence[str]],
-    *,
-    world_size: int,
-    config: ShardingConfig,
-    **kwargs,
-) -> ShardingPlan:
-    """A plan that balances every feature set (see :func:`feature_sets`) on its own.
-
-    Each feature set runs its own collectives, so every rank waits for the slowest rank once per
-    set: balancing the whole collection can leave each set lopsided (one rank holding most of
-    the user tables, the other most of the rest) and every set then waits. Each set is planned
-    with :func:`plan_sharding` (``kwargs`` passed on) within the memory budget; the sets
-    together are then checked against it.
-
-    Raises:
-        ValueError: as :func:`plan_sharding`, or naming a rank whose sets together exceed the
-            memory budget.
-    """
-    if not dedup_groups:
-        return plan_sharding(tables, world_size=world_size, config=config, **kwargs)
-    # Each set sees only its own tables' entries: an unknown name would pass unnoticed.
-    check_table_names(tables, config=config, pooling_factors=kwargs.get("pooling_factors"))
-    planned, hits = {}, []
-    for set_tables in feature_sets(tables, dedup_groups).values():
-        names = {t.name for t in set_tables}
-        set_config = dataclasses.replace(
-            config,
-            pinned_types={k: v for k, v in config.pinned_types.items() if k in names},
-            pinned_ranks={k: v for k, v in config.pinned_ranks.items() if k in names},
-            comm_precision_per_table={
-                k: v for k, v in config.comm_precision_per_table.items() if k in names
-            },
-            weights_precision_per_table={
-                k: v for k, v in config.weights_precision_per_table.items() if k in names
-            },
-            placement={k: v for k, v in config.placement.items() if k in names},
-        )
-        plan = plan_sharding(set_tables, world_size=world_size, config=set_config, **kwargs)
-        planned.update({t.name: t for t in plan.tables})
-        hits += [] if plan.page_cache_hit is None else [plan.page_cache_hit]
-    combined = ShardingPlan(
-        world_size=world_size,
-        tables=[planned[t.name] for t in tables],
-        memory_budget=plan.memory_budget,
-        page_cache_hit=min(hits, default=None),  # each set counted the whole budget as its own
-    )
-    combined.check_memory_budget()
-    return combined
 
 
 def ssd_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
@@ -430,12 +366,8 @@ def _plan(request: _Request, *, config: ShardingConfig) -> ShardingPlan:
     tables, world_size, budget = request.tables, request.world_size, request.memory_budget
     hit = page_cache_hit(tables, config=config, world_size=world_size, memory_budget=budget)
     planner = _Planner(
-        tables,
-        world_size=world_size,
+        request,
         config=config,
-        pooling_factors=request.pooling_factors,
-        batch_size=request.batch_size,
-        constants=request.constants,
         group_size=config.group_size or world_size,
         budget=budget,
         page_cache_hit=hit,
@@ -460,21 +392,17 @@ class _Planner:
 
     def __init__(
         self,
-        tables: Sequence[EmbeddingBagConfig],
+        request: _Request,
         *,
-        world_size: int,
         config: ShardingConfig,
-        pooling_factors: dict[str, float],
-        batch_size: int,
-        constants: CostConstants,
         group_size: int,
         budget: MemoryBudget | None,
         page_cache_hit: float,
     ) -> None:
+        tables, world_size = request.tables, request.world_size
         self.world_size, self.config, self.group_size = world_size, config, group_size
         self.page_cache_hit = page_cache_hit
-        self.batch_size, self.constants = batch_size, constants
-        self.pooling_factors = pooling_factors
+        self.request = request
         self.budget = budget
         self.capacity = None if budget is None else budget.bytes_per_rank
         self.configs = {t.name: t for t in tables}
@@ -516,12 +444,12 @@ class _Planner:
             sharding_type=sharding_type,
             num_shards=num_shards,
             world_size=self.world_size,
-            batch_size=self.batch_size,
-            pooling_factor=self.pooling_factors.get(p.name, 1.0),
+            batch_size=self.request.rows(p.name),
+            pooling_factor=self.request.pooling_factors.get(p.name, 1.0),
             optimizer=self.config.optimizer,
             weights_precision=self.config.weights_precision_of(p.name),
             comm_precision=precision,
-            constants=self.constants,
+            constants=self.request.constants,
             placement=p.placement,
             page_cache_hit=self.page_cache_hit,
             cache_rows=ssd_cache_rows(self.configs[p.name], self.config),

@@ -8,11 +8,10 @@ all-to-all). A pipeline runs ``input_dist`` of the next batch ahead, during the 
 :class:`Routed` context that knows its own tensors, so it can record them on the stream that
 reads them.
 
-Both :class:`~raydlrm.sharding.embedding.ShardedEmbeddingBagCollection` and
-:class:`~raydlrm.sharding.dedup.DedupShardedEmbeddingBagCollection` derive from
-:class:`ShardedTables`, which runs the forward pass and the prefetching once for both;
-checkpoints (:mod:`raydlrm.sharding.state`), the telemetry
-(:mod:`raydlrm.sharding.telemetry`) and the training loop use nothing else of them.
+:class:`~raydlrm.sharding.embedding.ShardedEmbeddingBagCollection` derives from
+:class:`ShardedTables`, which runs the forward pass and the prefetching; checkpoints
+(:mod:`raydlrm.sharding.state`), the telemetry (:mod:`raydlrm.sharding.telemetry`) and the
+training loop use nothing else of it.
 """
 
 from __future__ import annotations
