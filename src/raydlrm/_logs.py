@@ -19,6 +19,7 @@ import os
 
 __all__ = [
     "LOG_LEVEL_ENV",
+    "configure_api",
     "configure_driver",
     "configure_worker",
     "driver_level",
@@ -111,6 +112,20 @@ def configure_driver(*, verbose: bool = False) -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
     logging.getLogger("raydlrm").setLevel(driver_level())
     quiet_libraries()
+
+
+def configure_api() -> None:
+    """For the Python API (``raydlrm.train`` in a script): where the application configured no
+    logging (neither the root logger nor raydlrm's has a handler), raydlrm's lines (the MLflow
+    run, progress, warnings) go to stderr as on the command line, at :func:`driver_level`.
+    An application's own logging setup is left as it is."""
+    package = logging.getLogger("raydlrm")
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_DriverFormatter())
+    package.addHandler(handler)
+    package.setLevel(driver_level())
 
 
 def configure_worker(level: int, library: int) -> None:

@@ -23,6 +23,11 @@ retraining job::
 
 Values compare as integers when both sides are integers, else as strings (ISO dates sort
 correctly as strings).
+
+A session-clustered data set (``raydlrm.ingestion.clustered``) is a directory holding
+:data:`CLUSTERED_MARKER`, its sample files under :data:`SAMPLES_DIR` and their companion files of
+per-session columns under :data:`SESSIONS_DIR` (same relative paths, partitions included):
+:func:`list_files` lists its sample files, partitions selected as in any data set.
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ import pyarrow.fs as pafs
 from raydlrm._config import config_dataclass
 
 __all__ = [
+    "CLUSTERED_MARKER",
+    "SAMPLES_DIR",
     "SECRET_KEYS",
+    "SESSIONS_DIR",
     "PartitionSelector",
     "StorageConfig",
     "StorageError",
@@ -58,6 +66,14 @@ __all__ = [
 
 SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token")
 """Config keys whose values are never logged."""
+
+CLUSTERED_MARKER = "_clustered.json"
+"""The file at the root of a session-clustered data set that names its per-session columns;
+its presence makes the directory one (written last: a conversion that stopped leaves none)."""
+SAMPLES_DIR = "samples"
+"""A session-clustered data set's sample files (every column but the per-session ones)."""
+SESSIONS_DIR = "sessions"
+"""A session-clustered data set's per-session files, one per sample file, at the same path."""
 
 
 class StorageError(ValueError):
@@ -230,7 +246,8 @@ def list_files(
     *,
     role: str = "train",
 ) -> tuple[pafs.FileSystem, list[str]]:
-    """The filesystem and the selected Parquet files of a data set, sorted.
+    """The filesystem and the selected Parquet files of a data set, sorted (of a
+    session-clustered data set, its sample files).
 
     Raises:
         StorageError: naming the path when it does not exist or holds no Parquet files, the
@@ -248,7 +265,11 @@ def list_files(
         if partitions:
             raise StorageError(f"data.partitions: {role} data path {path!r} is a single file")
         return filesystem, [resolved]
-    entries = filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
+    if filesystem.get_file_info(f"{resolved}/{CLUSTERED_MARKER}").type == pafs.FileType.File:
+        resolved = f"{resolved}/{SAMPLES_DIR}"
+    entries = filesystem.get_file_info(
+        pafs.FileSelector(resolved, recursive=True, allow_not_found=True)
+    )
     files = sorted(
         e.path
         for e in entries
@@ -258,9 +279,18 @@ def list_files(
     )
     if not files:
         raise StorageError(f"{role} data path {path!r} contains no Parquet files")
+    return filesystem, _selected(files, root=resolved, partitions=partitions, what=(role, path))
+
+
+def _selected(
+    files: list[str], *, root: str, partitions: dict[str, PartitionSelector], what: tuple
+) -> list[str]:
+    """The ``files`` under ``root`` that ``partitions`` select (all without a selection);
+    ``what`` is the data's role and path, for messages."""
     if not partitions:
-        return filesystem, files
-    found = {f: _partitions(f[len(resolved) :].lstrip("/")) for f in files}
+        return files
+    role, path = what
+    found = {f: _partitions(f[len(root) :].lstrip("/")) for f in files}
     keys = {k for parts in found.values() for k in parts}
     unknown = sorted(set(partitions) - keys)
     if unknown:
@@ -278,7 +308,7 @@ def list_files(
         raise StorageError(
             f"data.partitions selects no files of {role} data at {path!r}; partitions: {existing}"
         )
-    return filesystem, selected
+    return selected
 
 
 def partition_values(path: str, storage: StorageConfig, key: str) -> list[str]:

@@ -49,12 +49,14 @@ def _config(tmp_path: Path) -> dict:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -> None:
-    """``raydlrm.train`` from Python: the result, the MLflow run, progress lines, and (with
-    dedup groups configured) the deduplication savings."""
+    """``raydlrm.train`` from Python: the result, the MLflow run, progress lines, and, on a
+    session-clustered data set (RecD) with the dedup group inferred, the savings."""
     caplog.set_level(logging.INFO, logger="raydlrm.platform.progress")
     config = _config(tmp_path)
-    # The synthetic user features C1-C8 repeat over a session (about 4 samples).
-    config["data"]["dedup_groups"] = [[f"C{i}" for i in range(1, 9)]]
+    # The synthetic user features C1-C8 repeat over a session (about 4 samples): stored once
+    # per session, and deduplicated as the group inferred from the layout.
+    config["data"]["synthetic"]["layout"] = "clustered"
+    config["data"]["dedup"] = "infer"
     # Two tables on the SSD tier, one of them deduplicated, behind DRAM row caches of 250 of
     # their 500 rows (rows evicted and read back): trained, checkpointed, exported.
     config["sharding"] = {
@@ -94,6 +96,10 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     assert m["dedup/t_C1/lookups_saved"] > 0 and m["dedup/t_C8/a2a_bytes_saved"] > 0
     assert "dedup/t_C9/ratio" not in m  # C9 is not deduplicated
     assert run.data.metrics["dedup/t_C1/ratio"] == pytest.approx(m["dedup/t_C1/ratio"])
+    assert run.data.params["data.dedup_groups"] == str([[f"C{i}" for i in range(1, 9)]])
+    # Scoring reads sample-level data: a clustered set is named, with what to score instead.
+    with pytest.raises(ValueError, match=r"is session-clustered .* score the set it was cluster"):
+        raydlrm.score(result.checkpoint_path, config["data"]["train_path"], str(tmp_path / "p"))
 
 
 def test_bad_config_raises_before_running(tmp_path: Path) -> None:

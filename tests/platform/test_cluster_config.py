@@ -265,6 +265,11 @@ def test_runtime_env_keeps_local_state_out_of_the_upload() -> None:
         "data/synthetic/train/part-0.parquet",
         "runs/raydlrm-1/checkpoint_000001/state.json",
         "mlruns/0/meta.yaml",
+        "notebooks/mlruns/1/meta.yaml",
+        "notebooks/quickstart-run/mlflow.db",
+        "exported/artifacts/checkpoint/model.safetensors",
+        "preds/part-0.parquet",
+        "model.safetensors",
         "mlartifacts/1/model.pt",
         "mlflow.db",
         "src/raydlrm.egg-info/PKG-INFO",
@@ -279,3 +284,47 @@ def test_runtime_env_keeps_local_state_out_of_the_upload() -> None:
         "pyproject.toml",
     ):
         assert not excluded(REPO / code), code
+
+
+def test_runtime_env_example_says_where_relative_paths_go() -> None:
+    """The header's example command passes ``RAYDLRM_BASE_DIR`` (the job runs in a copy Ray
+    deletes; without it a config with relative paths stops at once), and its config loads."""
+    text = (DEPLOY / "runtime_env.yaml").read_text()
+    example = " ".join(
+        line.lstrip("#").strip().rstrip("\\")
+        for line in text.splitlines()
+        if line.startswith("#   ") or line.startswith("#       ")
+    )
+    assert "ray job submit" in example and "--runtime-env deploy/runtime_env.yaml" in example
+    entrypoint = shlex.split(example.split(" -- ", 1)[1])
+    assert entrypoint[0].startswith("RAYDLRM_BASE_DIR=/"), entrypoint
+    assert entrypoint[1:5] == ["python", "-m", "raydlrm", "train"], entrypoint
+    load_config(REPO / entrypoint[entrypoint.index("--config") + 1])
+
+
+_OUTPUT_COMMANDS = (
+    # (what writes, the pattern of its output argument in README.md)
+    ("raydlrm score", r"raydlrm score \S+ \S+ (\S+)"),
+    ("raydlrm export", r"raydlrm export \S+ --output (\S+)"),
+    ("raydlrm checkpoint unshard", r"checkpoint unshard \S+ (\S+?)`"),
+    ("raydlrm.score", r'raydlrm\.score\("[^"]+", "[^"]+", "([^"]+)"\)'),
+)
+
+
+@pytest.mark.parametrize(
+    ("what", "pattern"), _OUTPUT_COMMANDS, ids=[c[0] for c in _OUTPUT_COMMANDS]
+)
+def test_readme_writes_outputs_where_neither_git_nor_an_upload_looks(what: str, pattern: str):
+    """A model or predictions written into the checkout would be uploaded by the next ``ray
+    job submit --working-dir .`` (an 80 MiB model.safetensors: HTTP 413): the README's examples
+    write under an ignored folder, which the runtime env's excludes also skip."""
+    from ray._private.runtime_env.packaging import _get_excludes, _get_ignore_file
+
+    outputs = re.findall(pattern, (REPO / "README.md").read_text())
+    assert outputs, f"README.md has no {what} example"
+    gitignored = _get_ignore_file(REPO, ".gitignore")
+    env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    excluded = _get_excludes(REPO, env["excludes"])
+    for output in outputs:
+        written = REPO / output.replace("<run>", "raydlrm-1") / "part-0.parquet"
+        assert gitignored(written) and excluded(written), f"{what} writes {output}"

@@ -42,3 +42,36 @@ def test_repeated_values_are_logged_once(tmp_path: Path) -> None:
         callback.after_report(None, [{"step": step, "train/loss": loss}], None)
     history = [(m.step, m.value) for m in store.get_metric_history(run_id, "train/loss")]
     assert sorted(history) == [(2, 0.5), (4, 0.25)]
+
+
+def test_new_experiments_keep_artifacts_beside_the_sqlite_store(tmp_path: Path, monkeypatch):
+    """A job in Ray's temporary copy of its working directory (``ray job submit``) creates its
+    experiment with the artifacts next to ``mlflow.db`` under ``RAYDLRM_BASE_DIR``, not under
+    MLflow's default ``./mlruns`` of the working directory, which Ray deletes."""
+    from raydlrm.platform.config import load_config
+    from raydlrm.platform.export import set_experiment
+    from raydlrm.platform.tracking import start_run
+
+    base, elsewhere = tmp_path / "base", tmp_path / "ray-copy"
+    base.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("RAYDLRM_BASE_DIR", str(base))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    job = load_config({"tracking": {"experiment_name": "team/ctr model"}})
+    tracked = start_run(job, run_name="r")
+    client = MlflowClient(tracked.tracking_uri)
+    location = client.get_experiment(tracked.experiment_id).artifact_location
+    assert location == str(base / "mlruns" / "team_ctr_model")
+    assert client.get_run(tracked.run_id).info.artifact_uri.startswith(location)
+    # The export's experiment alike, and an existing experiment is found, not created again.
+    relative = "sqlite:///../base/mlflow.db"
+    exported = set_experiment("raydlrm-export", tracking_uri=relative)
+    assert exported.artifact_location == str(base / "mlruns" / "raydlrm-export")
+    again = set_experiment("team/ctr model", tracking_uri=relative)
+    assert again.experiment_id == tracked.experiment_id
+    assert not (elsewhere / "mlruns").exists()
+    # Elsewhere (a tracking server) MLflow's server decides: nothing is made up here.
+    from raydlrm.platform.export import _local_artifact_root
+
+    assert _local_artifact_root("http://mlflow:5000") is None

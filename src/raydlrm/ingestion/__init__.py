@@ -1,6 +1,7 @@
 """Data ingestion: Parquet in, ``Batch`` es out.
 
-Synthetic data (:func:`generate_synthetic`), schema checks (:func:`validate_data`), the
+Synthetic data (:func:`generate_synthetic`), session-clustered data sets for RecD
+(:func:`cluster_data`, :func:`infer_dedup_groups`), schema checks (:func:`validate_data`), the
 per-worker row-group readers (``raydlrm.ingestion.reader``: each training worker reads its own
 row groups and preprocesses them with :class:`Preprocessor` on a Ray Data actor pool) and the
 conversion to :class:`raydlrm.batch.Batch` (:func:`iter_train_batches`, :func:`arrow_to_batch`).
@@ -17,10 +18,17 @@ from raydlrm._lazy import lazy_exports
 
 # The public names by the submodule that defines them (imported on first use).
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "clustered": (
+        "ClusterResult",
+        "cluster_data",
+        "data_bytes",
+        "read_rows",
+    ),
     "config": (
         "DataConfig",
         "SyntheticConfig",
     ),
+    "dedup": ("infer_dedup_groups",),
     "loader": (
         "arrow_to_batch",
         "iter_train_batches",

@@ -23,6 +23,12 @@ unreadable file or row group, one record naming it and its row count). The drive
 was quarantined there (:func:`quarantine_counts`), so rows read = rows trained + rows
 quarantined (+ rows an uneven split left out, counted separately), and logs the counts.
 
+Session-clustered data (``raydlrm.ingestion.clustered``) is checked where it is stored
+(:func:`apply_session_policy`): the per-session columns once per session, on the sessions
+file's rows, the others per sample. A sample is bad when its own columns are, when its
+session's are (the message names the sessions file, row group, row and session), or when its
+session has no row in the sessions file; a bad session sets all its samples aside.
+
 Records written while training reads the data are named after their source (file, row group)
 and their pass (``<run>.<role>-e<epoch>``, :func:`run_tag`): a row group read again after a
 restart (a resumed epoch re-reads the row groups it had not finished) overwrites its own record
@@ -53,7 +59,9 @@ __all__ = [
     "ROW_GROUP_COLUMN",
     "BadInputError",
     "apply_policy",
+    "apply_session_policy",
     "drop_tagging_columns",
+    "find_bad_ids",
     "find_bad_rows",
     "quarantine_counts",
     "quarantine_rows",
@@ -123,25 +131,38 @@ def _array(table: pa.Table, column: str) -> pa.Array:
     return chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
 
 
-def find_bad_rows(table: pa.Table, config: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+class _Reasons:
+    """The first problem found in each row of a batch."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.reasons = np.full(num_rows, None, dtype=object)
+
+    def flag(self, mask: np.ndarray, reason: str) -> None:
+        new = mask & (self.reasons == None)  # noqa: E711 (element-wise comparison)
+        self.reasons[new] = reason
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.reasons != None, self.reasons  # noqa: E711
+
+
+def find_bad_rows(
+    table: pa.Table, config: DataConfig, *, sparse_columns: list[str] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a raw batch that training cannot use, and why.
 
     Args:
         table: raw columns (label, dense, sparse, weight columns).
         config: the data config (column roles, hashing, list lengths, table sizes).
+        sparse_columns: the sparse columns to check (with their weight columns); default: all
+            of ``config.sparse_columns``.
 
     Returns:
         ``bad``: bool array, one per row; ``reasons``: object array of the same length, the
         first problem of each bad row (``"<kind> column '<name>': <problem>"``), None elsewhere.
     """
     table = decode_dictionaries(table)
-    n = table.num_rows
-    reasons = np.full(n, None, dtype=object)
-
-    def flag(mask: np.ndarray, reason: str) -> None:
-        new = mask & (reasons == None)  # noqa: E711 (element-wise comparison)
-        reasons[new] = reason
-
+    reasons = _Reasons(table.num_rows)
+    flag = reasons.flag
     label = _array(table, config.label_column)
     if label.null_count:
         flag(np.asarray(label.is_null()), f"label column {config.label_column!r}: null label")
@@ -159,10 +180,26 @@ def find_bad_rows(table: pa.Table, config: DataConfig) -> tuple[np.ndarray, np.n
             _beyond_float32(dense),
             f"dense column {column!r}: value outside float32's range (infinite in training)",
         )
-    for column in config.sparse_columns:
+    for column in config.sparse_columns if sparse_columns is None else sparse_columns:
         _check_sparse(table, column, config, flag)
-    bad = reasons != None  # noqa: E711
-    return bad, reasons
+    return reasons.result()
+
+
+def find_bad_ids(
+    table: pa.Table, config: DataConfig, *, columns: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``table`` whose sparse ``columns`` (or their weight columns) training cannot
+    use, and why: :func:`find_bad_rows`'s checks of those columns alone (e.g. on the rows of a
+    sessions file).
+
+    Returns:
+        ``bad`` and ``reasons`` per row, as :func:`find_bad_rows`.
+    """
+    table = decode_dictionaries(table)
+    reasons = _Reasons(table.num_rows)
+    for column in columns:
+        _check_sparse(table, column, config, reasons.flag)
+    return reasons.result()
 
 
 def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> None:
@@ -354,3 +391,114 @@ def apply_policy(table: pa.Table, config: DataConfig, *, tag: str | None = None)
         )
     quarantine_rows(table.filter(pa.array(bad)), reasons[bad], config, tag=tag)
     return table.filter(pa.array(~bad))
+
+
+def _where(table: pa.Table, row: int) -> str:
+    """``<file>, row group <g>, row <r>`` of a tagged raw row (``a batch`` untagged)."""
+    if FILE_COLUMN not in table.column_names:
+        return "a batch"
+    file = table.column(FILE_COLUMN)[row].as_py()
+    group = table.column(ROW_GROUP_COLUMN)[row].as_py()
+    return f"{file}, row group {group}, row {table.column(ROW_COLUMN)[row].as_py()}"
+
+
+def _session_reasons(
+    sessions: pa.Table, bad: np.ndarray, reasons: np.ndarray, *, session_column: str
+) -> np.ndarray:
+    """Each bad session's reason with the session and where it is (None for good ones),
+    written once per session and given to each of its samples."""
+    session_ids = sessions.column(session_column).to_numpy(zero_copy_only=False)
+    out = np.full(len(bad), None, dtype=object)
+    for at in np.flatnonzero(bad):
+        out[at] = f"{reasons[at]} (session {session_ids[at]}, {_where(sessions, int(at))})"
+    return out
+
+
+def _first_bad_sample(
+    samples: pa.Table,
+    sessions: pa.Table,
+    reasons: np.ndarray,
+    *,
+    session_reasons: np.ndarray,
+    flags: tuple[np.ndarray, np.ndarray, np.ndarray],
+    session_of: np.ndarray,
+    ids: np.ndarray,
+) -> BadInputError:
+    """The error naming the first bad sample of a row group of session-clustered data:
+    ``flags`` are the masks of all bad samples, of those bad by their session and of those
+    whose session is missing (see :func:`apply_session_policy`)."""
+    all_bad, inherited, lost = flags
+    first = int(np.flatnonzero(all_bad)[0])
+    where, reason = _where(samples, first), reasons[first]
+    if inherited[first]:
+        at = int(session_of[first])
+        where, reason = _where(sessions, at), f"{session_reasons[at]} (session {ids[first]})"
+    elif lost[first]:
+        file = sessions.column(FILE_COLUMN)[0].as_py() if sessions.num_rows else None
+        reason = f"session {ids[first]} has no row in the sessions file {file or ''}".strip()
+    return BadInputError(
+        f"bad input in {where}: {reason} ({int(all_bad.sum())} bad rows in this row "
+        "group; set data.bad_input = 'quarantine' to set them aside and continue)"
+    )
+
+
+def apply_session_policy(
+    samples: pa.Table,
+    sessions: pa.Table,
+    *,
+    session_of: np.ndarray,
+    session_column: str,
+    session_columns: list[str],
+    config: DataConfig,
+    tag: str | None = None,
+) -> np.ndarray:
+    """Applies ``data.bad_input`` to a row group of session-clustered data.
+
+    ``samples`` and ``sessions`` (``session_column`` and the per-session ``session_columns``)
+    are raw columns tagged with their file, row group and row; ``session_of`` (int64) is each
+    sample's row of ``sessions``, -1 when its session has none; ``tag`` names the pass whose
+    quarantine records these are (see :func:`quarantine_rows`).
+
+    Returns the mask of the samples to keep; under ``quarantine`` the others were written to
+    the quarantine with their session's columns and the reason.
+
+    Raises:
+        BadInputError: under ``fail``, naming the first bad sample (file, row group, row,
+            column, reason) or bad session (sessions file, row group, row, session).
+    """
+    per_sample = [c for c in config.sparse_columns if c not in session_columns]
+    per_session = [c for c in config.sparse_columns if c in session_columns]
+    bad, reasons = find_bad_rows(samples, config, sparse_columns=per_sample)
+    session_bad, session_reasons = find_bad_ids(sessions, config, columns=per_session)
+    missing = session_of < 0
+    inherited = ~bad & ~missing & np.append(session_bad, False)[session_of]
+    all_bad = bad | missing | inherited
+    if not all_bad.any():
+        return ~all_bad
+    ids = samples.column(session_column).to_numpy(zero_copy_only=False)
+    reasons = reasons.copy()
+    lost = missing & ~bad
+    reasons[lost] = np.char.add(
+        np.char.add("session ", ids[lost].astype(str)), " has no row in the sessions file"
+    )
+    per_session = _session_reasons(
+        sessions, session_bad, session_reasons, session_column=session_column
+    )
+    reasons[inherited] = per_session[session_of[inherited]]
+    if config.bad_input == "fail":
+        raise _first_bad_sample(
+            samples,
+            sessions,
+            reasons,
+            session_reasons=session_reasons,
+            flags=(all_bad, inherited, missing & ~bad),
+            session_of=session_of,
+            ids=ids,
+        )
+    at = session_of[all_bad]
+    user = sessions.select(session_columns).take(pa.array(np.maximum(at, 0), mask=at < 0))
+    rows = samples.filter(pa.array(all_bad))
+    names = [*rows.schema.names, *user.schema.names]
+    rows = pa.Table.from_arrays([*rows.columns, *user.columns], names)
+    quarantine_rows(rows, reasons[all_bad], config, tag=tag)
+    return ~all_bad

@@ -38,6 +38,16 @@ class SyntheticConfig:
     samples of a session."""
     mean_session_length: float = 4.0
     """Mean number of samples per session (geometric distribution)."""
+    user_history_length: float = 0.0
+    """Mean length of each user feature's id list (a user history, as RecD's data has): 0
+    keeps the user features single ids; otherwise each session draws, per user feature, a list
+    of ``1 + Poisson(user_history_length - 1)`` power-law ids that every sample of the session
+    repeats; the user features then take the largest cardinalities (a history lists items of
+    a large vocabulary). Must be 0 or at least 1."""
+    layout: Literal["samples", "clustered"] = "samples"
+    """How the files store the rows: ``samples``, one row per sample with every column;
+    ``clustered``, session-clustered (RecD): the user features once per session, beside the
+    samples (see ``raydlrm.ingestion.clustered``)."""
     max_cardinality: int = 100_000
     """Largest number of distinct raw ids of a feature; cardinalities are log-spaced up to it."""
     zipf_exponent: float = 1.05
@@ -119,6 +129,16 @@ class SyntheticConfig:
         if self.mean_session_length < 1:
             raise ValueError(
                 f"data.synthetic.mean_session_length must be >= 1, got {self.mean_session_length}"
+            )
+        if self.user_history_length != 0 and self.user_history_length < 1:
+            raise ValueError(
+                "data.synthetic.user_history_length must be 0 (single ids) or >= 1, got "
+                f"{self.user_history_length}"
+            )
+        if self.layout == "clustered" and self.num_user_features == 0:
+            raise ValueError(
+                "data.synthetic.layout = 'clustered' stores the user features once per session: "
+                "data.synthetic.num_user_features must be positive"
             )
         if not 0 <= self.dense_null_fraction < 1:
             raise ValueError(
@@ -251,6 +271,13 @@ class DataConfig:
     dedup_groups: list[list[str]] = field(default_factory=list)
     """Groups of sparse columns deduplicated together (RecD), e.g. the user features that repeat
     over a session: inside a batch, identical rows of a group are looked up once."""
+    dedup: Literal["groups", "infer"] = "groups"
+    """Where the dedup groups come from: ``groups``, exactly ``dedup_groups`` (none when
+    empty); ``infer``, ``dedup_groups`` when set, else one group inferred from the training
+    data before training starts: a session-clustered data set's user columns, or the sparse
+    columns found constant within the sessions (``session_column``) of a sample of a
+    sample-level data set. The inferred group is stored in ``dedup_groups`` (and so in every
+    checkpoint)."""
     session_column: str | None = "session_id"
     """Column whose equal, adjacent values form a session (e.g. a user's visit); shuffling moves
     whole sessions, so a session's samples stay in one batch (deduplication pays inside a

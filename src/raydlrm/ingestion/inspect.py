@@ -1,12 +1,15 @@
 """What a data set holds, seen through a config: ``raydlrm data inspect``.
 
 :func:`inspect_data` checks the footers (:func:`~raydlrm.ingestion.schema.validate_data`: files,
-rows, row groups, schema) and reads a sample of rows (the first ``max_rows``, in file order) to
-report the rows training would reject (bad input); per sparse column the null count, the
-distinct raw ids, the table rows those ids hash to and the mean id-list length; per dense
-column the null and non-finite counts; the label rate; and per dedup group the dedup ratio
-inside batches of ``data.batch_size`` consecutive rows (the data is read session by session,
-as training reads it).
+rows, row groups, schema) and reads a sample of rows (the first ``max_rows``, in file order; of a
+session-clustered data set, each sample joined with its session's columns) to report the rows
+training would reject (bad input); per sparse column the null count, the distinct raw ids, the
+table rows those ids hash to and the mean id-list length; per dense column the null and
+non-finite counts; the label rate; per dedup group the dedup ratio inside batches of
+``data.batch_size`` consecutive rows (the data is read session by session, as training reads
+it); and what RecD would gain: the sparse columns constant within sessions
+(``data.session_column``), the dedup factor over all sparse features (id lookups per distinct
+``(feature, id)`` pair in a batch) and the user features' share of the lookups.
 """
 
 from __future__ import annotations
@@ -17,38 +20,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from raydlrm.ingestion._arrow import decode_dictionaries, is_list
+from raydlrm.ingestion._arrow import is_list
 from raydlrm.ingestion.badinput import find_bad_rows
+from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.dedup import batch_dedup_factor, id_occurrences
+from raydlrm.ingestion.layout import layout_of
 from raydlrm.ingestion.preprocess import DEDUP_PREFIX, Preprocessor
-from raydlrm.ingestion.schema import validate_data
-from raydlrm.storage import filesystem_for
+from raydlrm.ingestion.schema import DataSummary, validate_data
+from raydlrm.ingestion.sessions import constant_columns
 
 __all__ = ["inspect_data"]
-
-
-def _sample(path: str, *, data: DataConfig, files: list[str], max_rows: int) -> pa.Table:
-    """The first ``max_rows`` rows of ``files`` (in order), the input columns only."""
-    filesystem = filesystem_for(path, data.storage)[0]
-    columns = data.input_columns()
-    tables, rows = [], 0
-    for file in files:
-        with filesystem.open_input_file(file) as f:
-            reader = pq.ParquetFile(f)
-            for batch in reader.iter_batches(batch_size=65_536, columns=columns):
-                # Files may differ in encoding (dictionary) and width (int32/int64,
-                # string/large_string), as training accepts: one type per column here too.
-                tables.append(decode_dictionaries(pa.Table.from_batches([batch])))
-                rows += batch.num_rows
-                if rows >= max_rows:
-                    return _concat(tables).slice(0, max_rows)
-    return _concat(tables)
-
-
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    return pa.concat_tables(tables, promote_options="permissive")
 
 
 def _flat(column: pa.ChunkedArray) -> pa.Array:
@@ -67,17 +50,21 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
     Returns:
         A JSON-ready dict: ``path``, ``files``, ``rows``, ``row_groups``, ``sampled_rows``,
         ``bad_rows_in_sample``, ``schema``, ``label_rate``, ``sparse`` and ``dense`` (per
-        column) and ``dedup`` (per group).
+        column), ``dedup`` (per group) and ``recd`` (``layout``, ``session_column``,
+        ``session_constant_columns``, ``user_columns`` and where they come from,
+        ``dedup_factor``, ``user_lookup_share``).
 
     Raises:
         DataValidationError: the data set is missing or does not match the config.
     """
     config = _inspecting(data)
     summary = validate_data(path, config, role="inspected")
-    files = list(dict.fromkeys(g.file for g in summary.row_groups))
-    sample = _sample(path, data=data, files=files, max_rows=max_rows)
+    session = _session_column(summary, data=data)
+    columns = [*data.input_columns(), *([session] if session else [])]
+    sample = read_rows(path, config, columns=columns, max_rows=max_rows, role="inspected")
     bad, _ = find_bad_rows(sample, data)
-    processed = Preprocessor(config)(sample.filter(pa.array(~bad)))
+    good = sample.filter(pa.array(~bad))
+    processed = Preprocessor(config)(good)
     return {
         "path": path,
         "files": summary.num_files,
@@ -93,6 +80,64 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
         },
         "dense": {column: _dense_report(sample.column(column)) for column in data.dense_columns},
         "dedup": _dedup_report(processed, data=data),
+        "recd": _recd_report(summary, data=data, sample=good, processed=processed, session=session),
+    }
+
+
+def _session_column(summary: DataSummary, *, data: DataConfig) -> str | None:
+    """The data set's session column: a clustered set's, else ``data.session_column`` when
+    the data has it."""
+    layout = layout_of(summary.schema)
+    if layout is not None:
+        return layout.session_column
+    column = data.session_column
+    return column if column is not None and column in summary.schema.names else None
+
+
+def _recd_report(
+    summary: DataSummary,
+    *,
+    data: DataConfig,
+    sample: pa.Table,
+    processed: pa.Table,
+    session: str | None,
+) -> dict[str, Any]:
+    """What RecD gains on the sample: the dedup factor over all sparse features (hashed ids,
+    as looked up, in batches of ``data.batch_size`` consecutive rows) and the user features'
+    share of the lookups; the user features are the dedup groups' columns, else a clustered
+    set's per-session columns, else the sparse columns constant within sessions."""
+    layout = layout_of(summary.schema)
+    constant, why = None, None
+    if session is None:
+        why = f"no session column (data.session_column = {data.session_column!r})"
+    else:
+        try:
+            constant = constant_columns(
+                sample, session_column=session, columns=data.sparse_columns, config=data
+            )
+        except ValueError as exc:
+            why = str(exc)
+    grouped = [c for g in data.dedup_groups for c in g]
+    if grouped:
+        user, source = grouped, "data.dedup_groups"
+    elif layout is not None:
+        user = [c for c in data.sparse_columns if c in layout.session_columns]
+        source = "per-session columns of the clustered layout"
+    else:
+        user, source = constant or [], "constant within sessions"
+    counts = {c: id_occurrences(processed, c)[0].size for c in data.sparse_columns}
+    total = sum(counts.values())
+    return {
+        "layout": "samples" if layout is None else "clustered",
+        "session_column": session,
+        "session_constant_columns": constant,
+        "session_constant_unknown_because": why,
+        "user_columns": user,
+        "user_columns_from": source,
+        "dedup_factor": batch_dedup_factor(
+            processed, columns=data.sparse_columns, batch_size=max(1, data.batch_size)
+        ),
+        "user_lookup_share": sum(counts[c] for c in user) / total if total else 0.0,
     }
 
 

@@ -10,6 +10,9 @@ group's ids); here, per training batch, ``np.unique`` over the keys gives the un
 inverse index of a :class:`~raydlrm.batch.DedupGroup`, after checking that rows sharing a key
 really hold the same ids. Dedup only pays inside a batch, so the batch is where it is done: the
 preprocessing batches of the actor pool are re-sliced into training batches on the way.
+Session-clustered data arrives already deduplicated: its reader makes every training batch (one
+Arrow record batch) with the per-session columns dictionary-encoded, and a dedup group of those
+columns is the dictionaries (unique rows) and their indices (inverse index), taken as they are.
 
 Because tensors may share the Arrow batch's read-only memory, consumers must not modify a
 batch's tensors in place; moving a batch to a device (or ``.clone()``) gives writable tensors.
@@ -42,12 +45,34 @@ __all__ = ["arrow_to_batch", "iter_train_batches"]
 
 
 def _array(table: pa.Table, column: str) -> pa.Array:
+    """One array of ``column``'s rows; a dictionary column decoded (its values per row)."""
     chunked = table.column(column)
+    if pa.types.is_dictionary(chunked.type):
+        dictionary, indices = _dictionary(chunked)
+        return dictionary.take(pa.array(indices))
     if chunked.num_chunks == 1:
         return chunked.chunk(0)
     if chunked.num_chunks == 0:
         return pa.array([], type=chunked.type)
     return pa.concat_arrays(chunked.chunks)
+
+
+def _dictionary(chunked: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+    """A dictionary column as one dictionary and int64 indices into it, shape ``(B,)``:
+    chunks' dictionaries are appended, not unified (Arrow cannot unify list dictionaries), so
+    a value may appear more than once."""
+    if chunked.num_chunks == 1:
+        chunk = chunked.chunk(0)
+        return chunk.dictionary, _numpy(chunk.indices).astype(np.int64)
+    if chunked.num_chunks == 0:
+        return pa.array([], type=chunked.type.value_type), np.empty(0, np.int64)
+    sizes = np.array([len(c.dictionary) for c in chunked.chunks], dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    indices = [
+        _numpy(c.indices).astype(np.int64) + s for c, s in zip(chunked.chunks, starts, strict=True)
+    ]
+    dictionary = pa.concat_arrays([c.dictionary for c in chunked.chunks])
+    return dictionary, np.concatenate(indices)
 
 
 def _numpy(array: pa.Array) -> np.ndarray:
@@ -143,6 +168,29 @@ def _dedup_group(
     )
 
 
+def _dictionary_group(table: pa.Table, keys: list[str], *, weighted: bool) -> DedupGroup:
+    """A dedup group whose columns (and weights) are dictionary arrays sharing their indices
+    (session-clustered data): the dictionaries are the unique rows, the indices the inverse
+    index; no row keys, no ``np.unique``.
+
+    Raises:
+        ValueError: the group's columns do not share one index (naming the group).
+    """
+    columns = [c for key in keys for c in (key, WEIGHT_PREFIX + key) if c in table.column_names]
+    parts = {c: _dictionary(table.column(c)) for c in columns}
+    inverse = parts[keys[0]][1]
+    if any(not np.array_equal(indices, inverse) for _, indices in parts.values()):
+        raise ValueError(f"dedup group {keys}: its dictionary columns have different indices")
+    unique = pa.table({c: dictionary for c, (dictionary, _) in parts.items()})
+    return DedupGroup(
+        unique=_kjt(unique, keys, weighted=weighted), inverse=torch.from_numpy(inverse)
+    )
+
+
+def _is_dictionary(table: pa.Table, column: str) -> bool:
+    return pa.types.is_dictionary(table.schema.field(column).type)
+
+
 def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     """Converts one preprocessed Arrow batch (output of ``Preprocessor``) to a ``Batch``.
 
@@ -150,7 +198,11 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
         table: ``B`` rows with ``label`` (float32), ``dense`` (``FixedSizeList<float32>[D]``),
             each of ``config.sparse_columns`` (int64 or ``list<int64>``, already hashed), their
             ``weight:<column>`` columns, the ``dedup:<i>`` row keys of the dedup groups and
-            optionally ``sample_id`` (int64). May be sliced or chunked.
+            optionally ``sample_id`` (int64). May be sliced or chunked. A sparse column (and
+            its weights) may be a dictionary array (session-clustered data): a dedup group of
+            such columns, sharing one index, is built from the dictionaries (unique rows) and
+            the indices (inverse index) and needs no ``dedup:<i>`` column; elsewhere such a
+            column is decoded.
         config: the data config; its ``sparse_columns`` give the KJT keys, in order.
 
     Returns:
@@ -170,7 +222,9 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     weighted = any(config.weight_column_of(c) is not None for c in config.sparse_columns)
     sparse = _kjt(table, [c for c in config.sparse_columns if c not in grouped], weighted=weighted)
     dedup_groups = [
-        _dedup_group(
+        _dictionary_group(table, list(group), weighted=weighted)
+        if all(_is_dictionary(table, c) for c in group)
+        else _dedup_group(
             table, list(group), _numpy(_array(table, f"{DEDUP_PREFIX}{i}")), weighted=weighted
         )
         for i, group in enumerate(config.dedup_groups)

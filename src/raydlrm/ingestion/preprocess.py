@@ -15,6 +15,14 @@ It turns a table of raw columns into
   rows with equal keys are deduplicated by the loader (which checks they are equal);
 - ``sample_id`` (int64), passed through when the input has it.
 
+Session-clustered data (``raydlrm.ingestion.clustered``; :meth:`Preprocessor.sessions`) is
+preprocessed where it is stored: the per-session columns (the user features) are checked,
+hashed and weighted once per session, on the sessions file's rows, and reach the training batch
+as dictionary arrays (:class:`SessionRows`): the dictionary holds the batch's sessions' hashed
+ids, the indices each sample's session, i.e. the unique values and the inverse index RecD
+looks up and sends. A dedup group made of per-session columns alone needs no ``dedup:<i>``
+keys: the loader takes its unique rows and inverse index from the dictionaries.
+
 Integer ids are hashed with the splitmix64 finalizer on unsigned 64-bit integers, string ids with
 64-bit FNV-1a over their UTF-8 bytes followed by the same finalizer, in NumPy: the mapping is the
 same in every process and on every machine (Python's ``hash()`` is salted per process and would
@@ -26,20 +34,27 @@ bytes buffer plus offsets (one NumPy pass per byte position), never per row.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from raydlrm.ingestion._arrow import decode_dictionaries, int64_bits, is_list, is_string
-from raydlrm.ingestion.badinput import apply_policy, drop_tagging_columns
+from raydlrm.ingestion.badinput import (
+    apply_policy,
+    apply_session_policy,
+    drop_tagging_columns,
+)
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
+from raydlrm.ingestion.sessions import session_rows
 
 __all__ = [
     "DEDUP_PREFIX",
     "WEIGHT_PREFIX",
     "Preprocessor",
+    "SessionRows",
     "compute_dense_stats",
     "hash_ids",
     "hash_strings",
@@ -159,6 +174,85 @@ def _single_array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     return column
 
 
+@dataclass
+class _Outputs:
+    """Output columns in order, and the row keys of the sparse ones that need them."""
+
+    names: list[str] = field(default_factory=list)
+    arrays: list[pa.Array] = field(default_factory=list)
+    keys: dict[str, np.ndarray] = field(default_factory=dict)  # uint64 per row, by column
+
+    def add(self, name: str, array: pa.Array) -> None:
+        self.names.append(name)
+        self.arrays.append(array)
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_arrays(self.arrays, names=self.names)
+
+
+@dataclass
+class _Processed:
+    outputs: _Outputs  # the per-sample columns
+    names: list[str]  # every output column, per-session ones included, in batch order
+
+
+@dataclass
+class SessionRows:
+    """A row group of session-clustered data, preprocessed; :meth:`batch` cuts it into
+    training batches whose per-session columns are dictionary-encoded.
+
+    Attributes:
+        samples: the per-sample output columns of the ``N`` samples (as :class:`Preprocessor`
+            makes them, without the per-session columns).
+        sessions: the per-session output columns of the row group's ``S`` sessions: the hashed
+            ids of each per-session sparse column and its ``weight:<column>`` column.
+        session_of: int64, shape ``(N,)``: each sample's row of ``sessions``.
+        names: the batches' columns, in order.
+    """
+
+    samples: pa.Table
+    sessions: pa.Table
+    session_of: np.ndarray
+    names: list[str]
+
+    @property
+    def num_rows(self) -> int:
+        return self.samples.num_rows
+
+    def batch(self, start: int, stop: int) -> pa.Table:
+        """Samples ``[start, stop)`` as one table of single-chunk columns: the per-sample
+        columns sliced (no copy), each per-session column a dictionary array whose dictionary
+        holds the batch's sessions (in order of their first sample) and whose int32 indices
+        give each sample's.
+
+        A session is one run of equal ``session_of`` values; a session the batch boundary cuts
+        is in both batches' dictionaries.
+        """
+        runs = self.session_of[start:stop]
+        new_run = np.empty(runs.size, dtype=bool)
+        new_run[:1] = True
+        np.not_equal(runs[1:], runs[:-1], out=new_run[1:])
+        indices = pa.array(np.cumsum(new_run, dtype=np.int32) - 1)
+        rows = pa.array(runs[new_run])
+        arrays = []
+        for name in self.names:
+            if name in self.sessions.column_names:
+                dictionary = _single_array(self.sessions.column(name)).take(rows)
+                arrays.append(pa.DictionaryArray.from_arrays(indices, dictionary))
+            else:
+                arrays.append(_single_array(self.samples.column(name)).slice(start, stop - start))
+        return pa.Table.from_arrays(arrays, names=self.names)
+
+
+def _used_sessions(sessions: pa.Table, session_of: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+    """The sessions that have samples (those of set-aside samples are not preprocessed), and
+    each sample's row among them."""
+    used = np.bincount(session_of, minlength=sessions.num_rows) > 0
+    if used.all():
+        return sessions, session_of
+    return sessions.filter(pa.array(used)), (np.cumsum(used) - 1)[session_of]
+
+
 class Preprocessor:
     """Turns raw columns into model-ready columns (see the module docstring for the output).
 
@@ -202,32 +296,122 @@ class Preprocessor:
             ValueError: naming a weight column misaligned with its ids.
             KeyError: naming a configured column that the table lacks.
         """
-        cfg = self.config
         table = decode_dictionaries(table)
-        table = drop_tagging_columns(apply_policy(table, cfg, tag=self.quarantine_tag))
-        names: list[str] = [cfg.label_column, "dense"]
-        arrays: list[pa.Array] = [self._label(table), self._dense(table)]
-        row_keys: dict[str, np.ndarray] = {}
+        table = drop_tagging_columns(apply_policy(table, self.config, tag=self.quarantine_tag))
+        return self._per_sample(table).outputs.table()
+
+    def sessions(
+        self,
+        samples: pa.Table,
+        sessions: pa.Table,
+        *,
+        session_column: str,
+        session_columns: list[str],
+    ) -> SessionRows:
+        """Preprocesses one row group of session-clustered data: the per-session columns once
+        per session (hashing, weights, their bad-input checks), the others per sample.
+
+        Args:
+            samples: raw columns of the ``N`` samples (label, dense, the per-sample sparse and
+                weight columns, ``session_column``, optionally ``sample_id``), each session's
+                samples contiguous, tagged with their file, row group and row for messages.
+            sessions: raw columns of the ``S`` sessions: ``session_column`` and the
+                per-session columns, tagged likewise.
+            session_column: the column naming each sample's session (in both tables).
+            session_columns: the columns stored per session (sparse columns, their weights).
+
+        Returns:
+            The preprocessed rows (bad ones set aside or raising, by ``data.bad_input``),
+            which :meth:`SessionRows.batch` cuts into training batches.
+
+        Raises:
+            BadInputError: under ``fail``, a bad sample, a bad session or a sample whose
+                session has no row, named.
+        """
+        samples, sessions = decode_dictionaries(samples), decode_dictionaries(sessions)
+        session_of = session_rows(samples.column(session_column), sessions.column(session_column))
+        keep = apply_session_policy(
+            samples,
+            sessions,
+            session_of=session_of,
+            session_column=session_column,
+            session_columns=session_columns,
+            config=self.config,
+            tag=self.quarantine_tag,
+        )
+        if not keep.all():
+            samples, session_of = samples.filter(pa.array(keep)), session_of[keep]
+        sessions, session_of = _used_sessions(sessions, session_of)
+        # Row keys of per-session columns are only needed by dedup groups that also hold
+        # per-sample columns; a group of per-session columns alone travels as dictionaries.
+        mixed = {
+            c for g in self.config.dedup_groups if not set(g) <= set(session_columns) for c in g
+        }
+        per_session = _Outputs()
+        for column in self.config.sparse_columns:
+            if column in session_columns:
+                self._add_sparse(per_session, sessions, column, key=column in mixed)
+        processed = self._per_sample(
+            drop_tagging_columns(samples), per_session=per_session, session_of=session_of
+        )
+        return SessionRows(
+            samples=processed.outputs.table(),
+            sessions=per_session.table(),
+            session_of=session_of,
+            names=processed.names,
+        )
+
+    def _add_sparse(self, out: _Outputs, table: pa.Table, column: str, *, key: bool) -> None:
+        """Adds sparse ``column`` of ``table`` (hashed) and its weights to ``out``, and its row
+        keys when ``key``."""
+        ids, keys = self._sparse(table, column, key=key)
+        out.add(column, ids)
+        if keys is not None:
+            out.keys[column] = keys
+        weight = self.config.weight_column_of(column)
+        if weight is not None:
+            out.add(WEIGHT_PREFIX + column, self._weights(table, column, weight))
+
+    def _per_sample(
+        self,
+        table: pa.Table,
+        *,
+        per_session: _Outputs | None = None,
+        session_of: np.ndarray | None = None,
+    ) -> _Processed:
+        """The per-sample output columns of ``table``; the columns of ``per_session`` (made
+        from the sessions' rows, ``session_of`` giving each sample's) are left to the batches,
+        and a dedup group made of them alone needs no row keys."""
+        cfg = self.config
+        outputs = _Outputs()
+        outputs.add(cfg.label_column, self._label(table))
+        outputs.add("dense", self._dense(table))
+        names = [cfg.label_column, "dense"]
+        shared = per_session.keys if per_session is not None else {}
+        grouped = {c for g in cfg.dedup_groups for c in g}
         for column in cfg.sparse_columns:
-            ids, key = self._sparse(table, column)
-            names.append(column)
-            arrays.append(ids)
-            row_keys[column] = key
-            weight = cfg.weight_column_of(column)
-            if weight is not None:
-                names.append(WEIGHT_PREFIX + column)
-                arrays.append(self._weights(table, column, weight))
+            if per_session is None or column not in per_session.names:
+                self._add_sparse(outputs, table, column, key=column in grouped)
+            weight = [WEIGHT_PREFIX + column] if cfg.weight_column_of(column) is not None else []
+            names += [column, *weight]
         for i, group in enumerate(cfg.dedup_groups):
+            if per_session is not None and all(c in per_session.names for c in group):
+                continue  # its batches carry it deduplicated (dictionary-encoded)
             key = np.zeros(table.num_rows, dtype=np.uint64)
             with np.errstate(over="ignore"):
                 for position, column in enumerate(group):
-                    key = mix64(key ^ (row_keys[column] + np.uint64(position)))
+                    column_key = outputs.keys.get(column)
+                    if column_key is None:
+                        column_key = shared[column][session_of]
+                    key = mix64(key ^ (column_key + np.uint64(position)))
+            outputs.add(f"{DEDUP_PREFIX}{i}", pa.array(key.view(np.int64)))
             names.append(f"{DEDUP_PREFIX}{i}")
-            arrays.append(pa.array(key.view(np.int64)))
         if SAMPLE_ID_COLUMN in table.column_names:
+            outputs.add(
+                SAMPLE_ID_COLUMN, _single_array(table.column(SAMPLE_ID_COLUMN)).cast(pa.int64())
+            )
             names.append(SAMPLE_ID_COLUMN)
-            arrays.append(_single_array(table.column(SAMPLE_ID_COLUMN)).cast(pa.int64()))
-        return pa.Table.from_arrays(arrays, names=names)
+        return _Processed(outputs=outputs, names=names)
 
     def _label(self, table: pa.Table) -> pa.Array:
         column = self.config.label_column
@@ -245,8 +429,11 @@ class Preprocessor:
             transform_dense(out[:, j], column, self.config)
         return pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), len(columns))
 
-    def _sparse(self, table: pa.Table, column: str) -> tuple[pa.Array, np.ndarray]:
-        """The hashed ids of ``column`` and a uint64 key per row of its ids (for dedup)."""
+    def _sparse(
+        self, table: pa.Table, column: str, *, key: bool
+    ) -> tuple[pa.Array, np.ndarray | None]:
+        """The hashed ids of ``column`` and, with ``key``, a uint64 key per row of its ids (for
+        dedup; None without)."""
         size = self.config.table_size_of(column)
         ids = _single_array(table.column(column))
         if ids.null_count:
@@ -260,16 +447,19 @@ class Preprocessor:
         else:
             hashed = (_raw_hash(values) % np.uint64(size)).view(np.int64)
         if offsets is None:
-            return pa.array(hashed), hashed.view(np.uint64)
+            return pa.array(hashed), hashed.view(np.uint64) if key else None
+        list_offsets = pa.array(offsets.astype(np.int32))
+        lists = pa.ListArray.from_arrays(list_offsets, pa.array(hashed))
+        if not key:
+            return lists, None
         # Row key of a list: its length and its ids in order (position-salted sum).
         positions = np.arange(hashed.size, dtype=np.int64) - np.repeat(
             offsets[:-1], np.diff(offsets)
         )
         salted = mix64(hashed.view(np.uint64) ^ mix64(positions))
         with np.errstate(over="ignore"):
-            key = _segment_sums(salted, offsets) + mix64(np.diff(offsets))
-        list_offsets = pa.array(offsets.astype(np.int32))
-        return pa.ListArray.from_arrays(list_offsets, pa.array(hashed)), key
+            row_keys = _segment_sums(salted, offsets) + mix64(np.diff(offsets))
+        return lists, row_keys
 
     def _weights(self, table: pa.Table, column: str, weight: str) -> pa.Array:
         """The per-id weights of ``column`` from ``weight``, aligned with its ids."""

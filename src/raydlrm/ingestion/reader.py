@@ -17,6 +17,18 @@ so a worker's batches are reproducible too.
 A worker that runs out of rows before the others keeps stepping with empty batches (see
 ``raydlrm.trainers.loop``) instead of the others dropping their last rows.
 
+Session-clustered data (``raydlrm.ingestion.clustered``; the schema says so) is read by
+:class:`SessionGroupReader`: a samples row group with its sessions row group, the per-session
+columns (user features) checked and hashed once per session. It cuts the training batches
+itself, ``data.batch_size`` samples inside one row group (the last one smaller), and gives each
+its per-session columns as Arrow dictionary arrays holding exactly that batch's sessions: the
+unique values and inverse index RecD looks up and sends. Arrow cannot unify dictionaries of
+lists, so batches must never be merged: each is yielded as its own table, which Ray Data keeps as
+one chunk (record batch) of the output block, and :meth:`WorkerSource.iter_batches` hands the
+chunks on one by one (``iter_batches(batch_size=None)``: blocks pass through unchanged). A block
+that Ray Data slices to its size limit (rows of a row group beyond ~128 MB) splits a batch in
+two, each still whole in itself.
+
 Data position (exactly-once resume): every output row carries the id of its row group (its
 index in the data set's list) and the row group's row count after preprocessing. The trainer
 counts, per row group, the rows it has trained on (:class:`EpochProgress`); a checkpoint holds
@@ -47,7 +59,8 @@ from raydlrm.ingestion.badinput import (
     quarantine_source,
 )
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.preprocess import Preprocessor
+from raydlrm.ingestion.layout import layout_of
+from raydlrm.ingestion.preprocess import Preprocessor, SessionRows
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, RowGroup
 from raydlrm.storage import filesystem_for
 
@@ -60,6 +73,7 @@ __all__ = [
     "RG_ROWS_COLUMN",
     "EpochProgress",
     "RowGroupReader",
+    "SessionGroupReader",
     "WorkerSource",
     "assign_row_groups",
     "default_num_actors",
@@ -230,6 +244,61 @@ def _session_order(table: pa.Table, column: str, rng: np.random.Generator) -> np
     return first + (np.arange(lengths.sum()) - offsets)
 
 
+class _RowGroupFiles:
+    """Reading one row group of a file, tagged, and shuffling its sessions: what both readers
+    do before preprocessing."""
+
+    def __init__(
+        self,
+        config: DataConfig,
+        *,
+        source_path: str,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        tag: str | None,
+    ) -> None:
+        self.config = config
+        self.seed, self.epoch, self.shuffle, self.tag = seed, epoch, shuffle, tag
+        self.filesystem, self.root = filesystem_for(source_path, config.storage)
+
+    def read(self, group: RowGroup, *, file: str, columns: list[str]) -> pa.Table | None:
+        """Row group ``group.index`` of ``file`` (the group's file, or its sessions file),
+        tagged with file, row group and row; None when it is unreadable and was quarantined
+        (recorded as the group's, with its rows)."""
+        try:
+            with self.filesystem.open_input_file(file) as f:
+                table = pq.ParquetFile(f).read_row_group(group.index, columns=columns)
+        except (OSError, pa.ArrowException) as exc:
+            reason = f"row group {group.index} of {file} is not readable: {exc}"
+            if self.config.bad_input == "fail":
+                raise BadInputError(reason) from exc
+            quarantine_source(
+                self.config,
+                file=group.file,
+                row_group=group.index,
+                num_rows=group.num_rows,
+                reason=reason,
+                tag=self.tag,
+            )
+            return None
+        n = table.num_rows
+        table = table.append_column(FILE_COLUMN, pa.array([file] * n, pa.string()))
+        table = table.append_column(ROW_GROUP_COLUMN, pa.array(np.full(n, group.index)))
+        return table.append_column(ROW_COLUMN, pa.array(np.arange(n)))
+
+    def shuffled(self, table: pa.Table, *, group: RowGroup, column: str | None) -> pa.Table:
+        """``table`` with its sessions (runs of ``column``) in this epoch's order, when
+        shuffling and the data has the column."""
+        if not self.shuffle or column is None or column not in table.column_names:
+            return table
+        # Seeded by the file's path inside the data set, not where the data set lies: the
+        # same data copied elsewhere trains to the same model.
+        salt = zlib.crc32(_relative(group.file, self.root).encode())
+        rng = epoch_rng(self.seed, self.epoch, salt, group.index)
+        return table.take(pa.array(_session_order(table, column, rng)))
+
+
 class RowGroupReader:
     """Reads, tags, shuffles and preprocesses row groups (a ``map_batches`` callable class).
 
@@ -260,15 +329,18 @@ class RowGroupReader:
         self.config = config
         self.columns = columns
         self.schema = schema
-        self.seed, self.epoch, self.shuffle, self.tag = seed, epoch, shuffle, tag
-        self.filesystem, self.root = filesystem_for(source_path, config.storage)
+        self.files = _RowGroupFiles(
+            config, source_path=source_path, seed=seed, epoch=epoch, shuffle=shuffle, tag=tag
+        )
         self.preprocess = Preprocessor(config, quarantine_tag=tag)
 
     def __call__(self, refs: pa.Table) -> pa.Table:
         tables = []
         for ref in refs.to_pylist():
-            table = self._read(RowGroup(**ref["group"]))
+            group = RowGroup(**ref["group"])
+            table = self.files.read(group, file=group.file, columns=self.columns)
             if table is not None and table.num_rows:
+                table = self.files.shuffled(table, group=group, column=self.config.session_column)
                 out = self.preprocess(table)
                 total = out.num_rows
                 out = out.slice(min(ref["skip"], total))
@@ -278,35 +350,89 @@ class RowGroupReader:
             return _with_position(empty, -1, 0)
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
-    def _read(self, group: RowGroup) -> pa.Table | None:
-        try:
-            with self.filesystem.open_input_file(group.file) as f:
-                table = pq.ParquetFile(f).read_row_group(group.index, columns=self.columns)
-        except (OSError, pa.ArrowException) as exc:
-            reason = f"row group {group.index} of {group.file} is not readable: {exc}"
-            if self.config.bad_input == "fail":
-                raise BadInputError(reason) from exc
-            quarantine_source(
-                self.config,
-                file=group.file,
-                row_group=group.index,
-                num_rows=group.num_rows,
-                reason=reason,
-                tag=self.tag,
-            )
+
+class SessionGroupReader:
+    """:class:`RowGroupReader` for session-clustered data (a ``map_batches`` callable class
+    whose calls are generators): reads a samples row group with its sessions row group,
+    shuffles the sessions, preprocesses the per-session columns once per session and yields
+    training batches of ``data.batch_size`` samples (a row group's last one smaller), each a
+    table whose per-session columns are dictionary arrays of exactly its sessions.
+
+    Each yielded table stays one chunk (record batch) of its Ray Data block, and the worker's
+    :class:`WorkerSource` hands the chunks on one by one, so no two batches' dictionaries
+    meet (Arrow cannot unify dictionaries of lists). A resumed row group's skipped rows are
+    whole batches (training counts whole batches), so its batches are cut as before.
+    Arguments as :class:`RowGroupReader`; ``schema`` is the marked training schema.
+    """
+
+    def __init__(
+        self,
+        config: DataConfig,
+        *,
+        source_path: str,
+        columns: list[str],
+        schema: pa.Schema,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        tag: str | None = None,
+    ) -> None:
+        layout = layout_of(schema)
+        assert layout is not None, "a clustered data set's schema is marked with its layout"
+        self.config, self.schema, self.layout = config, schema, layout
+        self.files = _RowGroupFiles(
+            config, source_path=source_path, seed=seed, epoch=epoch, shuffle=shuffle, tag=tag
+        )
+        self.preprocess = Preprocessor(config, quarantine_tag=tag)
+        per_session = set(layout.session_columns)
+        self.sample_columns = [c for c in columns if c not in per_session]
+        if layout.session_column not in self.sample_columns:
+            self.sample_columns.append(layout.session_column)
+        self.session_columns = [c for c in columns if c in per_session]
+
+    def __call__(self, refs: pa.Table) -> Iterator[pa.Table]:
+        empty = True
+        for ref in refs.to_pylist():
+            rows = self._rows(RowGroup(**ref["group"]))
+            if rows is None:
+                continue
+            total = rows.num_rows
+            for start in range(min(ref["skip"], total), total, self.config.batch_size):
+                stop = min(start + self.config.batch_size, total)
+                yield _with_position(rows.batch(start, stop), ref["id"], total)
+                empty = False
+        if empty:
+            yield self.empty_table()
+
+    def _rows(self, group: RowGroup) -> SessionRows | None:
+        """The row group's samples and sessions, preprocessed; None when unreadable."""
+        assert group.sessions_file is not None, "a clustered data set's row groups have one"
+        samples = self.files.read(group, file=group.file, columns=self.sample_columns)
+        if samples is None:
             return None
-        n = table.num_rows
-        table = table.append_column(FILE_COLUMN, pa.array([group.file] * n, pa.string()))
-        table = table.append_column(ROW_GROUP_COLUMN, pa.array(np.full(n, group.index)))
-        table = table.append_column(ROW_COLUMN, pa.array(np.arange(n)))
-        session = self.config.session_column
-        if self.shuffle and session is not None and session in table.column_names:
-            # Seeded by the file's path inside the data set, not where the data set lies: the
-            # same data copied elsewhere trains to the same model.
-            salt = zlib.crc32(_relative(group.file, self.root).encode())
-            rng = epoch_rng(self.seed, self.epoch, salt, group.index)
-            table = table.take(pa.array(_session_order(table, session, rng)))
-        return table
+        sessions = self.files.read(
+            group,
+            file=group.sessions_file,
+            columns=[self.layout.session_column, *self.session_columns],
+        )
+        if sessions is None:
+            return None
+        samples = self.files.shuffled(samples, group=group, column=self.layout.session_column)
+        return self._preprocess(samples, sessions)
+
+    def _preprocess(self, samples: pa.Table, sessions: pa.Table) -> SessionRows:
+        return self.preprocess.sessions(
+            samples,
+            sessions,
+            session_column=self.layout.session_column,
+            session_columns=self.session_columns,
+        )
+
+    def empty_table(self) -> pa.Table:
+        """A preprocessed batch of 0 rows (the structure of this data's batches)."""
+        samples = empty_raw_table(self.schema, self.sample_columns)
+        sessions = empty_raw_table(self.schema, [self.layout.session_column, *self.session_columns])
+        return _with_position(self._preprocess(samples, sessions).batch(0, 0), -1, 0)
 
 
 def _relative(file: str, root: str) -> str:
@@ -376,6 +502,7 @@ class WorkerSource:
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.num_actors, self.schema = num_actors, schema
         self.columns = read_columns(config, schema)
+        self.clustered = layout_of(schema) is not None
         self.epoch = 0
         self.resume: EpochProgress | None = None
         self.resume_world_size: int | None = None
@@ -399,8 +526,24 @@ class WorkerSource:
 
     def empty_table(self) -> pa.Table:
         """A preprocessed table of 0 rows (the structure of this data's batches)."""
+        if self.clustered:
+            return self._reader_class()(self.config, **self._reader_kwargs(0)).empty_table()
         empty = Preprocessor(self.config)(empty_raw_table(self.schema, self.columns))
         return _with_position(empty, -1, 0)
+
+    def _reader_class(self) -> type[RowGroupReader | SessionGroupReader]:
+        return SessionGroupReader if self.clustered else RowGroupReader
+
+    def _reader_kwargs(self, epoch: int) -> dict[str, Any]:
+        return {
+            "source_path": self.source_path,
+            "columns": self.columns,
+            "schema": self.schema,
+            "seed": self.seed,
+            "epoch": epoch,
+            "shuffle": self.shuffle,
+            "tag": None if self.quarantine_tag is None else f"{self.quarantine_tag}-e{epoch}",
+        }
 
     def dataset(self, epoch: int) -> Any:
         """The lazy Ray dataset of this worker's preprocessed rows in ``epoch`` (None when the
@@ -417,17 +560,8 @@ class WorkerSource:
             override_num_blocks=len(mine),
         )
         return refs.map_batches(
-            RowGroupReader,
-            fn_constructor_kwargs={
-                "config": self.config,
-                "source_path": self.source_path,
-                "columns": self.columns,
-                "schema": self.schema,
-                "seed": self.seed,
-                "epoch": epoch,
-                "shuffle": self.shuffle,
-                "tag": None if self.quarantine_tag is None else f"{self.quarantine_tag}-e{epoch}",
-            },
+            self._reader_class(),
+            fn_constructor_kwargs={"config": self.config, **self._reader_kwargs(epoch)},
             batch_size=1,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(
@@ -437,9 +571,23 @@ class WorkerSource:
         )
 
     def iter_batches(self, **kwargs: Any) -> Iterator[pa.Table]:
-        """This worker's batches of the next epoch (arguments as ``Dataset.iter_batches``)."""
+        """This worker's batches of the next epoch (arguments as ``Dataset.iter_batches``).
+
+        Session-clustered data: the readers' training batches, one table per record batch of
+        each block (``batch_size`` is ignored: the readers cut batches of ``data.batch_size``
+        inside each row group; a batch is never merged with another, whose per-session
+        dictionaries could not be unified). Batches of 0 rows are left out.
+        """
         epoch, self.epoch = self.epoch, self.epoch + 1
         dataset = self.dataset(epoch)
         self.resume = None  # a checkpoint's progress applies to its own epoch only
-        if dataset is not None:
+        if dataset is None:
+            return
+        if not self.clustered:
             yield from dataset.iter_batches(**kwargs)
+            return
+        blocks = dataset.iter_batches(**{**kwargs, "batch_size": None, "batch_format": "pyarrow"})
+        for block in blocks:
+            for batch in block.to_batches():
+                if batch.num_rows:
+                    yield pa.Table.from_batches([batch])

@@ -4,6 +4,13 @@
 the path exists, that it holds Parquet files with at least one row, and that every file has the
 label, every dense and every sparse column with a usable type. Each error names the path, the
 file and the column, so a wrong data set stops the job at submission, not hours into a run.
+
+A session-clustered data set (:mod:`raydlrm.ingestion.layout`) is checked as the pairs of files
+it is made of: each samples file needs its sessions file, with as many row groups and no more
+sessions than samples in each, the per-session columns in the sessions file and the others in
+the samples file. Its summary's schema is the training schema (the samples' columns and the
+per-session ones, marked with the layout) and each row group names its sessions file. Whether
+every sample's session has a row is checked when the row group is read (it needs the data).
 """
 
 from __future__ import annotations
@@ -13,12 +20,14 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydlrm.ingestion._arrow import decoded_type, is_list, is_string
 from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.storage import StorageError, list_files
+from raydlrm.ingestion.layout import ClusteredLayout, read_layout, sessions_file_of, with_layout
+from raydlrm.storage import StorageError, filesystem_for, list_files
 
 __all__ = [
     "SAMPLE_ID_COLUMN",
@@ -46,11 +55,14 @@ class RowGroup:
         file: the file's path as its filesystem names it (``bucket/key`` for S3).
         index: the row group's index in the file.
         num_rows: its rows (from the footer).
+        sessions_file: in a session-clustered data set, the sessions file whose row group
+            ``index`` holds the sessions of this one; None for sample-level data.
     """
 
     file: str
     index: int
     num_rows: int
+    sessions_file: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,7 +76,9 @@ class DataSummary:
         path: the data set's path, as given.
         num_rows: rows over all files (from the Parquet footers).
         num_files: number of Parquet files.
-        schema: the Arrow schema of the first file.
+        schema: the Arrow schema of the first file (of a session-clustered data set, its
+            training schema: the samples' columns and the per-session ones, marked with the
+            layout, see :func:`~raydlrm.ingestion.layout.layout_of`).
         list_columns: the sparse columns that hold id lists (the others hold one id per row).
         row_groups: every row group of the files that passed (the unit of reading).
         quarantined_files: files set aside under ``data.bad_input = "quarantine"``.
@@ -154,8 +168,12 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     Raises:
         DataValidationError: naming the path, file and column of the first problem found.
     """
+    try:
+        layout = read_layout(path, config.storage)
+    except ValueError as exc:
+        raise DataValidationError(f"{role} data: {exc}") from exc
     fragments = _fragments(path, config=config, role=role)
-    scan = _scan(fragments, config=config, role=role)
+    scan = _scan(fragments, config=config, role=role, layout=layout, path=path)
     schema = _schema_of_rows(scan, path=path, role=role)
     _check_weight_shapes(schema, config=config, role=role)
     _check_unhashed_ids(schema, config=config, role=role)
@@ -183,10 +201,12 @@ class _Scan:
 
 @dataclass(frozen=True)
 class _Footer:
-    """One file's Parquet footer and Arrow schema."""
+    """One file's Parquet footer and Arrow schema (of a clustered data set's samples file: the
+    training schema, and its sessions file)."""
 
     metadata: pq.FileMetaData
     schema: pa.Schema
+    sessions_file: str | None = None
 
 
 def _fragments(path: str, *, config: DataConfig, role: str) -> list[pads.ParquetFileFragment]:
@@ -212,14 +232,25 @@ def _expected_columns(config: DataConfig) -> list[tuple[str, str]]:
     ]
 
 
-def _scan(fragments: list[pads.ParquetFileFragment], *, config: DataConfig, role: str) -> _Scan:
-    """Checks every file's footer; a bad file fails the check, or is set aside under
-    ``data.bad_input = "quarantine"``."""
+def _scan(
+    fragments: list[pads.ParquetFileFragment],
+    *,
+    config: DataConfig,
+    role: str,
+    layout: ClusteredLayout | None,
+    path: str,
+) -> _Scan:
+    """Checks every file's footer (of a clustered data set, every pair of files); a bad file
+    fails the check, or is set aside under ``data.bad_input = "quarantine"``."""
     expected = _expected_columns(config)
+    root = filesystem_for(path, config.storage)[1]
     scan = _Scan()
     for fragment in fragments:
         try:
-            footer = _check_file(fragment, expected, role=role)
+            if layout is None:
+                footer = _check_file(fragment, expected, role=role)
+            else:
+                footer = _check_pair(fragment, expected, role=role, layout=layout, root=root)
         except DataValidationError as exc:
             if config.bad_input == "fail":
                 raise
@@ -234,7 +265,7 @@ def _scan(fragments: list[pads.ParquetFileFragment], *, config: DataConfig, role
         scan.schema = scan.schema or footer.schema
         scan.num_rows += footer.metadata.num_rows
         scan.row_groups.extend(
-            RowGroup(fragment.path, i, footer.metadata.row_group(i).num_rows)
+            RowGroup(fragment.path, i, footer.metadata.row_group(i).num_rows, footer.sessions_file)
             for i in range(footer.metadata.num_row_groups)
         )
     return scan
@@ -303,6 +334,63 @@ def _check_file(
             )
         _check_type(column, footer.schema.field(index).type, kind=kind, file=fragment.path)
     return footer
+
+
+def _check_pair(
+    fragment: pads.ParquetFileFragment,
+    expected: list[tuple[str, str]],
+    *,
+    role: str,
+    layout: ClusteredLayout,
+    root: str,
+) -> _Footer:
+    """The footer of a clustered data set's samples file, with the training schema, after
+    checking it and its sessions file: columns where they belong, as many row groups, no more
+    sessions than samples in each row group.
+
+    Raises:
+        DataValidationError: naming the file (missing, unreadable) or the column.
+    """
+    per_session = set(layout.session_columns)
+    key = (layout.session_column, "session")
+    samples = _check_file(
+        fragment, [key, *((c, k) for c, k in expected if c not in per_session)], role=role
+    )
+    path = sessions_file_of(fragment.path, root=root)
+    sessions_fragment = pads.ParquetFileFormat().make_fragment(path, filesystem=fragment.filesystem)
+    if fragment.filesystem.get_file_info(path).type != pafs.FileType.File:
+        raise DataValidationError(
+            f"{role} data file {fragment.path} has no sessions file {path} (clustered data set)"
+        )
+    sessions = _check_file(
+        sessions_fragment, [key, *((c, k) for c, k in expected if c in per_session)], role=role
+    )
+    both = sorted(per_session & set(samples.schema.names))
+    if both:
+        raise DataValidationError(
+            f"{role} data file {fragment.path} has per-session columns {both}, which belong in "
+            f"its sessions file {path} only"
+        )
+    groups = samples.metadata.num_row_groups
+    if sessions.metadata.num_row_groups != groups:
+        raise DataValidationError(
+            f"{role} data: sessions file {path} has {sessions.metadata.num_row_groups} row "
+            f"groups, its samples file {fragment.path} {groups}: row group i of each must hold "
+            "the same sessions"
+        )
+    for i in range(groups):
+        num_samples = samples.metadata.row_group(i).num_rows
+        num_sessions = sessions.metadata.row_group(i).num_rows
+        if num_sessions > num_samples or (num_samples and not num_sessions):
+            raise DataValidationError(
+                f"{role} data: row group {i} of sessions file {path} has {num_sessions} "
+                f"sessions for the {num_samples} samples of row group {i} of {fragment.path}"
+            )
+    extra = [sessions.schema.field(c) for c in layout.session_columns if c in sessions.schema.names]
+    schema = pa.schema([*samples.schema, *extra])
+    return _Footer(
+        metadata=samples.metadata, schema=with_layout(schema, layout), sessions_file=path
+    )
 
 
 def _footer_rows(fragment: pads.ParquetFileFragment) -> int:

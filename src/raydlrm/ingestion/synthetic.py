@@ -14,7 +14,14 @@ set. Columns:
 - ``C1..Cm`` int64 raw ids, the last ``num_list_features`` as ``list<int64>`` of 1 to
   ``max_list_length`` ids. Ids follow a power law over per-feature cardinalities log-spaced up to
   ``max_cardinality`` and are scrambled into the whole int64 range, so they must be hashed.
-  The first ``num_user_features`` are user features, identical over a session's samples.
+  The first ``num_user_features`` are user features, identical over a session's samples: single
+  ids, or with ``user_history_length`` (RecD-shaped data) id lists of ``1 + Poisson(mean - 1)``
+  power-law ids, drawn once per session (a user's history, repeated by each of its samples).
+
+With ``layout = "clustered"`` each split is written session-clustered
+(:mod:`raydlrm.ingestion.clustered`): ``<split>/samples/part-NNNNN.parquet`` without the user
+features, ``<split>/sessions/part-NNNNN.parquet`` with them once per session, and the marker
+``<split>/_clustered.json``; the rows are the same as the sample-level layout's.
 
 Labels are ``Bernoulli(sigmoid(logit))`` with a planted logit: a bias, a linear term on
 ``log1p`` of the (null-filled) dense features, per-id effects for half of the sparse features (a
@@ -42,10 +49,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raydlrm.ingestion.clustered import WRITE_OPTIONS, split_sessions
 from raydlrm.ingestion.config import SyntheticConfig
+from raydlrm.ingestion.layout import ClusteredLayout, write_layout
 from raydlrm.ingestion.preprocess import mix64
+from raydlrm.storage import SAMPLES_DIR, SESSIONS_DIR
 
 __all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic"]
 
@@ -62,6 +73,7 @@ _MIN_CARDINALITY = 4
 _DENSE_FRACTION = 0.3125
 # Seeds the features and factors of interaction terms beyond the first pair.
 _INTERACTION_CODE = 1
+_SESSION_COLUMN = "session_id"
 _AUC_BINS = 1 << 16
 _AUC_RANGE = 40.0
 
@@ -76,8 +88,9 @@ class SyntheticInfo:
         eval_path: directory of the evaluation files (None when there are no eval rows).
         num_train_rows: rows in the training split.
         num_eval_rows: rows in the evaluation split.
-        train_files: training Parquet files, in order.
-        eval_files: evaluation Parquet files, in order.
+        train_files: training Parquet files, in order (clustered: each samples file, then its
+            sessions file).
+        eval_files: evaluation Parquet files, in order (likewise).
         planted_auc: AUC of the planted logits on the evaluation labels, the ceiling a trainer
             can reach (None when there are no eval rows).
         positive_rate: fraction of positive labels over both splits.
@@ -153,6 +166,28 @@ def _per_row(values: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
     return np.add.reduceat(values, offsets[:-1].astype(np.int64)) / np.diff(offsets)
 
 
+def _user_histories(
+    config: SyntheticConfig,
+    rng: np.random.Generator,
+    *,
+    session: np.ndarray,
+    num_sessions: int,
+    cardinality: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One user feature's id lists: ranks ``(sum L,)`` and offsets ``(N + 1,)`` int32, a list
+    of ``1 + Poisson(user_history_length - 1)`` power-law ranks per session, repeated by each
+    of the session's samples (``session``: each row's session)."""
+    lengths = 1 + rng.poisson(config.user_history_length - 1, size=num_sessions)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    ranks = _zipf_ranks(rng, size=int(starts[-1]), cardinality=cardinality, s=config.zipf_exponent)
+    row_lengths = lengths[session]
+    offsets = np.zeros(session.size + 1, dtype=np.int32)
+    np.cumsum(row_lengths, out=offsets[1:])
+    # Each row's ids are its session's: the session's start plus the position in the list.
+    within = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], row_lengths)
+    return ranks[np.repeat(starts[session], row_lengths) + within], offsets
+
+
 def _sample_rows(
     config: SyntheticConfig, model: _PlantedModel, rng: np.random.Generator, num_rows: int
 ) -> _Rows:
@@ -174,7 +209,11 @@ def _sample_rows(
     offsets: list[np.ndarray | None] = []
     for f in range(config.num_sparse):
         card = int(model.cardinalities[f])
-        if f < config.num_user_features:
+        if f < config.num_user_features and config.user_history_length:
+            ranks, offs = _user_histories(
+                config, rng, session=session, num_sessions=num_sessions, cardinality=card
+            )
+        elif f < config.num_user_features:
             ranks = _zipf_ranks(rng, size=num_sessions, cardinality=card, s=config.zipf_exponent)
             ranks = ranks[session]
             offs = None
@@ -286,13 +325,27 @@ def _scale_for_auc(unit: np.ndarray, *, config: SyntheticConfig) -> float:
     return 0.5 * (lo + hi)
 
 
+def _histories_widest(cards: np.ndarray, *, config: SyntheticConfig) -> np.ndarray:
+    """With user histories, the user features swap cardinalities with the features holding the
+    largest ones (a history lists items of a large vocabulary); otherwise ``cards`` as is."""
+    users = config.num_user_features
+    if not config.user_history_length or not users:
+        return cards
+    cards = cards.copy()
+    widest = set(np.argsort(-cards, kind="stable")[:users].tolist())
+    inside = [f for f in range(users) if f not in widest]
+    outside = sorted(f for f in widest if f >= users)
+    cards[inside + outside] = cards[outside + inside]
+    return cards
+
+
 def _plant(config: SyntheticConfig) -> _PlantedModel:
     """Draws the planted model from the seed and calibrates its scales on a sample."""
     rng = np.random.default_rng([config.seed, _CALIBRATION_CODE, 0])
     f_count, d_count = config.num_sparse, config.num_dense
     low = min(_MIN_CARDINALITY, config.max_cardinality)
     cards = np.geomspace(low, config.max_cardinality, f_count).round().astype(np.int64)
-    cards = rng.permutation(cards)
+    cards = _histories_widest(rng.permutation(cards), config=config)
     salts = rng.integers(0, 2**63, size=(3, f_count), dtype=np.int64).view(np.uint64)
     with_effect = np.zeros(f_count, dtype=bool)
     with_effect[rng.permutation(f_count)[: max(1, f_count // 2)]] = True
@@ -353,7 +406,7 @@ def _file_table(
     sample_ids = np.arange(first_id, first_id + num_rows, dtype=np.int64)
     columns: dict[str, pa.Array] = {
         "sample_id": pa.array(sample_ids),
-        "session_id": pa.array(sample_ids[rows.session_start]),
+        _SESSION_COLUMN: pa.array(sample_ids[rows.session_start]),
         "label": pa.array(labels),
     }
     missing = np.isnan(rows.dense)
@@ -550,19 +603,33 @@ def _write_split(
     split_dir = out_dir / split
     split_dir.mkdir(parents=True, exist_ok=True)
     num_files = math.ceil(total / config.rows_per_file)
+    user_columns = [f"C{f + 1}" for f in range(config.num_user_features)]
     for index in range(num_files):
         num_rows = min(config.rows_per_file, total - index * config.rows_per_file)
         table, logit = _file_table(
             config, model, split=split, index=index, first_id=written.next_id, num_rows=num_rows
         )
-        path = _file_path(config, split_dir, split=split, index=index, num_files=num_files)
-        pq.write_table(table, path)
-        written.files[split].append(path)
+        if config.layout == "clustered":
+            split_rows = split_sessions(
+                table, session_column=_SESSION_COLUMN, session_columns=user_columns
+            )
+            parts = [(SAMPLES_DIR, split_rows.samples), (SESSIONS_DIR, split_rows.sessions)]
+        else:
+            parts = [("", table)]
+        for directory, rows in parts:
+            base = split_dir / directory
+            base.mkdir(exist_ok=True)
+            path = _file_path(config, base, split=split, index=index, num_files=num_files)
+            pq.write_table(rows, path, **(WRITE_OPTIONS if directory else {}))
+            written.files[split].append(path)
         labels = table.column("label").to_numpy()
         written.positives += int(labels.sum())
         if split == "eval":
             written.auc.update(logit, labels)
         written.next_id += num_rows
+    if config.layout == "clustered":
+        layout = ClusteredLayout(_SESSION_COLUMN, user_columns)
+        write_layout(layout, filesystem=pafs.LocalFileSystem(), root=str(split_dir.resolve()))
     logger.info("wrote %d %s rows in %d files to %s", total, split, num_files, split_dir)
 
 

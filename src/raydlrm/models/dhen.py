@@ -38,13 +38,12 @@ class _Dot(nn.Module):
     def __init__(self, n: int, dim: int, **_):
         super().__init__()
         rows, cols = torch.triu_indices(n, n)
-        self.register_buffer("_rows", rows, persistent=False)
-        self.register_buffer("_cols", cols, persistent=False)
+        self.register_buffer("_triu", rows * n + cols, persistent=False)  # flat positions
         self.out = nn.Linear(rows.numel(), n * dim)
         self.n, self.dim = n, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dots = torch.bmm(x, x.transpose(1, 2))[:, self._rows, self._cols]
+        dots = torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, self._triu)
         return self.out(dots).view(-1, self.n, self.dim)
 
 

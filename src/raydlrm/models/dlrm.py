@@ -59,8 +59,9 @@ class DLRMDense(nn.Module):
         self.bottom = mlp([num_dense, *bottom_mlp], final_activation=True)
         num_vectors = num_sparse + 1
         rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
-        self.register_buffer("_triu_rows", rows, persistent=False)
-        self.register_buffer("_triu_cols", cols, persistent=False)
+        # Flat positions in the B x (F+1)^2 dot products: one index_select (whose backward is
+        # an index_add) rather than advanced indexing (whose backward is a slower index_put).
+        self.register_buffer("_triu", rows * num_vectors + cols, persistent=False)
         num_interactions = num_vectors * (num_vectors - 1) // 2
         self.top = mlp([embedding_dim + num_interactions, *top_mlp, 1], final_activation=False)
 
@@ -71,7 +72,7 @@ class DLRMDense(nn.Module):
             [x.unsqueeze(1), pooled.view(-1, self.num_sparse, self.embedding_dim)], dim=1
         )  # B x (F+1) x D
         dots = torch.bmm(vectors, vectors.transpose(1, 2))  # B x (F+1) x (F+1)
-        interactions = dots[:, self._triu_rows, self._triu_cols]
+        interactions = dots.flatten(1).index_select(1, self._triu)
         return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
 
 

@@ -12,14 +12,18 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from raydlrm._errors import cause_line
 from raydlrm._logs import configure_driver
 from raydlrm.platform.config import ConfigError, load_config
-from raydlrm.storage import redact
+from raydlrm.storage import is_remote, redact
+
+if TYPE_CHECKING:
+    from raydlrm.platform.config import JobConfig
+    from raydlrm.sharding import ShardingPlan
 
 app = typer.Typer(
     help="Train deep-learning recommendation models (DLRMs) on Ray.",
@@ -28,7 +32,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 data_app = typer.Typer(
-    help="Data sets: generate synthetic data, inspect a data set.", no_args_is_help=True
+    help="Data sets: generate synthetic data, inspect a data set, cluster it by session (RecD).",
+    no_args_is_help=True,
 )
 config_app = typer.Typer(
     help="Run configs: show or validate the resolved config.", no_args_is_help=True
@@ -313,30 +318,14 @@ def plan(
         ),
     ] = False,
 ) -> None:
-    """Print the sharding plan of a config (a dry run: no Ray, no process group)."""
-    from raydlrm.platform.preflight import make_plan
-
+    """Print the sharding plan of a config (a dry run: no Ray, no process group). Like
+    training, it reads the training data's first rows for the tables' pooling factors and the
+    dedup groups' samples per unique row, when the data is there."""
     try:
         job = load_config(config, overrides=set_ or [])
         if calibrate:
-            from raydlrm.sharding import calibrate as measure
-            from raydlrm.sharding import save_constants
-            from raydlrm.sharding.tiers import ssd_directory
-
-            constants = measure(
-                ssd_directory=ssd_directory(job.sharding.ssd_path), kernel=job.sharding.kernel
-            )
-            path = save_constants(constants, job.sharding.cost_constants_path)
-            typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
-            typer.echo(
-                f"  lookups {constants.lookup_bytes_per_s:.3g} B/s, comm "
-                f"{constants.comm_bytes_per_s:.3g} B/s, latency "
-                f"{constants.collective_latency_s:.3g} s, ssd rows "
-                f"{constants.ssd_row_reads_per_s:.3g} reads/s, "
-                f"{constants.ssd_row_writes_per_s:.3g} write-backs/s",
-                err=True,
-            )
-        sharding_plan = make_plan(job)
+            _calibrate(job)
+        sharding_plan = _dry_plan(job)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     if as_json:
@@ -345,6 +334,52 @@ def plan(
         typer.echo(sharding_plan.format_summary())
     else:
         typer.echo(sharding_plan.format_table())
+
+
+def _calibrate(job: JobConfig) -> None:
+    """Measures the cost-model constants and stores them (``raydlrm plan --calibrate``)."""
+    from raydlrm.sharding import calibrate as measure
+    from raydlrm.sharding import save_constants
+    from raydlrm.sharding.tiers import ssd_directory
+
+    constants = measure(
+        ssd_directory=ssd_directory(job.sharding.ssd_path), kernel=job.sharding.kernel
+    )
+    path = save_constants(constants, job.sharding.cost_constants_path)
+    typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
+    typer.echo(
+        f"  lookups {constants.lookup_bytes_per_s:.3g} B/s, comm "
+        f"{constants.comm_bytes_per_s:.3g} B/s, latency "
+        f"{constants.collective_latency_s:.3g} s, ssd rows "
+        f"{constants.ssd_row_reads_per_s:.3g} reads/s, "
+        f"{constants.ssd_row_writes_per_s:.3g} write-backs/s",
+        err=True,
+    )
+
+
+def _dry_plan(job: JobConfig) -> ShardingPlan:
+    """The plan that training would make of ``job``: with the pooling factors and dedup
+    ratios of the training data's first rows when the data is there."""
+    from raydlrm.platform.preflight import (
+        data_shape,
+        make_plan,
+        resolve_dedup_groups,
+        resolve_paths,
+        validate_job_data,
+    )
+
+    shape = None
+    job = resolve_paths(job)
+    if is_remote(job.data.train_path) or Path(job.data.train_path).exists():
+        data = validate_job_data(job)
+        job = resolve_dedup_groups(job, data)
+        shape = data_shape(job, data)
+    else:
+        typer.echo(
+            f"no training data at {job.data.train_path} yet: every bag counted as one id",
+            err=True,
+        )
+    return make_plan(job, shape=shape)
 
 
 @data_app.command("generate")
@@ -423,6 +458,12 @@ def data_inspect(
             typer.echo(f"  {column:<12} nulls {c['nulls']}  non-finite {c['non_finite']}")
     for group in report["dedup"]:
         typer.echo(f"  dedup {'+'.join(group['columns'])}: ratio {group['ratio']:.2f}")
+    r = report["recd"]
+    typer.echo(
+        f"  recd: {r['layout']} layout; dedup factor {r['dedup_factor']:.2f} over all sparse "
+        f"features; user features {'+'.join(r['user_columns']) or 'none'} "
+        f"({r['user_columns_from']}) {r['user_lookup_share']:.1%} of lookups"
+    )
 
 
 @config_app.command("show")
@@ -568,3 +609,49 @@ def checkpoint_unshard(
 def main() -> None:
     """Console entry point."""
     app()
+
+
+@data_app.command("cluster")
+def data_cluster(
+    out: Annotated[str, typer.Option("--out", help="Directory of the clustered data set.")],
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    path: Annotated[
+        str | None,
+        typer.Option("--path", help="The sample-level data set (default: data.train_path)."),
+    ] = None,
+    columns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--column",
+            help="A sparse column to store once per session (repeatable; default: the "
+            "data.dedup_groups columns, else those constant within sessions).",
+        ),
+    ] = None,
+) -> None:
+    """Convert a sample-level data set to the session-clustered layout (RecD): the user
+    features once per session beside the samples, partitions kept; checks that each session
+    is contiguous and each user column constant within it (data.bad_input = "quarantine"
+    sets such sessions aside)."""
+    _setup_logging()
+    from raydlrm.ingestion.clustered import cluster_data
+
+    try:
+        job = load_config(config, overrides=set_ or [])
+        result = cluster_data(
+            path or job.data.train_path, job.data, out=out, session_columns=columns or None
+        )
+    except (*_bad_input_errors(), FileExistsError, ValueError) as e:
+        _fail(str(e))
+    ratio = result.source_bytes / max(1, result.clustered_bytes)
+    typer.echo(
+        f"wrote {result.num_samples} samples and {result.num_sessions} session rows "
+        f"({'+'.join(result.session_columns)} once per session) in {result.num_files} files to "
+        f"{result.out}; {result.source_bytes:,} -> {result.clustered_bytes:,} bytes "
+        f"({ratio:.2f}x smaller)"
+    )
+    if result.quarantined_sessions:
+        typer.echo(
+            f"set aside {result.quarantined_sessions} sessions ({result.quarantined_samples} "
+            "samples) whose user columns differ within the session"
+        )

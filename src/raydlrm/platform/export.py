@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import tempfile
 from collections.abc import Iterator
 from importlib import metadata
@@ -24,13 +25,13 @@ import mlflow
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as pads
 import torch
 
+from raydlrm._logs import quiet_libraries
 from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
+from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.schema import check_id_kinds
-from raydlrm.storage import list_files
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
 from raydlrm.trainers.checkpoint import STATE_FILE, check_intact
 from raydlrm.trainers.model_dir import SPEC_FILE, write_model_dir
@@ -43,6 +44,7 @@ __all__ = [
     "register_version",
     "save_model",
     "score_table",
+    "set_experiment",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,21 +98,11 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
         BadInputError: no file under ``path`` can be read.
     """
     columns = [c for c in data.input_columns() if c != data.label_column]
-    filesystem, files = list_files(path, data.storage, data.partitions_for(role))
-    errors = []
-    for file in files:  # the first readable file (a quarantined data set may hold broken ones)
-        try:
-            table = pads.dataset(file, format="parquet", filesystem=filesystem).head(
-                _EXAMPLE_ROWS, columns=columns
-            )
-        except (OSError, pa.ArrowException) as exc:
-            errors.append(f"{file}: {exc}")
-            continue
-        if table.num_rows:
-            return table.to_pandas()
-    raise BadInputError(
-        f"no readable rows under {path} for the model signature: " + "; ".join(errors[:3])
-    )
+    try:  # the first readable rows (a quarantined data set may hold broken files)
+        rows = read_rows(path, data, columns=columns, max_rows=_EXAMPLE_ROWS, role=role)
+    except BadInputError as exc:
+        raise BadInputError(f"for the model signature: {exc}") from None
+    return rows.select([c for c in columns if c in rows.column_names]).to_pandas()
 
 
 def _signature(example: pd.DataFrame) -> mlflow.models.ModelSignature:
@@ -202,7 +194,7 @@ def save_model(checkpoint_dir: str | Path, path: str | Path, example: pd.DataFra
 
 def _save(model_dir: Path, path: str | Path, example: pd.DataFrame) -> Path:
     mlflow.pyfunc.save_model(path=str(path), **_pyfunc_kwargs(model_dir, example))
-    logger.info("saved model to %s", path)
+    logger.debug("saved model to %s", path)  # the caller says where (the command line once)
     return Path(path)
 
 
@@ -274,6 +266,38 @@ def register_version(
     return int(version.version)
 
 
+def set_experiment(name: str, *, tracking_uri: str | None = None) -> Any:
+    """``mlflow.set_experiment(name)`` on ``tracking_uri`` (default: MLflow's), except that a
+    new experiment in a local SQLite store keeps its artifacts next to the database
+    (``<its directory>/mlruns/<name>``). MLflow's default is ``mlruns/`` under the working
+    directory, which under ``ray job submit`` is Ray's temporary copy of the upload, deleted
+    with the job (taking the registered model's files with it)."""
+    from mlflow.exceptions import MlflowException
+
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    root = _local_artifact_root(uri)
+    client = mlflow.MlflowClient(uri)
+    if root is not None and client.get_experiment_by_name(name) is None:
+        folder = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip(".") or "experiment"
+        try:
+            client.create_experiment(name, artifact_location=str(root / folder))
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another job created it meanwhile
+                raise
+    return mlflow.set_experiment(name)
+
+
+def _local_artifact_root(tracking_uri: str) -> Path | None:
+    """``mlruns/`` beside the database of a local SQLite tracking URI, else None."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    database = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    if not database or database == ":memory:":
+        return None
+    return Path(database).expanduser().resolve().parent / "mlruns"
+
+
 def export_model(
     checkpoint_dir: str | Path,
     *,
@@ -305,6 +329,7 @@ def export_model(
             directory that is not empty.
         CheckpointDamagedError: a training checkpoint whose files do not match its manifests.
     """
+    quiet_libraries()  # importing MLflow set its INFO lines going again
     data = _checked_export(checkpoint_dir, output=output, register=registered_model_name)
     if example_path is None and data.eval_path:
         example = example_rows(data.eval_path, data, role="eval")
@@ -316,9 +341,7 @@ def export_model(
         if output is not None:
             out["path"] = str(_save(model_dir, output, example))
         if registered_model_name is not None:
-            if tracking_uri:
-                mlflow.set_tracking_uri(tracking_uri)
-            experiment = mlflow.set_experiment(experiment_name)
+            experiment = set_experiment(experiment_name, tracking_uri=tracking_uri)
             with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
                 mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
             info = _log(model_dir, run.info.run_id, example, registered_model_name)

@@ -21,7 +21,7 @@ from ray.train import CheckpointConfig as RayCheckpointConfig
 from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raydlrm._logs import library_level, quiet_libraries, worker_level
+from raydlrm._logs import configure_api, library_level, quiet_libraries, worker_level
 from raydlrm.ingestion import DataSummary, default_num_actors
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.platform.config import JobConfig, load_config
@@ -29,8 +29,10 @@ from raydlrm.platform.export import example_rows, log_model
 from raydlrm.platform.preflight import (
     JobData,
     Preflight,
+    data_shape,
     make_plan,
     preflight,
+    resolve_dedup_groups,
     resolve_job,
     run_storage,
     validate_job_data,
@@ -109,12 +111,14 @@ def train(
         DataValidationError: missing or malformed data, before any training starts.
     """
     job = load_config(config, overrides=overrides)
+    configure_api()
     quiet_libraries()
     run_name = run_config.name if run_config and run_config.name else job.run_name()
     job = resolve_job(job, run_name=run_name, scaling_config=scaling_config)
     quarantined_before = quarantine_counts(job.data)
     data = validate_job_data(job)
-    plan = make_plan(job)
+    job = resolve_dedup_groups(job, data)
+    plan = make_plan(job, shape=data_shape(job, data))
     logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
     checked = preflight(job, plan, data=data, run_name=run_name)
     with run_lock(checked.job, run_name):  # one job per run, from here to the registered model

@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import ray.train
 from ray.train import ScalingConfig
@@ -55,11 +56,14 @@ from raydlrm.storage import filesystem_for, is_remote, join
 from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, check_state_matches
 
 __all__ = [
+    "DataShape",
     "JobData",
     "Preflight",
+    "data_shape",
     "make_plan",
     "preflight",
     "prepare_data",
+    "resolve_dedup_groups",
     "resolve_job",
     "resolve_paths",
     "run_storage",
@@ -194,6 +198,88 @@ def validate_job_data(job: JobConfig) -> JobData:
     )
 
 
+def resolve_dedup_groups(job: JobConfig, data: JobData) -> JobConfig:
+    """``job`` with the dedup group that ``data.dedup = "infer"`` asks for, when
+    ``data.dedup_groups`` is empty: a session-clustered training set's per-session columns, or
+    the sparse columns constant within the sessions of a sample-level one's first rows
+    (:func:`raydlrm.ingestion.dedup.infer_dedup_groups`). Stored in ``data.dedup_groups``, so
+    the plan, the workers, the checkpoints and the model see it: call it after
+    :func:`validate_job_data` and before :func:`make_plan`.
+
+    Raises:
+        ConfigError: nothing to infer (no session column, too few repeated sessions, no
+            constant column), naming ``data.dedup``.
+    """
+    from raydlrm.ingestion.dedup import infer_dedup_groups
+
+    if job.data.dedup != "infer" or job.data.dedup_groups:
+        return job
+    try:
+        groups = infer_dedup_groups(data.train, job.data)
+        return dataclasses.replace(job, data=dataclasses.replace(job.data, dedup_groups=groups))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What the planner's cost model reads off the training data's first rows."""
+
+    rows: int
+    """Rows read."""
+    pooling_factors: dict[str, float]
+    """Table name -> the mean ids per bag of its features."""
+    dedup_ratios: dict[str, float]
+    """Table name -> its dedup group's samples per unique row in a batch (tables of
+    ``data.dedup_groups`` only)."""
+
+
+def data_shape(job: JobConfig, data: JobData) -> DataShape:
+    """The pooling factor of every table and the dedup ratio of every deduplicated one
+    (:func:`~raydlrm.ingestion.dedup.group_row_ratio` in batches of ``data.batch_size``), read
+    off the training data's first rows (four batches, at least 10,000 rows, at most 100,000):
+    the planner costs lookups and bytes with them. Call it after
+    :func:`resolve_dedup_groups`."""
+    from raydlrm.ingestion.clustered import read_rows
+    from raydlrm.ingestion.dedup import group_row_ratio
+
+    config = job.data
+    table = read_rows(
+        data.train.path,
+        config,
+        columns=list(config.sparse_columns),
+        max_rows=min(max(10_000, 4 * config.batch_size), 100_000),
+    )
+    lengths = {
+        c: _mean_length(table.column(c)) for c in config.sparse_columns if c in table.column_names
+    }
+    pooling = {
+        name: sum(lengths.get(c, 1.0) for c in columns) / len(columns)
+        for name, columns in config.table_columns().items()
+    }
+    ratios = {}
+    for group in config.dedup_groups:
+        ratio = group_row_ratio(table, columns=list(group), batch_size=config.batch_size)
+        logger.info("dedup group %s: %.2f samples per unique row in a batch", group, ratio)
+        ratios.update(
+            (name, ratio)
+            for name, columns in config.table_columns().items()
+            if set(columns) <= set(group)
+        )
+    return DataShape(rows=table.num_rows, pooling_factors=pooling, dedup_ratios=ratios)
+
+
+def _mean_length(column: pa.ChunkedArray) -> float:
+    """Mean ids per row of a sparse column: its lists' mean length (a null list is empty), 1
+    for single ids."""
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return 1.0
+    if column.length() == 0:
+        return 1.0
+    lengths = pc.fill_null(pc.list_value_length(column), 0)
+    return float(pc.mean(lengths).as_py())
+
+
 def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
     """The bytes of embedding tables each worker may hold (see ``sharding.memory_budget``).
 
@@ -250,10 +336,12 @@ def _no_budget(why: str) -> None:
     )
 
 
-def make_plan(config: JobConfig) -> ShardingPlan:
+def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingPlan:
     """The sharding plan of the job's tables over ``scaling.num_workers`` ranks within
     :func:`worker_memory_budget`, costed with the calibrated constants at
-    ``sharding.cost_constants_path`` when that file exists.
+    ``sharding.cost_constants_path`` when that file exists, and with the data's pooling
+    factors and dedup ratios (``shape``, from :func:`data_shape`; without it every bag is
+    taken to hold one id and nothing to be deduplicated).
 
     Raises:
         ConfigError: sharding settings that cannot be planned, e.g. a table that does not fit
@@ -271,6 +359,8 @@ def make_plan(config: JobConfig) -> ShardingPlan:
             batch_size=config.data.batch_size,
             constants=constants,
             memory_budget=budget,
+            pooling_factors=None if shape is None else shape.pooling_factors,
+            dedup_ratios=None if shape is None else shape.dedup_ratios,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

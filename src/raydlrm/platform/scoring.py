@@ -25,6 +25,7 @@ import json
 import logging
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.layout import read_layout
 from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
 from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.storage import (
@@ -236,10 +239,12 @@ def score(
 
     Raises:
         FileNotFoundError: the model or the data is missing.
-        ValueError: the data lacks a column the model needs (named).
+        ValueError: ``output`` holds files already (checked first), or the data lacks a
+            column the model needs (named).
         DataValidationError: a sparse column holds ids of another kind (integer or string)
             than the model was trained on (named, with both kinds).
     """
+    _check_output(output, storage or StorageConfig())
     with model_files(model) as files:
         return _score(
             files,
@@ -251,6 +256,22 @@ def score(
             batch_size=batch_size,
             num_actors=num_actors,
         )
+
+
+def _check_output(output: str, storage: StorageConfig) -> None:
+    """Checks that ``output`` (local or ``s3://``) is a new or empty directory: Ray Data adds
+    its files to what is there, and a second scoring into the same directory would mix two
+    sets of predictions.
+
+    Raises:
+        ValueError: naming ``output`` when it is a file or a directory that holds files.
+    """
+    filesystem, path = filesystem_for(output, storage)
+    info = filesystem.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return
+    if info.type != pafs.FileType.Directory or filesystem.get_file_info(pafs.FileSelector(path)):
+        raise ValueError(f"output {output} exists and is not empty: give a new directory")
 
 
 def _bad_input_cause(exc: BaseException) -> BaseException | None:
@@ -273,7 +294,13 @@ def _data_config(files: ModelFiles) -> DataConfig:
 
 
 def _columns_to_keep(
-    data: str, schema: pa.Schema, *, needed: list[str], keep: list[str] | None, label: str
+    data: str,
+    schema: pa.Schema,
+    *,
+    needed: list[str],
+    keep: list[str] | None,
+    label: str,
+    storage: StorageConfig,
 ) -> list[str]:
     """The columns scored rows keep beside the prediction (default: ``sample_id`` and the label
     where present), after checking that the data holds the model's inputs.
@@ -282,6 +309,11 @@ def _columns_to_keep(
         ValueError: naming the data set and the missing columns.
     """
     missing = [c for c in needed if c not in schema.names]
+    if missing and read_layout(data, storage) is not None:
+        raise ValueError(
+            f"data set {data} is session-clustered (RecD; its sessions' columns {missing} are "
+            "in sessions/): scoring reads sample-level data, score the set it was clustered from"
+        )
     if missing:
         raise ValueError(f"data set {data} lacks the model's input columns {missing}")
     if keep is None:
@@ -314,7 +346,9 @@ def _score(
             footers.append(pq.read_metadata(f))
     schema = footers[0].schema.to_arrow_schema()
     needed = [c for c in data_config.input_columns() if c != data_config.label_column]
-    keep = _columns_to_keep(data, schema, needed=needed, keep=keep, label=data_config.label_column)
+    keep = _columns_to_keep(
+        data, schema, needed=needed, keep=keep, label=data_config.label_column, storage=storage
+    )
     check_id_kinds(schema, data_config, what=f"data set {data}")
     started = time.perf_counter()
     if not ray.is_initialized():
@@ -328,14 +362,7 @@ def _score(
         columns=list(dict.fromkeys(needed + keep)),
         include_paths=True,  # to name the file of a bad row
     )
-    scored = dataset.map_batches(
-        _Scorer,
-        fn_constructor_kwargs={"model": _model_for_actors(files), "keep": keep},
-        batch_size=batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
-        num_cpus=PREPROCESS_ACTOR_CPUS,
-    )
+    scored = _scored(dataset, files=files, keep=keep, batch_size=batch_size, num_actors=num_actors)
     out_fs, out_path = filesystem_for(output, storage)
     try:
         scored.write_parquet(out_path, filesystem=out_fs)
@@ -349,6 +376,32 @@ def _score(
     # (The command line prints the result; an evaluation's output is a directory it deletes.)
     logger.debug("scored %d rows of %s in %.1fs into %s", rows, data, seconds, output)
     return ScoreResult(rows=rows, output=output, seconds=seconds)
+
+
+def _scored(
+    dataset: Any, *, files: ModelFiles, keep: list[str], batch_size: int, num_actors: int
+) -> Any:
+    """``dataset`` scored by a pool of :class:`_Scorer` actors (a lazy Ray Data dataset)."""
+    import ray.data
+    from ray.util.annotations import RayDeprecationWarning
+
+    with warnings.catch_warnings():
+        # Ray 2.60 takes max_restarts only as one of map_batches' **ray_remote_args, which it
+        # says are to go in Ray 2.64 (with no named replacement yet).
+        warnings.filterwarnings("ignore", "`ray_remote_args`", RayDeprecationWarning)
+        return dataset.map_batches(
+            _Scorer,
+            fn_constructor_kwargs={"model": _model_for_actors(files), "keep": keep},
+            batch_size=batch_size,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),
+            num_cpus=PREPROCESS_ACTOR_CPUS,
+            # No actor restarts: Ray Data passes an actor's constructor arguments through the
+            # object store, from where a restart may not get them back, and Ray's core says so
+            # in an ERROR line per actor (ray-project/ray#53727) on every run's screen. A
+            # scoring job that lost an actor is rerun instead.
+            max_restarts=0,
+        )
 
 
 def evaluate(
@@ -367,8 +420,10 @@ def evaluate(
     ``model`` is a model URI or directory, or :func:`model_files` of one.
 
     Raises:
-        ValueError: the data set has no label column.
+        ValueError: the data set has no label column, or ``output`` holds files already.
     """
+    if output is not None:
+        _check_output(output, storage or StorageConfig())
     if not isinstance(model, ModelFiles):
         with model_files(model) as files:
             return evaluate(
@@ -397,16 +452,20 @@ def evaluate(
         )
         out_fs, out_path = filesystem_for(target, storage)
         table = pads.dataset(out_path, filesystem=out_fs, format="parquet").to_table()
+    result.output = output
+    result.metrics = {**_metrics(table, label=label), "rows": float(result.rows)}
+    return result
+
+
+def _metrics(table: pa.Table, *, label: str) -> dict[str, float]:
+    """AUC, log loss and normalized entropy of the predictions in ``table``: the training
+    metrics' definitions (raydlrm.trainers.metrics), on the predicted probabilities' logits
+    (clipped to 1e-7 from 0 and 1 as the log loss needs)."""
     labels = torch.from_numpy(table.column(label).to_numpy().astype(np.float64))
     probs = torch.from_numpy(table.column(PREDICTION_COLUMN).to_numpy().astype(np.float64))
-    result.output = output
-    # The training metrics' definitions (raydlrm.trainers.metrics), on the predicted
-    # probabilities' logits (clipped to 1e-7 from 0 and 1 as the log loss needs).
     metrics = binary_metrics(torch.logit(probs, eps=1e-7), labels)
-    result.metrics = {
+    return {
         "auc": metrics.auc,
         "log_loss": metrics.log_loss,
         "normalized_entropy": metrics.normalized_entropy,
-        "rows": float(result.rows),
     }
-    return result

@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from raydlrm.platform.launch import TrainResult
 
-__all__ = ["print_summary"]
+__all__ = ["mlflow_command", "print_summary"]
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return format(value, spec)
+
+
+def mlflow_command() -> str:
+    """How to run MLflow's command line here: ``mlflow`` when it is on ``PATH``, else the
+    ``mlflow`` beside this Python (a virtual environment that is not activated), relative to
+    the working directory when it is under it."""
+    beside = Path(sys.executable).parent / "mlflow"
+    if shutil.which("mlflow") or not beside.is_file():
+        return "mlflow"
+    relative = os.path.relpath(beside)
+    return str(beside) if relative.startswith("..") else relative
 
 
 def print_summary(result: TrainResult, *, console: Console | None = None) -> None:
@@ -69,7 +84,7 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
         )
     console.print(f"checkpoint: {result.checkpoint_path}", soft_wrap=True)
     console.print(
-        f"open the MLflow UI: mlflow ui --backend-store-uri {result.tracking_uri}",
+        f"open the MLflow UI: {mlflow_command()} ui --backend-store-uri {result.tracking_uri}",
         markup=False,
         highlight=False,
         soft_wrap=True,

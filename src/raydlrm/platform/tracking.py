@@ -23,12 +23,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
 from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri, flatten
+from raydlrm.platform.export import set_experiment
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import redact, with_scheme
 
@@ -192,8 +192,7 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
     same ``run_key`` (run storage and name), and logs the resolved config as params and an
     artifact."""
     uri = default_tracking_uri(config.tracking)
-    mlflow.set_tracking_uri(uri)
-    experiment = mlflow.set_experiment(config.tracking.experiment_name)
+    experiment = set_experiment(config.tracking.experiment_name, tracking_uri=uri)
     client = MlflowClient(uri)
     run = _existing_run(client, experiment.experiment_id, run_key) if run_key else None
     if run is not None:

@@ -37,7 +37,8 @@ def all_to_all(
     input_splits: list[int],
     output_splits: list[int],
     pg: ProcessGroup | None,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dist.Work]:
     """All-to-all of a 1-D tensor: ``input_splits[r]`` elements go to rank ``r``.
 
     Args:
@@ -45,13 +46,18 @@ def all_to_all(
         input_splits: elements sent to each rank.
         output_splits: elements received from each rank.
         pg: process group.
+        async_op: return at once, with the work to wait for (several exchanges then proceed
+            together).
 
     Returns:
-        Shape ``(sum(output_splits),)``: the blocks received, in source-rank order.
+        Shape ``(sum(output_splits),)``: the blocks received, in source-rank order (and the
+        work, with ``async_op``).
     """
     output = tensor.new_empty(sum(output_splits))
-    dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=pg)
-    return output
+    work = dist.all_to_all_single(
+        output, tensor.contiguous(), output_splits, input_splits, group=pg, async_op=async_op
+    )
+    return (output, work) if async_op else output
 
 
 def all_gather_ints(

@@ -314,6 +314,23 @@ class InputDistributor:
         ).index_add_(0, rank_of_bag, lengths)
         return lengths, values, weights, ids_per_rank.tolist()
 
+    def _count_bytes(
+        self,
+        send_bags: list[int],
+        send_ids: list[int],
+        *,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> None:
+        """Counts the ``input`` bytes sent to other ranks."""
+        sent_ids = sum(send_ids) - send_ids[self._rank]
+        sent_bags = sum(send_bags) - send_bags[self._rank]
+        self._comm_bytes.add("input", "lengths", sent_bags * lengths.element_size())
+        self._comm_bytes.add("input", "ids", sent_ids * values.element_size())
+        if weights is not None:
+            self._comm_bytes.add("input", "weights", sent_ids * weights.element_size())
+
     def _bag_permutation(self, batch_sizes: list[list[int]], total: int) -> torch.Tensor:
         """Bag index mapping ``(unit, global sample)`` order to the received
         ``(source rank, unit, sample)`` order (``total`` bags), int64."""
@@ -345,7 +362,11 @@ class InputDistributor:
         if world_size == 1:
             return LocalBags(lengths, values, weights, [[b] for b in local_batch])
         pg = pg or self._pg
-        batch_sizes = all_gather_ints(local_batch, device=self._device, pg=pg)
+        # One exchange of every rank's batch sizes and ids per destination: the splits of all
+        # three all-to-alls are then known, and they proceed together.
+        gathered = all_gather_ints(local_batch + send_ids, device=self._device, pg=pg)
+        classes = len(local_batch)
+        batch_sizes, recv_ids = gathered[:classes], gathered[classes + self._rank]
         local = self._class_units[self._rank]
         recv_bags = [
             sum(n * batch_sizes[c][s] for c, n in enumerate(local)) for s in range(world_size)
@@ -353,18 +374,20 @@ class InputDistributor:
         send_bags = [
             sum(n * b for n, b in zip(us, local_batch, strict=True)) for us in self._class_units
         ]
-        sent_ids = sum(send_ids) - send_ids[self._rank]
-        self._comm_bytes.add(
-            "input", "lengths", (sum(send_bags) - send_bags[self._rank]) * lengths.element_size()
-        )
-        self._comm_bytes.add("input", "ids", sent_ids * values.element_size())
-        if weights is not None:
-            self._comm_bytes.add("input", "weights", sent_ids * weights.element_size())
-        lengths = all_to_all(lengths, input_splits=send_bags, output_splits=recv_bags, pg=pg)
-        recv_ids = torch.stack([x.sum() for x in lengths.split(recv_bags)]).tolist()
-        values = all_to_all(values, input_splits=send_ids, output_splits=recv_ids, pg=pg)
-        if weights is not None:
-            weights = all_to_all(weights, input_splits=send_ids, output_splits=recv_ids, pg=pg)
+        self._count_bytes(send_bags, send_ids, lengths=lengths, values=values, weights=weights)
+        exchanges = [
+            all_to_all(t, input_splits=send, output_splits=recv, pg=pg, async_op=True)
+            for t, send, recv in (
+                (lengths, send_bags, recv_bags),
+                (values, send_ids, recv_ids),
+                (weights, send_ids, recv_ids),
+            )
+            if t is not None
+        ]
+        for _, work in exchanges:
+            work.wait()
+        lengths, values = exchanges[0][0], exchanges[1][0]
+        weights = exchanges[2][0] if weights is not None else None
         permutation = self._bag_permutation(batch_sizes, sum(recv_bags))
         if self._fbgemm:
             lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(

@@ -12,10 +12,12 @@ that land on contiguous output columns. Row-split shards' partial sums land on t
 columns; the first run to reach a column copies, the later ones add (a reduce-scatter done as an
 all-to-all plus a sum).
 
-A dedup group's class comes out with its ``U_g`` unique rows; the caller expands them to the
-batch with the group's inverse index. Expanding after the exchange rather than on the owning
-rank before it moves ``U_g`` rows instead of ``B``, and no inverse index has to travel: it
-always moves fewer bytes, so it is the only way taken.
+A dedup group's class arrives as its ``U_g`` unique rows: they are assembled into the class's
+own columns, expanded to the batch with the group's inverse index (a row gather) and placed on
+their output columns; the backward sums the gradient rows of a unique row's samples
+(``index_add``) before the exchange. Expanding after the exchange rather than on the owning rank
+before it moves ``U_g`` rows instead of ``B``, and no inverse index has to travel: it always
+moves fewer bytes, so it is the only way taken.
 
 The backward pass runs the same in reverse: the output gradient's runs are written, divided by
 the world size, straight into the send buffer of the reverse all-to-all; the received buffer is
@@ -44,7 +46,7 @@ from torch.distributed import ProcessGroup
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding.codecs import ColumnBlockCodec
 
-__all__ = ["ColumnRun", "OutputDist", "column_runs"]
+__all__ = ["ClassLayout", "ColumnRun", "OutputDist", "column_runs"]
 
 
 @dataclass(frozen=True)
@@ -100,41 +102,65 @@ Blocks = list[list[torch.Tensor]]
 """``blocks[r][c]``: a block of batch class ``c`` to or from rank ``r``."""
 
 
+@dataclass(frozen=True)
+class ClassLayout:
+    """Where one batch class's received columns go.
+
+    Attributes:
+        width: the class's columns (the sum of its features' dims).
+        runs: the received blocks' (and the replicated block's) columns on the output
+            columns, for a batch whose class has a row per sample.
+        compact_runs: the same columns on the class's own ``width`` columns, for a batch whose
+            class has a row per unique row (a dedup group).
+        placement: the class's own columns on the output columns (``block`` unused).
+    """
+
+    width: int
+    runs: list[ColumnRun]
+    compact_runs: list[ColumnRun]
+    placement: list[ColumnRun]
+
+
 @dataclass
 class OutputDist:
     """The static part of the output distribution of one rank (see the module docstring).
 
     Attributes:
-        runs: per batch class, the column runs of the received blocks (and the replicated
-            block) into the class's output.
-        num_columns: per batch class, its output columns (the sum of its features' dims).
+        classes: where each batch class's columns go.
+        num_columns: output columns (the sum of the features' dims).
         codecs: ``codecs[r][c]``, the codec of rank ``r``'s sharded columns of class ``c``; it
             encodes that rank's blocks, forward and backward.
         pg: process group.
         comm_bytes: counts the bytes sent.
     """
 
-    runs: list[list[ColumnRun]]
-    num_columns: list[int]
+    classes: list[ClassLayout]
+    num_columns: int
     codecs: list[list[ColumnBlockCodec]]
     pg: ProcessGroup | None
     comm_bytes: CommBytes
 
     def __call__(
-        self, pooled: list[torch.Tensor], batch_sizes: list[list[int]]
-    ) -> list[torch.Tensor]:
-        """This rank's rows of every batch class, in the class's feature order.
+        self,
+        pooled: list[torch.Tensor],
+        batch_sizes: list[list[int]],
+        inverses: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """This rank's samples' pooled embeddings, in feature order.
 
         Args:
             pooled: per class ``c``, ``(sum(batch_sizes[c]), D_rc + D_rep)``: this rank's
                 units of the class over the global batch, the sharded ones' ``D_rc =
                 codecs[rank][c].cols`` columns, then the replicated ones'.
-            batch_sizes: ``batch_sizes[c][r]``, the rows of class ``c`` on rank ``r``.
+            batch_sizes: ``batch_sizes[c][r]``, the rows of class ``c`` on rank ``r``; class 0
+                has a row per sample.
+            inverses: per class, the inverse index of its unique rows (shape ``(B,)``), or None
+                when the class has a row per sample.
 
         Returns:
-            Per class ``(batch_sizes[c][rank], num_columns[c])``.
+            ``(batch_sizes[0][rank], num_columns)``.
         """
-        return list(_OutputDistFn.apply(batch_sizes, self, *pooled))
+        return _OutputDistFn.apply(batch_sizes, inverses, self, *pooled)
 
     @property
     def exchanges(self) -> bool:
@@ -312,36 +338,47 @@ def _lossless(codec: ColumnBlockCodec, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and all(c.name == "fp32" for c, _ in codec.runs)
 
 
+def _copy_runs(runs: list[ColumnRun], blocks: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Copies (or adds) each run's columns of its block into ``out``."""
+    for run in runs:
+        src = blocks[run.block][:, run.src : run.src + run.width]
+        dst = out[:, run.dst : run.dst + run.width]
+        if run.accumulate:
+            dst.add_(src)
+        else:
+            dst.copy_(src)
+
+
 class _OutputDistFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, batch_sizes: list[list[int]], dist: OutputDist, *pooled: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        rank, world_size = rank_and_world_size(dist.pg)
+        ctx: Any,
+        batch_sizes: list[list[int]],
+        inverses: list[torch.Tensor | None],
+        dist: OutputDist,
+        *pooled: torch.Tensor,
+    ) -> torch.Tensor:
+        rank, _ = rank_and_world_size(dist.pg)
         sharded_cols = [c.cols for c in dist.codecs[rank]]
-        ctx.batch_sizes, ctx.dist = batch_sizes, dist
+        ctx.batch_sizes, ctx.inverses, ctx.dist = batch_sizes, inverses, dist
         ctx.replicated_cols = [p.shape[1] - n for p, n in zip(pooled, sharded_cols, strict=True)]
-        blocks = dist.forward_blocks(
+        received = dist.forward_blocks(
             [p[:, :n] for p, n in zip(pooled, sharded_cols, strict=True)], batch_sizes
         )
-        outs = []
-        for c, (p, runs) in enumerate(zip(pooled, dist.runs, strict=True)):
+        out = pooled[0].new_empty(batch_sizes[0][rank], dist.num_columns)
+        for c, (p, layout, inverse) in enumerate(zip(pooled, dist.classes, inverses, strict=True)):
             start, rows = sum(batch_sizes[c][:rank]), batch_sizes[c][rank]
-            local = p[start : start + rows, sharded_cols[c] :]
-            out = p.new_empty(rows, dist.num_columns[c])
-            for run in runs:
-                block = local if run.block == world_size else blocks[run.block][c]
-                src = block[:, run.src : run.src + run.width]
-                dst = out[:, run.dst : run.dst + run.width]
-                if run.accumulate:
-                    dst.add_(src)
-                else:
-                    dst.copy_(src)
-            outs.append(out)
-        return tuple(outs)
+            blocks = [r[c] for r in received] + [p[start : start + rows, sharded_cols[c] :]]
+            if inverse is None:
+                _copy_runs(layout.runs, blocks, out)
+                continue
+            unique = p.new_empty(rows, layout.width)
+            _copy_runs(layout.compact_runs, blocks, unique)
+            _copy_runs(layout.placement, [unique.index_select(0, inverse)], out)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         dist: OutputDist = ctx.dist
         rank, world_size = rank_and_world_size(dist.pg)
         rows = [sizes[rank] for sizes in ctx.batch_sizes]
@@ -349,7 +386,7 @@ class _OutputDistFn(torch.autograd.Function):
         # from it as they are), then the replicated ones of each class.
         shapes = [(n, c.cols) for codecs in dist.codecs for c, n in zip(codecs, rows, strict=True)]
         shapes += list(zip(rows, ctx.replicated_cols, strict=True))
-        buffer = grads[0].new_empty(sum(n * w for n, w in shapes))
+        buffer = grad.new_empty(sum(n * w for n, w in shapes))
         views = [
             b.view(n, w)
             for b, (n, w) in zip(buffer.split([n * w for n, w in shapes]), shapes, strict=True)
@@ -357,9 +394,16 @@ class _OutputDistFn(torch.autograd.Function):
         classes = len(rows)
         blocks = [views[s * classes : (s + 1) * classes] for s in range(world_size)]
         replicated = views[world_size * classes :]
-        for c, (grad, runs) in enumerate(zip(grads, dist.runs, strict=True)):
+        for c, (layout, inverse) in enumerate(zip(dist.classes, ctx.inverses, strict=True)):
+            source, runs = grad, layout.runs
+            if inverse is not None:  # the samples' gradient rows summed per unique row
+                expanded = grad.new_empty(grad.shape[0], layout.width)
+                for p in layout.placement:
+                    expanded[:, p.src : p.src + p.width].copy_(grad[:, p.dst : p.dst + p.width])
+                source = grad.new_zeros(rows[c], layout.width).index_add_(0, inverse, expanded)
+                runs = layout.compact_runs
             for run in runs:
-                src = grad[:, run.dst : run.dst + run.width]
+                src = source[:, run.dst : run.dst + run.width]
                 block = replicated[c] if run.block == world_size else blocks[run.block][c]
                 dst = block[:, run.src : run.src + run.width]
                 if world_size > 1:
@@ -369,9 +413,10 @@ class _OutputDistFn(torch.autograd.Function):
         sharded_numel = sum(n * w for n, w in shapes[: world_size * classes])
         grad_sharded = dist.backward_pooled(buffer[:sharded_numel], blocks, ctx.batch_sizes)
         if not any(ctx.replicated_cols):
-            return None, None, *grad_sharded
+            return None, None, None, *grad_sharded
         grad_replicated = dist.gather_replicated(replicated, ctx.batch_sizes)
         return (
+            None,
             None,
             None,
             *(torch.cat([s, r], dim=1) for s, r in zip(grad_sharded, grad_replicated, strict=True)),

@@ -70,7 +70,7 @@ from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig,
 from raydlrm.sharding._comm import CommBytes, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, TbeGroup, batch_classes, rank_units, tbe_groups
-from raydlrm.sharding._output_dist import OutputDist, column_runs
+from raydlrm.sharding._output_dist import ClassLayout, ColumnRun, OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import cache_rows, wire_bytes_per_vector
@@ -243,64 +243,68 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._init_weights(ebc)
 
     def _output_dist(self, units: list[list[LookupUnit]], config: ShardingConfig) -> OutputDist:
-        """The output distribution: per batch class, the output column (among the class's
-        features) of every column of the blocks received (sharded units of every rank, in rank
-        order), then of this rank's replicated units."""
+        """The output distribution: per batch class, the output column (or the column among
+        the class's own) of every column of the blocks received (sharded units of every rank,
+        in rank order), then of this rank's replicated units."""
         dims = dict(zip(self.feature_names, self.feature_dims, strict=True))
-        runs = []
+        output = _column_starts(self.feature_names, dims)
+        layouts = []
         for c, features in enumerate(self._class_features):
-            start = _column_starts(features, dims)
+            compact = _column_starts(features, dims)
 
-            def targets(us: list[LookupUnit], c: int = c, start: dict = start) -> list[int]:
-                return [
-                    start[u.feature] + col
-                    for u in us
-                    if u.batch_class == c
-                    for col in range(u.shard.col_start, u.shard.col_end)
-                ]
+            def runs(start: dict[str, int], c: int = c) -> list[ColumnRun]:
+                def targets(us: list[LookupUnit]) -> list[int]:
+                    return [
+                        start[u.feature] + col
+                        for u in us
+                        if u.batch_class == c
+                        for col in range(u.shard.col_start, u.shard.col_end)
+                    ]
 
-            runs.append(
-                column_runs(
+                return column_runs(
                     [targets([u for u in us if not u.replicated]) for us in units]
                     + [targets([u for u in units[self._rank] if u.replicated])]
                 )
+
+            placement = [output[f] + i for f in features for i in range(dims[f])]
+            layouts.append(
+                ClassLayout(
+                    width=len(placement),
+                    runs=runs(output),
+                    compact_runs=runs(compact),
+                    placement=column_runs([placement]),
+                )
             )
-        # The classes' outputs side by side, then in feature order (skipped when they are).
-        column = _column_starts([f for fs in self._class_features for f in fs], dims)
-        perm = [column[f] + i for f in self.feature_names for i in range(dims[f])]
-        self._in_order = perm == sorted(perm)
-        self._register("_columns", torch.tensor(perm, dtype=torch.int64))
         return OutputDist(
-            runs=runs,
-            num_columns=[sum(dims[f] for f in fs) for fs in self._class_features],
-            codecs=_output_codecs(
-                units, config, kernel=self.kernel, num_classes=len(self._class_features)
-            ),
+            classes=layouts,
+            num_columns=sum(self.feature_dims),
+            codecs=_output_codecs(units, config, kernel=self.kernel, num_classes=len(layouts)),
             pg=self._pg,
             comm_bytes=self._comm_bytes,
         )
 
     def _register_feature_buffers(self) -> None:
-        """Per batch class, per feature: its table's size (the id check) and dim, and whether
+        """Per feature: its table's size (the id check, per batch class) and dim, and whether
         it is a mean bag of a row-split table (pooled as sums by the shards, divided after the
-        exchange)."""
+        exchange); each class's features' positions."""
         table_of = {f: t for t in self.tables for f in t.feature_names}
         row_split = {t.name for t in self.plan.tables if t.sharding_type in _ROW_SPLIT}
-        self._has_row_split_mean = []
+        position = {f: i for i, f in enumerate(self.feature_names)}
         for c, features in enumerate(self._class_features):
             self._register(
                 f"_limits{c}",
                 torch.tensor([table_of[f].num_embeddings for f in features], dtype=torch.int64),
             )
-            mean = [
-                table_of[f].pooling == "mean" and table_of[f].name in row_split for f in features
-            ]
-            self._has_row_split_mean.append(any(mean))
-            self._register(f"_row_split_mean{c}", torch.tensor(mean, dtype=torch.bool))
             self._register(
-                f"_feature_dims{c}",
-                torch.tensor([table_of[f].embedding_dim for f in features], dtype=torch.int64),
+                f"_positions{c}", torch.tensor([position[f] for f in features], dtype=torch.int64)
             )
+        mean = [
+            table_of[f].pooling == "mean" and table_of[f].name in row_split
+            for f in self.feature_names
+        ]
+        self._has_row_split_mean = any(mean)
+        self._register("_row_split_mean", torch.tensor(mean, dtype=torch.bool))
+        self._register("_feature_dims", torch.tensor(self.feature_dims, dtype=torch.int64))
 
     def _build_tbes(self, config: ShardingConfig) -> None:
         """One TBE per group of this rank's units; an ``ssd`` group's over its mapped files, or
@@ -508,13 +512,20 @@ class ShardedEmbeddingBagCollection(ShardedTables):
     def _check_ids(self, kjt: KeyedJaggedTensor, batch_class: int) -> None:
         """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
         limit = getattr(self, f"_limits{batch_class}")
+        # Each feature's smallest and largest id (cheaper than comparing every id with its
+        # feature's limit); one synchronization.
+        extremes = torch.stack(
+            [
+                torch.stack(torch.aminmax(v)) if v.numel() else v.new_zeros(2)
+                for v in kjt.values.split(kjt.length_per_key().tolist())
+            ]
+        )
+        if not bool(((extremes[:, 0] < 0) | (extremes[:, 1] >= limit)).any()):
+            return
         limits = torch.repeat_interleave(
             limit, kjt.length_per_key(), output_size=kjt.values.numel()
         )
-        bad = (kjt.values < 0) | (kjt.values >= limits)
-        if not bool(bad.any()):
-            return
-        pos = int(torch.nonzero(bad)[0, 0])
+        pos = int(torch.nonzero((kjt.values < 0) | (kjt.values >= limits))[0, 0])
         feature = int(torch.searchsorted(kjt.offset_per_key(), pos, right=True)) - 1
         name = next(t.name for t in self.tables if kjt.keys[feature] in t.feature_names)
         raise ValueError(
@@ -608,34 +619,31 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         output all-to-all, the dedup groups' expansion), ``B x sum(D_f)`` in ``feature_names``
         order."""
         bags = routed.bags
-        outputs = self._output(self._lookup(bags), bags.batch_sizes)
+        values = self._output(self._lookup(bags), bags.batch_sizes, routed.inverses)
+        if self._has_row_split_mean:
+            values = self._divide_row_split_means(values, routed)
         for c, (kjt, inverse) in enumerate(zip(routed.kjts, routed.inverses, strict=True)):
-            if kjt is None:
-                continue
-            if self._has_row_split_mean[c]:
-                outputs[c] = self._divide_row_split_means(outputs[c], kjt, c)
-            if inverse is not None:
+            if kjt is not None and inverse is not None:
                 self._dedup.count(c, kjt, inverse, bags.batch_sizes)
-                outputs[c] = outputs[c].index_select(0, inverse)
-        values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        if not self._in_order:
-            values = values.index_select(1, self._columns)
         return KeyedTensor(
             keys=list(self.feature_names), dims=list(self.feature_dims), values=values
         )
 
-    def _divide_row_split_means(
-        self, values: torch.Tensor, kjt: KeyedJaggedTensor, c: int
-    ) -> torch.Tensor:
-        """Divides the row-split mean bags of class ``c``, pooled as sums, by their lengths."""
-        lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size)
+    def _divide_row_split_means(self, values: torch.Tensor, routed: _Routed) -> torch.Tensor:
+        """Divides the row-split mean bags, pooled as sums, by their lengths."""
+        lengths = values.new_empty(len(self.feature_names), values.shape[0])
+        for c, (kjt, inverse) in enumerate(zip(routed.kjts, routed.inverses, strict=True)):
+            if kjt is None:
+                continue
+            rows = kjt.lengths.view(len(kjt.keys), kjt.batch_size).to(values.dtype)
+            lengths[getattr(self, f"_positions{c}")] = rows if inverse is None else rows[:, inverse]
         scale = torch.where(
-            getattr(self, f"_row_split_mean{c}").unsqueeze(1),
-            1.0 / lengths.clamp(min=1).to(values.dtype),
+            self._row_split_mean.unsqueeze(1),
+            1.0 / lengths.clamp(min=1),
             torch.ones((), dtype=values.dtype, device=values.device),
         )
         return values * scale.t().repeat_interleave(
-            getattr(self, f"_feature_dims{c}"), dim=1, output_size=values.shape[1]
+            self._feature_dims, dim=1, output_size=values.shape[1]
         )
 
     def dedup_stats(self) -> dict[str, dict[str, float]]:
