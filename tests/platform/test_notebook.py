@@ -160,3 +160,14 @@ def test_notebook_scores_raw_rows_with_mlflow(executed) -> None:
     assert all(0.0 < p < 1.0 for p in predictions)
     assert len(set(predictions)) > 1  # the rows differ, so do their scores
     assert "prediction" in _text(_cell(nb, "score"))
+    stderr = [o.text for o in _cell(nb, "score").outputs if o.get("name") == "stderr"]
+    assert not any("extra inputs" in text for text in stderr), stderr
+
+
+def test_notebook_scores_the_signatures_columns() -> None:
+    """MLflow warns about every column its signature lacks (label, sample id): the scoring cell
+    passes the signature's input columns, as README's snippet does."""
+    nbformat = pytest.importorskip("nbformat")
+    source = _cell(nbformat.read(NOTEBOOK, as_version=4), "score").source
+    assert "get_input_schema().input_names()" in source
+    assert "model.predict(rows)" not in source
