@@ -104,3 +104,69 @@ def test_lines_move_between_reports_with_the_workers_progress_file(tmp_path: Pat
     seen = [int(line.split()[1].split("/")[0]) for line in progress.lines]
     assert seen == sorted(seen) and seen[-1] == 1000
     assert "epoch 1" in progress.lines[-1] and "samples/s since the start" in progress.lines[-1]
+
+
+def test_a_resumed_jobs_rate_counts_only_the_samples_it_trained(tmp_path: Path) -> None:
+    """A job that resumes from a checkpoint of 5,000 samples trains 1,000 more in >= 1.5 s: its
+    lines show the run's count (6,000) and a rate of this job's samples (at most ~660/s; the
+    restored ones would make it thousands). The previous job's progress file is not read."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from raydlrm.trainers.hooks import PROGRESS_FILE, ProgressBeacon
+
+    client, run_id = _run(tmp_path)
+    stale = {"step": 60, "epoch": 0, "samples": 5_400, "restored": 0, "time": 0.0}
+    (tmp_path / PROGRESS_FILE).write_text(json.dumps(stale))
+    beacon = ProgressBeacon(str(tmp_path), storage=None, world_size=2, every_s=0.1)
+    batch = type("B", (), {"batch_size": 50})()
+
+    def train() -> None:
+        for step in range(51, 61):
+            beacon("step", rank=0, step=step, epoch=0, batch=batch, samples_seen=5_000)
+            time.sleep(0.15)
+
+    progress = TrainingProgress(
+        client,
+        run_id,
+        total_samples=10_000,
+        mode="lines",
+        progress_file=(pafs.LocalFileSystem(), str(tmp_path / PROGRESS_FILE)),
+        poll_s=0.05,
+        line_interval_s=0.25,
+    )
+    with progress:
+        time.sleep(0.3)  # the stale file, were it read, would give a line now
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join()
+    seen = [int(line.split()[1].split("/")[0]) for line in progress.lines]
+    assert seen and all(5_000 < s <= 6_000 for s in seen) and seen[-1] == 6_000, progress.lines
+    assert "(5000 restored)" in progress.lines[-1]
+    rates = [float(line.split(" samples/s")[0].rsplit(" ", 1)[1]) for line in progress.lines]
+    assert 0 < rates[-1] < 1_000, progress.lines
+
+
+def test_no_line_before_this_job_trains_a_sample(tmp_path: Path) -> None:
+    """Neither a line of 0 samples nor one of only the restored samples."""
+    import pyarrow.fs as pafs
+
+    from raydlrm.trainers.hooks import PROGRESS_FILE
+
+    client, run_id = _run(tmp_path)
+    path = tmp_path / PROGRESS_FILE
+    progress = TrainingProgress(
+        client,
+        run_id,
+        total_samples=1000,
+        mode="lines",
+        progress_file=(pafs.LocalFileSystem(), str(path)),
+        poll_s=0.05,
+        line_interval_s=0.0,
+    )
+    with progress:
+        time.sleep(0.2)  # no record, no metrics: 0 samples
+        path.write_text('{"step": 5, "epoch": 0, "samples": 500, "restored": 500}')
+        time.sleep(0.2)  # only the restored samples
+    assert progress.lines == []

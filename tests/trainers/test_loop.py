@@ -108,9 +108,11 @@ def _run(
     half = evaluation.num_rows // world_size
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
     losses: list[float] = []
+    counted: list[int | None] = []  # the samples_seen the step hooks get
 
-    def record_loss(moment, *, batch=None, loss=None, **_):  # the global loss of every step
-        if moment == "step":
+    def record_loss(moment, *, batch=None, loss=None, samples_seen=None, **_):
+        if moment == "step":  # the global loss of every step
+            counted.append(samples_seen)
             total = loss * batch.batch_size
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(total)
@@ -150,6 +152,7 @@ def _run(
     state = unsharded_state_dict(trainer)  # a collective; the full model on rank 0
     return {
         "losses": losses,
+        "counted": counted,
         "final": final,
         "reports": reports,
         "state": state,
@@ -170,6 +173,8 @@ def test_single_process_run_pins_first_losses(data_dir: Path, caplog) -> None:
     losses = out["losses"]
     assert len(losses) == 10
     assert losses[:4] == pytest.approx(PINNED_LOSSES, abs=1e-5)
+    assert out["counted"][0] == 0  # no checkpoint: nothing restored (the progress file's base)
+    assert all(isinstance(n, int) for n in out["counted"]), out["counted"]
     reports = out["reports"]
     # Log steps, evaluations, the final checkpoint (step 10), then the final evaluation.
     assert [r["step"] for r in reports] == [2, 3, 4, 6, 8, 9, 10, 10, 10]

@@ -7,14 +7,18 @@ workers' metrics reports reach through the Train controller (``raydlrm.platform.
 the last training loss, the exact sample count). A report is a barrier across the workers and
 comes every ``training.log_every_steps``, maybe minutes apart; the file is a small write by one
 worker, so the progress moves between reports. In a terminal (stderr is a TTY, or a notebook)
-a ``rich`` progress bar shows the rate and time left; under ``ray job submit``, a scheduler or a
-pipe one line every ``line_interval_s`` seconds when something moved, whose samples/s are over
-the wall time since the start (start-up included; the summary's throughput counts training
-steps only). ``run.progress`` chooses (``auto``, ``bar``, ``lines``, ``off``).
+a ``rich`` progress bar shows the rate and time left; under ``ray job submit``, a scheduler
+or a pipe one line every ``line_interval_s`` seconds when this job has trained something and
+it moved. The samples shown count those restored from a checkpoint (a resume continues the
+run's count); the line's samples/s count only the samples trained by this job, over the wall
+time since training was launched (Ray Train's and the workers' start-up included; the
+summary's throughput counts training steps only). ``run.progress`` chooses (``auto``, ``bar``,
+``lines``, ``off``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -87,12 +91,14 @@ class TrainingProgress:
         self._started = time.monotonic()
         self._last_line = -float("inf")
         self._last_samples = -1
+        self._restored: int | None = None  # samples restored when this job started
         self._bar: Any = None
         self._task: Any = None
 
     def __enter__(self) -> TrainingProgress:
         if self.mode == "off":
             return self
+        self._remove_stale_file()
         if self.mode == "bar":
             from rich.progress import (
                 BarColumn,
@@ -139,6 +145,15 @@ class TrainingProgress:
             except Exception as exc:  # progress must never break training
                 logger.debug("progress poll failed: %s", exc)
 
+    def _remove_stale_file(self) -> None:
+        """Removes the progress file a previous job of this run left (a resume): its samples
+        and restored count are not this job's."""
+        if self.progress_file is None:
+            return
+        filesystem, path = self.progress_file
+        with contextlib.suppress(OSError, ValueError):  # none: a new run
+            filesystem.delete_file(path)
+
     def _beacon(self) -> dict[str, Any]:
         """The workers' last progress record (empty before the first)."""
         if self.progress_file is None:
@@ -163,21 +178,34 @@ class TrainingProgress:
         epoch = int(max(metrics.get("epoch", 0), beacon.get("epoch") or 0))
         loss = metrics.get("train/loss")
         status = f"epoch {epoch}" + (f", loss {loss:.4f}" if loss is not None else "")
+        if self._restored is None and "restored" in beacon:
+            # The first record of this job: the count its workers restored. Workers that
+            # restart after a failure restore samples this job trained; those stay counted.
+            self._restored = int(beacon["restored"])
+            if self._bar is not None:  # the time left from this job's rate, not the jump
+                self._bar.reset(self._task, completed=self._restored, status=status)
         if self._bar is not None:
             self._bar.update(self._task, completed=samples, status=status)
             return
+        self._line(samples, status=status, final=final)
+
+    def _line(self, samples: int, *, status: str, final: bool) -> None:
+        """Logs a progress line when one is due and this job has trained samples since the
+        last one."""
+        trained = samples - (self._restored or 0)
         now = time.monotonic()
-        due = now - self._last_line >= self.line_interval_s and samples != self._last_samples
-        if not (due or (final and samples != self._last_samples)):
+        moved = samples != self._last_samples and trained > 0
+        if not moved or (now - self._last_line < self.line_interval_s and not final):
             return
         self._last_line, self._last_samples = now, samples
         elapsed = now - self._started
         done = f"{samples}/{self.total}" if self.total else str(samples)
         share = f" ({100 * samples / self.total:.1f}%)" if self.total else ""
-        rate = samples / elapsed if elapsed > 0 else 0.0
+        restored = f" ({self._restored} restored)" if self._restored else ""
+        rate = trained / elapsed if elapsed > 0 else 0.0
         line = (
-            f"training: {done} samples{share}, {status}, {rate:.0f} samples/s since the start, "
-            f"{elapsed:.0f}s"
+            f"training: {done} samples{share}{restored}, {status}, {rate:.0f} samples/s "
+            f"since the start, {elapsed:.0f}s"
         )
         self.lines.append(line)
         logger.info(line)

@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
 """The run's progress, in its run directory: ``step``, ``epoch``, ``samples`` (an estimate over
-all workers: rank 0's times the world size), ``time`` (seconds since the epoch)."""
+all workers: the samples restored from the checkpoint the workers started from plus rank 0's
+since then times the world size), ``restored`` (those restored samples: 0 without a
+checkpoint), ``time`` (seconds since the epoch)."""
 
 Moment = Literal["step", "checkpoint", "eval"]
 """``step``: after a training step; ``checkpoint``: a checkpoint's files written, not yet
@@ -61,6 +63,8 @@ class TrainerHook(Protocol):
         epoch: the current epoch (``step`` moments), else None.
         batch: the step's batch (``step`` moments), else None.
         loss: the step's mean loss over this rank's batch (0-d, on the device), else None.
+        samples_seen: the samples of all ranks counted at the last report, those restored
+            from a checkpoint included (``step`` moments), else None.
     """
 
     def __call__(
@@ -72,6 +76,7 @@ class TrainerHook(Protocol):
         epoch: int | None = None,
         batch: Batch | None = None,
         loss: torch.Tensor | None = None,
+        samples_seen: int | None = None,
     ) -> None: ...
 
 
@@ -161,6 +166,7 @@ class ProgressBeacon:
         )
         self.every_s = every_s
         self._samples = 0
+        self._restored: int | None = None  # samples_seen at this process's first step
         self._last = -float("inf")
 
     def __call__(
@@ -171,10 +177,13 @@ class ProgressBeacon:
         step: int,
         epoch: int | None = None,
         batch: Batch | None = None,
+        samples_seen: int | None = None,
         **_: object,
     ) -> None:
         if moment != "step" or rank != 0 or batch is None:
             return
+        if self._restored is None:  # no report yet: the checkpoint's count, or 0
+            self._restored = samples_seen or 0
         self._samples += batch.batch_size
         now = time.monotonic()
         if now - self._last < self.every_s:
@@ -183,7 +192,8 @@ class ProgressBeacon:
         record = {
             "step": step,
             "epoch": epoch,
-            "samples": self._samples * self.world_size,
+            "samples": self._restored + self._samples * self.world_size,
+            "restored": self._restored,
             "time": time.time(),
         }
         try:

@@ -324,6 +324,7 @@ class Trainer:
                 epoch=self.epoch,
                 batch=batch,
                 loss=result.loss,
+                samples_seen=self.samples_seen,
             )
         self.window.add(
             logits=result.logits, labels=batch.labels, loss=result.loss, seconds=seconds
