@@ -196,11 +196,15 @@ def local_directory(uri: str, storage: StorageConfig) -> Iterator[Path]:
     copy (removed on exit).
 
     Raises:
-        FileNotFoundError: ``uri`` is not a directory (naming it).
+        FileNotFoundError: ``uri`` does not exist (local) or is not a directory (remote),
+            naming it.
         StorageError: the store cannot be read (naming ``uri`` and the store's error).
     """
     if not is_remote(uri):
-        yield Path(uri.removeprefix("file://"))
+        local = Path(uri.removeprefix("file://"))
+        if not local.exists():
+            raise FileNotFoundError(f"{uri} does not exist")
+        yield local
         return
     try:
         filesystem, path = filesystem_for(uri, storage)

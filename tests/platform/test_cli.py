@@ -326,3 +326,11 @@ def test_failed_run_is_one_line_naming_the_workers_error() -> None:
         "BadInputError: data/part-7.parquet, row group 3, row 2: label column 'label': label "
         "outside [0, 1] (1 bad rows in this batch)"
     )
+
+
+def test_checkpoint_commands_name_a_path_that_does_not_exist(tmp_path: Path) -> None:
+    missing = str(tmp_path / "runs" / "nope")
+    for command in ("show", "verify"):
+        result = _invoke("checkpoint", command, missing)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == f"error: checkpoint {missing} does not exist"
