@@ -238,3 +238,27 @@ def test_unpartitioned_data_and_missing_model_name(daily: dict, tmp_path: Path) 
     nameless = {**daily, "tracking": {**daily["tracking"], "registered_model_name": None}}
     with pytest.raises(ConfigError, match=r"tracking\.registered_model_name"):
         raydlrm.retrain(nameless)
+
+
+def test_cli_prints_a_skipped_slots_decision_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision is the command's result, printed once (not also logged by the library)."""
+    from types import SimpleNamespace
+
+    import raydlrm.platform.retrain as retrain_module
+
+    version = SimpleNamespace(
+        version="1",
+        run_id="r1",
+        tags={TAG_SLOT: "2026-01-02", TAG_DECISION: "challenger", TAG_REASON: "no better"},
+    )
+    client = SimpleNamespace(
+        get_run=lambda run_id: SimpleNamespace(data=SimpleNamespace(metrics={})),
+    )
+    monkeypatch.setattr(
+        retrain_module,
+        "retrain",
+        lambda config, **_: retrain_module._finish_slot(client, "m", version, RetrainConfig()),
+    )
+    result = _cli("retrain", "--slot", "2026-01-02")
+    assert result.exit_code == 0, result.output
+    assert (result.stdout + result.stderr).count("already retrained") == 1, result.output

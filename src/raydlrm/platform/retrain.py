@@ -190,7 +190,8 @@ def _finish_slot(
         if current_version == previous and current_version != str(version.version):
             client.set_registered_model_alias(name, config.champion_alias, version.version)
             logger.info("moved %s to version %s (left undone)", config.champion_alias, version)
-    logger.info(
+    # DEBUG: the caller reports the result (the CLI prints it once).
+    logger.debug(
         "slot %s=%s was already retrained: version %s (%s); nothing to train",
         config.partition_key,
         version.tags[TAG_SLOT],
@@ -411,7 +412,8 @@ def _record(
     )
     alias = cfg.champion_alias if judged.decision == CHAMPION else cfg.challenger_alias
     client.set_registered_model_alias(name, alias, str(version))
-    logger.info("%s version %s is the %s: %s", name, version, alias, judged.reason)
+    # DEBUG: the caller reports the decision (the CLI prints it once).
+    logger.debug("%s version %s is the %s: %s", name, version, alias, judged.reason)
     return str(version)
 
 
