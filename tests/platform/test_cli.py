@@ -334,3 +334,25 @@ def test_checkpoint_commands_name_a_path_that_does_not_exist(tmp_path: Path) -> 
         result = _invoke("checkpoint", command, missing)
         assert result.exit_code == 2, result.output
         assert result.stderr.strip() == f"error: checkpoint {missing} does not exist"
+
+
+@pytest.mark.parametrize("command", ["train", "retrain"])
+def test_a_config_typo_stops_before_torch_and_ray_load(command: str) -> None:
+    """The config is validated before the command imports what it runs (seconds of torch, Ray
+    and MLflow): an unknown key is one line at once."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from raydlrm.platform.cli import app\n"
+        "try:\n"
+        f"    app([{command!r}, '--set', 'training.max_stesp=3'])\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code, sorted({'torch', 'ray', 'mlflow'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "exit 2 []", done.stdout + done.stderr
+    assert "training.max_stesp: unknown key" in done.stderr

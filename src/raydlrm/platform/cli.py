@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -75,7 +75,7 @@ def _setup_logging(verbose: bool = False) -> None:
         _fail(str(e))
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -98,17 +98,27 @@ def train(
 ) -> None:
     """Train a model: data -> sharded training on Ray -> MLflow run and registered model."""
     _setup_logging(verbose)
+    job = _job(config, set_)
     from raydlrm.platform.launch import train as run_training
     from raydlrm.platform.summary import print_summary
 
     try:
         with _ray_ends_first():
-            result = run_training(config, overrides=set_ or [])
+            result = run_training(job)
     except _bad_input_errors() as e:
         _fail(str(e))
     except Exception as e:
         _run_failed(e, "training")
     print_summary(result)
+
+
+def _job(config: Path | None, overrides: list[str] | None) -> JobConfig:
+    """The validated config, read before torch, Ray and MLflow are imported (seconds): a typo
+    stops the command at once with one line."""
+    try:
+        return load_config(config, overrides=overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
 
 
 @contextlib.contextmanager
@@ -220,13 +230,14 @@ def retrain(
     retrained is not trained again. Exit 1 (champion untouched) when the new model has
     non-finite weights or regresses beyond retrain.max_regression."""
     _setup_logging(verbose)
+    job = _job(config, set_)
     from raydlrm.platform.retrain import RetrainError
     from raydlrm.platform.retrain import retrain as run_retrain
     from raydlrm.storage import StorageError
 
     try:
         with _ray_ends_first():
-            result = run_retrain(config, overrides=set_ or [], slot=slot)
+            result = run_retrain(job, slot=slot)
     except (*_bad_input_errors(), StorageError) as e:
         _fail(str(e))
     except RetrainError as e:
