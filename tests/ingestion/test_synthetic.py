@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -146,7 +147,8 @@ def test_metadata_marks_complete_data_set_and_overwrite_rules(tmp_path):
     assert meta["num_train_rows"] == 1000 and meta["config"]["seed"] == 0
     mtime = info.train_files[0].stat().st_mtime_ns
     again = generate_synthetic(config, out_dir=tmp_path)  # complete, same config: reused
-    assert again == info and info.train_files[0].stat().st_mtime_ns == mtime
+    assert again == dataclasses.replace(info, kept=True) and not info.kept
+    assert info.train_files[0].stat().st_mtime_ns == mtime
     different = SyntheticConfig(num_train_rows=1000, num_eval_rows=0, rows_per_file=1000, seed=3)
     with pytest.raises(FileExistsError, match="different"):
         generate_synthetic(different, out_dir=tmp_path)

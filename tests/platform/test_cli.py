@@ -249,18 +249,23 @@ def test_config_show_and_validate() -> None:
 
 
 def test_data_generate(tmp_path: Path) -> None:
-    result = _invoke(
-        "data",
-        "generate",
-        "--out",
-        str(tmp_path / "d"),
+    sets = [
         "--set",
         "data.synthetic.num_train_rows=500",
         "--set",
         "data.synthetic.num_eval_rows=100",
-    )
+    ]
+    result = _invoke("data", "generate", "--out", str(tmp_path / "d"), *sets)
     assert result.exit_code == 0, result.output
     assert pq.read_table(tmp_path / "d" / "train").num_rows == 500
+    assert result.stdout.startswith("wrote 500 train and 100 eval rows to ")
+    # The same data set again: kept, and said so (not "wrote").
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "d").rglob("*.parquet")}
+    same = _invoke("data", "generate", "--out", str(tmp_path / "d"), *sets)
+    assert same.exit_code == 0, same.output
+    assert "already holds this data set (500 train and 100 eval rows" in same.stdout
+    assert "kept, nothing written" in same.stdout and "wrote" not in same.stdout
+    assert {p: p.stat().st_mtime_ns for p in written} == written
     # Another data set over it: one line naming the flag that replaces it, exit 2.
     again = _invoke("data", "generate", "--out", str(tmp_path / "d"))
     assert again.exit_code == 2, again.output

@@ -94,6 +94,8 @@ class SyntheticInfo:
         planted_auc: AUC of the planted logits on the evaluation labels, the ceiling a trainer
             can reach (None when there are no eval rows).
         positive_rate: fraction of positive labels over both splits.
+        kept: the data set was already there, generated from the same config, and was kept
+            as it is (nothing written).
     """
 
     out_dir: Path
@@ -105,6 +107,7 @@ class SyntheticInfo:
     eval_files: list[Path]
     planted_auc: float | None
     positive_rate: float
+    kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -536,7 +539,7 @@ def _existing(config: SyntheticConfig, *, out_dir: Path) -> SyntheticInfo | None
     # Keys added to SyntheticConfig later take their defaults in older metadata.
     defaults = dataclasses.asdict(SyntheticConfig())
     if stored is not None and {**defaults, **stored.config} == dataclasses.asdict(config):
-        return stored.info
+        return dataclasses.replace(stored.info, kept=True)
     if stored is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
         raise SyntheticDataExistsError(out_dir, different=stored is not None)
     return None

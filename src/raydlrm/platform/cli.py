@@ -422,10 +422,12 @@ def data_generate(
         info = generate_synthetic(synthetic, out_dir=target, overwrite=overwrite)
     except SyntheticDataExistsError as e:
         _fail(f"{e.out_dir} holds {e.what}: --overwrite replaces it")
-    typer.echo(
-        f"wrote {info.num_train_rows} train and {info.num_eval_rows} eval rows to "
-        f"{target} (planted-model eval AUC {info.planted_auc:.4f})"
-    )
+    rows = f"{info.num_train_rows} train and {info.num_eval_rows} eval rows"
+    auc = f"planted-model eval AUC {info.planted_auc:.4f}"
+    if info.kept:
+        typer.echo(f"{target} already holds this data set ({rows}, {auc}): kept, nothing written")
+    else:
+        typer.echo(f"wrote {rows} to {target} ({auc})")
 
 
 @data_app.command("inspect")
