@@ -241,6 +241,7 @@ def test_batch_scoring_and_evaluation(finished_run) -> None:
     proc = _cli(workdir, "score", "models:/e2e-model/1", "bad", "bad-preds")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "broken.parquet" in proc.stderr and "C3" in proc.stderr
+    assert "row group 0, row 7:" in proc.stderr and "quarantine" not in proc.stderr
 
 
 def test_ids_of_another_kind_are_refused_naming_the_column(finished_run) -> None:

@@ -80,14 +80,18 @@ def score_table(
 ) -> np.ndarray:
     """Click probabilities, shape ``(N,)``, of ``N`` raw rows (an Arrow table with the model's
     input columns; a label column, if any, is ignored)."""
-    # The preprocessor expects a label; scoring has none (or must not use it).
+    batch = arrow_to_batch(preprocess(with_zero_labels(table, data)), config=data)
+    with torch.no_grad():
+        return torch.sigmoid(model(batch)).numpy()
+
+
+def with_zero_labels(table: pa.Table, data: DataConfig) -> pa.Table:
+    """``table`` with its label column (if any) replaced by zeros: the preprocessor expects a
+    label; scoring has none (or must not use it)."""
     labels = pa.array(np.zeros(table.num_rows, dtype=np.float32))
     if data.label_column in table.column_names:
         table = table.drop_columns([data.label_column])
-    table = table.append_column(data.label_column, labels)
-    batch = arrow_to_batch(preprocess(table), config=data)
-    with torch.no_grad():
-        return torch.sigmoid(model(batch)).numpy()
+    return table.append_column(data.label_column, labels)
 
 
 def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.DataFrame:

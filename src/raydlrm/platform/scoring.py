@@ -206,9 +206,12 @@ class _Scorer:
 
         try:
             probs = score_table(self.model, self.preprocess, self.data, table)
-        except BadInputError as exc:
-            files = sorted(set(table.column(_PATH_COLUMN).to_pylist()))
-            raise BadInputError(f"{exc}; in {', '.join(files)}") from None
+        except BadInputError:
+            # A batch may span files: the one of the first bad row (the driver finds its row).
+            found = _first_bad_row(table, self.data)
+            assert found is not None, "the preprocessor refuses what find_bad_rows finds"
+            row, reason = found
+            raise BadInputError(f"{table.column(_PATH_COLUMN)[row].as_py()}: {reason}") from None
         out = table.select([c for c in self.keep if c in table.column_names])
         return out.append_column(PREDICTION_COLUMN, pa.array(probs, pa.float32()))
 
@@ -285,6 +288,49 @@ def _bad_input_cause(exc: BaseException) -> BaseException | None:
         if marker in line:
             return BadInputError(line.split(marker, 1)[1].strip())
     return None
+
+
+def _first_bad_row(table: pa.Table, data: DataConfig) -> tuple[int, str] | None:
+    """The index and reason of the first row of raw ``table`` that cannot be scored (its label
+    is not scored, so not checked), or None."""
+    from raydlrm.ingestion.badinput import find_bad_rows
+    from raydlrm.platform.export import with_zero_labels
+
+    bad, reasons = find_bad_rows(with_zero_labels(table, data), data)
+    if not bad.any():
+        return None
+    first = int(np.flatnonzero(bad)[0])
+    return first, str(reasons[first])
+
+
+def _bad_row_located(
+    cause: BaseException,
+    *,
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    data: DataConfig,
+    columns: list[str],
+) -> BaseException:
+    """The bad row a scoring actor named by its file (``<file>: <reason>``), with its row
+    group and row, found by reading that file again; ``cause`` as it is when it names no file
+    of ``paths``. Scoring refuses bad rows whatever ``data.bad_input`` says (it applies to
+    training), so the message suggests no quarantine."""
+    from raydlrm.ingestion.badinput import BadInputError
+
+    file = next((p for p in paths if str(cause).startswith(f"{p}: ")), None)
+    if file is None:
+        return cause
+    with filesystem.open_input_file(file) as f:
+        parquet = pq.ParquetFile(f)
+        for group in range(parquet.num_row_groups):
+            found = _first_bad_row(parquet.read_row_group(group, columns=columns), data)
+            if found is not None:
+                row, reason = found
+                return BadInputError(
+                    f"bad input in {file}, row group {group}, row {row}: {reason} (scoring "
+                    "takes every row: fix or remove it)"
+                )
+    return cause
 
 
 def _data_config(files: ModelFiles) -> DataConfig:
@@ -367,7 +413,12 @@ def _score(
     try:
         scored.write_parquet(out_path, filesystem=out_fs)
     except Exception as exc:
-        raise _bad_input_cause(exc) or exc from None
+        cause = _bad_input_cause(exc)
+        if cause is None:
+            raise exc from None
+        raise _bad_row_located(
+            cause, filesystem=filesystem, paths=paths, data=data_config, columns=needed
+        ) from None
     rows = pads.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
     expected = sum(footer.num_rows for footer in footers)
     if rows != expected:
