@@ -145,7 +145,9 @@ def main() -> None:
 
     from raydlrm.platform.config import load_config
 
-    job = load_config(CONFIG, overrides=["training.num_epochs=2", *args.set])
+    # 2 epochs of ~12 steps: the loss is logged every 6 steps (the preset logs every 50).
+    overrides = ["training.num_epochs=2", "training.log_every_steps=6", *args.set]
+    job = load_config(CONFIG, overrides=overrides)
     root = args.data or Path(tempfile.mkdtemp(prefix="recd-train-"))
     paths = _data(root, job)
     names = args.variants.split(",")

@@ -170,3 +170,24 @@ def test_no_line_before_this_job_trains_a_sample(tmp_path: Path) -> None:
         path.write_text('{"step": 5, "epoch": 0, "samples": 500, "restored": 500}')
         time.sleep(0.2)  # only the restored samples
     assert progress.lines == []
+
+
+def test_a_recovered_worker_failure_is_one_line(tmp_path: Path) -> None:
+    """The Train controller's callback tags the run with each worker failure; the driver tells
+    each one Ray Train recovers from once, and not the last, which is the job's error."""
+    import json
+
+    client, run_id = _run(tmp_path)
+    progress = TrainingProgress(client, run_id, total_samples=10, mode="lines", max_failures=1)
+    record = {"failures": 1, "rank": 1, "cause": "OSError: disk", "checkpoint": "/r/ck_1"}
+    client.set_tag(run_id, "raydlrm.worker_failure", json.dumps(record))
+    progress._poll(final=False)
+    progress._poll(final=False)
+    assert progress.lines == [
+        "worker 1 failed (OSError: disk): restarting the workers from /r/ck_1 "
+        "(failure 1 of run.max_failures = 1)"
+    ]
+    record.update(failures=2, checkpoint=None)
+    client.set_tag(run_id, "raydlrm.worker_failure", json.dumps(record))
+    progress._poll(final=False)
+    assert len(progress.lines) == 1  # beyond max_failures: the job fails with its error

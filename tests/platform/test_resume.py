@@ -126,6 +126,11 @@ def test_worker_killed_mid_epoch_resumes_exactly(uninterrupted, monkeypatch) -> 
     assert result.metrics["samples_seen"] == ROWS * EPOCHS
     # Resumed from the checkpoint of step 9, not from scratch.
     _assert_restored_from(result, 9)
+    # The failure is on the run, for the driver's one line: rank, cause, checkpoint.
+    tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
+    failure = json.loads(tags["raydlrm.worker_failure"])
+    assert failure["failures"] == 1 and failure["rank"] == 1 and failure["cause"]
+    assert failure["checkpoint"] and failure["checkpoint"] != result.checkpoint_path
 
 
 def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> None:

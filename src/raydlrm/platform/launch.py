@@ -278,6 +278,7 @@ def _run(
         total_samples=total,
         mode=progress_mode(job.run.progress),
         progress_file=progress_file,
+        max_failures=job.run.max_failures,
     ):
         result = trainer.fit()
     if result.checkpoint is None:

@@ -30,6 +30,8 @@ from typing import Any
 import pyarrow.fs as pafs
 from mlflow import MlflowClient
 
+from raydlrm.platform.tracking import FAILURE_TAG
+
 __all__ = ["TrainingProgress", "progress_mode"]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class TrainingProgress:
         total_samples: samples the job will train on (all epochs), or None when unknown.
         mode: ``bar``, ``lines`` or ``off``.
         progress_file: the run's progress file (its filesystem and path), or None.
+        max_failures: ``run.max_failures`` (-1: no limit): the worker failures that Ray Train
+            recovers from, each told in one line (the run's ``raydlrm.worker_failure`` tag).
         poll_s: seconds between polls.
         line_interval_s: seconds between log lines in ``lines`` mode.
     """
@@ -74,6 +78,7 @@ class TrainingProgress:
         total_samples: int | None,
         mode: str,
         progress_file: tuple[pafs.FileSystem, str] | None = None,
+        max_failures: int = 0,
         poll_s: float = POLL_S,
         line_interval_s: float = LINE_INTERVAL_S,
     ):
@@ -84,6 +89,8 @@ class TrainingProgress:
         self.mode = mode
         self.poll_s = poll_s
         self.line_interval_s = line_interval_s
+        self.max_failures = max_failures
+        self._failures_told = 0
         self.lines: list[str] = []
         """The lines logged in ``lines`` mode (for tests)."""
         self._stop = threading.Event()
@@ -167,7 +174,9 @@ class TrainingProgress:
 
     def _poll(self, *, final: bool) -> None:
         try:
-            metrics = self.client.get_run(self.run_id).data.metrics
+            data = self.client.get_run(self.run_id).data
+            metrics = data.metrics
+            self._tell_failure(data.tags.get(FAILURE_TAG))
         except Exception:
             metrics = {}
         beacon = self._beacon()
@@ -188,6 +197,30 @@ class TrainingProgress:
             self._bar.update(self._task, completed=samples, status=status)
             return
         self._line(samples, status=status, final=final)
+
+    def _tell_failure(self, tag: str | None) -> None:
+        """One warning line per worker failure that Ray Train recovers from (the last one,
+        which ends the job, is the job's error)."""
+        if tag is None:
+            return
+        record = json.loads(tag)
+        failures = int(record["failures"])
+        if failures <= self._failures_told:
+            return
+        self._failures_told = failures
+        if 0 <= self.max_failures < failures:
+            return
+        limit = "" if self.max_failures < 0 else f" of run.max_failures = {self.max_failures}"
+        start = record.get("checkpoint") or "the start of the run (no checkpoint yet)"
+        message = (
+            f"worker {record.get('rank')} failed ({record.get('cause')}): restarting the "
+            f"workers from {start} (failure {failures}{limit})"
+        )
+        self.lines.append(message)
+        if self._bar is not None:
+            self._bar.console.print(message, markup=False, highlight=False)
+        else:
+            logger.warning(message)
 
     def _line(self, samples: int, *, status: str, final: bool) -> None:
         """Logs a progress line when one is due and this job has trained samples since the

@@ -27,6 +27,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
+from raydlrm._errors import cause_line
 from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri, flatten
 from raydlrm.platform.export import set_experiment
 from raydlrm.sharding import ShardingPlan
@@ -217,6 +218,11 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
     return tracked
 
 
+FAILURE_TAG = "raydlrm.worker_failure"
+"""The run's tag that records the last worker failure (JSON; see
+:meth:`MLflowReportCallback.after_exception`)."""
+
+
 class MLflowReportCallback(UserCallback):
     """Logs every ``ray.train.report`` to the job's MLflow run (runs in the Train controller).
 
@@ -253,6 +259,8 @@ class MLflowReportCallback(UserCallback):
         self._pending: list[Metric] = []
         self._lost = 0
         self._logged: dict[str, float] = {}
+        self._failures = 0
+        self._checkpoint: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -264,7 +272,28 @@ class MLflowReportCallback(UserCallback):
             "_pending": [],
             "_lost": 0,
             "_logged": {},
+            "_failures": 0,
+            "_checkpoint": None,
         }
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        """Records a worker failure on the run (tag ``raydlrm.worker_failure``: the failure's
+        count, the lowest failed rank, its cause's line and the last reported checkpoint), from
+        which the driver writes one line while Ray Train restarts the workers."""
+        self._failures += 1
+        rank = min(worker_exceptions) if worker_exceptions else None
+        record = {
+            "failures": self._failures,
+            "rank": rank,
+            "cause": cause_line(worker_exceptions[rank]) if rank is not None else "unknown",
+            "checkpoint": self._checkpoint,
+        }
+        try:
+            if self._client is None:
+                self._client = MlflowClient(self.tracking_uri)
+            self._client.set_tag(self.run_id, FAILURE_TAG, json.dumps(record))
+        except Exception as exc:  # the failure itself is Ray Train's to handle
+            logger.debug("could not record the worker failure: %s", exc)
 
     def after_report(
         self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
@@ -288,6 +317,7 @@ class MLflowReportCallback(UserCallback):
             self._pending = []
             if checkpoint is not None:
                 uri = with_scheme(checkpoint.path, self.storage_scheme)
+                self._checkpoint = uri
                 self._client.set_tag(self.run_id, "raydlrm.checkpoint", uri)
         except Exception as exc:
             if self._lost and self._pending and self._pending[-1].key == "tracking/metrics_lost":
