@@ -12,6 +12,8 @@ order rotates):
   unique rows);
 - ``recd``: the clustered set, ``data.dedup = "infer"`` (its per-session columns): the user
   features read, checked and hashed once per session and carried as dictionaries.
+- ``clustered`` (not run by default): the clustered set without dedup groups (the user
+  features expanded per sample after reading): ``recd``'s batches, trained as ``plain`` does.
 
 All three evaluate on the same sample-level held-out set. Reported per variant (medians):
 ``train/samples_per_second`` (samples over the training steps' wall time, each step with its
@@ -59,6 +61,7 @@ def _variant(job, name: str, paths: dict[str, Path], root: Path, repeat: int):
         "plain": {"train_path": str(paths["samples"]), "dedup": "groups", "dedup_groups": []},
         "dedup": {"train_path": str(paths["samples"]), "dedup": "groups", "dedup_groups": [users]},
         "recd": {"train_path": str(paths["clustered"]), "dedup": "infer", "dedup_groups": []},
+        "clustered": {"train_path": str(paths["clustered"]), "dedup": "groups", "dedup_groups": []},
     }[name]
     return replaced(
         job,

@@ -111,3 +111,29 @@ def test_cli_takes_verbose_and_rejects_an_unknown_level(monkeypatch, restore_log
     assert result.stderr.strip() == (
         "error: RAYDLRM_LOG_LEVEL='CHATTY': expected one of DEBUG, INFO, WARNING, ERROR"
     )
+
+
+def test_api_logging_follows_stderr_when_it_is_replaced(monkeypatch) -> None:
+    """``raydlrm.train`` from a script with no logging set up logs to stderr; a harness that
+    swaps stderr (a notebook, pytest's capture) and closes the old one gets the lines, with no
+    'I/O operation on closed file' errors."""
+    import io
+    import logging
+
+    from raydlrm._logs import configure_api
+
+    package = logging.getLogger("raydlrm")
+    monkeypatch.setattr(package, "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(package, "level", package.level)
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    configure_api()
+    assert len(package.handlers) == 1
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr("sys.stderr", second)
+    logging.getLogger("raydlrm.platform.launch").warning("a line")
+    assert "a line" in second.getvalue()
+    configure_api()  # configured already: no second handler
+    assert len(package.handlers) == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 __all__ = [
     "LOG_LEVEL_ENV",
@@ -122,10 +123,23 @@ def configure_api() -> None:
     package = logging.getLogger("raydlrm")
     if package.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(_DriverFormatter())
     package.addHandler(handler)
     package.setLevel(driver_level())
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to ``sys.stderr`` as it is when a line is logged, not as it
+    was when the handler was made (a notebook or a test harness replaces and closes it)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def configure_worker(level: int, library: int) -> None:

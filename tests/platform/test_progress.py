@@ -179,12 +179,17 @@ def test_a_recovered_worker_failure_is_one_line(tmp_path: Path) -> None:
 
     client, run_id = _run(tmp_path)
     progress = TrainingProgress(client, run_id, total_samples=10, mode="lines", max_failures=1)
-    record = {"failures": 1, "rank": 1, "cause": "OSError: disk", "checkpoint": "/r/ck_1"}
+    record = {
+        "failures": 1,
+        "ranks": [1],
+        "cause": "rank 1: OSError: disk",
+        "checkpoint": "/r/ck_1",
+    }
     client.set_tag(run_id, "raydlrm.worker_failure", json.dumps(record))
     progress._poll(final=False)
     progress._poll(final=False)
     assert progress.lines == [
-        "worker 1 failed (OSError: disk): restarting the workers from /r/ck_1 "
+        "workers failed (rank 1: OSError: disk): restarting the workers from /r/ck_1 "
         "(failure 1 of run.max_failures = 1)"
     ]
     record.update(failures=2, checkpoint=None)

@@ -213,8 +213,8 @@ class TrainingProgress:
         limit = "" if self.max_failures < 0 else f" of run.max_failures = {self.max_failures}"
         start = record.get("checkpoint") or "the start of the run (no checkpoint yet)"
         message = (
-            f"worker {record.get('rank')} failed ({record.get('cause')}): restarting the "
-            f"workers from {start} (failure {failures}{limit})"
+            f"workers failed ({record.get('cause')}): restarting the workers from {start} "
+            f"(failure {failures}{limit})"
         )
         self.lines.append(message)
         if self._bar is not None:

@@ -278,14 +278,20 @@ class MLflowReportCallback(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         """Records a worker failure on the run (tag ``raydlrm.worker_failure``: the failure's
-        count, the lowest failed rank, its cause's line and the last reported checkpoint), from
+        count, the failed ranks, their causes' lines and the last reported checkpoint), from
         which the driver writes one line while Ray Train restarts the workers."""
         self._failures += 1
-        rank = min(worker_exceptions) if worker_exceptions else None
+        causes: dict[str, list[int]] = {}  # a rank's death fails its peers' collectives too
+        for rank in sorted(worker_exceptions):
+            causes.setdefault(cause_line(worker_exceptions[rank]), []).append(rank)
         record = {
             "failures": self._failures,
-            "rank": rank,
-            "cause": cause_line(worker_exceptions[rank]) if rank is not None else "unknown",
+            "ranks": sorted(worker_exceptions),
+            "cause": "; ".join(
+                f"rank {', '.join(map(str, ranks))}: {cause}"
+                for cause, ranks in list(causes.items())[:3]
+            )
+            or "unknown",
             "checkpoint": self._checkpoint,
         }
         try:
