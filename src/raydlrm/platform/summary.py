@@ -33,6 +33,22 @@ def mlflow_command() -> str:
     return str(beside) if relative.startswith("..") else relative
 
 
+def _dedup_line(metrics: dict[str, float]) -> str | None:
+    """What deduplication (RecD) saved, from the ``dedup/<table>/*`` metrics; None without."""
+    tables = sorted(
+        {k.split("/")[1] for k in metrics if k.startswith("dedup/") and k.endswith("/ratio")}
+    )
+    if not tables:
+        return None
+    ratio = sum(metrics[f"dedup/{t}/ratio"] for t in tables) / len(tables)
+    lookups = sum(metrics.get(f"dedup/{t}/lookups_saved", 0.0) for t in tables)
+    saved = sum(metrics.get(f"dedup/{t}/a2a_bytes_saved", 0.0) for t in tables) / 2**20
+    return (
+        f"deduplicated (RecD): {len(tables)} tables, {ratio:.2f} samples per unique row; "
+        f"{lookups:,.0f} lookups and {saved:,.1f} MiB of all-to-all saved (dedup/* in the run)"
+    )
+
+
 def print_summary(result: TrainResult, *, console: Console | None = None) -> None:
     """Prints metrics, throughput, the sharding plan and where to find the MLflow run."""
     console = console or Console()
@@ -73,6 +89,9 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
             f"embedding all-to-all traffic: {total:,.1f} MiB "
             f"(by direction and codec in the MLflow run, comm/*)"
         )
+    dedup = _dedup_line(m)
+    if dedup:
+        console.print(dedup)
     console.print("sharding plan:")
     # Plain print: the plan is a fixed-width table that must not be re-wrapped.
     print(result.plan.format_table(), file=console.file, flush=True)
