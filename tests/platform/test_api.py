@@ -7,11 +7,19 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
 import raydlrm
 from raydlrm.ingestion import DataValidationError
+
+_ALL_COLUMNS = [
+    "sample_id",
+    "label",
+    *(f"I{i}" for i in range(1, 14)),
+    *(f"C{i}" for i in range(1, 27)),
+]
 
 
 def _config(tmp_path: Path) -> dict:
@@ -97,9 +105,22 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     assert "dedup/t_C9/ratio" not in m  # C9 is not deduplicated
     assert run.data.metrics["dedup/t_C1/ratio"] == pytest.approx(m["dedup/t_C1/ratio"])
     assert run.data.params["data.dedup_groups"] == str([[f"C{i}" for i in range(1, 9)]])
-    # Scoring reads sample-level data: a clustered set is named, with what to score instead.
-    with pytest.raises(ValueError, match=r"is session-clustered .* score the set it was cluster"):
-        raydlrm.score(result.checkpoint_path, config["data"]["train_path"], str(tmp_path / "p"))
+    # Scoring a clustered set joins each sample with its session: the same predictions as
+    # for the same rows stored sample-level.
+    from raydlrm.ingestion import DataConfig
+    from raydlrm.ingestion.clustered import read_rows
+
+    clustered = config["data"]["train_path"]
+    rows = read_rows(clustered, DataConfig(), columns=list(_ALL_COLUMNS), max_rows=10**6)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    pq.write_table(rows, flat / "part-0.parquet")
+    ours = raydlrm.score(result.checkpoint_path, clustered, str(tmp_path / "p-c"))
+    theirs = raydlrm.score(result.checkpoint_path, str(flat), str(tmp_path / "p-f"))
+    assert ours.rows == theirs.rows == 2048
+    ours, theirs = (pq.read_table(tmp_path / p).sort_by("sample_id") for p in ("p-c", "p-f"))
+    assert ours.column("sample_id").to_pylist() == list(range(2048))
+    assert ours.column("prediction").equals(theirs.column("prediction"))
 
 
 def test_bad_config_raises_before_running(tmp_path: Path) -> None:

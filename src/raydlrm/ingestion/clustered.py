@@ -70,6 +70,7 @@ __all__ = [
     "SessionSplit",
     "cluster_data",
     "data_bytes",
+    "file_row_groups",
     "read_rows",
     "split_sessions",
 ]
@@ -481,7 +482,7 @@ def read_rows(
     tables, rows, errors = [], 0, []
     for file in files:
         try:
-            for table in _file_rows(
+            for table in file_row_groups(
                 file, filesystem=filesystem, root=root, layout=layout, columns=columns
             ):
                 tables.append(decode_dictionaries(table))
@@ -517,7 +518,7 @@ def _signed_ids(table: pa.Table) -> pa.Table:
     return table
 
 
-def _file_rows(
+def file_row_groups(
     file: str,
     *,
     filesystem: pafs.FileSystem,
@@ -525,7 +526,9 @@ def _file_rows(
     layout: ClusteredLayout | None,
     columns: list[str],
 ) -> Iterator[pa.Table]:
-    """One file's rows, a row group at a time (with its sessions' columns when clustered)."""
+    """The rows of one file of a data set (``root``), a row group at a time, as ``columns``
+    (those present): of a session-clustered set (``layout``), a samples file's rows with their
+    sessions' columns."""
     with filesystem.open_input_file(file) as f:
         samples = pq.ParquetFile(f)
         names = [c for c in columns if c in samples.schema_arrow.names]

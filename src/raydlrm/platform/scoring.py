@@ -26,6 +26,7 @@ import logging
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from raydlrm.ingestion.clustered import file_row_groups
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.layout import read_layout
+from raydlrm.ingestion.layout import ClusteredLayout, read_layout, sessions_file_of
 from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
 from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.storage import (
@@ -277,6 +279,67 @@ def _check_output(output: str, storage: StorageConfig) -> None:
         raise ValueError(f"output {output} exists and is not empty: give a new directory")
 
 
+@dataclass(frozen=True)
+class _Source:
+    """The data set to score: its files (of a session-clustered set, the samples files, each
+    read with its sessions file), their filesystem, the raw schema and the row count."""
+
+    data: str
+    filesystem: pafs.FileSystem
+    paths: list[str]
+    schema: pa.Schema
+    num_rows: int
+    layout: ClusteredLayout | None
+    root: str
+
+    @classmethod
+    def of(cls, data: str, storage: StorageConfig, partitions: dict) -> _Source:
+        filesystem, paths = list_files(data, storage, partitions, role="scoring")
+        footers = []
+        for path in paths:
+            with filesystem.open_input_file(path) as f:
+                footers.append(pq.read_metadata(f))
+        schema = footers[0].schema.to_arrow_schema()
+        layout, root = read_layout(data, storage), filesystem_for(data, storage)[1]
+        if layout is not None:  # the per-session columns are in the sessions files
+            with filesystem.open_input_file(sessions_file_of(paths[0], root=root)) as f:
+                sessions = pq.read_schema(f)
+            for name in layout.session_columns:
+                if name in sessions.names and name not in schema.names:
+                    schema = schema.append(sessions.field(name))
+        rows = sum(footer.num_rows for footer in footers)
+        return cls(data, filesystem, paths, schema, rows, layout, root)
+
+    def row_groups(self, file: str, columns: list[str]) -> Iterator[pa.Table]:
+        """``file``'s rows of ``columns``, a row group at a time."""
+        return file_row_groups(
+            file, filesystem=self.filesystem, root=self.root, layout=self.layout, columns=columns
+        )
+
+    def dataset(self, columns: list[str]) -> Any:
+        """A Ray Data dataset of the rows' ``columns`` and their file (to name a bad row's)."""
+        import ray.data
+
+        if self.layout is None:
+            return ray.data.read_parquet(
+                self.paths, filesystem=self.filesystem, columns=columns, include_paths=True
+            )
+        files = ray.data.from_items([{"file": p} for p in self.paths])
+        return files.map_batches(
+            _read_clustered,
+            fn_kwargs={"source": self, "columns": columns},
+            batch_size=1,
+            batch_format="pyarrow",
+        )
+
+
+def _read_clustered(files: pa.Table, source: _Source, columns: list[str]) -> Iterator[pa.Table]:
+    """A Ray Data task: the rows of session-clustered files, joined with their sessions."""
+    for file in files.column("file").to_pylist():
+        for table in source.row_groups(file, columns):
+            yield table.append_column(_PATH_COLUMN, pa.array([file] * table.num_rows))
+
+
 def _bad_input_cause(exc: BaseException) -> BaseException | None:
     """The :class:`BadInputError` behind an error of Ray Data's actors, if any. Ray Data
     re-raises a UDF's error as a ``UserCodeException`` that keeps only its text, so the error
@@ -304,12 +367,7 @@ def _first_bad_row(table: pa.Table, data: DataConfig) -> tuple[int, str] | None:
 
 
 def _bad_row_located(
-    cause: BaseException,
-    *,
-    filesystem: pafs.FileSystem,
-    paths: list[str],
-    data: DataConfig,
-    columns: list[str],
+    cause: BaseException, *, source: _Source, data: DataConfig, columns: list[str]
 ) -> BaseException:
     """The bad row a scoring actor named by its file (``<file>: <reason>``), with its row
     group and row, found by reading that file again; ``cause`` as it is when it names no file
@@ -317,19 +375,17 @@ def _bad_row_located(
     training), so the message suggests no quarantine."""
     from raydlrm.ingestion.badinput import BadInputError
 
-    file = next((p for p in paths if str(cause).startswith(f"{p}: ")), None)
+    file = next((p for p in source.paths if str(cause).startswith(f"{p}: ")), None)
     if file is None:
         return cause
-    with filesystem.open_input_file(file) as f:
-        parquet = pq.ParquetFile(f)
-        for group in range(parquet.num_row_groups):
-            found = _first_bad_row(parquet.read_row_group(group, columns=columns), data)
-            if found is not None:
-                row, reason = found
-                return BadInputError(
-                    f"bad input in {file}, row group {group}, row {row}: {reason} (scoring "
-                    "takes every row: fix or remove it)"
-                )
+    for group, table in enumerate(source.row_groups(file, columns)):
+        found = _first_bad_row(table, data)
+        if found is not None:
+            row, reason = found
+            return BadInputError(
+                f"bad input in {file}, row group {group}, row {row}: {reason} (scoring "
+                "takes every row: fix or remove it)"
+            )
     return cause
 
 
@@ -346,7 +402,6 @@ def _columns_to_keep(
     needed: list[str],
     keep: list[str] | None,
     label: str,
-    storage: StorageConfig,
 ) -> list[str]:
     """The columns scored rows keep beside the prediction (default: ``sample_id`` and the label
     where present), after checking that the data holds the model's inputs.
@@ -355,11 +410,6 @@ def _columns_to_keep(
         ValueError: naming the data set and the missing columns.
     """
     missing = [c for c in needed if c not in schema.names]
-    if missing and read_layout(data, storage) is not None:
-        raise ValueError(
-            f"data set {data} is session-clustered (RecD; its sessions' columns {missing} are "
-            "in sessions/): scoring reads sample-level data, score the set it was clustered from"
-        )
     if missing:
         raise ValueError(f"data set {data} lacks the model's input columns {missing}")
     if keep is None:
@@ -385,16 +435,10 @@ def _score(
     import ray.data
 
     data_config = _data_config(files)
-    filesystem, paths = list_files(data, storage, partitions, role="scoring")
-    footers = []
-    for path in paths:
-        with filesystem.open_input_file(path) as f:
-            footers.append(pq.read_metadata(f))
-    schema = footers[0].schema.to_arrow_schema()
+    source = _Source.of(data, storage, partitions)
+    schema = source.schema
     needed = [c for c in data_config.input_columns() if c != data_config.label_column]
-    keep = _columns_to_keep(
-        data, schema, needed=needed, keep=keep, label=data_config.label_column, storage=storage
-    )
+    keep = _columns_to_keep(data, schema, needed=needed, keep=keep, label=data_config.label_column)
     check_id_kinds(schema, data_config, what=f"data set {data}")
     started = time.perf_counter()
     if not ray.is_initialized():
@@ -402,12 +446,7 @@ def _score(
         from raydlrm.platform.ray_init import init_ray
 
         init_ray(load_config(None))
-    dataset = ray.data.read_parquet(
-        paths,
-        filesystem=filesystem,
-        columns=list(dict.fromkeys(needed + keep)),
-        include_paths=True,  # to name the file of a bad row
-    )
+    dataset = source.dataset(list(dict.fromkeys(needed + keep)))
     scored = _scored(dataset, files=files, keep=keep, batch_size=batch_size, num_actors=num_actors)
     out_fs, out_path = filesystem_for(output, storage)
     try:
@@ -416,11 +455,9 @@ def _score(
         cause = _bad_input_cause(exc)
         if cause is None:
             raise exc from None
-        raise _bad_row_located(
-            cause, filesystem=filesystem, paths=paths, data=data_config, columns=needed
-        ) from None
+        raise _bad_row_located(cause, source=source, data=data_config, columns=needed) from None
     rows = pads.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
-    expected = sum(footer.num_rows for footer in footers)
+    expected = source.num_rows
     if rows != expected:
         raise RuntimeError(f"scored {rows} rows of {expected} in {data}: output {output}")
     seconds = time.perf_counter() - started
