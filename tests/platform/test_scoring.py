@@ -7,14 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
 from raydlrm.ingestion import Preprocessor, SyntheticConfig, generate_synthetic
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.platform.scoring import _PATH_COLUMN, _bad_row_located, _Scorer
+from raydlrm.platform.scoring import _PATH_COLUMN, _bad_row_located, _Scorer, _Source
+from raydlrm.storage import StorageConfig
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +52,9 @@ def test_the_driver_names_the_row_group_row_and_column(rows: pa.Table, tmp_path:
     pq.write_table(_with_nan(rows, 130), bad, row_group_size=100)
     cause = BadInputError(f"{bad}: dense column 'I2': NaN or infinite value")
     columns = [c for c in data.input_columns() if c != data.label_column]
-    located = _bad_row_located(
-        cause, filesystem=pafs.LocalFileSystem(), paths=[good, bad], data=data, columns=columns
-    )
+    source = _Source.of(str(tmp_path), StorageConfig(), {})
+    assert source.paths == sorted([good, bad]) and source.num_rows == 2 * rows.num_rows
+    located = _bad_row_located(cause, source=source, data=data, columns=columns)
     message = str(located)
     assert message.startswith(
         f"bad input in {bad}, row group 1, row 30: dense column 'I2': NaN or infinite value"
