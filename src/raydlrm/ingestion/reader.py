@@ -351,7 +351,7 @@ class RowGroupReader:
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-class SessionGroupReader:
+class SessionGroupReader(RowGroupReader):
     """:class:`RowGroupReader` for session-clustered data (a ``map_batches`` callable class
     whose calls are generators): reads a samples row group with its sessions row group,
     shuffles the sessions, preprocesses the per-session columns once per session and yields
@@ -365,25 +365,11 @@ class SessionGroupReader:
     Arguments as :class:`RowGroupReader`; ``schema`` is the marked training schema.
     """
 
-    def __init__(
-        self,
-        config: DataConfig,
-        *,
-        source_path: str,
-        columns: list[str],
-        schema: pa.Schema,
-        seed: int,
-        epoch: int,
-        shuffle: bool,
-        tag: str | None = None,
-    ) -> None:
-        layout = layout_of(schema)
+    def __init__(self, config: DataConfig, *, columns: list[str], **kwargs: Any) -> None:
+        super().__init__(config, columns=columns, **kwargs)
+        layout = layout_of(self.schema)
         assert layout is not None, "a clustered data set's schema is marked with its layout"
-        self.config, self.schema, self.layout = config, schema, layout
-        self.files = _RowGroupFiles(
-            config, source_path=source_path, seed=seed, epoch=epoch, shuffle=shuffle, tag=tag
-        )
-        self.preprocess = Preprocessor(config, quarantine_tag=tag)
+        self.layout = layout
         per_session = set(layout.session_columns)
         self.sample_columns = [c for c in columns if c not in per_session]
         if layout.session_column not in self.sample_columns:
