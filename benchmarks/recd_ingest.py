@@ -149,12 +149,11 @@ def _process(path: Path, job, dedup: bool) -> dict[str, float]:
     import pyarrow as pa
 
     from raydlrm.ingestion import arrow_to_batch, validate_data
-    from raydlrm.ingestion.layout import layout_of
-    from raydlrm.ingestion.reader import RowGroupReader, SessionGroupReader, read_columns
+    from raydlrm.ingestion.reader import read_columns, reader_class
 
     config = _config(path, job, dedup=dedup)
     summary = validate_data(str(path), config)
-    kind = SessionGroupReader if layout_of(summary.schema) else RowGroupReader
+    kind = reader_class(summary.schema)
     reader = kind(
         config,
         source_path=str(path),

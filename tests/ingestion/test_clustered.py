@@ -36,10 +36,10 @@ from raydlrm.ingestion.inspect import inspect_data
 from raydlrm.ingestion.layout import layout_of
 from raydlrm.ingestion.reader import (
     EpochProgress,
-    RowGroupReader,
     SessionGroupReader,
     WorkerSource,
     read_columns,
+    reader_class,
 )
 
 USERS = ["C1", "C2", "C3"]
@@ -267,7 +267,7 @@ def test_sessions_must_be_contiguous(recd: Recd, tmp_path: Path) -> None:
 def _read(path: Path, config: DataConfig, *, shuffle: bool = False) -> list[pa.Table]:
     """Every batch the reader of ``path``'s layout makes of all its row groups (no Ray)."""
     summary = validate_data(str(path), config)
-    kind = SessionGroupReader if layout_of(summary.schema) else RowGroupReader
+    kind = reader_class(summary.schema)
     reader = kind(
         config,
         source_path=str(path),

@@ -47,7 +47,13 @@ from raydlrm.ingestion.badinput import (
     quarantine_rows,
 )
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.layout import ClusteredLayout, read_layout, sessions_file_of, write_layout
+from raydlrm.ingestion.layout import (
+    ClusteredLayout,
+    read_layout,
+    relative_path,
+    sessions_file_of,
+    write_layout,
+)
 from raydlrm.ingestion.schema import DataSummary, DataValidationError, validate_data
 from raydlrm.ingestion.sessions import (
     changed_rows,
@@ -180,8 +186,7 @@ def cluster_data(
     source_fs, source_root = filesystem_for(source, config.storage)
     written = _Written()
     for file in dict.fromkeys(g.file for g in summary.row_groups):
-        inside = file.startswith(source_root.rstrip("/") + "/")
-        relative = file[len(source_root.rstrip("/")) + 1 :] if inside else posixpath.basename(file)
+        relative = relative_path(file, source_root)
         _cluster_file(
             file,
             filesystems=(source_fs, filesystem),

@@ -22,6 +22,7 @@ worker's row-group reader) knows which columns come from the sessions files.
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -40,6 +41,7 @@ __all__ = [
     "ClusteredLayout",
     "layout_of",
     "read_layout",
+    "relative_path",
     "sessions_file_of",
     "with_layout",
     "write_layout",
@@ -108,6 +110,12 @@ def write_layout(layout: ClusteredLayout, *, filesystem: pafs.FileSystem, root: 
     """Writes the marker of the data set at ``root`` (last: it marks the data set complete)."""
     with filesystem.open_output_stream(f"{root}/{CLUSTERED_MARKER}") as f:
         f.write(layout.to_json().encode())
+
+
+def relative_path(file: str, root: str) -> str:
+    """``file``'s path inside the data set at ``root`` (its name when ``root`` is the file)."""
+    inside = file[len(root) :].lstrip("/") if file.startswith(root.rstrip("/") + "/") else ""
+    return inside or posixpath.basename(file)
 
 
 def sessions_file_of(samples_file: str, *, root: str) -> str:

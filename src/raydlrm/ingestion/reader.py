@@ -43,7 +43,6 @@ row groups are dealt anew, still each row once.
 from __future__ import annotations
 
 import logging
-import posixpath
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +58,7 @@ from raydlrm.ingestion.badinput import (
     quarantine_source,
 )
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.layout import layout_of
+from raydlrm.ingestion.layout import layout_of, relative_path
 from raydlrm.ingestion.preprocess import Preprocessor, SessionRows
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, RowGroup
 from raydlrm.storage import filesystem_for
@@ -80,6 +79,7 @@ __all__ = [
     "empty_raw_table",
     "epoch_rng",
     "read_columns",
+    "reader_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ class _RowGroupFiles:
             return table
         # Seeded by the file's path inside the data set, not where the data set lies: the
         # same data copied elsewhere trains to the same model.
-        salt = zlib.crc32(_relative(group.file, self.root).encode())
+        salt = zlib.crc32(relative_path(group.file, self.root).encode())
         rng = epoch_rng(self.seed, self.epoch, salt, group.index)
         return table.take(pa.array(_session_order(table, column, rng)))
 
@@ -346,9 +346,12 @@ class RowGroupReader:
                 out = out.slice(min(ref["skip"], total))
                 tables.append(_with_position(out, ref["id"], total))
         if not tables:
-            empty = self.preprocess(empty_raw_table(self.schema, self.columns))
-            return _with_position(empty, -1, 0)
+            return self.empty_table()
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+    def empty_table(self) -> pa.Table:
+        """A preprocessed table of 0 rows (the structure of this data's batches)."""
+        return _with_position(self.preprocess(empty_raw_table(self.schema, self.columns)), -1, 0)
 
 
 class SessionGroupReader(RowGroupReader):
@@ -421,10 +424,10 @@ class SessionGroupReader(RowGroupReader):
         return _with_position(self._preprocess(samples, sessions).batch(0, 0), -1, 0)
 
 
-def _relative(file: str, root: str) -> str:
-    """``file``'s path inside the data set at ``root`` (its name when ``root`` is the file)."""
-    inside = file[len(root) :].lstrip("/") if file.startswith(root.rstrip("/") + "/") else ""
-    return inside or posixpath.basename(file)
+def reader_class(schema: pa.Schema) -> type[RowGroupReader]:
+    """The row-group reader of a data set of this (marked) training schema: a
+    :class:`SessionGroupReader` for a session-clustered set, else a :class:`RowGroupReader`."""
+    return SessionGroupReader if layout_of(schema) is not None else RowGroupReader
 
 
 def _with_position(table: pa.Table, group_id: int, total: int) -> pa.Table:
@@ -512,13 +515,7 @@ class WorkerSource:
 
     def empty_table(self) -> pa.Table:
         """A preprocessed table of 0 rows (the structure of this data's batches)."""
-        if self.clustered:
-            return self._reader_class()(self.config, **self._reader_kwargs(0)).empty_table()
-        empty = Preprocessor(self.config)(empty_raw_table(self.schema, self.columns))
-        return _with_position(empty, -1, 0)
-
-    def _reader_class(self) -> type[RowGroupReader | SessionGroupReader]:
-        return SessionGroupReader if self.clustered else RowGroupReader
+        return reader_class(self.schema)(self.config, **self._reader_kwargs(0)).empty_table()
 
     def _reader_kwargs(self, epoch: int) -> dict[str, Any]:
         return {
@@ -546,7 +543,7 @@ class WorkerSource:
             override_num_blocks=len(mine),
         )
         return refs.map_batches(
-            self._reader_class(),
+            reader_class(self.schema),
             fn_constructor_kwargs={"config": self.config, **self._reader_kwargs(epoch)},
             batch_size=1,
             batch_format="pyarrow",
