@@ -9,6 +9,8 @@ from torch import nn
 
 from raydlrm.batch import KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.sharding.kernel import WEIGHT_DTYPES
+from raydlrm.sharding.quantized import QuantizedRows
 from raydlrm.sharding.types import ShardedTables
 
 GLOBAL_BATCH = 13
@@ -129,10 +131,16 @@ def _gather_pieces(collection: ShardedTables, local: dict[str, torch.Tensor], *,
 def gather_full_tables(collection: ShardedTables, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The full, unsharded tables on rank ``dst`` (table name -> ``(num_embeddings, dim)``, in
     the collection's table order; None on other ranks); every rank must call."""
-    pieces = _gather_pieces(collection, collection.local_tables(), dst=dst)
+    local = {
+        name: w.dequantize() if isinstance(w, QuantizedRows) else w
+        for name, w in collection.local_tables().items()
+    }
+    pieces = _gather_pieces(collection, local, dst=dst)
     if pieces is None:
         return None
-    dtypes = collection.weight_dtypes()
+    dtypes = {
+        n: WEIGHT_DTYPES.get(p, torch.float32) for n, p in collection.weight_precisions().items()
+    }
     full = {}
     for t in collection.tables:
         weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=dtypes[t.name])
@@ -181,4 +189,8 @@ def load_full_tables(collection: ShardedTables, tables: dict[str, torch.Tensor])
     shards = collection.local_shards()
     for name, weight in collection.local_tables().items():
         s = shards[name]
-        weight.copy_(tables[name][s.row_start : s.row_end, s.col_start : s.col_end])
+        rows = tables[name][s.row_start : s.row_end, s.col_start : s.col_end]
+        if isinstance(weight, QuantizedRows):
+            weight.assign(rows)
+        else:
+            weight.copy_(rows)

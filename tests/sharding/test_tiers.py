@@ -240,8 +240,8 @@ def test_a_step_larger_than_the_row_cache_names_the_table(tmp_path: Path) -> Non
     kjt = KeyedJaggedTensor.from_lengths(["a"], torch.arange(20), torch.ones(20, dtype=torch.long))
     with pytest.raises(
         TierError,
-        match=r"ssd table 't_big': a step looks up 20 distinct rows "
-        r"of its shard but its DRAM cache holds 10; raise sharding\.ssd_cache_min",
+        match=r"table 't_big': a step looks up 20 distinct rows "
+        r"of its shard but its cache holds 10; raise sharding\.ssd_cache_min",
     ):
         sebc(kjt)
     with pytest.raises(ValueError, match=r"sharding\.ssd_cache_load_factor must be in \[0, 1\]"):

@@ -36,9 +36,15 @@ Placement = Literal["dram", "ssd"]
   the operating system's page cache: DRAM holds the hot rows, the disk the rest.
 """
 
-WeightsPrecision = Literal["fp32", "fp16"]
+WeightsPrecision = Literal["fp32", "fp16", "int8", "int4"]
 """Precision of the embedding table weights held by each rank; the kernels train ``fp16``
-weights with fp32 optimizer state."""
+weights with fp32 optimizer state. ``int8`` / ``int4`` rows are stored row-wise quantized
+(:mod:`raydlrm.sharding.quantized`) and trained in fp32 through a cache of the rows in use
+(``sharding.cache_load_factor``; :mod:`raydlrm.sharding.row_cache`)."""
+
+QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+"""Bits per stored value of each quantized weights precision (trained through an fp32 cache)."""
+QUANTIZED: tuple[str, ...] = tuple(QUANTIZED_BITS)
 
 
 @config_dataclass
@@ -89,6 +95,15 @@ class ShardingConfig:
     """Precision of the embedding table weights (optimizer state stays fp32)."""
     weights_precision_per_table: dict[str, WeightsPrecision] = field(default_factory=dict)
     """Table name -> weights precision, overriding ``weights_precision`` for that table."""
+    cache_load_factor: float = 0.05
+    """Share of each ``int8`` / ``int4`` table shard's rows held in fp32 in the cache the
+    kernels train (at least one row): a looked-up row is dequantized into it, trained there in
+    fp32 with its optimizer state, and quantized back (stochastic rounding) when the cache
+    evicts it, least recently used first. One step's distinct rows of the shard must fit. An
+    ``ssd`` quantized table uses this cache in front of its file (not
+    ``ssd_cache_load_factor``)."""
+    cache_load_factor_per_table: dict[str, float] = field(default_factory=dict)
+    """Table name -> ``cache_load_factor`` for that table."""
     default_placement: Placement | Literal["auto"] = "dram"
     """Where every table not named in ``placement`` lives (see :data:`Placement`). ``auto``:
     in DRAM while the plan fits the memory budget; when it does not, the planner moves tables to
@@ -119,6 +134,10 @@ class ShardingConfig:
         """The weights precision of table ``table_name``."""
         return self.weights_precision_per_table.get(table_name, self.weights_precision)
 
+    def cache_load_factor_of(self, table_name: str) -> float:
+        """The ``cache_load_factor`` of table ``table_name`` (used when it is quantized)."""
+        return self.cache_load_factor_per_table.get(table_name, self.cache_load_factor)
+
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
             raise ValueError(f"sharding.learning_rate must be positive, got {self.learning_rate}")
@@ -140,6 +159,15 @@ class ShardingConfig:
                 "sharding.ssd_cache_load_factor must be in [0, 1], got "
                 f"{self.ssd_cache_load_factor}"
             )
+        for key, factor in [
+            ("cache_load_factor", self.cache_load_factor),
+            *(
+                (f"cache_load_factor_per_table.{t}", f)
+                for t, f in self.cache_load_factor_per_table.items()
+            ),
+        ]:
+            if not 0.0 < factor <= 1.0:
+                raise ValueError(f"sharding.{key} must be in (0, 1], got {factor}")
         if self.ssd_cache_min_rows < 1:
             raise ValueError(
                 f"sharding.ssd_cache_min_rows must be positive, got {self.ssd_cache_min_rows}"

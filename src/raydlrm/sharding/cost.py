@@ -16,7 +16,11 @@ features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on
   row-wise and table-row-wise ``k`` partial sums of each, data-parallel none but an all-reduce of
   the table's gradient (``2 (W - 1) N D 4`` bytes);
 - memory: ``N * D`` weights at their precision (4 bytes fp32, 2 bytes fp16) plus the fp32
-  optimizer state (row-wise Adagrad one float per row, Adagrad one per weight, SGD none).
+  optimizer state (row-wise Adagrad one float per row, Adagrad one per weight, SGD none); an
+  ``int8`` / ``int4`` table holds ``D`` (``D / 2``) bytes of codes and 4 of scale and bias per
+  row, its optimizer state, and its fp32 cache (``cache_load_factor`` of the rows, each with
+  its state and :data:`CACHE_SLOT_BYTES` of bookkeeping). Its lookups read the fp32 cache
+  (compute as fp32); the cache's fills and evictions are not modelled.
 
 Its estimated time is ``compute / lookup_bytes_per_s + comm / comm_bytes_per_s + k *
 collective_latency_s`` (each shard takes part in the collectives). A table on the ``ssd`` tier
@@ -39,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding.config import QUANTIZED_BITS
 
 __all__ = [
     "CostConstants",
@@ -47,13 +52,20 @@ __all__ = [
     "estimate_table_cost",
     "expected_distinct_rows",
     "load_constants",
+    "quantized_cache_rows",
+    "quantized_row_bytes",
     "save_constants",
     "table_memory_bytes",
     "wire_bytes_per_vector",
 ]
 
 _FP32_BYTES = 4
-_WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
+_WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4}  # quantized: lookups of the fp32 cache
+_QUANTIZED_PARAM_BYTES = 4  # an fp16 scale and bias per row
+CACHE_SLOT_BYTES = 33
+"""Bookkeeping of one slot of a quantized table's cache: its row and last step (int64 each),
+its dirty flag, and the sorted index of the slots' rows (two int64)."""
+_SSD_CACHE_SLOT_BYTES = 16  # its row and last step; the slot of each row is counted per row
 _ID_BYTES = 8
 _LENGTH_BYTES = 4
 # (bytes per value, bytes per row) on the wire of each codec in :mod:`raydlrm.sharding.codecs`;
@@ -136,6 +148,17 @@ def cache_rows(rows: int, *, load_factor: float, min_rows: int) -> int:
     return min(rows, max(math.ceil(load_factor * rows), min_rows))
 
 
+def quantized_cache_rows(rows: int, *, load_factor: float) -> int:
+    """Rows of the fp32 cache of an ``int8`` / ``int4`` table (shard) of ``rows`` rows:
+    ``load_factor`` of them (``sharding.cache_load_factor``), at least one."""
+    return max(1, math.ceil(load_factor * rows))
+
+
+def quantized_row_bytes(dim: int, precision: str) -> int:
+    """Bytes of one stored ``int8`` / ``int4`` row: its codes and its scale and bias."""
+    return math.ceil(dim * QUANTIZED_BITS[precision] / 8) + _QUANTIZED_PARAM_BYTES
+
+
 def table_memory_bytes(
     table: EmbeddingBagConfig,
     *,
@@ -148,34 +171,47 @@ def table_memory_bytes(
     (always fp32); for an ``ssd`` table only what stays in memory: row-wise Adagrad's one float
     per row (a per-weight state goes to disk with the weights) and, with a DRAM row cache of
     ``cache_rows`` rows, the cached rows with their state, plus 4 bytes per row and 16 per
-    cached row of bookkeeping.
+    cached row of bookkeeping. A quantized table: its rows (codes, scale and bias; on disk for
+    ``ssd``), its optimizer state as above, and its fp32 cache of ``cache_rows`` rows with
+    their state and :data:`CACHE_SLOT_BYTES` each.
 
     Args:
         table: the table.
         optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
             ``sgd`` (no state).
-        weights_precision: ``fp32`` (4 bytes per weight) or ``fp16`` (2 bytes).
+        weights_precision: ``fp32`` (4 bytes per weight), ``fp16`` (2), ``int8`` or ``int4``.
         placement: ``dram`` or ``ssd``.
-        cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`).
+        cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`), or of a
+            quantized table's fp32 cache (:func:`quantized_cache_rows`).
     """
     rows, dim = table.num_embeddings, table.embedding_dim
     state_per_row = {"rowwise_adagrad": _FP32_BYTES, "adagrad": dim * _FP32_BYTES, "sgd": 0}
-    row_bytes = dim * _WEIGHT_BYTES[weights_precision] + state_per_row[optimizer]
+    state = state_per_row[optimizer]
+    row_state_in_memory = rows * _FP32_BYTES if optimizer == "rowwise_adagrad" else 0
+    if weights_precision in QUANTIZED_BITS:
+        cache = cache_rows * (dim * _FP32_BYTES + state + CACHE_SLOT_BYTES)
+        if placement == "ssd":
+            return row_state_in_memory + cache
+        return rows * (quantized_row_bytes(dim, weights_precision) + state) + cache
+    row_bytes = dim * _WEIGHT_BYTES[weights_precision] + state
     if placement != "ssd":
         return rows * row_bytes
-    in_memory = rows * _FP32_BYTES if optimizer == "rowwise_adagrad" else 0
+    in_memory = row_state_in_memory
     if cache_rows:
-        in_memory += rows * _FP32_BYTES + cache_rows * (row_bytes + 16)
+        in_memory += rows * _FP32_BYTES + cache_rows * (row_bytes + _SSD_CACHE_SLOT_BYTES)
     return in_memory
 
 
 def table_disk_bytes(
     table: EmbeddingBagConfig, *, optimizer: str, weights_precision: str = "fp32"
 ) -> int:
-    """Bytes of local disk an ``ssd`` table takes: its weights, and a per-weight optimizer
-    state (Adagrad's) beside them."""
+    """Bytes of local disk an ``ssd`` table takes: its weights (a quantized table's codes,
+    scales and biases), and a per-weight optimizer state (Adagrad's) beside them."""
     weights = table.num_embeddings * table.embedding_dim
     state = weights * _FP32_BYTES if optimizer == "adagrad" else 0
+    if weights_precision in QUANTIZED_BITS:
+        stored = table.num_embeddings * quantized_row_bytes(table.embedding_dim, weights_precision)
+        return stored + state
     return weights * _WEIGHT_BYTES[weights_precision] + state
 
 

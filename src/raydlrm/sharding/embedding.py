@@ -72,10 +72,11 @@ from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, TbeGroup, batch_classes, rank_units, tbe_groups
 from raydlrm.sharding._output_dist import ClassLayout, ColumnRun, OutputDist, column_runs
 from raydlrm.sharding.codecs import ColumnBlockCodec
-from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.cost import cache_rows, wire_bytes_per_vector
+from raydlrm.sharding.config import QUANTIZED, ShardingConfig
+from raydlrm.sharding.cost import cache_rows, quantized_cache_rows, wire_bytes_per_vector
 from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe, resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
+from raydlrm.sharding.quantized import QuantizedRows, code_bytes_per_row, table_key
 from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
 from raydlrm.sharding.types import ShardedTables
@@ -83,6 +84,8 @@ from raydlrm.sharding.types import ShardedTables
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 _ROW_SPLIT = ("row_wise", "table_row_wise")
+_INIT_CHUNK_ROWS = 65536
+"""Rows of a quantized shard initialized at once (fp32 rows in memory while it is filled)."""
 
 
 @dataclass
@@ -146,6 +149,11 @@ def _output_codecs(
         ]
         for us in units
     ]
+
+
+def _numel(group: TbeGroup) -> int:
+    """Values of the group's shards."""
+    return sum((s.row_end - s.row_start) * (s.col_end - s.col_start) for _, s in group.shards)
 
 
 def _column_starts(features: list[str], dims: dict[str, int]) -> dict[str, int]:
@@ -213,9 +221,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self.feature_names = ebc.feature_names
         self.feature_dims = ebc.feature_dims
         self.plan = plan
-        self._dtypes = {
-            t.name: WEIGHT_DTYPES[config.weights_precision_of(t.name)] for t in self.tables
-        }
+        self.precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
         self._class_features = [
             [f for f in self.feature_names if class_of[f] == c]
             for c in range(len(self.dedup_groups) + 1)
@@ -239,7 +245,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         ]
         self.local_table_configs = [t for t, _ in self._pieces]
         self._ssd_directory = ssd_directory(config.ssd_path)
-        self._build_tbes(config)
+        self._build_tbes(config, seed=ebc.seed)
         self._init_weights(ebc)
 
     def _output_dist(self, units: list[list[LookupUnit]], config: ShardingConfig) -> OutputDist:
@@ -306,17 +312,48 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._register("_row_split_mean", torch.tensor(mean, dtype=torch.bool))
         self._register("_feature_dims", torch.tensor(self.feature_dims, dtype=torch.int64))
 
-    def _build_tbes(self, config: ShardingConfig) -> None:
+    def _build_tbes(self, config: ShardingConfig, *, seed: int) -> None:
         """One TBE per group of this rank's units; an ``ssd`` group's over its mapped files, or
-        over the slots of a DRAM row cache in front of them."""
+        over the slots of a DRAM row cache in front of them; a quantized group's over the fp32
+        slots of the cache in front of its quantized rows."""
         tbes, self._caches = [], []
         for group in self._groups:
-            buffers = self._tier_buffers(group, config)
-            cached = buffers is not None and config.ssd_cache_load_factor > 0
-            tbe = self._build_tbe(group, config, buffers=None if cached else buffers)
+            if group.precision in QUANTIZED:
+                slots = [
+                    quantized_cache_rows(
+                        s.row_end - s.row_start, load_factor=config.cache_load_factor_of(t.name)
+                    )
+                    for t, s in group.shards
+                ]
+                tbe = self._build_tbe(group, config, rows=slots, precision="fp32", buffers=None)
+                cache = self._quantized_cache(group, tbe, config, seed=seed)
+            else:
+                tbe, cache = self._float_group(group, config)
             tbes.append(tbe)
-            self._caches.append(self._row_cache(group, tbe, buffers) if cached else None)
+            self._caches.append(cache)
         self.tbes = nn.ModuleList(tbes)
+
+    def _float_group(
+        self, group: TbeGroup, config: ShardingConfig
+    ) -> tuple[nn.Module, RowCache | None]:
+        """An fp32 / fp16 group's TBE: over its shards' rows (an uncached ``ssd`` group's in
+        mapped files), or over the slots of the DRAM row cache in front of its files."""
+        buffers = self._tier_buffers(group, config)
+        cached = buffers is not None and config.ssd_cache_load_factor > 0
+        rows = [
+            cache_rows(
+                s.row_end - s.row_start,
+                load_factor=config.ssd_cache_load_factor,
+                min_rows=config.ssd_cache_min_rows,
+            )
+            if cached
+            else s.row_end - s.row_start
+            for _, s in group.shards
+        ]
+        tbe = self._build_tbe(
+            group, config, rows=rows, precision=group.precision, buffers=None if cached else buffers
+        )
+        return tbe, self._row_cache(group, tbe, buffers) if cached else None
 
     def _register(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.to(self._device), persistent=False)
@@ -326,36 +363,42 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         group: TbeGroup,
         config: ShardingConfig,
         *,
+        rows: list[int],
+        precision: str,
         buffers: dict[str, torch.Tensor] | None,
     ) -> nn.Module:
-        """The group's TBE: over the shards' rows (in ``buffers`` if given: an uncached
-        ``ssd`` group's mapped files), or, for a cached ``ssd`` group (``buffers`` None), over
-        its DRAM row caches' slots."""
-        cached = group.placement == "ssd" and buffers is None
+        """The group's TBE of ``rows`` rows per table: the shards' rows (in ``buffers`` if
+        given: an uncached ``ssd`` group's mapped files), or the slots of its cache."""
         return build_tbe(
             self.kernel,
             tables=[
-                TableSpec(
-                    rows=cache_rows(
-                        s.row_end - s.row_start,
-                        load_factor=config.ssd_cache_load_factor,
-                        min_rows=config.ssd_cache_min_rows,
-                    )
-                    if cached
-                    else s.row_end - s.row_start,
-                    dim=s.col_end - s.col_start,
-                )
-                for _, s in group.shards
+                TableSpec(rows=n, dim=s.col_end - s.col_start)
+                for n, (_, s) in zip(rows, group.shards, strict=True)
             ],
             feature_table_map=group.feature_table_map,
             optimizer=config.optimizer,
             learning_rate=config.learning_rate,
             eps=config.eps,
             pooling=group.pooling,
-            precision=group.precision,
+            precision=precision,
             device=self._device,
             buffers=buffers,
         )
+
+    def _check_tier_device(self, group: TbeGroup) -> None:
+        if group.placement != "dram" and self._device.type != "cpu":
+            raise TierError(
+                f"tables {[t.name for t, _ in group.shards]}: placement {group.placement!r} is "
+                f"for CPU workers; this worker's device is {self._device}"
+            )
+
+    def _group_buffer(self, group: TbeGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat zeroed buffer of the group: mapped from a file for ``ssd``, else on the
+        worker's device."""
+        if group.placement == "dram":
+            return torch.zeros(numel, dtype=dtype, device=self._device)
+        names = [t.name for t, _ in group.shards]
+        return mapped_buffer(self._ssd_directory, numel, dtype, tables=names)
 
     def _tier_buffers(
         self, group: TbeGroup, config: ShardingConfig
@@ -365,22 +408,11 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         Adagrad's per-row state stays in memory); None for a ``dram`` group."""
         if group.placement == "dram":
             return None
-        names = [t.name for t, _ in group.shards]
-        if self._device.type != "cpu":
-            raise TierError(
-                f"tables {names}: placement {group.placement!r} is for CPU workers; this "
-                f"worker's device is {self._device}"
-            )
-        numel = sum((s.row_end - s.row_start) * (s.col_end - s.col_start) for _, s in group.shards)
-        buffers = {
-            "weights": mapped_buffer(
-                self._ssd_directory, numel, WEIGHT_DTYPES[group.precision], tables=names
-            )
-        }
+        self._check_tier_device(group)
+        numel = _numel(group)
+        buffers = {"weights": self._group_buffer(group, numel, WEIGHT_DTYPES[group.precision])}
         if config.optimizer == "adagrad":
-            buffers["momentum1"] = mapped_buffer(
-                self._ssd_directory, numel, torch.float32, tables=names
-            )
+            buffers["momentum1"] = self._group_buffer(group, numel, torch.float32)
         return buffers
 
     def _row_cache(
@@ -391,20 +423,73 @@ class ShardedEmbeddingBagCollection(ShardedTables):
     ) -> RowCache:
         """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`): the TBE's
         weights are its slots, ``backing`` the mapped files of the whole shards."""
+        return self._cache(group, tbe, self._split_rows(backing["weights"], group), backing)
+
+    def _cache(
+        self,
+        group: TbeGroup,
+        tbe: nn.Module,
+        rows: list[torch.Tensor | QuantizedRows],
+        backing: dict[str, torch.Tensor],
+        *,
+        too_small: str = "sharding.ssd_cache_min_rows (or ssd_cache_load_factor)",
+    ) -> RowCache:
+        """A :class:`RowCache` whose slots are ``tbe``'s weights and whose rows are ``rows``;
+        Adagrad's per-weight state of the rows in ``backing["momentum1"]``, row-wise Adagrad's
+        in memory."""
         slot_states = row_states = None
         if self._optimizer != "sgd":
             slot_states = [states[0] for states in tbe.split_optimizer_states()]
-            if self._optimizer == "rowwise_adagrad":  # one float per row: in DRAM
-                row_states = [torch.zeros(sh.row_end - sh.row_start) for _, sh in group.shards]
+            if self._optimizer == "rowwise_adagrad":  # one float per row: in memory
+                row_states = [
+                    torch.zeros(sh.row_end - sh.row_start, device=self._device)
+                    for _, sh in group.shards
+                ]
             else:
                 row_states = self._split_rows(backing["momentum1"], group)
         return RowCache(
             [t.name for t, _ in group.shards],
             slots=list(tbe.split_embedding_weights()),
             slot_states=slot_states,
-            rows=self._split_rows(backing["weights"], group),
+            rows=rows,
             row_states=row_states,
             unit_tables=group.feature_table_map,
+            too_small=too_small,
+        )
+
+    def _quantized_cache(
+        self, group: TbeGroup, tbe: nn.Module, config: ShardingConfig, *, seed: int
+    ) -> RowCache:
+        """The fp32 cache of a quantized group (see :mod:`.quantized`), in front of its
+        quantized rows: in memory (``dram``) or in mapped files (``ssd``)."""
+        self._check_tier_device(group)
+        rows: list[torch.Tensor | QuantizedRows] = []
+        for t, s in group.shards:
+            n, cols = s.row_end - s.row_start, s.col_end - s.col_start
+            width = code_bytes_per_row(cols, group.precision)
+            rows.append(
+                QuantizedRows(
+                    self._group_buffer(group, n * width, torch.uint8).view(n, width),
+                    self._group_buffer(group, n * 2, torch.float16).view(n, 2),
+                    precision=group.precision,
+                    dim=cols,
+                    key=table_key(seed, t.name),
+                    row_start=s.row_start,
+                    col_start=s.col_start,
+                )
+            )
+        backing = {}
+        if config.optimizer == "adagrad":
+            numel = sum(
+                (s.row_end - s.row_start) * (s.col_end - s.col_start) for _, s in group.shards
+            )
+            backing["momentum1"] = self._group_buffer(group, numel, torch.float32)
+        return self._cache(
+            group,
+            tbe,
+            rows,
+            backing,
+            too_small="sharding.cache_load_factor (or cache_load_factor_per_table)",
         )
 
     @staticmethod
@@ -421,21 +506,33 @@ class ShardedEmbeddingBagCollection(ShardedTables):
     def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
         """Fills this rank's shards: copied from ``ebc``'s tables, or, for tables on the meta
         device, created from ``ebc.seed`` block by block (:func:`init_rows_`), so no rank ever
-        holds more than its shards and every rank's rows equal the unsharded ones."""
+        holds more than its shards and every rank's rows equal the unsharded ones. Quantized
+        shards are filled :data:`_INIT_CHUNK_ROWS` rows at a time, rounded to nearest."""
         shards = self.local_shards()
         configs = {t.name: t for t in self.tables}
         for name, weight in self.local_tables().items():
             source, s = ebc.weights[name], shards[name]
-            if source.device.type == "meta":
-                init_rows_(
-                    weight,
-                    table=configs[name],
-                    seed=ebc.seed,
-                    row_start=s.row_start,
-                    col_start=s.col_start,
-                )
-            else:
-                weight.copy_(source.detach()[s.row_start : s.row_end, s.col_start : s.col_end])
+            rows, cols = s.row_end - s.row_start, s.col_end - s.col_start
+            step = _INIT_CHUNK_ROWS if isinstance(weight, QuantizedRows) else max(rows, 1)
+            for lo in range(0, rows, step):
+                n = min(step, rows - lo)
+                if isinstance(weight, QuantizedRows):
+                    target = torch.empty(n, cols)
+                else:
+                    target = weight[lo : lo + n]
+                if source.device.type == "meta":
+                    init_rows_(
+                        target,
+                        table=configs[name],
+                        seed=ebc.seed,
+                        row_start=s.row_start + lo,
+                        col_start=s.col_start,
+                    )
+                else:
+                    start = s.row_start + lo
+                    target.copy_(source.detach()[start : start + n, s.col_start : s.col_end])
+                if isinstance(weight, QuantizedRows):
+                    weight.assign(target, start=lo)
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         """Cumulative bytes this rank sent to other ranks (counted from shapes, no sync).
@@ -473,9 +570,12 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         for a table without a cache)."""
         out = {}
         for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
-            if cache is not None:
+            if cache is not None and group.placement == "ssd":
                 hits = cache.hit_rates()
-                out.update((name, (rows, hits[name])) for name, rows in cache.rows().items())
+                out.update(
+                    (name, (getattr(rows, "codes", rows), hits[name]))  # quantized: its codes
+                    for name, rows in cache.rows().items()
+                )
             elif group.placement == "ssd":
                 views = tbe.split_embedding_weights()
                 out.update(
@@ -487,9 +587,18 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
         return {t.name: s for t, s in self._pieces}
 
-    def weight_dtypes(self) -> dict[str, torch.dtype]:
-        """Table name -> dtype of its weights (``sharding.weights_precision``), every table."""
-        return dict(self._dtypes)
+    def weight_precisions(self) -> dict[str, str]:
+        """Table name -> its ``sharding.weights_precision``, every table."""
+        return dict(self.precisions)
+
+    def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
+        """Per quantized table of this rank: (distinct ids found in its fp32 cache, distinct
+        ids looked up) so far."""
+        out = {}
+        for group, cache in zip(self._groups, self._caches, strict=True):
+            if cache is not None and group.precision in QUANTIZED:
+                out.update(cache.hit_rates())
+        return out
 
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
         """Fused optimizer state of this rank's shards (views).

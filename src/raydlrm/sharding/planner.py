@@ -46,11 +46,12 @@ from typing import Literal
 import numpy as np
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding.config import ShardingConfig
+from raydlrm.sharding.config import QUANTIZED, ShardingConfig
 from raydlrm.sharding.cost import (
     CostConstants,
     cache_rows,
     estimate_table_cost,
+    quantized_cache_rows,
     table_disk_bytes,
     table_memory_bytes,
 )
@@ -191,7 +192,7 @@ def _warn_whole_table_caches(plan: ShardingPlan, config: ShardingConfig) -> None
     """Warns of ``ssd`` tables whose DRAM row cache holds every row of a shard: such a table
     takes more memory than in DRAM (the cache plus the mapped file), for nothing."""
     for table in plan.tables:
-        if table.placement != "ssd":
+        if table.placement != "ssd" or config.weights_precision_of(table.name) in QUANTIZED:
             continue
         rows = min(s.row_end - s.row_start for s in table.shards)
         cached = cache_rows(
@@ -298,15 +299,20 @@ def _spill_order(
             batch_size=request.rows(t.name),
             pooling_factor=request.pooling_factors.get(t.name, 1.0),
             placement="ssd",
-            cache_rows=ssd_cache_rows(t, config),
+            cache_rows=table_cache_rows(t, config),
         ).disk_rows
         keyed.append(((disk_rows / freed, t.name), t))
     return [t for _, t in sorted(keyed, key=lambda pair: pair[0])]
 
 
-def ssd_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
-    """Rows of the DRAM row cache ``table`` would have on the ``ssd`` tier (counted on the
-    whole table; each shard's cache has at least ``ssd_cache_min_rows``)."""
+def table_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
+    """Rows of ``table``'s cache (counted on the whole table): the fp32 cache of a quantized
+    table (``cache_load_factor``), else the DRAM row cache it would have on the ``ssd`` tier
+    (each shard's has at least ``ssd_cache_min_rows``)."""
+    if config.weights_precision_of(table.name) in QUANTIZED:
+        return quantized_cache_rows(
+            table.num_embeddings, load_factor=config.cache_load_factor_of(table.name)
+        )
     return cache_rows(
         table.num_embeddings,
         load_factor=config.ssd_cache_load_factor,
@@ -321,7 +327,7 @@ def _memory_bytes(t: EmbeddingBagConfig, config: ShardingConfig, placement: str)
         optimizer=config.optimizer,
         weights_precision=config.weights_precision_of(t.name),
         placement=placement,
-        cache_rows=ssd_cache_rows(t, config),
+        cache_rows=table_cache_rows(t, config),
     )
 
 
@@ -452,7 +458,7 @@ class _Planner:
             constants=self.request.constants,
             placement=p.placement,
             page_cache_hit=self.page_cache_hit,
-            cache_rows=ssd_cache_rows(self.configs[p.name], self.config),
+            cache_rows=table_cache_rows(self.configs[p.name], self.config),
         ).seconds
 
     def _room(self) -> np.ndarray:

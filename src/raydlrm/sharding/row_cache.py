@@ -21,6 +21,16 @@ array of the whole shard, Adagrad's per-weight state in its own mapped file. Who
 writes the shard as a whole (checkpoints, resuming, resharding, export) calls :meth:`flush`
 first: every cached row is written back and the cache emptied, so the file is the table and
 the next step reads the rows it needs again.
+
+The same cache trains ``int8`` / ``int4`` tables (:mod:`raydlrm.sharding.quantized`), in DRAM,
+on a GPU or in mapped files: their rows are read in dequantized to fp32 and written back
+quantized with stochastic rounding, so the kernels only ever train fp32 slots. A quantized
+table's cache finds its rows through a sorted copy of the slots' rows (``C`` entries) rather
+than a slot number per row of the table (4 bytes per row, as much as the row-wise Adagrad
+state), since a small cache in front of small rows is the point of quantizing.
+
+Only rows a training step looked up (with autograd on) are written back: an evaluation's rows
+leave the cache as they came, so evaluating never re-rounds a quantized row.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raydlrm.sharding.quantized import QuantizedRows
 from raydlrm.sharding.tiers import TierError
 
 __all__ = ["RowCache"]
@@ -36,31 +47,72 @@ __all__ = ["RowCache"]
 
 @dataclass
 class _Table:
-    """One table of the group: its slots in the TBE and its rows in the files."""
+    """One table of the group: its slots in the TBE and its rows in the files (or quantized)."""
 
     name: str
     slots: torch.Tensor  # (C, D) the TBE's weights of this table: the cache
     slot_state: torch.Tensor | None  # (C,) or (C, D): the TBE's optimizer state
-    rows: torch.Tensor  # (N, D) mapped: the table
+    rows: torch.Tensor | QuantizedRows  # (N, D): the table
     row_state: torch.Tensor | None  # (N,) DRAM or (N, D) mapped: the optimizer state
-    slot_of: torch.Tensor  # (N,) int32: the slot holding each row, -1 if none
+    slot_of: torch.Tensor | None  # (N,) int32: the slot holding each row, -1 if none
     row_of: torch.Tensor  # (C,) int64: the row each slot holds, -1 if none
     last_used: torch.Tensor  # (C,) int64: step each slot was last looked up, -1 if never
+    dirty: torch.Tensor  # (C,) bool: the slot's row was looked up by a training step
+    sorted_rows: torch.Tensor | None = None  # without slot_of: row_of sorted ...
+    sorted_slots: torch.Tensor | None = None  # ... and the slot of each
     hits: int = 0  # distinct ids of the steps so far found in the cache
     misses: int = 0  # distinct ids of the steps so far read in from the file
 
+    def find(self, rows: torch.Tensor) -> torch.Tensor:
+        """The slot of each of ``rows`` (int64), -1 for a row not in the cache."""
+        if self.slot_of is not None:
+            return self.slot_of[rows].to(torch.int64)
+        if self.sorted_rows is None:
+            self.sorted_rows, self.sorted_slots = torch.sort(self.row_of)
+        at = torch.searchsorted(self.sorted_rows, rows).clamp_(max=self.row_of.numel() - 1)
+        held = self.sorted_rows[at] == rows
+        return torch.where(held, self.sorted_slots[at], -1)
+
+    def unmap(self, rows: torch.Tensor) -> None:
+        """Forgets the slots of ``rows`` (their slots are refilled or emptied)."""
+        if self.slot_of is not None:
+            self.slot_of[rows] = -1
+        self.sorted_rows = None
+
+    def map(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Records ``rows`` as held by ``slots``."""
+        if self.slot_of is not None:
+            self.slot_of[rows] = slots.to(torch.int32)
+        self.row_of[slots] = rows
+        self.sorted_rows = None
+
+    def write_back(self, slots: torch.Tensor) -> None:
+        """Writes the dirty ones of ``slots`` to their rows (and state), in row order."""
+        slots = slots[self.dirty[slots]]
+        if not slots.numel():
+            return
+        rows, order = torch.sort(self.row_of[slots])  # in row order: the file is written in order
+        slots = slots[order]
+        self.rows[rows] = self.slots[slots]
+        if self.row_state is not None:
+            self.row_state[rows] = self.slot_state[slots]
+        self.dirty[slots] = False
+
 
 class RowCache:
-    """The DRAM cache of one TBE group's ``ssd`` tables.
+    """The cache of one TBE group's ``ssd`` or quantized tables.
 
     Args:
         names: the group's tables, in TBE order.
         slots: the TBE's per-table weights (``split_embedding_weights()``), the cache.
         slot_states: the TBE's per-table optimizer state (first state of
             ``split_optimizer_states()``), or None for SGD.
-        rows: per table, the full shard's weights (mapped from a file).
+        rows: per table, the full shard's weights: mapped from a file, or
+            :class:`~raydlrm.sharding.quantized.QuantizedRows`.
         row_states: per table, the full shard's optimizer state, or None for SGD.
         unit_tables: the table of each of the group's units (features), in lookup order.
+        too_small: what to raise when a step's distinct rows of a table outnumber its slots
+            (the settings that size the cache), for the error.
     """
 
     def __init__(
@@ -69,17 +121,20 @@ class RowCache:
         *,
         slots: list[torch.Tensor],
         slot_states: list[torch.Tensor] | None,
-        rows: list[torch.Tensor],
+        rows: list[torch.Tensor | QuantizedRows],
         row_states: list[torch.Tensor] | None,
         unit_tables: list[int],
+        too_small: str = "sharding.ssd_cache_min_rows (or ssd_cache_load_factor)",
     ):
         self._unit_tables = unit_tables
+        self._too_small = too_small
         self._units_of = [
             [u for u, t in enumerate(unit_tables) if t == i] for i in range(len(names))
         ]
         self._tables = []
         for i, name in enumerate(names):
-            n, c = rows[i].shape[0], slots[i].shape[0]
+            n, c, device = rows[i].shape[0], slots[i].shape[0], slots[i].device
+            dense = not isinstance(rows[i], QuantizedRows)
             self._tables.append(
                 _Table(
                     name=name,
@@ -87,16 +142,19 @@ class RowCache:
                     slot_state=None if slot_states is None else slot_states[i],
                     rows=rows[i],
                     row_state=None if row_states is None else row_states[i],
-                    slot_of=torch.full((n,), -1, dtype=torch.int32),
-                    row_of=torch.full((c,), -1, dtype=torch.int64),
-                    last_used=torch.full((c,), -1, dtype=torch.int64),
+                    slot_of=torch.full((n,), -1, dtype=torch.int32, device=device)
+                    if dense
+                    else None,
+                    row_of=torch.full((c,), -1, dtype=torch.int64, device=device),
+                    last_used=torch.full((c,), -1, dtype=torch.int64, device=device),
+                    dirty=torch.zeros(c, dtype=torch.bool, device=device),
                 )
             )
         self._step = 0
 
-    def rows(self) -> dict[str, torch.Tensor]:
-        """Table name -> the shard's rows in the file, as they are (without the cached
-        updates: :meth:`flush` first for the table's values)."""
+    def rows(self) -> dict[str, torch.Tensor | QuantizedRows]:
+        """Table name -> the shard's rows in the file (or quantized), as they are (without the
+        cached updates: :meth:`flush` first for the table's values)."""
         return {t.name: t.rows for t in self._tables}
 
     def row_states(self) -> dict[str, list[torch.Tensor]]:
@@ -104,9 +162,9 @@ class RowCache:
         first for its values)."""
         return {t.name: [] if t.row_state is None else [t.row_state] for t in self._tables}
 
-    @torch.no_grad()
     def prefetch(self, indices: torch.Tensor, ids_per_unit: torch.Tensor) -> torch.Tensor:
         """Brings every row ``indices`` looks up into the cache; returns the slot of each id.
+        With autograd on (a training step, which updates them) the rows' slots become dirty.
 
         Args:
             indices: the group's ids (rows of their tables), int64, unit by unit.
@@ -114,8 +172,15 @@ class RowCache:
 
         Raises:
             TierError: a step looks up more distinct rows of a table than its cache has slots
-                (naming the table and ``sharding.ssd_cache_min_rows``).
+                (naming the table and the settings that size the cache).
         """
+        training = torch.is_grad_enabled()
+        with torch.no_grad():
+            return self._prefetch(indices, ids_per_unit, training=training)
+
+    def _prefetch(
+        self, indices: torch.Tensor, ids_per_unit: torch.Tensor, *, training: bool
+    ) -> torch.Tensor:
         self._step += 1
         # The group's ids unit by unit; a table's units (its features) looked up together.
         pieces = indices.split(ids_per_unit.tolist())
@@ -125,60 +190,54 @@ class RowCache:
             unique = torch.unique(torch.cat([pieces[u] for u in units]))
             if unique.numel() > t.row_of.numel():
                 raise TierError(
-                    f"ssd table {t.name!r}: a step looks up {unique.numel()} distinct rows of "
-                    f"its shard but its DRAM cache holds {t.row_of.numel()}; raise "
-                    "sharding.ssd_cache_min_rows (or ssd_cache_load_factor)"
+                    f"table {t.name!r}: a step looks up {unique.numel()} distinct rows of "
+                    f"its shard but its cache holds {t.row_of.numel()}; raise {self._too_small}"
                 )
-            held = t.slot_of[unique].to(torch.int64)
+            held = t.find(unique)
             hit = held >= 0
             t.last_used[held[hit]] = self._step
+            if training:
+                t.dirty[held[hit]] = True
             missing = unique[~hit]
             t.hits += int(unique.numel() - missing.numel())
             t.misses += int(missing.numel())
             if missing.numel():
-                self._fill(t, missing)
+                self._fill(t, missing, dirty=training)
         slots = [
-            self._tables[table].slot_of[p]
-            for p, table in zip(pieces, self._unit_tables, strict=True)
+            self._tables[table].find(p) for p, table in zip(pieces, self._unit_tables, strict=True)
         ]
-        return torch.cat(slots).to(torch.int64) if slots else indices.clone()
+        return torch.cat(slots) if slots else indices.clone()
 
-    def _fill(self, t: _Table, missing: torch.Tensor) -> None:
+    def _fill(self, t: _Table, missing: torch.Tensor, *, dirty: bool) -> None:
         """Gives the rows ``missing`` (sorted) the least recently used slots not used this
-        step: evicted rows are written back first."""
+        step: evicted rows are written back first (those a training step looked up)."""
         # Empty slots (-1) go first; this step's slots (the largest stamp) never qualify, as
         # the distinct rows of the step fit the cache.
         victims = torch.topk(t.last_used, missing.numel(), largest=False, sorted=False).indices
         evicted = t.row_of[victims]
         valid = evicted >= 0
         if bool(valid.any()):
-            old, order = torch.sort(evicted[valid])  # in row order: the file is written in order
-            from_slots = victims[valid][order]
-            t.rows[old] = t.slots[from_slots]
-            if t.row_state is not None:
-                t.row_state[old] = t.slot_state[from_slots]
-            t.slot_of[old] = -1
-        t.slots[victims] = t.rows[missing]
+            t.write_back(victims[valid])
+            t.unmap(evicted[valid])
+        t.slots[victims] = t.rows[missing].to(t.slots.dtype)
         if t.row_state is not None:
             t.slot_state[victims] = t.row_state[missing]
-        t.slot_of[missing] = victims.to(torch.int32)
-        t.row_of[victims] = missing
+        t.map(missing, victims)
         t.last_used[victims] = self._step
+        t.dirty[victims] = dirty
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Writes every cached row (and its optimizer state) back and empties the cache."""
+        """Writes every cached row (and its optimizer state) a training step looked up back
+        and empties the cache."""
         for t in self._tables:
             cached = torch.nonzero(t.row_of >= 0).flatten()
             if cached.numel():
-                rows, order = torch.sort(t.row_of[cached])
-                slots = cached[order]
-                t.rows[rows] = t.slots[slots]
-                if t.row_state is not None:
-                    t.row_state[rows] = t.slot_state[slots]
-                t.slot_of[rows] = -1
+                t.write_back(cached)
+                t.unmap(t.row_of[cached])
             t.row_of.fill_(-1)
             t.last_used.fill_(-1)
+            t.sorted_rows = None
 
     def hit_rates(self) -> dict[str, tuple[int, int]]:
         """Table name -> (hits, lookups) of distinct ids per step, so far."""

@@ -24,10 +24,21 @@ Weights are saved in their precision (``sharding.weights_precision``: fp32 or fp
 metadata records the dtype); optimizer state is always fp32. Loading casts to the loading
 plan's precision, so a checkpoint moves between fp32 and fp16 tables (fp32 -> fp16 rounds to
 nearest).
+
+Quantized tables (``int8`` / ``int4``; their caches flushed first) are saved as they are held
+(:mod:`raydlrm.sharding.quantized`), with no weight tensor: ``<table>.codes``, ``(rows, dim *
+bits / 8)`` uint8, each column block's codes at its own byte columns, and ``<table>.qparams``,
+``(rows, 2 K)`` fp16, block ``k``'s scale and bias at columns ``2k, 2k + 1`` (``K`` column
+blocks of the saving plan, as the momentum). A table loads them byte for byte when its
+precision and column blocks are the saved ones (a resume, any row resharding); otherwise
+(another precision: ``--set sharding.weights_precision=...`` at resume; other column blocks)
+each rank reads the saved rows of its shard and converts them once: dequantized, or quantized
+rounding to nearest, with one log line per table.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -40,14 +51,23 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
+from raydlrm.sharding.config import QUANTIZED, QUANTIZED_BITS
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.quantized import QuantizedRows, block_code_columns, dequantize_blocks
 from raydlrm.sharding.types import ShardedTables
 
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
 __all__ = [
+    "codes_key",
     "column_blocks",
     "embedding_state_dict",
     "load_embedding_state",
     "momentum_key",
+    "qparams_key",
+    "saved_precisions",
     "state_key",
     "weight_key",
 ]
@@ -67,6 +87,30 @@ def state_key(table: str) -> str:
 def momentum_key(table: str) -> str:
     """Row-wise Adagrad's per-row momentum, one column per column block."""
     return f"{_PREFIX}.{table}.momentum"
+
+
+def codes_key(table: str) -> str:
+    """A quantized table's codes."""
+    return f"{_PREFIX}.{table}.codes"
+
+
+def qparams_key(table: str) -> str:
+    """A quantized table's scale and bias per row, two columns per column block."""
+    return f"{_PREFIX}.{table}.qparams"
+
+
+def saved_precisions(plan: ShardingPlan, metadata: dict[str, Any]) -> dict[str, str]:
+    """Table name -> the weights precision a checkpoint holds it in, from its DCP
+    ``metadata`` (``state_dict_metadata``)."""
+    out = {}
+    for t in plan.tables:
+        codes = metadata.get(codes_key(t.name))
+        if codes is not None:
+            out[t.name] = "int8" if codes.size[1] == t.embedding_dim else "int4"
+        else:
+            dtype = metadata[weight_key(t.name)].properties.dtype
+            out[t.name] = "fp16" if dtype == torch.float16 else "fp32"
+    return out
 
 
 def column_blocks(table: TablePlan) -> list[tuple[int, int]]:
@@ -171,7 +215,7 @@ def embedding_state_dict(
         optimizer: the fused optimizer (``rowwise_adagrad``, ``adagrad`` or ``sgd``).
     """
     local = collection.local_tables()
-    dtypes = collection.weight_dtypes()
+    precisions = collection.weight_precisions()
     states = collection.optimizer_states() if optimizer != "sgd" else {}
     out: dict[str, Any] = {}
     # Without a process group (one process) every table is whole here: plain tensors.
@@ -180,7 +224,14 @@ def embedding_state_dict(
         weight = local.get(table.name)
         device = weight.device if weight is not None else torch.device("cpu")
         replicated = single or table.sharding_type == "data_parallel"
-        if replicated:
+        precision = precisions[table.name]
+        if precision in QUANTIZED:
+            out.update(
+                _quantized_entries(
+                    table, weight, rank=rank, replicated=replicated, precision=precision
+                )
+            )
+        elif replicated:
             out[weight_key(table.name)] = weight
         else:
             out[weight_key(table.name)] = _sharded(
@@ -189,7 +240,7 @@ def embedding_state_dict(
                 shards=_weight_pieces(table),
                 size=[table.num_embeddings, table.embedding_dim],
                 device=device,
-                dtype=dtypes[table.name],
+                dtype=_FLOAT_DTYPES[precision],
             )
         if optimizer != "sgd":
             state = states[table.name][0] if weight is not None else None
@@ -205,6 +256,49 @@ def embedding_state_dict(
             )
     # A replicated table is a plain tensor on the ranks that hold it and absent elsewhere.
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _quantized_entries(
+    table: TablePlan,
+    rows: QuantizedRows | None,
+    *,
+    rank: int,
+    replicated: bool,
+    precision: str,
+) -> dict[str, Any]:
+    """A quantized table's codes and scales (this rank's shard ``rows``, or None)."""
+    if replicated:
+        return {
+            codes_key(table.name): None if rows is None else rows.codes,
+            qparams_key(table.name): None if rows is None else rows.params,
+        }
+    blocks = column_blocks(table)
+    code_pieces, param_pieces = [], []
+    for s in table.shards:
+        lo, hi = block_code_columns(s.col_start, s.col_end, precision)
+        n = s.row_end - s.row_start
+        code_pieces.append((s, [s.row_start, lo], [n, hi - lo]))
+        param_pieces.append((s, [s.row_start, 2 * blocks.index((s.col_start, s.col_end))], [n, 2]))
+    device = rows.device if rows is not None else torch.device("cpu")
+    width = table.embedding_dim * QUANTIZED_BITS[precision] // 8
+    return {
+        codes_key(table.name): _sharded(
+            None if rows is None else rows.codes,
+            rank=rank,
+            shards=code_pieces,
+            size=[table.num_embeddings, width],
+            device=device,
+            dtype=torch.uint8,
+        ),
+        qparams_key(table.name): _sharded(
+            None if rows is None else rows.params,
+            rank=rank,
+            shards=param_pieces,
+            size=[table.num_embeddings, 2 * len(blocks)],
+            device=device,
+            dtype=torch.float16,
+        ),
+    }
 
 
 def _optimizer_entry(
@@ -254,6 +348,7 @@ def load_embedding_state(
     optimizer: str,
     load: Any,
     saved_blocks: dict[str, list[tuple[int, int]]],
+    saved_precisions: dict[str, str] | None = None,
 ) -> None:
     """Loads a checkpoint's embedding state into this rank's shards of ``plan`` (in place).
 
@@ -264,12 +359,15 @@ def load_embedding_state(
         optimizer: the fused optimizer; the checkpoint must hold its state.
         load: ``load(state_dict)`` fills the tensors of ``state_dict`` from the checkpoint
             (``torch.distributed.checkpoint.load`` bound to the checkpoint; every rank calls it).
-        saved_blocks: table name -> the column blocks of the saving plan (row-wise Adagrad).
+        saved_blocks: table name -> the column blocks of the saving plan (row-wise Adagrad,
+            quantized tables).
+        saved_precisions: table name -> the precision the checkpoint holds it in
+            (:func:`saved_precisions`); None: the collection's own.
     """
     target = embedding_state_dict(collection, plan=plan, rank=rank, optimizer=optimizer)
     momenta: dict[str, torch.Tensor] = {}
+    shards = collection.local_shards()
     if optimizer == "rowwise_adagrad":
-        shards = collection.local_shards()
         for table in plan.tables:
             key = momentum_key(table.name)
             target.pop(key, None)
@@ -284,11 +382,19 @@ def load_embedding_state(
                     row_start=s.row_start,
                     size=[table.num_embeddings, len(blocks)],
                 )
+    converted = _conversion_targets(
+        collection,
+        plan=plan,
+        rank=rank,
+        target=target,
+        saved_blocks=saved_blocks,
+        saved_precisions=saved_precisions or collection.weight_precisions(),
+    )
     load(target)
+    _convert(collection, converted, saved_blocks=saved_blocks)
     if not momenta:
         return
     states = collection.optimizer_states()
-    shards = collection.local_shards()
     with torch.no_grad():
         for name, saved in momenta.items():
             s = shards[name]
@@ -298,3 +404,100 @@ def load_embedding_state(
                 dtype=torch.float32,
             )
             states[name][0].copy_((saved * weights).sum(dim=1) / weights.sum())
+
+
+def _needs_conversion(table: TablePlan, *, ours: str, saved: str, blocks: list) -> bool:
+    """Whether a table cannot load as saved: quantized on one side and not the same
+    precision and column blocks on the other (fp32 and fp16 load into each other by DCP's
+    cast)."""
+    if ours not in QUANTIZED and saved not in QUANTIZED:
+        return False
+    return ours != saved or column_blocks(table) != blocks
+
+
+def _conversion_targets(
+    collection: ShardedTables,
+    *,
+    plan: ShardingPlan,
+    rank: int,
+    target: dict[str, Any],
+    saved_blocks: dict[str, list[tuple[int, int]]],
+    saved_precisions: dict[str, str],
+) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+    """Replaces in ``target`` the weights of the tables to convert (see the module docstring)
+    by windows of the saved rows of this rank's shards; returns table name -> (saved
+    precision, its windows by key) for the tables this rank holds."""
+    ours = collection.weight_precisions()
+    shards = collection.local_shards()
+    out = {}
+    for table in plan.tables:
+        name = table.name
+        saved = saved_precisions[name]
+        blocks = saved_blocks.get(name, column_blocks(table))
+        if not _needs_conversion(table, ours=ours[name], saved=saved, blocks=blocks):
+            continue
+        for key in (weight_key(name), codes_key(name), qparams_key(name)):
+            target.pop(key, None)
+        if rank == 0:
+            logger.info(
+                "table %s: the checkpoint holds it in %s (column blocks %s), the plan in %s "
+                "(%s): converted once while loading",
+                name,
+                saved,
+                blocks,
+                ours[name],
+                column_blocks(table),
+            )
+        if name not in shards:
+            continue
+        s = shards[name]
+        n, dim = s.row_end - s.row_start, table.embedding_dim
+        if saved in QUANTIZED:
+            width = dim * QUANTIZED_BITS[saved] // 8
+            windows = {
+                codes_key(name): torch.empty(n, width, dtype=torch.uint8),
+                qparams_key(name): torch.empty(n, 2 * len(blocks), dtype=torch.float16),
+            }
+        else:
+            windows = {weight_key(name): torch.empty(n, dim, dtype=_FLOAT_DTYPES[saved])}
+        for key, window in windows.items():
+            target[key] = _row_window(
+                window,
+                rank=rank,
+                row_start=s.row_start,
+                size=[table.num_embeddings, window.shape[1]],
+            )
+        out[name] = (saved, windows)
+    return out
+
+
+@torch.no_grad()
+def _convert(
+    collection: ShardedTables,
+    converted: dict[str, tuple[str, dict[str, torch.Tensor]]],
+    *,
+    saved_blocks: dict[str, list[tuple[int, int]]],
+) -> None:
+    """Writes the saved rows read into ``converted``'s windows into this rank's shards, in
+    their precision."""
+    if not converted:
+        return
+    local = collection.local_tables()
+    shards = collection.local_shards()
+    for name, (saved, windows) in converted.items():
+        s = shards[name]
+        if saved in QUANTIZED:
+            rows = dequantize_blocks(
+                windows[codes_key(name)],
+                windows[qparams_key(name)],
+                blocks=saved_blocks[name],
+                precision=saved,
+            )
+        else:
+            rows = windows[weight_key(name)].float()
+        rows = rows[:, s.col_start : s.col_end]
+        weight = local[name]
+        if isinstance(weight, QuantizedRows):
+            weight.assign(rows)
+        else:
+            weight.copy_(rows)

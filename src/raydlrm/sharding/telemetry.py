@@ -16,6 +16,8 @@ Metrics:
   ``tier/<table>/cache_hit_rate``, for a table with a DRAM row cache, the share of the distinct
   ids looked up so far that were in it; ``tier/major_page_faults``, the reads from disk the
   workers waited for so far (the page cache's misses);
+- per ``int8`` / ``int4`` table: ``cache/<table>/cache_hit_rate``, the share of the distinct ids
+  looked up so far that were in its fp32 cache;
 - per deduplicated table: ``dedup/<table>/ratio`` (samples per unique row, the mean over ranks),
   ``lookups_saved`` and ``a2a_bytes_saved``.
 """
@@ -50,6 +52,10 @@ def local_counters(tables: ShardedTables, *, families: Collection[Family]) -> di
         counters["sharding/torch_kernel_ranks"] = float(tables.kernel == "torch")
     if "tier" in families and any(t.placement == "ssd" for t in tables.plan.tables):
         counters.update(_tier_counters(tables))
+    if "tier" in families:  # quantized tables' fp32 caches
+        for name, (hits, lookups) in tables.cache_hit_rates().items():
+            counters[f"cache/{name}/cache_hits"] = float(hits)
+            counters[f"cache/{name}/cache_lookups"] = float(lookups)
     if "dedup" in families:
         for table, stats in tables.dedup_stats().items():
             for name, value in stats.items():

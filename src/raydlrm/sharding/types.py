@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
+from raydlrm.sharding.quantized import QuantizedRows
 
 __all__ = ["PrefetchQueue", "Routed", "ShardedTables"]
 
@@ -180,16 +181,23 @@ class ShardedTables(nn.Module, abc.ABC):
         """Cumulative bytes this rank sent through the all-to-alls, by direction and codec."""
 
     @abc.abstractmethod
-    def local_tables(self) -> dict[str, torch.Tensor]:
-        """Table name -> this rank's shard of it (views; caches flushed first)."""
+    def local_tables(self) -> dict[str, torch.Tensor | QuantizedRows]:
+        """Table name -> this rank's shard of it (views, or the quantized rows of an ``int8`` /
+        ``int4`` table; caches flushed first)."""
 
     @abc.abstractmethod
     def local_shards(self) -> dict[str, Shard]:
         """Table name -> the :class:`Shard` this rank holds."""
 
     @abc.abstractmethod
-    def weight_dtypes(self) -> dict[str, torch.dtype]:
-        """Table name -> dtype of its weights, every table."""
+    def weight_precisions(self) -> dict[str, str]:
+        """Table name -> its ``sharding.weights_precision`` (``fp32``, ``fp16``, ``int8``,
+        ``int4``), every table."""
+
+    def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
+        """Per ``int8`` / ``int4`` table of this rank: (distinct ids found in its fp32 cache,
+        distinct ids looked up) so far."""
+        return {}
 
     @abc.abstractmethod
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:

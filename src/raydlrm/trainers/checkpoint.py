@@ -50,6 +50,7 @@ from raydlrm.sharding.state import (
     column_blocks,
     embedding_state_dict,
     load_embedding_state,
+    saved_precisions,
     weight_key,
 )
 from raydlrm.sharding.types import ShardedTables
@@ -481,6 +482,7 @@ def load_training_state(directory: str | Path, *, parts: TrainingParts) -> dict[
         optimizer=optimizer,
         load=load,
         saved_blocks={k: [tuple(b) for b in v] for k, v in state["column_blocks"].items()},
+        saved_precisions=saved_precisions(parts.plan, metadata),
     )
     _load_dense(parts, metadata, load=load, same_world=state["world_size"] == parts.plan.world_size)
     if dist.is_initialized():
