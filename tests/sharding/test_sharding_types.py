@@ -20,6 +20,7 @@ from raydlrm.sharding import (
     plan_sharding,
     shard_model,
 )
+from raydlrm.sharding.quantized import QuantizedRows, dequantize_rows, quantize_rows
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     SPLITS,
@@ -71,6 +72,14 @@ SCENARIOS += [
         "cache": 0.0,
     },
 ]
+# int8 / int4 tables (t4 stays fp32) behind an fp32 cache holding every row of a shard: they
+# train exactly as fp32 tables started from the quantized initial rows (each shard's column
+# block quantized on its own, rounded to nearest); the final tables, written back with
+# stochastic rounding when gathered, are within one quantization step of the reference's.
+SCENARIOS += [
+    {**FP16, "name": f"mixed/{bits}", "precision": bits, "optimizer": opt, "weighted": weighted}
+    for bits, opt, weighted in (("int8", "rowwise_adagrad", False), ("int4", "adagrad", True))
+]
 # The PyTorch kernel (sharding.kernel = "torch") against the same reference: every scenario
 # (every sharding type, optimizer, fp16 and the SSD tier), at world sizes 1 and 2.
 TORCH_KERNEL = [{**sc, "name": f"{sc['name']}/torch", "kernel": "torch"} for sc in SCENARIOS]
@@ -99,6 +108,10 @@ def _tables(sc: dict) -> list[EmbeddingBagConfig]:
     return tables
 
 
+def _precision(sc: dict) -> str:
+    return "fp16" if sc.get("fp16") else sc.get("precision", "fp32")
+
+
 def _config(sc: dict) -> ShardingConfig:
     return ShardingConfig(
         default_type=sc.get("default_type", "table_wise"),
@@ -107,8 +120,9 @@ def _config(sc: dict) -> ShardingConfig:
         optimizer=sc["optimizer"],
         learning_rate=LR,
         eps=EPS,
-        weights_precision="fp16" if sc.get("fp16") else "fp32",
-        weights_precision_per_table={"t4": "fp32"} if sc.get("fp16") else {},
+        weights_precision=_precision(sc),
+        weights_precision_per_table={"t4": "fp32"} if _precision(sc) != "fp32" else {},
+        cache_load_factor=1.0,
         placement=dict.fromkeys(sc.get("ssd", []), "ssd"),
         ssd_cache_load_factor=sc.get("cache", 0.2),
         ssd_cache_min_rows=36,
@@ -131,12 +145,19 @@ def _run_scenario(rank: int, world_size: int, sc: dict) -> dict:
     record["tables"] = gather_full_tables(ebc, dst=0)
     record["states"] = gather_full_optimizer_states(ebc, dst=0)
     replicated = [t.name for t in plan.tables if t.sharding_type == "data_parallel"]
-    record["replicas"] = {n: ebc.local_tables()[n].clone() for n in replicated}
+    record["replicas"] = {n: _replica(ebc.local_tables()[n]) for n in replicated}
     # The SSD tier's buffers are mapped files (unlinked at once: "(deleted)" in the maps).
     maps = open("/proc/self/maps").read()  # noqa: SIM115
     record["mapped"] = sum("raydlrm-ssd-" in line for line in maps.splitlines())
     record["kernel"] = ebc.kernel
     return record
+
+
+def _replica(weight: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """A copy of a replica's rows (a quantized one's codes and scales, as bytes)."""
+    if isinstance(weight, QuantizedRows):
+        return torch.cat([weight.codes, weight.params.view(torch.uint8)], dim=1)
+    return weight.clone()
 
 
 def _worker(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
@@ -152,15 +173,18 @@ def _reference(sc: dict, plan: ShardingPlan) -> dict:
     tables = _tables(sc)
     model = TinyModel(tables)
     ebc = model.embedding_bags
-    if sc.get("fp16"):
-        with torch.no_grad():
-            for name, weight in ebc.weights.items():
-                if name != "t4":
-                    weight.copy_(weight.half().float())
     blocks = {
         t.name: sorted({(s.col_start, s.col_end) for s in plan.table(t.name).shards})
         for t in tables
     }
+    with torch.no_grad():
+        for name, weight in ebc.weights.items():
+            if sc.get("fp16") and name != "t4":
+                weight.copy_(weight.half().float())
+            elif sc.get("precision") and name != "t4":
+                for lo, hi in blocks[name]:
+                    codes, params = quantize_rows(weight[:, lo:hi], precision=sc["precision"])
+                    weight[:, lo:hi] = dequantize_rows(codes, params, precision=sc["precision"])
     states = {
         t.name: torch.zeros(t.num_embeddings, len(blocks[t.name]))
         if sc["optimizer"] == "rowwise_adagrad"
@@ -228,12 +252,27 @@ def _check(results: list[list[dict]], scenarios: list[dict], world_size: int) ->
         for name, weight in ref["tables"].items():
             fp16 = sc.get("fp16") and name != "t4"
             assert got["tables"][name].dtype == (torch.float16 if fp16 else torch.float32)
+            if sc.get("precision") and name != "t4":
+                _assert_within_one_step(got["tables"][name], weight, sc["precision"], name=name)
+                continue
             torch.testing.assert_close(
                 got["tables"][name].float(), weight, **tol, msg=f"{sc['name']} {name}"
             )
             assert len(got["states"][name]) == len(ref["states"][name])
             for g, r in zip(got["states"][name], ref["states"][name], strict=True):
                 torch.testing.assert_close(g, r, **tol, msg=f"{sc['name']} {name} state")
+
+
+def _assert_within_one_step(got: torch.Tensor, ref: torch.Tensor, precision: str, name: str):
+    """``got`` is ``ref`` quantized row by row with an error below one step (``range / L``):
+    bounded per row by the whole row's range (a column block's is at most that), and not
+    equal to ``ref`` (the rows were quantized)."""
+    levels = 255 if precision == "int8" else 15
+    lo, hi = torch.aminmax(ref, dim=1)
+    bound = ((hi - lo) / levels * 1.01 + 1e-6).unsqueeze(1)
+    excess = ((got - ref).abs() - bound).max()
+    assert excess <= 0, f"{name} {precision}: {excess} beyond one step"
+    assert not torch.equal(got, ref), name
 
 
 def test_single_process_all_types() -> None:

@@ -4,6 +4,7 @@ on as if it had never stopped."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -19,7 +20,12 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import load_training_state, read_state_file, save_training_state
+from raydlrm.trainers.checkpoint import (
+    CheckpointReader,
+    load_training_state,
+    read_state_file,
+    save_training_state,
+)
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.model_dir import (
     ModelWeights,
@@ -62,6 +68,7 @@ def _trainer(
     spec.sharding.kernel = kernel or "fbgemm"
     spec.sharding.default_type = types
     spec.sharding.weights_precision = precision or "fp32"
+    spec.sharding.cache_load_factor = 0.5  # int8 / int4: half the rows in the fp32 cache
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
     trainer = Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
     assert trainer.model.embedding_bags.kernel == spec.sharding.kernel
@@ -220,12 +227,59 @@ def test_checkpoint_moves_between_fp32_and_fp16_tables(data_dir: Path, tmp_path:
         assert sb[key].dtype == expected.dtype and torch.equal(sb[key], expected), key
     for table, states in a[0]["before"]["optimizer"].items():
         assert torch.equal(states[0], b[0]["before"]["optimizer"][table][0]), table
+    q = run_distributed(
+        _load, world_size=2, args=(str(data_dir), ckpt, "row_wise+int8", "rowwise_adagrad")
+    )
+    for key in tables:  # fp32 -> int8: rounded to nearest, once
+        want, got = sa[key], q[0]["before"]["state"][key]
+        step = (want.amax(1) - want.amin(1)).unsqueeze(1) / 255
+        assert bool(((got - want).abs() <= step / 2 + 1e-6).all()) and not torch.equal(got, want)
     c = run_distributed(
         _save, world_size=2, args=(str(data_dir), ckpt16, "table_wise+fp16", "rowwise_adagrad")
     )
     plain = dict(ModelWeights(ckpt16).items())
     assert all(plain[k].dtype == torch.float16 for k in tables)
     assert all(torch.equal(plain[k], v) for k, v in c[0]["before"]["state"].items())
+
+
+@pytest.mark.distributed
+def test_int8_tables_resume_reshard_and_convert(data_dir: Path, tmp_path: Path, caplog) -> None:
+    """An int8 checkpoint holds codes and scales (no fp32 weights), loads byte for byte into
+    another world size and row-wise shards (the model predicts as saved; continuing is within
+    a quantization step of the saving run), and loads into fp32 column-wise tables and int4
+    ones when asked, converted once and logged; fp32 tables load into int8 ones."""
+    ckpt = str(tmp_path / "ckpt")
+    a = run_distributed(
+        _save, world_size=2, args=(str(data_dir), ckpt, "table_wise+int8", "rowwise_adagrad")
+    )
+    keys = CheckpointReader(ckpt).read_metadata().state_dict_metadata
+    tables = [k for k in a[0]["before"]["state"] if k.startswith("embedding_bags.")]
+    for key in tables:
+        name = key.rpartition(".")[2]
+        assert keys[f"embedding.{name}.codes"].properties.dtype == torch.uint8
+        assert f"embedding.{name}.weight" not in keys
+    b = run_distributed(
+        _load, world_size=3, args=(str(data_dir), ckpt, "row_wise+int8", "rowwise_adagrad")
+    )
+    sa, sb = a[0]["before"]["state"], b[0]["before"]["state"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), "loading copies the codes"
+    torch.testing.assert_close(_logits(a, "before"), _logits(b, "before"), rtol=1e-5, atol=1e-6)
+    for key in tables:  # the next steps: the same up to the rounding of an update
+        torch.testing.assert_close(
+            a[0]["after"]["state"][key], b[0]["after"]["state"][key], atol=5e-3, rtol=0
+        )
+    with caplog.at_level(logging.INFO, logger="raydlrm.sharding.state"):
+        c = [_load(0, 1, str(data_dir), ckpt, "column_wise", "rowwise_adagrad")]
+        d = [_load(0, 1, str(data_dir), ckpt, "table_wise+int4", "rowwise_adagrad")]
+    assert "the checkpoint holds it in int8 (column blocks" in caplog.text
+    assert "the plan in int4" in caplog.text
+    sc, sd = c[0]["before"]["state"], d[0]["before"]["state"]
+    for key in tables:
+        assert torch.equal(sc[key], sa[key]), "dequantized exactly"
+        step = (sa[key].amax(1) - sa[key].amin(1)).unsqueeze(1) / 15
+        assert bool(((sd[key] - sa[key]).abs() <= step / 2 + 1e-6).all()), "rounded to nearest"
+    for table, states in a[0]["before"]["optimizer"].items():
+        assert torch.equal(states[0], c[0]["before"]["optimizer"][table][0]), table
 
 
 def _warm(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:

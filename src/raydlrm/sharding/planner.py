@@ -51,6 +51,7 @@ from raydlrm.sharding.cost import (
     CostConstants,
     cache_rows,
     estimate_table_cost,
+    expected_distinct_rows,
     quantized_cache_rows,
     table_disk_bytes,
     table_memory_bytes,
@@ -117,6 +118,7 @@ def check_table_names(
         ("sharding.pinned_ranks", config.pinned_ranks),
         ("sharding.pinned_types", config.pinned_types),
         ("sharding.weights_precision_per_table", config.weights_precision_per_table),
+        ("sharding.cache_load_factor_per_table", config.cache_load_factor_per_table),
         ("sharding.placement", config.placement),
         ("pooling_factors", pooling_factors or {}),
         ("dedup_ratios", dedup_ratios or {}),
@@ -185,7 +187,42 @@ def plan_sharding(
     _check_arguments(request)
     plan = _plan_spilling(request)
     _warn_whole_table_caches(plan, config)
+    _warn_small_quantized_caches(plan, request)
     return plan
+
+
+def _warn_small_quantized_caches(plan: ShardingPlan, request: _Request) -> None:
+    """Warns of quantized tables whose fp32 cache is smaller than the distinct rows a step
+    would look up in a shard were its ids uniform (the most it can touch; skewed ids touch
+    fewer): a step that does need more slots stops with an error naming the table."""
+    config = request.config
+    for table in plan.tables:
+        if config.weights_precision_of(table.name) not in QUANTIZED:
+            continue
+        t = next(c for c in request.tables if c.name == table.name)
+        ids = request.rows(t.name) * request.pooling_factors.get(t.name, 1.0)
+        ids *= len(t.feature_names)
+        factor = config.cache_load_factor_of(t.name)
+        for s in table.shards:
+            rows = s.row_end - s.row_start
+            touched = expected_distinct_rows(rows, ids * rows / t.num_embeddings)
+            slots = quantized_cache_rows(rows, load_factor=factor)
+            if touched > slots:
+                logger.warning(
+                    "table %s (%s): a step looks up about %d distinct rows of a %d-row shard "
+                    "if its ids are uniform, but its fp32 cache holds %d "
+                    "(sharding.cache_load_factor %g); a step that needs more stops with an "
+                    "error: raise sharding.cache_load_factor_per_table.%s unless the ids are "
+                    "skewed",
+                    t.name,
+                    config.weights_precision_of(t.name),
+                    touched,
+                    rows,
+                    slots,
+                    factor,
+                    t.name,
+                )
+                break
 
 
 def _warn_whole_table_caches(plan: ShardingPlan, config: ShardingConfig) -> None:

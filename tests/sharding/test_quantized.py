@@ -1,0 +1,248 @@
+"""int8 / int4 tables: the row-wise quantization, its stochastic rounding, and training through
+the fp32 cache (the sharded parity of every type is in ``test_sharding_types``; checkpoints in
+``tests/trainers/test_checkpoint``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from raydlrm.batch import KeyedJaggedTensor
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
+from raydlrm.sharding.cost import table_memory_bytes
+from raydlrm.sharding.quantized import (
+    QuantizedRows,
+    code_bytes_per_row,
+    dequantize_rows,
+    quantize_rows,
+    rounding_noise,
+    table_key,
+)
+from raydlrm.sharding.tiers import TierError
+
+LEVELS = {"int8": 255, "int4": 15}
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_round_trip_errors_are_within_their_bounds(precision: str) -> None:
+    """Nearest: at most half a step; stochastic: below one step; a constant row and a row of
+    large values come back; codes and scales have their stated sizes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 16, generator=gen) * torch.logspace(-3, 2, 500).unsqueeze(1)
+    x[0] = 0.25  # constant
+    codes, params = quantize_rows(x, precision=precision)
+    assert codes.dtype == torch.uint8 and codes.shape == (500, code_bytes_per_row(16, precision))
+    assert params.dtype == torch.float16 and params.shape == (500, 2)
+    step = params[:, 0].float().unsqueeze(1)
+    err = (dequantize_rows(codes, params, precision=precision) - x).abs()
+    assert bool((err <= step * 0.5 * (1 + 1e-4)).all())
+    assert torch.equal(dequantize_rows(codes[:1], params[:1], precision=precision), x[:1])
+    # Every value of a row lies in [bias, bias + L * scale]: nothing clips.
+    lo, hi = torch.aminmax(x, dim=1)
+    assert bool((params[:, 1].float() <= lo).all())
+    assert bool((params[:, 1].float() + LEVELS[precision] * step.squeeze(1) >= hi).all())
+    noise = rounding_noise(x, key=table_key(0, "t"), rows=torch.arange(500), col_start=0)
+    codes, params = quantize_rows(x, precision=precision, noise=noise)
+    err = (dequantize_rows(codes, params, precision=precision) - x).abs()
+    assert bool((err < params[:, 0].float().unsqueeze(1) * (1 + 1e-4)).all())
+    with pytest.raises(ValueError, match="int4 rows pack two codes per byte; dim 5 is odd"):
+        code_bytes_per_row(5, "int4")
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_stochastic_rounding_is_unbiased(precision: str) -> None:
+    """A value ``f`` of the way between two codes rounds up with probability ``f``: over 40000
+    rows (each its own noise) the mean code is within 5 standard deviations of ``k + f``."""
+    levels, n = LEVELS[precision], 40000
+    scale = 2.0**-6
+    for f in (0.1, 0.5, 0.83):
+        x = torch.tensor([0.0, levels * scale, (3 + f) * scale, 0.0]).repeat(n, 1)
+        noise = rounding_noise(x, key=table_key(1, "t"), rows=torch.arange(n), col_start=0)
+        codes, params = quantize_rows(x, precision=precision, noise=noise)
+        assert bool((params[:, 0] == scale).all()) and bool((params[:, 1] == 0).all())
+        got = dequantize_rows(codes, params, precision=precision)[:, 2] / scale
+        assert set(got.unique().tolist()) <= {3.0, 4.0}
+        bound = 5 * (f * (1 - f) / n) ** 0.5
+        assert abs(got.mean().item() - (3 + f)) < bound, (precision, f)
+
+
+def test_rounding_depends_on_global_row_and_column_not_on_the_shard() -> None:
+    """A shard starting at row 10, column 4 rounds its rows as the whole table does."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(30, 8, generator=gen)
+    whole = QuantizedRows(
+        torch.zeros(30, 8, dtype=torch.uint8),
+        torch.zeros(30, 2, dtype=torch.float16),
+        precision="int8",
+        dim=8,
+        key=table_key(5, "t"),
+    )
+    whole[torch.arange(30)] = values
+    shard = QuantizedRows(
+        torch.zeros(20, 4, dtype=torch.uint8),
+        torch.zeros(20, 2, dtype=torch.float16),
+        precision="int8",
+        dim=4,
+        key=table_key(5, "t"),
+        row_start=10,
+        col_start=4,
+    )
+    shard[torch.arange(20)] = values[10:, 4:]
+    u_whole = rounding_noise(values, key=table_key(5, "t"), rows=torch.arange(30), col_start=0)
+    u_shard = rounding_noise(
+        values[10:, 4:], key=table_key(5, "t"), rows=torch.arange(10, 30), col_start=4
+    )
+    assert torch.equal(u_whole[10:, 4:], u_shard)
+    assert not torch.equal(u_whole[:, :4], u_whole[:, 4:])  # columns draw their own
+    assert not torch.equal(
+        u_whole, rounding_noise(values, key=table_key(6, "t"), rows=torch.arange(30), col_start=0)
+    )
+
+
+TABLES = [
+    EmbeddingBagConfig(name="big", num_embeddings=400, embedding_dim=16, feature_names=("a", "b")),
+    EmbeddingBagConfig(name="small", num_embeddings=60, embedding_dim=8, feature_names=("c",)),
+]
+
+
+def _batches(steps: int, *, batch: int = 32, seed: int = 0) -> list[KeyedJaggedTensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 3, (3 * batch,), generator=gen)
+        per_key = lengths.view(3, batch).sum(1).tolist()
+        # skewed ids: most lookups hit a few hot rows, as real ids do
+        values = torch.cat(
+            [
+                (torch.rand(n, generator=gen) ** 3 * rows).long()
+                for n, rows in zip(per_key, (400, 400, 60), strict=True)
+            ]
+        )
+        out.append(KeyedJaggedTensor.from_lengths(["a", "b", "c"], values, lengths))
+    return out
+
+
+def _collection(precision: str, *, factor: float = 0.25, kernel: str = "torch", **kw):
+    config = ShardingConfig(
+        weights_precision=precision,
+        cache_load_factor=factor,
+        cache_load_factor_per_table={"small": 1.0},
+        kernel=kernel,
+        learning_rate=0.05,
+        **kw,
+    )
+    plan = plan_sharding(TABLES, world_size=1, config=config)
+    return ShardedEmbeddingBagCollection(
+        EmbeddingBagCollection(TABLES, device="meta", seed=11),
+        plan=plan,
+        config=config,
+        device="cpu",
+    )
+
+
+def _train(collection, batches) -> list[torch.Tensor]:
+    outs = []
+    for kjt in batches:
+        values = collection(kjt).values
+        (values**2).sum().backward()
+        outs.append(values.detach())
+    return outs
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fbgemm"])
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_cache_of_every_row_trains_bit_identically_to_fp32(precision: str, kernel: str) -> None:
+    """With every row in the cache nothing is quantized while training: each step's output
+    equals an fp32 table's started from the same (dequantized) rows, bit for bit; flushing
+    then quantizes the trained rows."""
+    quantized = _collection(precision, factor=1.0, kernel=kernel)
+    fp32 = _collection("fp32", kernel=kernel)
+    start = {n: w.dequantize() for n, w in quantized.local_tables().items()}
+    with torch.no_grad():
+        for name, weight in fp32.local_tables().items():
+            weight.copy_(start[name])
+    batches = _batches(6)
+    for got, want in zip(_train(quantized, batches), _train(fp32, batches), strict=True):
+        assert torch.equal(got, want)
+    hits, lookups = quantized.cache_hit_rates()["big"]
+    assert 0 < hits < lookups
+    trained = fp32.local_tables()["big"]
+    flushed = quantized.local_tables()["big"]
+    assert isinstance(flushed, QuantizedRows)
+    step = flushed.params[:, 0].float().unsqueeze(1)
+    assert bool(((flushed.dequantize() - trained).abs() < step * 1.0001).all())
+
+
+def test_a_small_cache_evicts_quantizes_and_still_trains() -> None:
+    """A cache of a quarter of the rows evicts (the rows written back quantized, read back
+    dequantized): the outputs stay near fp32's (a few quantization steps), training lowers the
+    loss as fp32's does, and evaluating (no autograd) re-rounds nothing."""
+    batches = _batches(40)
+    quantized, fp32 = _collection("int8", factor=0.25), _collection("fp32")
+    with torch.no_grad():
+        start = {n: w.dequantize() for n, w in quantized.local_tables().items()}
+        for name, weight in fp32.local_tables().items():
+            weight.copy_(start[name])
+    got, want = _train(quantized, batches), _train(fp32, batches)
+    hits, lookups = quantized.cache_hit_rates()["big"]
+    assert hits < lookups  # rows were evicted and read back
+    first, last = (float((o**2).sum()) for o in (got[0], got[-1]))
+    assert last < 0.5 * first
+    torch.testing.assert_close(got[-1], want[-1], atol=5e-3, rtol=0.05)
+    assert not torch.equal(got[-1], want[-1])  # quantized on the way
+    rows = quantized.local_tables()["big"]
+    before = (rows.codes.clone(), rows.params.clone())
+    with torch.no_grad():
+        for kjt in _batches(20, seed=1):  # evaluation batches: other rows, evictions
+            quantized(kjt)
+    after = quantized.local_tables()["big"]
+    assert torch.equal(after.codes, before[0]) and torch.equal(after.params, before[1])
+
+
+def test_a_step_beyond_the_cache_names_the_table_and_the_setting() -> None:
+    collection = _collection("int8", factor=0.01)  # 4 slots of 'big'
+    kjt = KeyedJaggedTensor.from_lengths(
+        ["a", "b", "c"], torch.arange(12), torch.tensor([6, 5, 1] + [0] * 0)
+    )
+    with pytest.raises(
+        TierError,
+        match=r"table 'big': a step looks up 11 distinct rows .* "
+        r"holds 4; raise sharding\.cache_load_factor",
+    ):
+        collection(kjt)
+
+
+def test_planner_counts_quantized_rows_and_warns_of_a_small_cache(caplog) -> None:
+    """Memory: codes, scales, row-wise state and the cache; the planner warns when uniform ids
+    would need more slots than the cache has, naming the table and the key."""
+    table = EmbeddingBagConfig(
+        name="t", num_embeddings=10**6, embedding_dim=64, feature_names=("a",)
+    )
+    fp32 = table_memory_bytes(table, optimizer="rowwise_adagrad")
+    int8 = table_memory_bytes(
+        table, optimizer="rowwise_adagrad", weights_precision="int8", cache_rows=50_000
+    )
+    int4 = table_memory_bytes(
+        table, optimizer="rowwise_adagrad", weights_precision="int4", cache_rows=10_000
+    )
+    assert fp32 == 10**6 * (64 * 4 + 4)
+    assert int8 == 10**6 * (64 + 4 + 4) + 50_000 * (64 * 4 + 4 + 33)
+    assert fp32 / int8 > 3 and fp32 / int4 > 6
+    with caplog.at_level(logging.WARNING, logger="raydlrm.sharding.planner"):
+        plan_sharding(
+            [table],
+            world_size=1,
+            config=ShardingConfig(weights_precision="int4", cache_load_factor=0.001),
+            batch_size=4096,
+        )
+    assert "table t (int4): a step looks up about 4087 distinct rows" in caplog.text
+    assert "sharding.cache_load_factor_per_table.t" in caplog.text
+    with pytest.raises(ValueError, match="cache_load_factor_per_table names unknown tables"):
+        plan_sharding(
+            [table], world_size=1, config=ShardingConfig(cache_load_factor_per_table={"x": 0.1})
+        )
+    with pytest.raises(ValueError, match=r"sharding\.cache_load_factor must be in"):
+        ShardingConfig(cache_load_factor=0)
