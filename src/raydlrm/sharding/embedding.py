@@ -591,6 +591,21 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         """Table name -> its ``sharding.weights_precision``, every table."""
         return dict(self.precisions)
 
+    def memory_bytes(self) -> int:
+        """Bytes of memory (DRAM or the device's) this rank's tables hold: the kernels'
+        weights and optimizer state (the slots of a cache), quantized rows with their scales,
+        caches' bookkeeping and the rows' state in memory; not what lives in mapped files."""
+        total = 0
+        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
+            in_files = group.placement == "ssd" and cache is None
+            if not in_files:
+                tensors = list(tbe.split_embedding_weights())
+                tensors += [x for states in tbe.split_optimizer_states() for x in states]
+                total += sum(x.numel() * x.element_size() for x in tensors)
+            if cache is not None:
+                total += cache.memory_bytes(rows_in_memory=group.placement == "dram")
+        return total
+
     def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
         """Per quantized table of this rank: (distinct ids found in its fp32 cache, distinct
         ids looked up) so far."""

@@ -192,37 +192,39 @@ def plan_sharding(
 
 
 def _warn_small_quantized_caches(plan: ShardingPlan, request: _Request) -> None:
-    """Warns of quantized tables whose fp32 cache is smaller than the distinct rows a step
-    would look up in a shard were its ids uniform (the most it can touch; skewed ids touch
-    fewer): a step that does need more slots stops with an error naming the table."""
+    """Warns, in one line, of the quantized tables whose fp32 cache is smaller than the distinct
+    rows a step would look up in a shard were its ids uniform (the most it can touch; skewed
+    ids touch fewer): a step that does need more slots stops with an error naming the table."""
     config = request.config
+    configs = {t.name: t for t in request.tables}
+    short = []  # (shortfall, table, distinct rows, shard rows, slots)
     for table in plan.tables:
         if config.weights_precision_of(table.name) not in QUANTIZED:
             continue
-        t = next(c for c in request.tables if c.name == table.name)
+        t = configs[table.name]
         ids = request.rows(t.name) * request.pooling_factors.get(t.name, 1.0)
         ids *= len(t.feature_names)
-        factor = config.cache_load_factor_of(t.name)
         for s in table.shards:
             rows = s.row_end - s.row_start
             touched = expected_distinct_rows(rows, ids * rows / t.num_embeddings)
-            slots = quantized_cache_rows(rows, load_factor=factor)
+            slots = quantized_cache_rows(rows, load_factor=config.cache_load_factor_of(t.name))
             if touched > slots:
-                logger.warning(
-                    "table %s (%s): a step looks up about %d distinct rows of a %d-row shard "
-                    "if its ids are uniform, but its fp32 cache holds %d "
-                    "(sharding.cache_load_factor %g); a step that needs more stops with an "
-                    "error: raise sharding.cache_load_factor_per_table.%s unless the ids are "
-                    "skewed",
-                    t.name,
-                    config.weights_precision_of(t.name),
-                    touched,
-                    rows,
-                    slots,
-                    factor,
-                    t.name,
-                )
+                short.append((touched / slots, t.name, touched, rows, slots))
                 break
+    if short:
+        _, name, touched, rows, slots = max(short)
+        logger.warning(
+            "quantized tables %s: a step may look up more distinct rows of a shard than their "
+            "fp32 cache holds if the ids are uniform (table %s: about %d of a %d-row shard, "
+            "%d slots); a step that needs more stops with an error: raise "
+            "sharding.cache_load_factor (or cache_load_factor_per_table) unless the ids are "
+            "skewed",
+            sorted(n for _, n, *_ in short),
+            name,
+            touched,
+            rows,
+            slots,
+        )
 
 
 def _warn_whole_table_caches(plan: ShardingPlan, config: ShardingConfig) -> None:

@@ -239,6 +239,21 @@ class RowCache:
             t.last_used.fill_(-1)
             t.sorted_rows = None
 
+    def memory_bytes(self, *, rows_in_memory: bool) -> int:
+        """Bytes the cache holds beyond the TBE's slots: its bookkeeping, the rows' optimizer
+        state in memory, and (``rows_in_memory``: quantized rows not in a mapped file) the
+        rows themselves."""
+        total = 0
+        for t in self._tables:
+            parts = [t.row_of, t.last_used, t.dirty, t.slot_of, t.sorted_rows, t.sorted_slots]
+            if rows_in_memory or (t.row_state is not None and t.row_state.dim() == 1):
+                parts.append(t.row_state)  # row-wise Adagrad's state is always in memory
+            total += sum(x.numel() * x.element_size() for x in parts if x is not None)
+            if rows_in_memory:
+                rows = t.rows
+                total += rows.nbytes() if isinstance(rows, QuantizedRows) else 0
+        return total
+
     def hit_rates(self) -> dict[str, tuple[int, int]]:
         """Table name -> (hits, lookups) of distinct ids per step, so far."""
         return {t.name: (t.hits, t.hits + t.misses) for t in self._tables}

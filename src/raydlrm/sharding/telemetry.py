@@ -16,6 +16,8 @@ Metrics:
   ``tier/<table>/cache_hit_rate``, for a table with a DRAM row cache, the share of the distinct
   ids looked up so far that were in it; ``tier/major_page_faults``, the reads from disk the
   workers waited for so far (the page cache's misses);
+- ``memory/embedding_bytes``: the bytes of memory the tables hold on all ranks (weights, optimizer
+  state, quantized rows and scales, caches; not mapped files);
 - per ``int8`` / ``int4`` table: ``cache/<table>/cache_hit_rate``, the share of the distinct ids
   looked up so far that were in its fp32 cache;
 - per deduplicated table: ``dedup/<table>/ratio`` (samples per unique row, the mean over ranks),
@@ -52,7 +54,8 @@ def local_counters(tables: ShardedTables, *, families: Collection[Family]) -> di
         counters["sharding/torch_kernel_ranks"] = float(tables.kernel == "torch")
     if "tier" in families and any(t.placement == "ssd" for t in tables.plan.tables):
         counters.update(_tier_counters(tables))
-    if "tier" in families:  # quantized tables' fp32 caches
+    if "tier" in families:  # memory held, quantized tables' fp32 caches
+        counters["memory/embedding_bytes"] = float(tables.memory_bytes())
         for name, (hits, lookups) in tables.cache_hit_rates().items():
             counters[f"cache/{name}/cache_hits"] = float(hits)
             counters[f"cache/{name}/cache_lookups"] = float(lookups)
