@@ -246,3 +246,18 @@ def test_planner_counts_quantized_rows_and_warns_of_a_small_cache(caplog) -> Non
         )
     with pytest.raises(ValueError, match=r"sharding\.cache_load_factor must be in"):
         ShardingConfig(cache_load_factor=0)
+
+
+def test_int8_rows_on_ssd_train_as_in_dram(tmp_path) -> None:
+    """int8 rows in a mapped file behind the fp32 cache train bit for bit as in DRAM (the same
+    evictions, the same rounding), and the file holds the codes."""
+    batches = _batches(12)
+    dram = _collection("int8", factor=0.25)
+    ssd = _collection("int8", factor=0.25, placement={"big": "ssd"}, ssd_path=str(tmp_path))
+    for got, want in zip(_train(ssd, batches), _train(dram, batches), strict=True):
+        assert torch.equal(got, want)
+    a, b = ssd.local_tables()["big"], dram.local_tables()["big"]
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.params, b.params)
+    maps = open("/proc/self/maps").read()  # noqa: SIM115
+    assert "raydlrm-ssd-" in maps
+    assert ssd.memory_bytes() < dram.memory_bytes()  # the codes are in the file
