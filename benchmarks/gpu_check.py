@@ -37,7 +37,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL_DIR = ROOT / ".whl"
-GPU_TEST_FILES = ["tests/trainers/test_loop.py", "tests/sharding/test_kernel.py"]
+GPU_TEST_FILES = [
+    "tests/trainers/test_loop.py",
+    "tests/sharding/test_kernel.py",
+    "tests/sharding/test_quantized.py",
+]
 VARIANTS = "torch-none,torch-sparse_dist,reference"
 RATIOS = [
     ("torch-sparse_dist", "torch-none"),

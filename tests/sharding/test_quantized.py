@@ -125,7 +125,9 @@ def _batches(steps: int, *, batch: int = 32, seed: int = 0) -> list[KeyedJaggedT
     return out
 
 
-def _collection(precision: str, *, factor: float = 0.25, kernel: str = "torch", **kw):
+def _collection(
+    precision: str, *, factor: float = 0.25, kernel: str = "torch", device: str = "cpu", **kw
+):
     config = ShardingConfig(
         weights_precision=precision,
         cache_load_factor=factor,
@@ -139,14 +141,15 @@ def _collection(precision: str, *, factor: float = 0.25, kernel: str = "torch", 
         EmbeddingBagCollection(TABLES, device="meta", seed=11),
         plan=plan,
         config=config,
-        device="cpu",
+        device=device,
     )
 
 
 def _train(collection, batches) -> list[torch.Tensor]:
     outs = []
+    device = next(iter(collection.tbes[0].split_embedding_weights())).device
     for kjt in batches:
-        values = collection(kjt).values
+        values = collection(kjt.to(device)).values
         (values**2).sum().backward()
         outs.append(values.detach())
     return outs
@@ -261,3 +264,20 @@ def test_int8_rows_on_ssd_train_as_in_dram(tmp_path) -> None:
     maps = open("/proc/self/maps").read()  # noqa: SIM115
     assert "raydlrm-ssd-" in maps
     assert ssd.memory_bytes() < dram.memory_bytes()  # the codes are in the file
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_tables_on_cuda_train_as_on_cpu(precision: str) -> None:
+    """On a GPU (torch kernel) the quantized rows, the cache and its bookkeeping live on the
+    device: a cache of a quarter of the rows trains as on the CPU, to float rounding and,
+    where that rounding tips a stochastic rounding, one quantization step."""
+    batches = _batches(12)
+    cpu, cuda = _collection(precision), _collection(precision, device="cuda")
+    for got, want in zip(_train(cuda, batches), _train(cpu, batches), strict=True):
+        torch.testing.assert_close(got.cpu(), want, atol=0.05, rtol=0.05)
+    a, b = cuda.local_tables()["big"], cpu.local_tables()["big"]
+    assert a.codes.device.type == "cuda"
+    step = b.params[:, 0].float().unsqueeze(1)
+    assert bool(((a.dequantize().cpu() - b.dequantize()).abs() <= 2 * step + 1e-5).all())
+    assert cuda.cache_hit_rates()["big"] == cpu.cache_hit_rates()["big"]
