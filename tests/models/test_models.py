@@ -218,3 +218,86 @@ def test_block_init_of_any_rectangle_equals_the_whole_table() -> None:
     assert torch.equal(EmbeddingBagCollection([table], seed=5).weights["t"].detach(), whole)
     with pytest.raises(ValueError, match="table t: rows"):
         init_rows_(torch.empty(5, 12), table=table, seed=5, row_start=table.num_embeddings - 2)
+
+
+def _quantized_state(
+    table: EmbeddingBagConfig, precision: str, blocks: list[tuple[int, int]]
+) -> dict[str, torch.Tensor]:
+    """A quantized table's state-dict entries as a checkpoint saves them: each column block
+    quantized on its own, the codes side by side, the (scale, bias) pairs side by side."""
+    from raydlrm.sharding.quantized import quantize_rows
+
+    values = torch.randn(table.num_embeddings, table.embedding_dim)
+    parts = [quantize_rows(values[:, a:b], precision=precision) for a, b in blocks]
+    prefix = f"quantized.{table.name}."
+    return {
+        prefix + "codes": torch.cat([c for c, _ in parts], dim=1),
+        prefix + "qparams": torch.cat([p for _, p in parts], dim=1),
+        prefix + "blocks": torch.tensor(blocks, dtype=torch.int64),
+    }
+
+
+@pytest.mark.parametrize(
+    ("precision", "blocks"), [("int8", [(0, 4), (4, 12)]), ("int4", [(0, 12)])]
+)
+def test_quantized_table_dequantizes_only_the_rows_a_lookup_gathers(
+    precision: str, blocks: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state dict holding a table's codes makes the collection hold it quantized (buffers,
+    assign=True too); a lookup equals embedding_bag over the whole table dequantized (sum,
+    weighted, mean) and dequantizes only the distinct rows it looks up; a state dict with a
+    weight makes it a weight again."""
+    from raydlrm.sharding import quantized
+
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig("q", 50, 12, ("f0",)),
+        EmbeddingBagConfig("m", 50, 12, ("f1",), pooling="mean"),
+    ]
+    state = _quantized_state(tables[0], precision, blocks)
+    state.update({k.replace(".q.", ".m."): v for k, v in state.items()})
+    for assign in (False, True):
+        ebc = EmbeddingBagCollection(tables, device="meta" if assign else "cpu")
+        ebc.load_state_dict(state, assign=assign)
+        assert not ebc.weights and ebc.precisions() == {"q": precision, "m": precision}
+        assert ebc.quantized["q"].codes.dtype == torch.uint8
+        assert ebc.quantized["q"].qparams.shape == (50, 2 * len(blocks))
+        assert ebc.state_dict().keys() == state.keys()
+    whole = quantized.dequantize_blocks(
+        state["quantized.q.codes"],
+        state["quantized.q.qparams"],
+        blocks=blocks,
+        precision=precision,
+    )
+    ids, lengths = torch.tensor([3, 7, 3, 49, 0, 7]), torch.tensor([2, 0, 4])
+    offsets = torch.tensor([0, 2, 2])
+    seen: list[int] = []
+    dequantize = quantized.dequantize_blocks
+
+    def counting(codes: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        seen.append(codes.shape[0])
+        return dequantize(codes, *args, **kwargs)
+
+    monkeypatch.setattr(quantized, "dequantize_blocks", counting)
+    kjt = KeyedJaggedTensor.from_lengths(
+        ["f0", "f1"], torch.cat([ids, ids]), torch.cat([lengths, lengths])
+    )
+    out = ebc(kjt).to_dict()
+    for feature, mode in (("f0", "sum"), ("f1", "mean")):
+        expected = torch.nn.functional.embedding_bag(ids, whole, offsets, mode=mode)
+        assert torch.equal(out[feature], expected), feature
+    weights = torch.rand(6)
+    weighted = EmbeddingBagCollection(tables[:1], device="meta")
+    weighted.load_state_dict({k: v for k, v in state.items() if ".q." in k}, assign=True)
+    got = weighted(KeyedJaggedTensor.from_lengths(["f0"], ids, lengths, weights=weights))
+    expected = torch.nn.functional.embedding_bag(
+        ids, whole, offsets, mode="sum", per_sample_weights=weights
+    )
+    assert torch.equal(got.values, expected)
+    assert seen and max(seen) == len(set(ids.tolist()))  # 4 distinct rows, never the table
+    # A weight in the state dict: a weight again.
+    ebc.load_state_dict(
+        {"weights.q": torch.ones(50, 12), **{k: v for k, v in state.items() if ".m." in k}}
+    )
+    assert ebc.precisions() == {"q": "fp32", "m": precision}
+    assert torch.equal(ebc.weights["q"].detach(), torch.ones(50, 12))

@@ -93,6 +93,11 @@ def finished_run(
             "run.toml",
             "--set",
             "run.name=e2e-run",
+            # One int8 table (trained through its fp32 cache): exported and scored quantized.
+            "--set",
+            'sharding.weights_precision_per_table={ t_C3 = "int8" }',
+            "--set",
+            "sharding.cache_load_factor_per_table={ t_C3 = 0.5 }",
         ],
         cwd=workdir,
         env=env,
@@ -298,6 +303,16 @@ def test_export_checkpoint_to_directory_and_registry(finished_run) -> None:
     assert (types["C1"], types["I1"], types["C26"]) == ("long", "float", "Array(long)"), types
     exported = {p.name for p in (workdir / "exported").rglob("*") if p.is_file()}
     assert "model.safetensors" in exported and not any(n.endswith(".distcp") for n in exported)
+    # The int8 table is exported as its codes (and fp16 scale, bias), not as an fp32 weight.
+    from safetensors import safe_open
+
+    weights = next((workdir / "exported").rglob("model.safetensors"))
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        codes = f.get_slice("embedding_bags.quantized.t_C3.codes")
+        assert (codes.get_dtype(), codes.get_shape()) == ("U8", [2000, 8])
+    assert "embedding_bags.weights.t_C3" not in names
+    assert "embedding_bags.weights.t_C4" in names
     assert "trainer_state.json" not in exported
     missing = _cli(workdir, "export", str(workdir / "data"), "--output", "x")
     assert missing.returncode == 2 and "is not a checkpoint directory" in missing.stderr

@@ -6,6 +6,13 @@ reference in parity tests and what exported models run.
 Tables are plain parameters (one ``(num_embeddings, embedding_dim)`` tensor per table), so the
 module can be built on the meta device when the tables are too large for one host.
 
+A table trained ``int8`` or ``int4`` (``sharding.weights_precision``) stays quantized in the
+unsharded model (exported models, scoring): a :class:`QuantizedTable` of buffers (its codes, its
+fp16 scale and bias per row and column block, and the column blocks) in place of its weight. A
+state dict holding such a table's buffers makes the collection hold it quantized when loaded
+(:meth:`EmbeddingBagCollection.load_state_dict`, ``assign=True`` included), and a lookup
+dequantizes only the rows it gathers, pooled in fp32.
+
 Initialization is deterministic per block of rows: rows ``[k * INIT_BLOCK_ROWS, (k + 1) *
 INIT_BLOCK_ROWS)`` of table ``t`` are drawn from a generator seeded by ``(seed, t, k)``. Any
 rectangle of a table (a row, column or table shard) is therefore initialized on its own, with
@@ -16,17 +23,25 @@ shards, and a sharded run still starts from the unsharded reference's weights.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 
-__all__ = ["INIT_BLOCK_ROWS", "EmbeddingBagCollection", "EmbeddingBagConfig", "init_rows_"]
+__all__ = [
+    "INIT_BLOCK_ROWS",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "QuantizedTable",
+    "init_rows_",
+    "quantized_precision",
+]
 
 INIT_BLOCK_ROWS = 8192
 """Rows drawn from one seeded generator; initializing a shard holds one block at most."""
@@ -121,6 +136,116 @@ def init_rows_(
     return weight
 
 
+def quantized_precision(embedding_dim: int, code_bytes: int) -> str:
+    """The precision of a quantized table of ``embedding_dim`` columns whose rows have
+    ``code_bytes`` bytes of codes: ``int8`` (one byte a value) or ``int4`` (two a byte).
+
+    Raises:
+        ValueError: ``code_bytes`` is neither.
+    """
+    if code_bytes == embedding_dim:
+        return "int8"
+    if 2 * code_bytes == embedding_dim:
+        return "int4"
+    raise ValueError(
+        f"{code_bytes} bytes of codes per row hold neither int8 nor int4 rows of "
+        f"dim {embedding_dim}"
+    )
+
+
+class QuantizedTable(nn.Module):
+    """An ``int8`` / ``int4`` table held as it was trained and saved (see
+    :mod:`raydlrm.sharding.quantized` and :mod:`raydlrm.sharding.state`), in three buffers:
+
+    * ``codes``: ``(num_embeddings, embedding_dim * bits / 8)`` uint8; block ``k``'s codes at
+      byte columns ``[start_k * bits / 8, end_k * bits / 8)`` (``int4``: two a byte, the even
+      column in the low nibble);
+    * ``qparams``: ``(num_embeddings, 2 K)`` fp16, block ``k``'s scale and bias at columns
+      ``2k, 2k + 1``;
+    * ``blocks``: ``(K, 2)`` int64, the column blocks ``[start_k, end_k)`` the rows were
+      quantized by (the saving plan's column shards; ``[[0, embedding_dim]]`` unless
+      column-sharded).
+
+    The precision follows from the shapes (:func:`quantized_precision`). Value ``j`` of block
+    ``k`` reads ``bias_k + code_j * scale_k`` in fp32.
+
+    Args:
+        num_embeddings: rows.
+        embedding_dim: columns.
+        precision: ``int8`` or ``int4``.
+        num_blocks: ``K``.
+        device: where to allocate the buffers (``meta``: shapes only, for
+            ``load_state_dict(..., assign=True)``); allocated zero (``blocks``: an even split).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        precision: str,
+        num_blocks: int = 1,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        from raydlrm.sharding.quantized import code_bytes_per_row
+
+        self.embedding_dim = embedding_dim
+        width = code_bytes_per_row(embedding_dim, precision)
+        bounds = [embedding_dim * k // num_blocks for k in range(num_blocks + 1)]
+        blocks = torch.tensor(list(itertools.pairwise(bounds)), dtype=torch.int64)
+        self.register_buffer(
+            "codes", torch.zeros(num_embeddings, width, dtype=torch.uint8, device=device)
+        )
+        self.register_buffer(
+            "qparams",
+            torch.zeros(num_embeddings, 2 * num_blocks, dtype=torch.float16, device=device),
+        )
+        self.register_buffer("blocks", blocks.view(num_blocks, 2).to(device))
+
+    @property
+    def precision(self) -> str:
+        return quantized_precision(self.embedding_dim, self.codes.shape[1])
+
+    def column_blocks(self) -> list[tuple[int, int]]:
+        """The column blocks, checked: adjacent, from 0 to ``embedding_dim``, as many as
+        ``qparams`` has pairs.
+
+        Raises:
+            ValueError: blocks that do not tile the row, or another number of them.
+        """
+        blocks = [(int(a), int(b)) for a, b in self.blocks.tolist()]
+        edges = [0] + [b for _, b in blocks]
+        if (
+            not blocks
+            or [a for a, _ in blocks] != edges[:-1]
+            or edges[-1] != self.embedding_dim
+            or any(a >= b for a, b in blocks)
+            or self.qparams.shape[1] != 2 * len(blocks)
+        ):
+            raise ValueError(
+                f"column blocks {blocks} do not tile a row of {self.embedding_dim} columns "
+                f"with {self.qparams.shape[1] // 2} (scale, bias) pairs"
+            )
+        return blocks
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids``, dequantized: ``(len(ids), embedding_dim)`` fp32 (only those rows'
+        codes and parameters are read)."""
+        from raydlrm.sharding.quantized import dequantize_blocks
+
+        return dequantize_blocks(
+            self.codes.index_select(0, ids),
+            self.qparams.index_select(0, ids),
+            blocks=self.column_blocks(),
+            precision=self.precision,
+        )
+
+
+_QUANTIZED = "quantized."
+_WEIGHTS = "weights."
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled embedding lookups for a set of tables.
 
@@ -158,13 +283,78 @@ class EmbeddingBagCollection(nn.Module):
                 for t in tables
             }
         )
+        # Tables held quantized (see QuantizedTable): none until a state dict holds some.
+        self.quantized = nn.ModuleDict()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         for t in self.tables:
-            weight = self.weights[t.name]
-            if weight.device.type != "meta":
+            weight = self.weights.get(t.name)
+            if weight is not None and weight.device.type != "meta":
                 init_rows_(weight, table=t, seed=self.seed)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Before the tables load (torch loads a module before its children): a table whose
+        ``quantized.<table>.codes`` the state dict holds is held as a :class:`QuantizedTable`
+        of the saved shapes (on the device of the table it replaces), one whose
+        ``weights.<table>`` it holds as a weight; then the keys load as usual."""
+        for t in self.tables:
+            codes = state_dict.get(f"{prefix}{_QUANTIZED}{t.name}.codes")
+            if codes is not None:
+                qparams = state_dict.get(f"{prefix}{_QUANTIZED}{t.name}.qparams")
+                pairs = 1 if qparams is None else qparams.shape[1] // 2
+                try:
+                    self._hold_quantized(t, code_bytes=codes.shape[1], num_blocks=pairs)
+                except ValueError as exc:
+                    error_msgs.append(f"table {t.name}: {exc}")
+            elif f"{prefix}{_WEIGHTS}{t.name}" in state_dict and t.name in self.quantized:
+                device = self.quantized[t.name].codes.device
+                del self.quantized[t.name]
+                self.weights[t.name] = nn.Parameter(
+                    torch.empty(t.num_embeddings, t.embedding_dim, device=device)
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _hold_quantized(self, table: EmbeddingBagConfig, *, code_bytes: int, num_blocks: int):
+        """Holds ``table`` as a :class:`QuantizedTable` (in place of its weight) of rows of
+        ``code_bytes`` code bytes in ``num_blocks`` column blocks."""
+        precision = quantized_precision(table.embedding_dim, code_bytes)
+        if table.name in self.weights:
+            device = self.weights[table.name].device
+        else:
+            device = self.quantized[table.name].codes.device
+        self.quantized[table.name] = QuantizedTable(
+            table.num_embeddings,
+            table.embedding_dim,
+            precision=precision,
+            num_blocks=num_blocks,
+            device=device,
+        )
+        if table.name in self.weights:
+            del self.weights[table.name]
+
+    def precisions(self) -> dict[str, str]:
+        """Table name -> the precision it is held in (``fp32``, ``fp16``, ``int8``, ...)."""
+        names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+        out = {}
+        for t in self.tables:
+            if t.name in self.quantized:
+                out[t.name] = self.quantized[t.name].precision
+            else:
+                dtype = self.weights[t.name].dtype
+                out[t.name] = names.get(dtype, str(dtype).removeprefix("torch."))
+        return out
 
     @property
     def feature_names(self) -> list[str]:
@@ -219,14 +409,27 @@ class EmbeddingBagCollection(nn.Module):
             bag_offsets = torch.zeros(b + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=bag_offsets[1:])
             ids = kjt.values[start:end]
-            weight = self.weights[table.name]
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
                 raise ValueError(
                     f"table {table.name}: ids must be in [0, {table.num_embeddings}), got range "
                     f"[{int(ids.min())}, {int(ids.max())}]"
                 )
+            per_sample = None if kjt.weights is None else kjt.weights[start:end]
+            if table.name in self.quantized:
+                # Only the distinct rows looked up are read and dequantized (fp32), then
+                # pooled as an fp32 table's rows are.
+                distinct, inverse = torch.unique(ids, return_inverse=True)
+                pooled[feature] = nn.functional.embedding_bag(
+                    inverse,
+                    self.quantized[table.name].rows(distinct),
+                    bag_offsets[:-1],
+                    mode=table.pooling,
+                    per_sample_weights=None if per_sample is None else per_sample.float(),
+                    include_last_offset=False,
+                )
+                continue
+            weight = self.weights[table.name]
             if weight.dtype == torch.float32:
-                per_sample = None if kjt.weights is None else kjt.weights[start:end]
                 pooled[feature] = nn.functional.embedding_bag(
                     ids,
                     weight,

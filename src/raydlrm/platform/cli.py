@@ -615,8 +615,10 @@ def checkpoint_unshard(
             names = [t.name for t in ModelWeights(directory).tensors]
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    tables = sum(1 for k in names if k.startswith("embedding_bags."))
-    typer.echo(f"wrote {output}: {tables} tables, {len(names) - tables} dense tensors")
+    # A table is one weight, or a quantized table's codes, qparams and blocks.
+    tables = len({k.split(".")[2] for k in names if k.startswith("embedding_bags.")})
+    dense = sum(1 for k in names if not k.startswith("embedding_bags."))
+    typer.echo(f"wrote {output}: {tables} tables, {dense} dense tensors")
 
 
 def main() -> None:

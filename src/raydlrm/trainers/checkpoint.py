@@ -47,9 +47,11 @@ from torch.distributed.checkpoint import metadata as _dcp_metadata
 
 from raydlrm.sharding import ShardingPlan
 from raydlrm.sharding.state import (
+    codes_key,
     column_blocks,
     embedding_state_dict,
     load_embedding_state,
+    qparams_key,
     saved_precisions,
     weight_key,
 )
@@ -518,15 +520,54 @@ def _load_dense(
         torch.set_rng_state(rng[rng_key])
 
 
+@dataclass(frozen=True)
+class _StateTensor:
+    """A small tensor of ``trainer_state.json`` (a quantized table's column blocks), described
+    as DCP describes its tensors (``size``, ``properties.dtype``)."""
+
+    value: torch.Tensor
+
+    @property
+    def size(self) -> torch.Size:
+        return self.value.shape
+
+    @property
+    def properties(self) -> Any:
+        return _dcp_metadata.TensorProperties(dtype=self.value.dtype)
+
+
 def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
     """Every tensor of a training checkpoint's unsharded model, from its metadata alone: the
     key of the unsharded ``RecModel`` (``embedding_bags.weights.<table>``, ``dense.*`` of rank
-    0) -> (its DCP key, its DCP metadata: ``size``, ``properties.dtype``)."""
+    0) -> (its DCP key, its DCP metadata: ``size``, ``properties.dtype``).
+
+    A quantized table (``int8`` / ``int4``) has no weight but
+    ``embedding_bags.quantized.<table>.codes`` and ``.qparams`` (its DCP tensors, as saved) and
+    ``.blocks``, the saving plan's column blocks as a ``(K, 2)`` int64 tensor (from
+    ``trainer_state.json``; key ``column_blocks.<table>``): a
+    :class:`~raydlrm.models.embedding.QuantizedTable`."""
     state = read_state_file(directory)
     metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
-    keys = {}
+    keys: dict[str, tuple[str, Any]] = {}
     for table in plan.tables:
+        codes = metadata.get(codes_key(table.name))
+        if codes is not None:
+            blocks = state["column_blocks"][table.name]
+            qparams = metadata.get(qparams_key(table.name))
+            if qparams is None or qparams.size[1] != 2 * len(blocks):
+                raise CheckpointDamagedError(
+                    f"checkpoint {directory}: table {table.name!r} has codes but no (scale, bias) "
+                    f"pair for each of its {len(blocks)} column blocks"
+                )
+            prefix = f"embedding_bags.quantized.{table.name}."
+            keys[prefix + "codes"] = (codes_key(table.name), codes)
+            keys[prefix + "qparams"] = (qparams_key(table.name), qparams)
+            keys[prefix + "blocks"] = (
+                f"column_blocks.{table.name}",
+                _StateTensor(torch.tensor(blocks, dtype=torch.int64).view(-1, 2)),
+            )
+            continue
         key = weight_key(table.name)
         if key not in metadata:
             raise ValueError(f"checkpoint {directory} has no weights of table {table.name!r}")
@@ -547,6 +588,8 @@ def load_model_tensor(directory: str | Path, key: str, meta: Any) -> torch.Tenso
         CheckpointDamagedError: naming the checkpoint and the tensor when its chunks cannot be
             read.
     """
+    if isinstance(meta, _StateTensor):  # not in the shards
+        return meta.value.clone()
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     # Without a process group DCP reads in this process.
     try:

@@ -6,6 +6,11 @@ plan), ``metrics.json`` and the weights, in one of two forms:
 * ``model.safetensors``: every tensor of the unsharded ``RecModel`` under its state-dict key
   (``embedding_bags.weights.<table>``, ``dense.*``), in the safetensors format (a JSON header,
   then raw little-endian bytes: no pickle, memory-mappable). Exported and logged models have it.
+  An ``int8`` / ``int4`` table is kept as trained, without a weight, as three tensors under
+  ``embedding_bags.quantized.<table>.``: ``codes`` (uint8, ``(rows, dim * bits / 8)``),
+  ``qparams`` (fp16, ``(rows, 2 K)``: each column block's scale and bias) and ``blocks``
+  (int64, ``(K, 2)``: the column blocks); the codes' width tells the precision (``dim``: int8,
+  ``dim / 2``: int4). See :class:`~raydlrm.models.embedding.QuantizedTable`.
 * a training checkpoint (``raydlrm.trainers.checkpoint``): the final checkpoint of a run holds
   its tables once, as the ranks' DCP shards, and no second copy of them. Exporting it assembles
   the tables one at a time.
@@ -14,7 +19,7 @@ plan), ``metrics.json`` and the weights, in one of two forms:
 memory at a time (the header is computed from shapes before any data is read, then each tensor
 is read and written in turn). :func:`load_model_checkpoint` rebuilds the model with its tables
 *memory-mapped* from ``model.safetensors``: scoring a model larger than RAM works, the page cache
-serving the hot rows.
+serving the hot rows (a quantized table's codes: a lookup dequantizes the rows it reads).
 """
 
 from __future__ import annotations
@@ -282,8 +287,11 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
     else:
         with tempfile.TemporaryDirectory(prefix="raydlrm-weights-") as tmp:
             state = _mapped(write_model_weights(path, Path(tmp, WEIGHTS_FILE)))
-    # assign=True: the meta tables become the mapped tensors themselves (no copy).
+    # assign=True: the meta tables become the mapped tensors themselves (no copy); a table
+    # whose codes the file holds is held quantized (EmbeddingBagCollection's load).
     model.load_state_dict(state, assign=True)
+    for table in model.embedding_bags.quantized.values():
+        table.column_blocks()  # checked here rather than at the first lookup
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(model=model, spec=spec, plan=plan, metrics=metrics)
