@@ -73,14 +73,6 @@ def test_rounding_depends_on_global_row_and_column_not_on_the_shard() -> None:
     """A shard starting at row 10, column 4 rounds its rows as the whole table does."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(30, 8, generator=gen)
-    whole = QuantizedRows(
-        torch.zeros(30, 8, dtype=torch.uint8),
-        torch.zeros(30, 2, dtype=torch.float16),
-        precision="int8",
-        dim=8,
-        key=table_key(5, "t"),
-    )
-    whole[torch.arange(30)] = values
     shard = QuantizedRows(
         torch.zeros(20, 4, dtype=torch.uint8),
         torch.zeros(20, 2, dtype=torch.float16),
@@ -96,6 +88,8 @@ def test_rounding_depends_on_global_row_and_column_not_on_the_shard() -> None:
         values[10:, 4:], key=table_key(5, "t"), rows=torch.arange(10, 30), col_start=4
     )
     assert torch.equal(u_whole[10:, 4:], u_shard)
+    codes, params = quantize_rows(values[10:, 4:], precision="int8", noise=u_whole[10:, 4:])
+    assert torch.equal(shard.codes, codes) and torch.equal(shard.params, params)
     assert not torch.equal(u_whole[:, :4], u_whole[:, 4:])  # columns draw their own
     assert not torch.equal(
         u_whole, rounding_noise(values, key=table_key(6, "t"), rows=torch.arange(30), col_start=0)
