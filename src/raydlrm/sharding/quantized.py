@@ -9,7 +9,9 @@ either may live in DRAM, on a GPU or in a mapped file (:mod:`raydlrm.sharding.ti
 
 The tables are never trained in low precision: the kernels train an fp32 cache of the rows a
 step looks up (:mod:`raydlrm.sharding.row_cache`); a row is quantized when the cache evicts it
-after updating it, and when a checkpoint flushes the cache.
+after updating it, and when a checkpoint flushes the cache. Both kernels therefore train
+quantized tables, on CPU and CUDA: fbgemm's TBE only ever sees fp32 slots (its own int8
+training and its UVM cache are CUDA-only and are not used).
 
 Quantizing a row ``x`` (``L = 2**bits - 1`` levels):
 
