@@ -21,7 +21,7 @@ Quantizing a row ``x`` (``L = 2**bits - 1`` levels):
   unbiased (``E[bias + code * scale] = x``) with an error below one ``scale``; or, for the
   initial rows and conversions, ``u = 1/2`` (round to nearest, error at most ``scale / 2``).
 
-The rounding's ``u`` is not drawn from a generator but hashed (murmur3's 32-bit finalizer) from
+The rounding's ``u`` is not drawn from a generator but hashed (an xorshift-multiply hash) from
 the run's seed, the table's name, the value's global row and column, and the value's fp32 bits:
 it depends on nothing a run's history or layout changes, so a resumed run, a rerun and any
 sharding of the table (row ranges, replicas) round alike, and two different values of the
@@ -60,18 +60,18 @@ def code_bytes_per_row(dim: int, precision: str) -> int:
     return dim * bits // 8
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """``h * c mod 2**32`` for ``h < 2**32`` in int64 without overflowing it."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _MASK32
+# Odd multipliers below 2**31: a product with a 32-bit value stays below 2**63 (no int64
+# overflow), so the hash is the same on every device.
+_M1, _M2 = 0x7FEB352D, 0x2C1B3C6D
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values."""
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """An xorshift-multiply 32-bit integer hash (the shape of murmur3's finalizer) on int64
+    tensors holding 32-bit values."""
     h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
+    h = (h * _M1) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * _M2) & _MASK32
     return h ^ (h >> 16)
 
 
@@ -91,9 +91,10 @@ def rounding_noise(
     row = rows.to(torch.int64).view(k, 1)
     col = torch.arange(col_start, col_start + cols, device=device, dtype=torch.int64).view(1, cols)
     bits = values.float().contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    h = _fmix32(((row & _MASK32) ^ key) & _MASK32)
-    h = _fmix32(h ^ (row >> 32) ^ _fmix32(col))
-    h = _fmix32(h ^ bits)
+    # Rows and columns are hashed once each; one hash per value mixes them with its bits.
+    row_key = _mix32(_mix32((row & _MASK32) ^ key) ^ (row >> 32))
+    col_key = _mix32((col + 0x9E3779B9) & _MASK32)
+    h = _mix32(row_key ^ col_key ^ bits)
     return (h >> 8).to(torch.float32) * 2.0**-24
 
 

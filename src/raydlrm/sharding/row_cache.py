@@ -184,10 +184,13 @@ class RowCache:
         self._step += 1
         # The group's ids unit by unit; a table's units (its features) looked up together.
         pieces = indices.split(ids_per_unit.tolist())
+        slots: list[torch.Tensor] = list(pieces)
         for t, units in zip(self._tables, self._units_of, strict=True):
             if not units:
                 continue
-            unique = torch.unique(torch.cat([pieces[u] for u in units]))
+            unique, inverse = torch.unique(
+                torch.cat([pieces[u] for u in units]), return_inverse=True
+            )
             if unique.numel() > t.row_of.numel():
                 raise TierError(
                     f"table {t.name!r}: a step looks up {unique.numel()} distinct rows of "
@@ -202,15 +205,17 @@ class RowCache:
             t.hits += int(unique.numel() - missing.numel())
             t.misses += int(missing.numel())
             if missing.numel():
-                self._fill(t, missing, dirty=training)
-        slots = [
-            self._tables[table].find(p) for p, table in zip(pieces, self._unit_tables, strict=True)
-        ]
+                held[~hit] = self._fill(t, missing, dirty=training)
+            # Each id's slot, through the distinct rows' (no second search).
+            parts = held[inverse].split([pieces[u].numel() for u in units])
+            for u, part in zip(units, parts, strict=True):
+                slots[u] = part
         return torch.cat(slots) if slots else indices.clone()
 
-    def _fill(self, t: _Table, missing: torch.Tensor, *, dirty: bool) -> None:
+    def _fill(self, t: _Table, missing: torch.Tensor, *, dirty: bool) -> torch.Tensor:
         """Gives the rows ``missing`` (sorted) the least recently used slots not used this
-        step: evicted rows are written back first (those a training step looked up)."""
+        step, and returns them: evicted rows are written back first (those a training step
+        looked up)."""
         # Empty slots (-1) go first; this step's slots (the largest stamp) never qualify, as
         # the distinct rows of the step fit the cache.
         victims = torch.topk(t.last_used, missing.numel(), largest=False, sorted=False).indices
@@ -225,6 +230,7 @@ class RowCache:
         t.map(missing, victims)
         t.last_used[victims] = self._step
         t.dirty[victims] = dirty
+        return victims
 
     @torch.no_grad()
     def flush(self) -> None:
