@@ -24,9 +24,10 @@ Kernel = Literal["auto", "fbgemm", "torch"]
 
 EmbeddingOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd"]
 
-CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
+CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8", "mx4"]
 """Precision of the pooled embeddings and their gradients on the wire (see
-:mod:`raydlrm.sharding.codecs`): ``fp32`` is uncompressed."""
+:mod:`raydlrm.sharding.codecs`): ``fp32`` is uncompressed; ``mx4`` is OCP MX FP4 (4-bit values,
+an 8-bit power-of-two scale per 32)."""
 
 Placement = Literal["dram", "ssd"]
 """Where a table's weights live on a CPU worker (see :mod:`raydlrm.sharding.tiers`):

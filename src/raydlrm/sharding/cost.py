@@ -68,9 +68,18 @@ its dirty flag, and the sorted index of the slots' rows (two int64)."""
 _SSD_CACHE_SLOT_BYTES = 16  # its row and last step; the slot of each row is counted per row
 _ID_BYTES = 8
 _LENGTH_BYTES = 4
-# (bytes per value, bytes per row) on the wire of each codec in :mod:`raydlrm.sharding.codecs`;
-# kept here so a dry-run plan does not import torch.
-_WIRE = {"fp32": (4, 0), "fp16": (2, 0), "bf16": (2, 0), "fp8": (1, 4), "int8": (1, 8)}
+# (bytes per value, bytes per row, bytes per block of _WIRE_BLOCK values) on the wire of each
+# codec in :mod:`raydlrm.sharding.codecs` (a row's values round up to whole bytes; mx4: 4-bit
+# codes and an exponent byte per 32 values); kept here so a dry-run plan does not import torch.
+_WIRE = {
+    "fp32": (4, 0, 0),
+    "fp16": (2, 0, 0),
+    "bf16": (2, 0, 0),
+    "fp8": (1, 4, 0),
+    "int8": (1, 8, 0),
+    "mx4": (0.5, 0, 1),
+}
+_WIRE_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -135,8 +144,8 @@ class TableCost:
 
 def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
     """Bytes of one pooled ``dim``-vector on the wire with codec ``precision``."""
-    per_value, per_row = _WIRE[precision]
-    return dim * per_value + per_row
+    per_value, per_row, per_block = _WIRE[precision]
+    return math.ceil(dim * per_value) + per_row + per_block * -(-dim // _WIRE_BLOCK)
 
 
 def cache_rows(rows: int, *, load_factor: float, min_rows: int) -> int:
@@ -334,8 +343,9 @@ def _comm_bytes(step: _Step, *, comm_precision: str) -> _CommBytes:
         return _CommBytes(inputs=0.0, outputs=outputs)
     if step.sharding_type == "column_wise":
         # Each column shard sends its slice; the slices add up to one vector (plus per-row
-        # scales for the row-wise codecs, once per shard).
-        per_row = _WIRE[comm_precision][1]
+        # scales for the row-wise codecs, once per shard, and for mx4 at most one more
+        # partial block of 32 per shard).
+        per_row = _WIRE[comm_precision][1] + _WIRE[comm_precision][2]
         return _CommBytes(
             inputs=num_shards * (ids * _ID_BYTES + bags * _LENGTH_BYTES),
             outputs=vectors + (num_shards - 1) * bags * per_row,
