@@ -225,7 +225,7 @@ def _quantized_state(
 ) -> dict[str, torch.Tensor]:
     """A quantized table's state-dict entries as a checkpoint saves them: each column block
     quantized on its own, the codes side by side, the (scale, bias) pairs side by side."""
-    from raydlrm.sharding.quantized import quantize_rows
+    from raydlrm.models.quantized import quantize_rows
 
     values = torch.randn(table.num_embeddings, table.embedding_dim)
     parts = [quantize_rows(values[:, a:b], precision=precision) for a, b in blocks]
@@ -247,7 +247,8 @@ def test_quantized_table_dequantizes_only_the_rows_a_lookup_gathers(
     assign=True too); a lookup equals embedding_bag over the whole table dequantized (sum,
     weighted, mean) and dequantizes only the distinct rows it looks up; a state dict with a
     weight makes it a weight again."""
-    from raydlrm.sharding import quantized
+    from raydlrm.models import embedding as embedding_module
+    from raydlrm.models import quantized
 
     torch.manual_seed(0)
     tables = [
@@ -278,7 +279,7 @@ def test_quantized_table_dequantizes_only_the_rows_a_lookup_gathers(
         seen.append(codes.shape[0])
         return dequantize(codes, *args, **kwargs)
 
-    monkeypatch.setattr(quantized, "dequantize_blocks", counting)
+    monkeypatch.setattr(embedding_module, "dequantize_blocks", counting)
     kjt = KeyedJaggedTensor.from_lengths(
         ["f0", "f1"], torch.cat([ids, ids]), torch.cat([lengths, lengths])
     )

@@ -79,7 +79,7 @@ def test_memory_budget_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.worker_overhead_bytes must be >= 0"):
         load_config(overrides=["sharding.worker_overhead_bytes=-1"])
     with pytest.raises(ConfigError, match=r"sharding\.weights_precision_per_table\.t_C1"):
-        load_config(overrides=["sharding.weights_precision_per_table={ t_C1 = 'int8' }"])
+        load_config(overrides=["sharding.weights_precision_per_table={ t_C1 = 'int3' }"])
 
 
 def _node_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
+from raydlrm.models.quantized import code_bytes_per_row, dequantize_blocks
 
 __all__ = [
     "INIT_BLOCK_ROWS",
@@ -155,7 +156,7 @@ def quantized_precision(embedding_dim: int, code_bytes: int) -> str:
 
 class QuantizedTable(nn.Module):
     """An ``int8`` / ``int4`` table held as it was trained and saved (see
-    :mod:`raydlrm.sharding.quantized` and :mod:`raydlrm.sharding.state`), in three buffers:
+    :mod:`raydlrm.models.quantized`; saved as :mod:`raydlrm.sharding.state` says), in three buffers:
 
     * ``codes``: ``(num_embeddings, embedding_dim * bits / 8)`` uint8; block ``k``'s codes at
       byte columns ``[start_k * bits / 8, end_k * bits / 8)`` (``int4``: two a byte, the even
@@ -188,8 +189,6 @@ class QuantizedTable(nn.Module):
         device: torch.device | str = "cpu",
     ):
         super().__init__()
-        from raydlrm.sharding.quantized import code_bytes_per_row
-
         self.embedding_dim = embedding_dim
         width = code_bytes_per_row(embedding_dim, precision)
         bounds = [embedding_dim * k // num_blocks for k in range(num_blocks + 1)]
@@ -232,8 +231,6 @@ class QuantizedTable(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids``, dequantized: ``(len(ids), embedding_dim)`` fp32 (only those rows'
         codes and parameters are read)."""
-        from raydlrm.sharding.quantized import dequantize_blocks
-
         return dequantize_blocks(
             self.codes.index_select(0, ids),
             self.qparams.index_select(0, ids),

@@ -6,6 +6,7 @@ from dataclasses import field
 from typing import Literal
 
 from raydlrm._config import config_dataclass
+from raydlrm.models.quantized import QUANTIZED_BITS
 
 ShardingType = Literal["table_wise", "data_parallel", "row_wise", "column_wise", "table_row_wise"]
 """How a table is placed.
@@ -43,9 +44,8 @@ weights with fp32 optimizer state. ``int8`` / ``int4`` rows are stored row-wise 
 (:mod:`raydlrm.sharding.quantized`) and trained in fp32 through a cache of the rows in use
 (``sharding.cache_load_factor``; :mod:`raydlrm.sharding.row_cache`)."""
 
-QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
-"""Bits per stored value of each quantized weights precision (trained through an fp32 cache)."""
 QUANTIZED: tuple[str, ...] = tuple(QUANTIZED_BITS)
+"""The quantized weights precisions (trained through an fp32 cache)."""
 
 
 @config_dataclass

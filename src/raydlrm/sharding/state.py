@@ -366,22 +366,10 @@ def load_embedding_state(
     """
     target = embedding_state_dict(collection, plan=plan, rank=rank, optimizer=optimizer)
     momenta: dict[str, torch.Tensor] = {}
-    shards = collection.local_shards()
     if optimizer == "rowwise_adagrad":
-        for table in plan.tables:
-            key = momentum_key(table.name)
-            target.pop(key, None)
-            if table.name in shards:
-                # The saved momenta of every block, for the rows of this shard only.
-                s = shards[table.name]
-                blocks = saved_blocks[table.name]
-                momenta[table.name] = torch.zeros(s.row_end - s.row_start, len(blocks))
-                target[key] = _row_window(
-                    momenta[table.name],
-                    rank=rank,
-                    row_start=s.row_start,
-                    size=[table.num_embeddings, len(blocks)],
-                )
+        momenta = _momentum_targets(
+            collection, plan=plan, rank=rank, target=target, saved_blocks=saved_blocks
+        )
     converted = _conversion_targets(
         collection,
         plan=plan,
@@ -395,6 +383,7 @@ def load_embedding_state(
     if not momenta:
         return
     states = collection.optimizer_states()
+    shards = collection.local_shards()
     with torch.no_grad():
         for name, saved in momenta.items():
             s = shards[name]
@@ -404,6 +393,34 @@ def load_embedding_state(
                 dtype=torch.float32,
             )
             states[name][0].copy_((saved * weights).sum(dim=1) / weights.sum())
+
+
+def _momentum_targets(
+    collection: ShardedTables,
+    *,
+    plan: ShardingPlan,
+    rank: int,
+    target: dict[str, Any],
+    saved_blocks: dict[str, list[tuple[int, int]]],
+) -> dict[str, torch.Tensor]:
+    """Replaces in ``target`` row-wise Adagrad's momenta by windows of the saved momenta of
+    every block, for the rows of this rank's shards only; returns them by table."""
+    shards = collection.local_shards()
+    momenta = {}
+    for table in plan.tables:
+        key = momentum_key(table.name)
+        target.pop(key, None)
+        if table.name in shards:
+            s = shards[table.name]
+            blocks = saved_blocks[table.name]
+            momenta[table.name] = torch.zeros(s.row_end - s.row_start, len(blocks))
+            target[key] = _row_window(
+                momenta[table.name],
+                rank=rank,
+                row_start=s.row_start,
+                size=[table.num_embeddings, len(blocks)],
+            )
+    return momenta
 
 
 def _needs_conversion(table: TablePlan, *, ours: str, saved: str, blocks: list) -> bool:
