@@ -275,3 +275,14 @@ def test_quantized_tables_on_cuda_train_as_on_cpu(precision: str) -> None:
     step = b.params[:, 0].float().unsqueeze(1)
     assert bool(((a.dequantize().cpu() - b.dequantize()).abs() <= 2 * step + 1e-5).all())
     assert cuda.cache_hit_rates()["big"] == cpu.cache_hit_rates()["big"]
+
+
+def test_the_config_names_the_quantized_precisions_the_format_has() -> None:
+    """``sharding.config`` (torch-free) lists the precisions the row format defines."""
+    import typing
+
+    from raydlrm.models.quantized import QUANTIZED_BITS
+    from raydlrm.sharding.config import QUANTIZED, WeightsPrecision
+
+    assert set(QUANTIZED) == set(QUANTIZED_BITS)
+    assert set(QUANTIZED) <= set(typing.get_args(WeightsPrecision))

@@ -6,7 +6,6 @@ from dataclasses import field
 from typing import Literal
 
 from raydlrm._config import config_dataclass
-from raydlrm.models.quantized import QUANTIZED_BITS
 
 ShardingType = Literal["table_wise", "data_parallel", "row_wise", "column_wise", "table_row_wise"]
 """How a table is placed.
@@ -44,8 +43,10 @@ weights with fp32 optimizer state. ``int8`` / ``int4`` rows are stored row-wise 
 (:mod:`raydlrm.sharding.quantized`) and trained in fp32 through a cache of the rows in use
 (``sharding.cache_load_factor``; :mod:`raydlrm.sharding.row_cache`)."""
 
-QUANTIZED: tuple[str, ...] = tuple(QUANTIZED_BITS)
-"""The quantized weights precisions (trained through an fp32 cache)."""
+QUANTIZED: tuple[str, ...] = ("int8", "int4")
+"""The quantized weights precisions (trained through an fp32 cache; their bits:
+:data:`raydlrm.models.quantized.QUANTIZED_BITS`). This module imports no torch, so that a config
+is checked before torch loads."""
 
 
 @config_dataclass

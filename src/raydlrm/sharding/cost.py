@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding.config import QUANTIZED_BITS
+from raydlrm.models.quantized import QUANTIZED_BITS
 
 __all__ = [
     "CostConstants",

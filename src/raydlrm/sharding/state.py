@@ -51,7 +51,8 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from raydlrm.sharding.config import QUANTIZED, QUANTIZED_BITS
+from raydlrm.models.quantized import QUANTIZED_BITS
+from raydlrm.sharding.config import QUANTIZED
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.quantized import QuantizedRows, block_code_columns, dequantize_blocks
 from raydlrm.sharding.types import ShardedTables
