@@ -302,3 +302,14 @@ def test_quantized_table_dequantizes_only_the_rows_a_lookup_gathers(
     )
     assert ebc.precisions() == {"q": "fp32", "m": precision}
     assert torch.equal(ebc.weights["q"].detach(), torch.ones(50, 12))
+
+
+def test_quantized_table_blocks_that_do_not_tile_the_row_are_named() -> None:
+    """The column blocks are checked when a model is loaded (model_dir), not at each lookup."""
+    from raydlrm.models.embedding import QuantizedTable
+
+    table = QuantizedTable(10, 8, precision="int8", num_blocks=2)
+    assert table.column_blocks() == [(0, 4), (4, 8)]
+    table.blocks.copy_(torch.tensor([[0, 3], [4, 8]]))
+    with pytest.raises(ValueError, match=r"column blocks \[\(0, 3\), \(4, 8\)\] do not tile"):
+        table.column_blocks()

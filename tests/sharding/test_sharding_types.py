@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.models.quantized import dequantize_rows, quantize_rows
 from raydlrm.sharding import (
     ShardedEmbeddingBagCollection,
     ShardingConfig,
@@ -20,7 +21,7 @@ from raydlrm.sharding import (
     plan_sharding,
     shard_model,
 )
-from raydlrm.sharding.quantized import QuantizedRows, dequantize_rows, quantize_rows
+from raydlrm.sharding.quantized import QuantizedRows
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     SPLITS,

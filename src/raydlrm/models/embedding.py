@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
-from raydlrm.models.quantized import code_bytes_per_row, dequantize_blocks
+from raydlrm.models.quantized import code_bytes_per_row, dequantize_blocks, quantized_precision
 
 __all__ = [
     "INIT_BLOCK_ROWS",
@@ -41,7 +41,6 @@ __all__ = [
     "EmbeddingBagConfig",
     "QuantizedTable",
     "init_rows_",
-    "quantized_precision",
 ]
 
 INIT_BLOCK_ROWS = 8192
@@ -137,23 +136,6 @@ def init_rows_(
     return weight
 
 
-def quantized_precision(embedding_dim: int, code_bytes: int) -> str:
-    """The precision of a quantized table of ``embedding_dim`` columns whose rows have
-    ``code_bytes`` bytes of codes: ``int8`` (one byte a value) or ``int4`` (two a byte).
-
-    Raises:
-        ValueError: ``code_bytes`` is neither.
-    """
-    if code_bytes == embedding_dim:
-        return "int8"
-    if 2 * code_bytes == embedding_dim:
-        return "int4"
-    raise ValueError(
-        f"{code_bytes} bytes of codes per row hold neither int8 nor int4 rows of "
-        f"dim {embedding_dim}"
-    )
-
-
 class QuantizedTable(nn.Module):
     """An ``int8`` / ``int4`` table held as it was trained and saved (see
     :mod:`raydlrm.models.quantized`; saved as :mod:`raydlrm.sharding.state` says), in three buffers:
@@ -234,7 +216,7 @@ class QuantizedTable(nn.Module):
         return dequantize_blocks(
             self.codes.index_select(0, ids),
             self.qparams.index_select(0, ids),
-            blocks=self.column_blocks(),
+            blocks=[(a, b) for a, b in self.blocks.tolist()],  # checked when loaded
             precision=self.precision,
         )
 

@@ -28,6 +28,7 @@ __all__ = [
     "dequantize_blocks",
     "dequantize_rows",
     "quantize_rows",
+    "quantized_precision",
 ]
 
 QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
@@ -44,6 +45,23 @@ def code_bytes_per_row(dim: int, precision: str) -> int:
     if bits == 4 and dim % 2:
         raise ValueError(f"int4 rows pack two codes per byte; dim {dim} is odd")
     return dim * bits // 8
+
+
+def quantized_precision(embedding_dim: int, code_bytes: int) -> str:
+    """The precision of a quantized table of ``embedding_dim`` columns whose rows have
+    ``code_bytes`` bytes of codes: ``int8`` (one byte a value) or ``int4`` (two a byte).
+
+    Raises:
+        ValueError: ``code_bytes`` is neither.
+    """
+    if code_bytes == embedding_dim:
+        return "int8"
+    if 2 * code_bytes == embedding_dim:
+        return "int4"
+    raise ValueError(
+        f"{code_bytes} bytes of codes per row hold neither int8 nor int4 rows of "
+        f"dim {embedding_dim}"
+    )
 
 
 def _params(values: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +92,8 @@ def quantize_rows(
     Args:
         values: the rows, any float dtype (computed in fp32).
         precision: ``int8`` or ``int4``.
-        noise: ``u`` of each value (stochastic rounding, see :func:`rounding_noise`); None
+        noise: ``u`` of each value (stochastic rounding, see
+            :func:`raydlrm.sharding.quantized.rounding_noise`); None
             rounds to nearest.
     """
     levels = 2 ** QUANTIZED_BITS[precision] - 1

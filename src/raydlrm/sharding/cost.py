@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.models.quantized import QUANTIZED_BITS
+from raydlrm.models.quantized import QUANTIZED_BITS, code_bytes_per_row
 
 __all__ = [
     "CostConstants",
@@ -165,7 +165,7 @@ def quantized_cache_rows(rows: int, *, load_factor: float) -> int:
 
 def quantized_row_bytes(dim: int, precision: str) -> int:
     """Bytes of one stored ``int8`` / ``int4`` row: its codes and its scale and bias."""
-    return math.ceil(dim * QUANTIZED_BITS[precision] / 8) + _QUANTIZED_PARAM_BYTES
+    return code_bytes_per_row(dim, precision) + _QUANTIZED_PARAM_BYTES
 
 
 def table_memory_bytes(

@@ -67,6 +67,7 @@ from torch.distributed import ProcessGroup
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
+from raydlrm.models.quantized import code_bytes_per_row
 from raydlrm.sharding._comm import CommBytes, rank_and_world_size
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, TbeGroup, batch_classes, rank_units, tbe_groups
@@ -76,7 +77,7 @@ from raydlrm.sharding.config import QUANTIZED, ShardingConfig
 from raydlrm.sharding.cost import cache_rows, quantized_cache_rows, wire_bytes_per_vector
 from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe, resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
-from raydlrm.sharding.quantized import QuantizedRows, code_bytes_per_row, table_key
+from raydlrm.sharding.quantized import QuantizedRows, table_key
 from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
 from raydlrm.sharding.types import ShardedTables
@@ -221,7 +222,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self.feature_names = ebc.feature_names
         self.feature_dims = ebc.feature_dims
         self.plan = plan
-        self.precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
+        self._precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
         self._class_features = [
             [f for f in self.feature_names if class_of[f] == c]
             for c in range(len(self.dedup_groups) + 1)
@@ -319,14 +320,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         tbes, self._caches = [], []
         for group in self._groups:
             if group.precision in QUANTIZED:
-                slots = [
-                    quantized_cache_rows(
-                        s.row_end - s.row_start, load_factor=config.cache_load_factor_of(t.name)
-                    )
-                    for t, s in group.shards
-                ]
-                tbe = self._build_tbe(group, config, rows=slots, precision="fp32", buffers=None)
-                cache = self._quantized_cache(group, tbe, config, seed=seed)
+                tbe, cache = self._quantized_group(group, config, seed=seed)
             else:
                 tbe, cache = self._float_group(group, config)
             tbes.append(tbe)
@@ -457,12 +451,19 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             too_small=too_small,
         )
 
-    def _quantized_cache(
-        self, group: TbeGroup, tbe: nn.Module, config: ShardingConfig, *, seed: int
-    ) -> RowCache:
-        """The fp32 cache of a quantized group (see :mod:`.quantized`), in front of its
-        quantized rows: in memory (``dram``) or in mapped files (``ssd``)."""
+    def _quantized_group(
+        self, group: TbeGroup, config: ShardingConfig, *, seed: int
+    ) -> tuple[nn.Module, RowCache]:
+        """A quantized group's fp32 TBE over the slots of the cache (see :mod:`.quantized`) in
+        front of its quantized rows: in memory (``dram``) or in mapped files (``ssd``)."""
         self._check_tier_device(group)
+        slots = [
+            quantized_cache_rows(
+                s.row_end - s.row_start, load_factor=config.cache_load_factor_of(t.name)
+            )
+            for t, s in group.shards
+        ]
+        tbe = self._build_tbe(group, config, rows=slots, precision="fp32", buffers=None)
         rows: list[torch.Tensor | QuantizedRows] = []
         for t, s in group.shards:
             n, cols = s.row_end - s.row_start, s.col_end - s.col_start
@@ -480,11 +481,8 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             )
         backing = {}
         if config.optimizer == "adagrad":
-            numel = sum(
-                (s.row_end - s.row_start) * (s.col_end - s.col_start) for _, s in group.shards
-            )
-            backing["momentum1"] = self._group_buffer(group, numel, torch.float32)
-        return self._cache(
+            backing["momentum1"] = self._group_buffer(group, _numel(group), torch.float32)
+        return tbe, self._cache(
             group,
             tbe,
             rows,
@@ -510,29 +508,32 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         shards are filled :data:`_INIT_CHUNK_ROWS` rows at a time, rounded to nearest."""
         shards = self.local_shards()
         configs = {t.name: t for t in self.tables}
+
+        def fill(target: torch.Tensor, name: str, row_start: int, col_start: int) -> None:
+            source = ebc.weights[name]
+            if source.device.type == "meta":
+                init_rows_(
+                    target,
+                    table=configs[name],
+                    seed=ebc.seed,
+                    row_start=row_start,
+                    col_start=col_start,
+                )
+            else:
+                rows, cols = target.shape
+                target.copy_(
+                    source.detach()[row_start : row_start + rows, col_start : col_start + cols]
+                )
+
         for name, weight in self.local_tables().items():
-            source, s = ebc.weights[name], shards[name]
-            rows, cols = s.row_end - s.row_start, s.col_end - s.col_start
-            step = _INIT_CHUNK_ROWS if isinstance(weight, QuantizedRows) else max(rows, 1)
-            for lo in range(0, rows, step):
-                n = min(step, rows - lo)
-                if isinstance(weight, QuantizedRows):
-                    target = torch.empty(n, cols)
-                else:
-                    target = weight[lo : lo + n]
-                if source.device.type == "meta":
-                    init_rows_(
-                        target,
-                        table=configs[name],
-                        seed=ebc.seed,
-                        row_start=s.row_start + lo,
-                        col_start=s.col_start,
-                    )
-                else:
-                    start = s.row_start + lo
-                    target.copy_(source.detach()[start : start + n, s.col_start : s.col_end])
-                if isinstance(weight, QuantizedRows):
-                    weight.assign(target, start=lo)
+            s = shards[name]
+            if not isinstance(weight, QuantizedRows):
+                fill(weight, name, s.row_start, s.col_start)
+                continue
+            for lo in range(0, weight.shape[0], _INIT_CHUNK_ROWS):
+                chunk = torch.empty(min(_INIT_CHUNK_ROWS, weight.shape[0] - lo), weight.dim)
+                fill(chunk, name, s.row_start + lo, s.col_start)
+                weight.assign(chunk, start=lo)
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         """Cumulative bytes this rank sent to other ranks (counted from shapes, no sync).
@@ -573,7 +574,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             if cache is not None and group.placement == "ssd":
                 hits = cache.hit_rates()
                 out.update(
-                    (name, (getattr(rows, "codes", rows), hits[name]))  # quantized: its codes
+                    (name, (rows.codes if isinstance(rows, QuantizedRows) else rows, hits[name]))
                     for name, rows in cache.rows().items()
                 )
             elif group.placement == "ssd":
@@ -589,7 +590,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
 
     def weight_precisions(self) -> dict[str, str]:
         """Table name -> its ``sharding.weights_precision``, every table."""
-        return dict(self.precisions)
+        return dict(self._precisions)
 
     def memory_bytes(self) -> int:
         """Bytes of memory (DRAM or the device's) this rank's tables hold: the kernels'

@@ -27,26 +27,9 @@ from typing import Literal
 
 import torch
 
-from raydlrm.models.quantized import (
-    QUANTIZED_BITS,
-    block_code_columns,
-    code_bytes_per_row,
-    dequantize_blocks,
-    dequantize_rows,
-    quantize_rows,
-)
+from raydlrm.models.quantized import code_bytes_per_row, dequantize_rows, quantize_rows
 
-__all__ = [
-    "QUANTIZED_BITS",
-    "QuantizedRows",
-    "block_code_columns",
-    "code_bytes_per_row",
-    "dequantize_blocks",
-    "dequantize_rows",
-    "quantize_rows",
-    "rounding_noise",
-    "table_key",
-]
+__all__ = ["QuantizedRows", "rounding_noise", "table_key"]
 
 
 _MASK32 = 0xFFFFFFFF

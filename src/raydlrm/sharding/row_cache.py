@@ -241,9 +241,8 @@ class RowCache:
             if cached.numel():
                 t.write_back(cached)
                 t.unmap(t.row_of[cached])
-            t.row_of.fill_(-1)
+            t.row_of.fill_(-1)  # changes row_of only where unmap dropped the sorted index
             t.last_used.fill_(-1)
-            t.sorted_rows = None
 
     def memory_bytes(self, *, rows_in_memory: bool) -> int:
         """Bytes the cache holds beyond the TBE's slots: its bookkeeping, the rows' optimizer

@@ -51,15 +51,19 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from raydlrm.models.quantized import QUANTIZED_BITS
+from raydlrm.models.quantized import (
+    block_code_columns,
+    code_bytes_per_row,
+    dequantize_blocks,
+    quantized_precision,
+)
 from raydlrm.sharding.config import QUANTIZED
+from raydlrm.sharding.kernel import WEIGHT_DTYPES
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
-from raydlrm.sharding.quantized import QuantizedRows, block_code_columns, dequantize_blocks
+from raydlrm.sharding.quantized import QuantizedRows
 from raydlrm.sharding.types import ShardedTables
 
 logger = logging.getLogger(__name__)
-
-_FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 __all__ = [
     "codes_key",
@@ -107,7 +111,7 @@ def saved_precisions(plan: ShardingPlan, metadata: dict[str, Any]) -> dict[str, 
     for t in plan.tables:
         codes = metadata.get(codes_key(t.name))
         if codes is not None:
-            out[t.name] = "int8" if codes.size[1] == t.embedding_dim else "int4"
+            out[t.name] = quantized_precision(t.embedding_dim, codes.size[1])
         else:
             dtype = metadata[weight_key(t.name)].properties.dtype
             out[t.name] = "fp16" if dtype == torch.float16 else "fp32"
@@ -204,6 +208,19 @@ def _row_window(
     )
 
 
+def _shard_rows(
+    local: torch.Tensor, *, table: TablePlan, shard: Shard, rank: int
+) -> torch.Tensor | ShardedTensor:
+    """A :func:`_row_window` load target for ``shard``'s rows of a saved ``(rows of the table,
+    local.shape[1])`` tensor of ``table``, filled into ``local``."""
+    return _row_window(
+        local,
+        rank=rank,
+        row_start=shard.row_start,
+        size=[table.num_embeddings, local.shape[1]],
+    )
+
+
 def embedding_state_dict(
     collection: ShardedTables, *, plan: ShardingPlan, rank: int, optimizer: str
 ) -> dict[str, Any]:
@@ -241,7 +258,7 @@ def embedding_state_dict(
                 shards=_weight_pieces(table),
                 size=[table.num_embeddings, table.embedding_dim],
                 device=device,
-                dtype=_FLOAT_DTYPES[precision],
+                dtype=WEIGHT_DTYPES[precision],
             )
         if optimizer != "sgd":
             state = states[table.name][0] if weight is not None else None
@@ -281,7 +298,7 @@ def _quantized_entries(
         code_pieces.append((s, [s.row_start, lo], [n, hi - lo]))
         param_pieces.append((s, [s.row_start, 2 * blocks.index((s.col_start, s.col_end))], [n, 2]))
     device = rows.device if rows is not None else torch.device("cpu")
-    width = table.embedding_dim * QUANTIZED_BITS[precision] // 8
+    width = code_bytes_per_row(table.embedding_dim, precision)
     return {
         codes_key(table.name): _sharded(
             None if rows is None else rows.codes,
@@ -415,12 +432,7 @@ def _momentum_targets(
             s = shards[table.name]
             blocks = saved_blocks[table.name]
             momenta[table.name] = torch.zeros(s.row_end - s.row_start, len(blocks))
-            target[key] = _row_window(
-                momenta[table.name],
-                rank=rank,
-                row_start=s.row_start,
-                size=[table.num_embeddings, len(blocks)],
-            )
+            target[key] = _shard_rows(momenta[table.name], table=table, shard=s, rank=rank)
     return momenta
 
 
@@ -471,20 +483,15 @@ def _conversion_targets(
         s = shards[name]
         n, dim = s.row_end - s.row_start, table.embedding_dim
         if saved in QUANTIZED:
-            width = dim * QUANTIZED_BITS[saved] // 8
+            width = code_bytes_per_row(dim, saved)
             windows = {
                 codes_key(name): torch.empty(n, width, dtype=torch.uint8),
                 qparams_key(name): torch.empty(n, 2 * len(blocks), dtype=torch.float16),
             }
         else:
-            windows = {weight_key(name): torch.empty(n, dim, dtype=_FLOAT_DTYPES[saved])}
+            windows = {weight_key(name): torch.empty(n, dim, dtype=WEIGHT_DTYPES[saved])}
         for key, window in windows.items():
-            target[key] = _row_window(
-                window,
-                rank=rank,
-                row_start=s.row_start,
-                size=[table.num_embeddings, window.shape[1]],
-            )
+            target[key] = _shard_rows(window, table=table, shard=s, rank=rank)
         out[name] = (saved, windows)
     return out
 

@@ -194,10 +194,10 @@ class ShardedTables(nn.Module, abc.ABC):
         """Table name -> its ``sharding.weights_precision`` (``fp32``, ``fp16``, ``int8``,
         ``int4``), every table."""
 
+    @abc.abstractmethod
     def memory_bytes(self) -> int:
         """Bytes of memory this rank's tables hold (weights, optimizer state, caches; not
         mapped files)."""
-        return 0
 
     def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
         """Per ``int8`` / ``int4`` table of this rank: (distinct ids found in its fp32 cache,
