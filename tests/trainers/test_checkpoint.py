@@ -56,13 +56,19 @@ def _trainer(
     optimizer: str,
     seed: int,
     model: dict | None = None,
+    checkpoint: dict | None = None,
+    report: Any = None,
 ):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
-    ``"row_wise@torch"``: on the torch kernel)."""
+    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier)."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
     )
     spec.training.seed = seed
+    for key, value in (checkpoint or {}).items():
+        setattr(spec.checkpoint, key, value)
+    types, _, placement = types.partition("!")  # "row_wise!ssd": tables on the SSD tier
+    spec.sharding.default_placement = placement or "dram"
     types, _, kernel = types.partition("@")
     types, _, precision = types.partition("+")
     spec.sharding.kernel = kernel or "fbgemm"
@@ -70,7 +76,7 @@ def _trainer(
     spec.sharding.weights_precision = precision or "fp32"
     spec.sharding.cache_load_factor = 0.5  # int8 / int4: half the rows in the fp32 cache
     plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
-    trainer = Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"))
+    trainer = Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"), report=report)
     assert trainer.model.embedding_bags.kernel == spec.sharding.kernel
     return trainer
 

@@ -198,7 +198,9 @@ def _run_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=job.run.max_failures),
         checkpoint_config=RayCheckpointConfig(
-            num_to_keep=ckpt.num_to_keep,
+            # A chain of differential checkpoints is pruned by the workers, which know which
+            # baselines the kept deltas need.
+            num_to_keep=None if ckpt.differential else ckpt.num_to_keep,
             checkpoint_score_attribute=ckpt.score_metric,
             checkpoint_score_order=ckpt.score_order,
         ),

@@ -75,6 +75,7 @@ from raydlrm.sharding._output_dist import ClassLayout, ColumnRun, OutputDist, co
 from raydlrm.sharding.codecs import ColumnBlockCodec
 from raydlrm.sharding.config import QUANTIZED, ShardingConfig
 from raydlrm.sharding.cost import cache_rows, quantized_cache_rows, wire_bytes_per_vector
+from raydlrm.sharding.delta import ModifiedRows
 from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe, resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows, table_key
@@ -248,6 +249,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._ssd_directory = ssd_directory(config.ssd_path)
         self._build_tbes(config, seed=ebc.seed)
         self._init_weights(ebc)
+        self._modified: ModifiedRows | None = None
 
     def _output_dist(self, units: list[list[LookupUnit]], config: ShardingConfig) -> OutputDist:
         """The output distribution: per batch class, the output column (or the column among
@@ -634,6 +636,25 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             states.update({t.name: list(s) for (t, _), s in zip(group.shards, split, strict=True)})
         return states
 
+    def track_modified_rows(self) -> None:
+        """Starts flagging the rows training steps look up (one byte per row of the rank's
+        shards; differential checkpoints, :mod:`raydlrm.sharding.delta`)."""
+        if self._modified is None:
+            self._modified = ModifiedRows(self._groups, self._device)
+
+    def modified_rows(self) -> dict[str, torch.Tensor]:
+        """Table name -> the shard-local rows training steps looked up since
+        :meth:`clear_modified_rows` (a data-parallel table's: on any rank); every rank must
+        call."""
+        if self._modified is None:
+            raise RuntimeError("modified rows are not tracked: call track_modified_rows() first")
+        replicated = {t.name for t in self.plan.tables if t.sharding_type == "data_parallel"}
+        return self._modified.rows(replicated=replicated, pg=self._pg)
+
+    def clear_modified_rows(self) -> None:
+        if self._modified is not None:
+            self._modified.clear()
+
     def _check_ids(self, kjt: KeyedJaggedTensor, batch_class: int) -> None:
         """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
         limit = getattr(self, f"_limits{batch_class}")
@@ -677,8 +698,10 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             id_lo, id_hi = id_bounds[index], id_bounds[index + 1]
             weights = bags.weights
             indices = bags.values[id_lo:id_hi].to(torch.int64)
+            ids_per_unit = offsets[lo : hi + 1 : rows].diff()
+            if self._modified is not None and torch.is_grad_enabled():
+                self._modified.mark(index, indices, ids_per_unit)
             if cache is not None:  # ids become the slots of their rows in the DRAM cache
-                ids_per_unit = offsets[lo : hi + 1 : rows].diff()
                 indices = cache.prefetch(indices, ids_per_unit)
             pooled[group.batch_class].append(
                 tbe(

@@ -66,6 +66,7 @@ from raydlrm.sharding.types import ShardedTables
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "checkpoint_precision",
     "codes_key",
     "column_blocks",
     "embedding_state_dict",
@@ -221,8 +222,40 @@ def _shard_rows(
     )
 
 
+def checkpoint_precision(held: str, wanted: str) -> str:
+    """The precision a checkpoint holds a table in: its own (``held``), or ``wanted``
+    (``checkpoint.embedding_precision``: ``fp32``, ``fp16`` or ``int8``) where that is lower;
+    an ``int8`` / ``int4`` table is always saved as held."""
+    order = ["fp32", "fp16", "int8"]
+    if held in QUANTIZED or order.index(wanted) <= order.index(held):
+        return held
+    return wanted
+
+
+def _rounded(weight: torch.Tensor, precision: str, chunk_rows: int = 1 << 16) -> Any:
+    """A float shard's weights rounded to a checkpoint's lower ``precision`` (to nearest): an
+    fp16 copy, or ``int8`` rows quantized ``chunk_rows`` at a time (no fp32 copy)."""
+    if precision == "fp16":
+        return weight.half()
+    n, dim = weight.shape
+    rows = QuantizedRows(
+        torch.empty(n, code_bytes_per_row(dim, precision), dtype=torch.uint8),
+        torch.empty(n, 2, dtype=torch.float16),
+        precision=precision,
+        dim=dim,
+        key=0,
+    )
+    rows.assign(weight, chunk_rows=chunk_rows)
+    return rows
+
+
 def embedding_state_dict(
-    collection: ShardedTables, *, plan: ShardingPlan, rank: int, optimizer: str
+    collection: ShardedTables,
+    *,
+    plan: ShardingPlan,
+    rank: int,
+    optimizer: str,
+    precisions: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """This rank's part of the embedding state, keyed by table (see the module docstring).
 
@@ -231,9 +264,12 @@ def embedding_state_dict(
         plan: its plan.
         rank: this rank.
         optimizer: the fused optimizer (``rowwise_adagrad``, ``adagrad`` or ``sgd``).
+        precisions: table name -> the precision to save it in (:func:`checkpoint_precision`;
+            default: as held). A lower one rounds a copy of the shard to nearest.
     """
     local = collection.local_tables()
-    precisions = collection.weight_precisions()
+    held = collection.weight_precisions()
+    precisions = precisions or held
     states = collection.optimizer_states() if optimizer != "sgd" else {}
     out: dict[str, Any] = {}
     # Without a process group (one process) every table is whole here: plain tensors.
@@ -243,6 +279,8 @@ def embedding_state_dict(
         device = weight.device if weight is not None else torch.device("cpu")
         replicated = single or table.sharding_type == "data_parallel"
         precision = precisions[table.name]
+        if weight is not None and precision != held[table.name]:
+            weight = _rounded(weight, precision)
         if precision in QUANTIZED:
             out.update(
                 _quantized_entries(

@@ -209,5 +209,18 @@ class ShardedTables(nn.Module, abc.ABC):
         """Table name -> the fused optimizer state of this rank's shard (views)."""
 
     @abc.abstractmethod
+    def track_modified_rows(self) -> None:
+        """Starts flagging the rows that training steps look up (differential checkpoints)."""
+
+    @abc.abstractmethod
+    def modified_rows(self) -> dict[str, torch.Tensor]:
+        """Table name -> the shard-local rows (sorted, CPU int64) training steps looked up since
+        the last :meth:`clear_modified_rows`, every table of the rank; every rank must call."""
+
+    @abc.abstractmethod
+    def clear_modified_rows(self) -> None:
+        """Forgets the rows flagged so far."""
+
+    @abc.abstractmethod
     def ssd_tables(self) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
         """This rank's ``ssd`` shards as they are: rows in the file, DRAM cache hits."""

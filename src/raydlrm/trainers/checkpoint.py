@@ -29,11 +29,12 @@ import json
 import logging
 import pathlib
 import pickle
+import uuid
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,14 @@ from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 
 from raydlrm.sharding import ShardingPlan
+from raydlrm.sharding.delta import (
+    DeltaError,
+    apply_delta,
+    delta_state_dict,
+    patch_model_tensor,
+)
 from raydlrm.sharding.state import (
+    checkpoint_precision,
     codes_key,
     column_blocks,
     embedding_state_dict,
@@ -61,15 +69,19 @@ from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = [
     "STATE_FILE",
+    "ChainLink",
     "CheckpointDamagedError",
     "CheckpointReader",
     "TrainingParts",
     "check_intact",
     "check_state_matches",
+    "checkpoint_precisions",
     "load_model_tensor",
     "load_training_state",
     "model_tensors",
     "newest_intact",
+    "open_chain",
+    "prune_checkpoints",
     "read_state_file",
     "save_training_state",
     "verify_checkpoint",
@@ -182,13 +194,71 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
 
 
-def _tensor_state(parts: TrainingParts) -> dict[str, Any]:
-    state = embedding_state_dict(
-        parts.collection,
-        plan=parts.plan,
-        rank=parts.rank,
-        optimizer=parts.spec.sharding.optimizer,
-    )
+@dataclass
+class ChainLink:
+    """Where a checkpoint sits in a chain of differential checkpoints (Check-N-Run): a full
+    ``baseline``, or a ``delta`` holding the embedding rows modified since the checkpoint
+    before it (:mod:`raydlrm.sharding.delta`; the dense part, optimizer and data position are
+    always whole).
+
+    Attributes:
+        kind: ``baseline`` or ``delta``.
+        chain: the names of the checkpoints before it in its chain, baseline first (empty for
+            a baseline); they are its siblings in the run storage.
+        chain_id: the baseline's identity, shared by the chain (a delta of another run or
+            chain is refused).
+        rows: a delta's modified rows, table name -> shard-local rows of this rank.
+        delta_bytes: the estimated embedding bytes of the chain's deltas so far, this one
+            included (all ranks).
+        baseline_bytes: the estimated embedding bytes of the chain's baseline (all ranks).
+    """
+
+    kind: str
+    chain: list[str] = field(default_factory=list)
+    chain_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rows: dict[str, torch.Tensor] | None = None
+    delta_bytes: float = 0.0
+    baseline_bytes: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "chain": self.chain,
+            "chain_id": self.chain_id,
+            "delta_bytes": self.delta_bytes,
+            "baseline_bytes": self.baseline_bytes,
+        }
+
+
+def checkpoint_precisions(parts: TrainingParts) -> dict[str, str]:
+    """Table name -> the precision this checkpoint holds it in
+    (``checkpoint.embedding_precision``)."""
+    wanted = parts.spec.checkpoint.embedding_precision
+    return {
+        name: checkpoint_precision(held, wanted)
+        for name, held in parts.collection.weight_precisions().items()
+    }
+
+
+def _tensor_state(parts: TrainingParts, link: ChainLink | None) -> dict[str, Any]:
+    optimizer = parts.spec.sharding.optimizer
+    if link is not None and link.kind == "delta":
+        state = delta_state_dict(
+            parts.collection,
+            plan=parts.plan,
+            rank=parts.rank,
+            optimizer=optimizer,
+            rows=link.rows or {},
+            precisions=checkpoint_precisions(parts),
+        )
+    else:
+        state = embedding_state_dict(
+            parts.collection,
+            plan=parts.plan,
+            rank=parts.rank,
+            optimizer=optimizer,
+            precisions=checkpoint_precisions(parts),
+        )
     mine = f"rank{parts.rank}."
     state.update({mine + _DENSE + k: v for k, v in parts.dense.state_dict().items()})
     for index, values in parts.optimizer.state_dict()["state"].items():
@@ -205,6 +275,7 @@ def save_training_state(
     parts: TrainingParts,
     loop_state: dict[str, Any],
     position: dict,
+    link: ChainLink | None = None,
 ) -> Path:
     """Writes this rank's part of the training state into ``directory``, then this rank's
     manifest of every file in it (files written there before, such as the model's config,
@@ -217,6 +288,8 @@ def save_training_state(
         loop_state: the training loop's own state (``Trainer.state_dict()``: step, epoch,
             samples seen, training time), stored as JSON.
         position: the data position of every rank, merged (the same on every rank).
+        link: its place in a chain of differential checkpoints (None: a full checkpoint
+            outside any chain).
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -225,7 +298,7 @@ def save_training_state(
     # per rank would hold a copy of all the rank's shards while saving; this way, one table.
     with _quiet():
         dcp.save(
-            _tensor_state(parts),
+            _tensor_state(parts, link),
             storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False),
         )
     if parts.rank == 0:
@@ -235,11 +308,14 @@ def save_training_state(
             "world_size": parts.plan.world_size,
             "optimizer": parts.spec.sharding.optimizer,
             "column_blocks": {t.name: column_blocks(t) for t in parts.plan.tables},
+            "saved_precisions": checkpoint_precisions(parts),
             "position": position,
             "plan": json.loads(parts.plan.to_json()),
             # Credentials are not stored with the state.
             "spec": redact(parts.spec.to_dict()),
         }
+        if link is not None:
+            state["differential"] = link.to_json()
         (path / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
     write_manifest(path, rank=parts.rank, world_size=parts.plan.world_size)  # last
     return path
@@ -293,7 +369,11 @@ def write_manifest(directory: str | Path, *, rank: int, world_size: int) -> Path
 
 
 def verify_checkpoint(
-    directory: str | Path, *, checksums: bool = True, filesystem: pafs.FileSystem | None = None
+    directory: str | Path,
+    *,
+    checksums: bool = True,
+    filesystem: pafs.FileSystem | None = None,
+    chain: bool = True,
 ) -> list[str]:
     """What is wrong with a checkpoint, one line per problem (empty when it is intact): a
     missing or unreadable ``trainer_state.json``, a missing rank manifest, a file missing,
@@ -305,6 +385,8 @@ def verify_checkpoint(
         directory: the checkpoint (a local directory, or a path on ``filesystem``).
         checksums: also read every file for its CRC-32 (else sizes only).
         filesystem: where ``directory`` is (default: the local disk), e.g. an object store.
+        chain: for a delta (differential checkpoints), also check the checkpoints its chain
+            needs, its siblings: each intact and of the same chain and plan.
     """
     filesystem = filesystem or pafs.LocalFileSystem()
     root = str(directory).rstrip("/")
@@ -340,15 +422,103 @@ def verify_checkpoint(
     missing = sorted(set(range(int(state["world_size"]))) - seen)
     if missing:
         problems.append(f"no manifest of ranks {missing} (their part was not completed)")
+    if chain:
+        problems += _chain_problems(root, state, checksums=checksums, filesystem=filesystem)
     return problems
 
 
+def _sibling(root: str, name: str) -> str:
+    return f"{root.rstrip('/').rsplit('/', 1)[0]}/{name}"
+
+
+def _chain_problems(
+    root: str, state: dict[str, Any], *, checksums: bool, filesystem: pafs.FileSystem
+) -> list[str]:
+    """What is wrong with the checkpoints a delta needs (its siblings named in its chain):
+    each must be intact, of the same chain (its baseline's id), in the same order and with
+    the same plan."""
+    link = state.get("differential") or {}
+    problems = []
+    for i, name in enumerate(link.get("chain", [])):
+        path = _sibling(root, name)
+        theirs = verify_checkpoint(path, checksums=checksums, filesystem=filesystem, chain=False)
+        if theirs:
+            problems.append(f"the chain's {name} is damaged or missing: {theirs[0]}")
+            continue
+        other = _read_json(filesystem, path, STATE_FILE, present=True)
+        link_of = other.get("differential") or {}
+        if link_of.get("chain_id") != link["chain_id"] or link_of.get("chain") != link["chain"][:i]:
+            problems.append(
+                f"the chain's {name} belongs to another chain (another run or restart): "
+                f"it is not this delta's {'baseline' if i == 0 else 'delta ' + str(i)}"
+            )
+        elif other["plan"] != state["plan"]:
+            problems.append(f"the chain's {name} was written with another sharding plan")
+    return problems
+
+
+@contextmanager
+def open_chain(directory: str | Path, stored: Any = None) -> Iterator[list[str]]:
+    """The local directories of the chain a checkpoint is the newest point of: its baseline,
+    every delta in order, then ``directory`` itself (only ``directory`` for a full checkpoint).
+
+    Args:
+        directory: the checkpoint, a local directory.
+        stored: the checkpoint as stored (a Ray Train ``Checkpoint``: ``path``,
+            ``filesystem``, ``as_directory()``) when ``directory`` is a local copy of a remote
+            one: its chain's siblings are copied too; None: they are ``directory``'s siblings.
+    """
+    state = read_state_file(directory)
+    names = (state.get("differential") or {}).get("chain", [])
+    with ExitStack() as stack:
+        members = []
+        for name in names:
+            if stored is None:
+                members.append(str(Path(directory).parent / name))
+            else:
+                sibling = type(stored)(
+                    path=_sibling(stored.path, name), filesystem=stored.filesystem
+                )
+                members.append(stack.enter_context(sibling.as_directory()))
+        yield [*members, str(directory)]
+
+
+def prune_checkpoints(latest: Any, *, keep: int) -> list[str]:
+    """Deletes the ``checkpoint_*`` directories beside ``latest`` (a stored checkpoint:
+    ``path``, ``filesystem``) but the newest ``keep`` and every checkpoint their chains need;
+    returns the names deleted. A checkpoint whose state cannot be read is kept if among the
+    newest, and needs nothing."""
+    filesystem = latest.filesystem
+    parent = latest.path.rstrip("/").rsplit("/", 1)[0]
+    names = sorted(
+        i.base_name
+        for i in filesystem.get_file_info(pafs.FileSelector(parent))
+        if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+    )
+    kept = set(names[-keep:])
+    for name in names[-keep:]:
+        try:
+            state = _read_json(filesystem, f"{parent}/{name}", STATE_FILE, present=True)
+        except (OSError, CheckpointDamagedError):
+            continue
+        kept.update((state.get("differential") or {}).get("chain", []))
+    deleted = [n for n in names if n not in kept]
+    for name in deleted:
+        filesystem.delete_dir(f"{parent}/{name}")
+    return deleted
+
+
 def check_intact(
-    directory: str | Path, *, filesystem: pafs.FileSystem | None = None, checksums: bool = False
+    directory: str | Path,
+    *,
+    filesystem: pafs.FileSystem | None = None,
+    checksums: bool = False,
+    chain: bool = True,
 ) -> None:
     """Raises :class:`CheckpointDamagedError` naming the checkpoint and its first problems
-    (:func:`verify_checkpoint`) unless it is intact: before anything reads its shards."""
-    problems = verify_checkpoint(directory, checksums=checksums, filesystem=filesystem)
+    (:func:`verify_checkpoint`, with its ``chain`` when a delta) unless it is intact: before
+    anything reads its shards."""
+    problems = verify_checkpoint(directory, checksums=checksums, filesystem=filesystem, chain=chain)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointDamagedError(
@@ -374,7 +544,8 @@ def newest_intact(
     Args:
         latest: the run's latest registered checkpoint, or None.
         problems_of: what is wrong with a checkpoint directory (default:
-            :func:`verify_checkpoint` without checksums).
+            :func:`verify_checkpoint` of the checkpoint as stored, without checksums: a delta
+            whose chain is damaged or missing is passed over like a damaged checkpoint).
 
     Raises:
         RuntimeError: the run has checkpoints but none is intact (each named with its damage).
@@ -382,11 +553,15 @@ def newest_intact(
     if latest is None:
         yield None, None
         return
-    problems_of = problems_of or (lambda d: verify_checkpoint(d, checksums=False))
     damaged = []
     for checkpoint in _newest_first(latest):
         with checkpoint.as_directory() as directory:
-            problems = problems_of(directory)
+            if problems_of is None:  # as stored: a delta's chain is beside it there
+                problems = verify_checkpoint(
+                    checkpoint.path, checksums=False, filesystem=checkpoint.filesystem
+                )
+            else:
+                problems = problems_of(directory)
             if not problems:
                 if damaged or checkpoint.path != latest.path:
                     logger.warning(
@@ -444,9 +619,81 @@ def check_state_matches(
         )
 
 
-def load_training_state(directory: str | Path, *, parts: TrainingParts) -> dict[str, Any]:
+def _metadata(directory: str | Path) -> dict[str, Any]:
+    try:
+        return CheckpointReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as exc:  # EOFError, unpickling errors of a damaged .metadata
+        raise CheckpointDamagedError(
+            f"checkpoint {directory}: its DCP metadata is not readable: {exc!r}"
+        ) from exc
+
+
+def _loader(directory: str | Path, *, no_dist: bool = False) -> Callable[[dict[str, Any]], None]:
+    """``load(state_dict)``: fills the tensors of ``state_dict`` from the checkpoint
+    (collectively; with ``no_dist`` in this process alone)."""
+
+    def load(state_dict: dict[str, Any]) -> None:
+        try:
+            with _quiet():
+                dcp.load(
+                    state_dict, storage_reader=CheckpointReader(str(directory)), no_dist=no_dist
+                )
+        except Exception as exc:  # a shard that cannot be read: name the checkpoint
+            raise CheckpointDamagedError(
+                f"checkpoint {directory}: reading its shards failed: {exc!r}"
+            ) from exc
+
+    return load
+
+
+def _delta_reader(directory: str | Path, metadata: dict[str, Any]) -> Any:
+    """``read(keys)``: a delta's tensors ``keys``, read whole in this process."""
+    load = _loader(directory, no_dist=True)
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        out = {
+            k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype)
+            for k in keys
+        }
+        load(out)
+        return out
+
+    return read
+
+
+def _apply_deltas(parts: TrainingParts, members: list[str]) -> None:
+    """Writes the deltas ``members`` (oldest first) over the loaded baseline."""
+    for member in members:
+        state = read_state_file(member)
+        metadata = _metadata(member)
+        try:
+            apply_delta(
+                parts.collection,
+                plan=parts.plan,
+                rank=parts.rank,
+                optimizer=parts.spec.sharding.optimizer,
+                saved_plan=ShardingPlan.from_json(json.dumps(state["plan"])),
+                saved_precisions=state["saved_precisions"],
+                metadata=metadata,
+                read=_delta_reader(member, metadata),
+            )
+        except DeltaError as exc:
+            raise CheckpointDamagedError(f"checkpoint {member}: {exc}") from exc
+
+
+def load_training_state(
+    directory: str | Path, *, parts: TrainingParts, chain: list[str] | None = None
+) -> dict[str, Any]:
     """Restores ``parts`` from a training checkpoint (any saving world size or plan); every
     rank must call. The training loop's own state is the caller's to restore.
+
+    A delta (differential checkpoints) loads its chain: the baseline's tables, then every
+    delta's rows in order, then ``directory``'s dense part, optimizer and RNG states.
+
+    Args:
+        directory: the checkpoint.
+        parts: what to restore.
+        chain: the local directories of its chain (:func:`open_chain`; default: its siblings).
 
     Returns:
         The saved ``trainer_state.json``: the loop's state (``step``, ``epoch``, ...), the data
@@ -458,35 +705,33 @@ def load_training_state(directory: str | Path, *, parts: TrainingParts) -> dict[
         ValueError: the checkpoint's tables or optimizer do not match ``parts``'.
     """
     state = read_state_file(directory)
-    check_intact(directory)
+    if chain is None:
+        check_intact(directory)  # and its chain's checkpoints beside it
+        with open_chain(directory) as members:
+            return load_training_state(directory, parts=parts, chain=members)
+    for member in chain:
+        check_intact(member, chain=False)
     optimizer = parts.spec.sharding.optimizer
     check_state_matches(state, parts.plan, optimizer, source=str(directory))
-    try:
-        metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
-    except Exception as exc:  # EOFError, unpickling errors of a damaged .metadata
-        raise CheckpointDamagedError(
-            f"checkpoint {directory}: its DCP metadata is not readable: {exc!r}"
-        ) from exc
-
-    def load(state_dict: dict[str, Any]) -> None:
-        try:
-            with _quiet():
-                dcp.load(state_dict, storage_reader=CheckpointReader(str(directory)))
-        except Exception as exc:  # a shard that cannot be read: name the checkpoint
-            raise CheckpointDamagedError(
-                f"checkpoint {directory}: reading its shards failed: {exc!r}"
-            ) from exc
-
+    baseline = chain[0]
+    base_state = read_state_file(baseline)
+    base_metadata = _metadata(baseline)
     load_embedding_state(
         parts.collection,
         plan=parts.plan,
         rank=parts.rank,
         optimizer=optimizer,
-        load=load,
-        saved_blocks={k: [tuple(b) for b in v] for k, v in state["column_blocks"].items()},
-        saved_precisions=saved_precisions(parts.plan, metadata),
+        load=_loader(baseline),
+        saved_blocks={k: [tuple(b) for b in v] for k, v in base_state["column_blocks"].items()},
+        saved_precisions=saved_precisions(parts.plan, base_metadata),
     )
-    _load_dense(parts, metadata, load=load, same_world=state["world_size"] == parts.plan.world_size)
+    _apply_deltas(parts, chain[1:])
+    _load_dense(
+        parts,
+        _metadata(directory),
+        load=_loader(directory),
+        same_world=state["world_size"] == parts.plan.world_size,
+    )
     if dist.is_initialized():
         dist.barrier()
     return state
@@ -536,6 +781,27 @@ class _StateTensor:
         return _dcp_metadata.TensorProperties(dtype=self.value.dtype)
 
 
+@dataclass(frozen=True)
+class _ChainTensor:
+    """A table's tensor of a delta's chain: read from the baseline, then patched by every
+    delta in order (described as DCP describes its tensors)."""
+
+    meta: Any
+    baseline: str
+    deltas: tuple[str, ...]
+    table: Any  # TablePlan
+    part: str  # weight, codes or qparams
+    precision: str
+
+    @property
+    def size(self) -> torch.Size:
+        return self.meta.size
+
+    @property
+    def properties(self) -> Any:
+        return self.meta.properties
+
+
 def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
     """Every tensor of a training checkpoint's unsharded model, from its metadata alone: the
     key of the unsharded ``RecModel`` (``embedding_bags.weights.<table>``, ``dense.*`` of rank
@@ -545,9 +811,25 @@ def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
     ``embedding_bags.quantized.<table>.codes`` and ``.qparams`` (its DCP tensors, as saved) and
     ``.blocks``, the saving plan's column blocks as a ``(K, 2)`` int64 tensor (from
     ``trainer_state.json``; key ``column_blocks.<table>``): a
-    :class:`~raydlrm.models.embedding.QuantizedTable`."""
+    :class:`~raydlrm.models.embedding.QuantizedTable`.
+
+    A delta's tables are its chain's (its siblings): the baseline's, patched by the deltas
+    when read."""
+    with open_chain(directory) as chain:
+        keys = _embedding_tensors(chain[0], deltas=chain[1:])
+    metadata = _metadata(directory)
+    dense_prefix = "rank0." + _DENSE
+    for key, meta in metadata.items():
+        if key.startswith(dense_prefix):
+            keys["dense." + key[len(dense_prefix) :]] = (key, meta)
+    return keys
+
+
+def _embedding_tensors(directory: str, *, deltas: list[str]) -> dict[str, tuple[str, Any]]:
+    """The tables of :func:`model_tensors`, from the baseline ``directory`` (patched by
+    ``deltas`` when read)."""
     state = read_state_file(directory)
-    metadata = CheckpointReader(str(directory)).read_metadata().state_dict_metadata
+    metadata = _metadata(directory)
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
     keys: dict[str, tuple[str, Any]] = {}
     for table in plan.tables:
@@ -572,10 +854,17 @@ def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
         if key not in metadata:
             raise ValueError(f"checkpoint {directory} has no weights of table {table.name!r}")
         keys[f"embedding_bags.weights.{table.name}"] = (key, metadata[key])
-    dense_prefix = "rank0." + _DENSE
-    for key, meta in metadata.items():
-        if key.startswith(dense_prefix):
-            keys["dense." + key[len(dense_prefix) :]] = (key, meta)
+    if deltas:
+        precisions = saved_precisions(plan, metadata)
+        for name, (key, meta) in keys.items():
+            if isinstance(meta, _StateTensor):
+                continue
+            table = plan.table(name.split(".")[2])
+            part = name.rsplit(".", 1)[1] if ".quantized." in name else "weight"
+            keys[name] = (
+                key,
+                _ChainTensor(meta, directory, tuple(deltas), table, part, precisions[table.name]),
+            )
     return keys
 
 
@@ -590,6 +879,19 @@ def load_model_tensor(directory: str | Path, key: str, meta: Any) -> torch.Tenso
     """
     if isinstance(meta, _StateTensor):  # not in the shards
         return meta.value.clone()
+    if isinstance(meta, _ChainTensor):
+        tensor = load_model_tensor(meta.baseline, key, meta.meta)
+        for delta in meta.deltas:
+            delta_meta = _metadata(delta)
+            patch_model_tensor(
+                tensor,
+                table=meta.table,
+                part=meta.part,
+                precision=meta.precision,
+                metadata=delta_meta,
+                read=_delta_reader(delta, delta_meta),
+            )
+        return tensor
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     # Without a process group DCP reads in this process.
     try:

@@ -18,6 +18,7 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,18 @@ from typing import Any
 import torch
 
 from raydlrm.ingestion.reader import EpochProgress
-from raydlrm.trainers._dist import all_gather_object, all_reduce_scalar
-from raydlrm.trainers.checkpoint import TrainingParts, load_training_state, save_training_state
+from raydlrm.models.quantized import code_bytes_per_row
+from raydlrm.sharding.config import QUANTIZED
+from raydlrm.trainers._dist import all_gather_object, all_reduce_scalar, sum_over_ranks
+from raydlrm.trainers.checkpoint import (
+    ChainLink,
+    TrainingParts,
+    checkpoint_precisions,
+    load_training_state,
+    open_chain,
+    prune_checkpoints,
+    save_training_state,
+)
 from raydlrm.trainers.config import CheckpointConfig
 from raydlrm.trainers.hooks import TrainerHook
 from raydlrm.trainers.model_dir import METRICS_FILE, save_model_metadata
@@ -100,6 +111,12 @@ class Checkpointer:
         self.hooks = hooks
         self.device = device
         self._last = time.monotonic()
+        # Differential checkpoints: the last checkpoint written of the current chain, and the
+        # names of the chain's checkpoints so far (None: the next one is a baseline).
+        self._link: ChainLink | None = None
+        self._names: list[str] | None = None
+        if config.differential:
+            parts.collection.track_modified_rows()
 
     def should_save(self, step: int, *, log_step: bool) -> bool:
         """Whether to write a checkpoint after ``step`` (the same answer on every rank: by
@@ -125,8 +142,11 @@ class Checkpointer:
         merged = EpochProgress.merged(
             [EpochProgress.from_dict(p) for p in all_gather_object(progress.to_dict())]
         )
+        link = self._next_link(final=final) if self.config.differential else None
         try:
-            stored = self._write(metrics, loop_state=loop_state, position=merged, final=final)
+            stored = self._write(
+                metrics, loop_state=loop_state, position=merged, final=final, link=link
+            )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if not _disk_full(exc):
                 raise
@@ -137,7 +157,49 @@ class Checkpointer:
                 f"stored under {self.storage or 'the run storage'} (run.storage_path): {exc}",
             ) from exc
         self._last = time.monotonic()
+        if link is not None:
+            self._chained(link, stored)
         return stored
+
+    def _next_link(self, *, final: bool) -> ChainLink:
+        """The next checkpoint's place in its chain (the same on every rank): a delta of the
+        rows modified since the last checkpoint, or a baseline (none yet, the final
+        checkpoint, ``baseline_every`` reached, or the deltas past ``baseline_fraction``)."""
+        rows = self.parts.collection.modified_rows()
+        sizes = sum_over_ranks(_embedding_bytes(self.parts, rows), self.device)
+        last, config = self._link, self.config
+        if (
+            last is None
+            or self._names is None
+            or final
+            or len(self._names) >= config.baseline_every
+            or last.delta_bytes + sizes["delta"] > config.baseline_fraction * last.baseline_bytes
+        ):
+            chain_id = all_gather_object(uuid.uuid4().hex)[0]
+            return ChainLink("baseline", chain_id=chain_id, baseline_bytes=sizes["full"])
+        return ChainLink(
+            "delta",
+            chain=list(self._names),
+            chain_id=last.chain_id,
+            rows=rows,
+            delta_bytes=last.delta_bytes + sizes["delta"],
+            baseline_bytes=last.baseline_bytes,
+        )
+
+    def _chained(self, link: ChainLink, stored: Any) -> None:
+        """After writing ``link``'s checkpoint (stored as ``stored``): the chain goes on from
+        it, the modified rows start afresh, and (rank 0) the checkpoints no kept one needs
+        are deleted."""
+        self.parts.collection.clear_modified_rows()
+        if stored is None:  # not stored where a delta could find it: no chain
+            self._link, self._names = None, None
+            return
+        self._link = link
+        self._names = [*link.chain, Path(stored.path).name]
+        if self.parts.rank == 0 and self.config.num_to_keep:
+            deleted = prune_checkpoints(stored, keep=self.config.num_to_keep)
+            if deleted:
+                logger.debug("deleted checkpoints no kept one needs: %s", deleted)
 
     def _write(
         self,
@@ -146,6 +208,7 @@ class Checkpointer:
         loop_state: dict[str, Any],
         position: EpochProgress,
         final: bool,
+        link: ChainLink | None,
     ) -> Any:
         with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
             if final and self.parts.rank == 0:
@@ -156,7 +219,11 @@ class Checkpointer:
                     metrics=self.reporter.merged(metrics, loop_state=loop_state),
                 )
             save_training_state(
-                tmp, parts=self.parts, loop_state=loop_state, position=position.to_dict()
+                tmp,
+                parts=self.parts,
+                loop_state=loop_state,
+                position=position.to_dict(),
+                link=link,
             )
             for hook in self.hooks:
                 hook("checkpoint", rank=self.parts.rank, step=loop_state["step"])
@@ -164,9 +231,14 @@ class Checkpointer:
                 metrics, loop_state=loop_state, checkpoint_dir=tmp, final=final
             )
 
-    def load(self, directory: str) -> Restored:
-        """Restores the parts from a training checkpoint (any world size or plan); all ranks."""
-        state = load_training_state(directory, parts=self.parts)
+    def load(self, directory: str, *, stored: Any = None) -> Restored:
+        """Restores the parts from a training checkpoint (any world size or plan; a delta with
+        its chain, found beside ``stored``, the checkpoint as stored, or else beside
+        ``directory``); all ranks. Differential checkpoints go on with its chain when the plan
+        and precisions are the same."""
+        with open_chain(directory, stored) as chain:
+            state = load_training_state(directory, parts=self.parts, chain=chain)
+        self._continue_chain(state, name=Path(stored.path if stored else directory).name)
         metrics_file = Path(directory, METRICS_FILE)  # only final checkpoints hold it
         return Restored(
             loop_state={k: state[k] for k in ("step", "epoch", "samples_seen", "train_seconds")},
@@ -175,10 +247,55 @@ class Checkpointer:
             final_metrics=json.loads(metrics_file.read_text()) if metrics_file.is_file() else None,
         )
 
-    def warm_start(self, directory: str) -> int:
-        """Restores the parts from another run's checkpoint (any world size or plan): its
-        tables, dense weights and optimizer states; the RNG starts afresh from the seed. All
-        ranks. Returns the step the checkpoint was written at."""
-        state = load_training_state(directory, parts=self.parts)
+    def _continue_chain(self, state: dict[str, Any], *, name: str) -> None:
+        link = state.get("differential")
+        if self.config.differential:
+            self.parts.collection.clear_modified_rows()
+        same = (
+            link is not None
+            and state["plan"] == json.loads(self.parts.plan.to_json())
+            and state.get("saved_precisions") == checkpoint_precisions(self.parts)
+        )
+        if not (self.config.differential and same):
+            self._link, self._names = None, None
+            return
+        self._link = ChainLink(
+            link["kind"],
+            chain=link["chain"],
+            chain_id=link["chain_id"],
+            delta_bytes=link["delta_bytes"],
+            baseline_bytes=link["baseline_bytes"],
+        )
+        self._names = [*link["chain"], name]
+
+    def warm_start(self, directory: str, *, stored: Any = None) -> int:
+        """Restores the parts from another run's checkpoint (any world size or plan; a delta
+        with its chain, as :meth:`load`): its tables, dense weights and optimizer states; the
+        RNG starts afresh from the seed. All ranks. Returns the step the checkpoint was
+        written at."""
+        with open_chain(directory, stored) as chain:
+            state = load_training_state(directory, parts=self.parts, chain=chain)
         torch.manual_seed(self.parts.spec.training.seed)
         return int(state["step"])
+
+
+def _embedding_bytes(parts: TrainingParts, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+    """This rank's estimated embedding bytes of a ``full`` checkpoint and of a ``delta`` of
+    ``rows`` (weights at the checkpoint's precision, fused optimizer state, a delta's row
+    ids): a data-parallel table counts on rank 0 only."""
+    precisions = checkpoint_precisions(parts)
+    optimizer = parts.spec.sharding.optimizer
+    shards = parts.collection.local_shards()
+    full = delta = 0.0
+    for table in parts.plan.tables:
+        s = shards.get(table.name)
+        if s is None or (table.sharding_type == "data_parallel" and parts.rank != 0):
+            continue
+        cols, precision = s.col_end - s.col_start, precisions[table.name]
+        row = {"fp32": 4 * cols, "fp16": 2 * cols}.get(precision)
+        if precision in QUANTIZED:
+            row = code_bytes_per_row(cols, precision) + 4
+        row += {"rowwise_adagrad": 4, "adagrad": 4 * cols}.get(optimizer, 0)
+        full += row * (s.row_end - s.row_start)
+        delta += (row + 8) * rows[table.name].numel()
+    return {"full": full, "delta": delta}

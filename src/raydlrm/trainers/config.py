@@ -77,6 +77,23 @@ class CheckpointConfig:
     """Keep the best by this reported metric (e.g. ``train/loss``) instead of the newest."""
     score_order: Literal["max", "min"] = "max"
     """Whether a higher or lower ``score_metric`` is better."""
+    differential: bool = False
+    """Differential checkpoints (Check-N-Run): a checkpoint writes only the embedding rows
+    training modified since the one before it (a *delta*; the dense part, optimizers and data
+    position whole), on top of a full *baseline*. Resuming reads the chain (baseline, then
+    every delta in order). The run's final checkpoint is always a baseline (it is the model)."""
+    baseline_every: int = 10
+    """With ``differential``: a baseline at least every this many checkpoints (the chain a
+    resume reads is at most this long)."""
+    baseline_fraction: float = 0.5
+    """With ``differential``: a baseline instead of a delta once the chain's deltas would
+    hold more than this fraction of a baseline's embedding bytes."""
+    embedding_precision: Literal["fp32", "fp16", "int8"] = "fp32"
+    """The precision checkpoints hold fp32 tables in: ``fp32`` (as trained: an exact resume),
+    ``fp16`` (half the bytes), ``int8`` (row-wise codes with an fp16 scale and bias: a
+    quarter and 4 bytes a row), rounded to nearest; fp16 tables go to ``int8`` only, ``int8``
+    / ``int4`` tables are always saved as held. Optimizer state stays fp32. Resuming from a
+    lower precision continues from the rounded weights (see ``benchmarks/RESULTS.md``)."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:
@@ -85,6 +102,19 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.every_minutes must be >= 0, got {self.every_minutes}")
         if self.num_to_keep is not None and self.num_to_keep <= 0:
             raise ValueError(f"checkpoint.num_to_keep must be positive, got {self.num_to_keep}")
+        if self.baseline_every < 1:
+            raise ValueError(
+                f"checkpoint.baseline_every must be at least 1, got {self.baseline_every}"
+            )
+        if not 0 < self.baseline_fraction <= 1:
+            raise ValueError(
+                f"checkpoint.baseline_fraction must be in (0, 1], got {self.baseline_fraction}"
+            )
+        if self.differential and self.score_metric is not None:
+            raise ValueError(
+                "checkpoint.differential keeps the newest checkpoints and the baselines they "
+                "need; it cannot keep the best by checkpoint.score_metric: set one of them"
+            )
 
 
 FAULT_ENV = "RAYDLRM_FAULT"

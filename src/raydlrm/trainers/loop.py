@@ -199,7 +199,7 @@ class Trainer:
 
         The reports that follow carry ``restore/from_step`` and ``restore/load_seconds``."""
         started = time.perf_counter()
-        restored = self.checkpointer.load(directory)
+        restored = self.checkpointer.load(directory, stored=stored)
         self.load_state_dict(restored.loop_state)
         if restored.final_metrics is not None:
             self.finished = FinishedRun(self.step, restored.final_metrics, stored)
@@ -219,12 +219,12 @@ class Trainer:
             sum(self.resume.consumed.values()),
         )
 
-    def warm_start(self, directory: str) -> None:
+    def warm_start(self, directory: str, *, stored: Any = None) -> None:
         """Starts from another run's training checkpoint (any world size or plan): its
         embedding tables, dense weights and optimizer states (fused and dense); the step,
         epoch, sample count, data position and random state start afresh, as for a new run.
         All ranks. The reports that follow carry ``warm_start/from_step``."""
-        step = self.checkpointer.warm_start(directory)
+        step = self.checkpointer.warm_start(directory, stored=stored)
         self.reporter.note({"warm_start/from_step": float(step)})
         logger.info("rank %d warm-started from %s (step %d of its run)", self.rank, directory, step)
 
@@ -446,7 +446,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         elif job.warm_start is not None:
             # A run's own checkpoint wins: a warm-started run that restarts continues from it.
             with job.warm_start.as_directory() as warm_dir:
-                trainer.warm_start(warm_dir)
+                trainer.warm_start(warm_dir, stored=job.warm_start)
 
     def source(description: SourceDescription | None) -> WorkerSource | None:
         if description is None:

@@ -1,0 +1,257 @@
+"""Differential checkpoints (Check-N-Run) and checkpoints at a lower precision: a chain of a
+baseline and deltas resumes training bit for bit as the run that wrote it, in any plan;
+retention keeps the baselines the kept deltas need; a damaged or foreign link is named and the
+newest intact point taken."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from raydlrm.ingestion.reader import EpochProgress
+from raydlrm.trainers.checkpoint import (
+    CheckpointDamagedError,
+    load_training_state,
+    newest_intact,
+    read_state_file,
+    verify_checkpoint,
+)
+from raydlrm.trainers.model_dir import ModelWeights
+from tests._multiprocess import run_distributed
+from tests.trainers._fixtures import unsharded_state_dict
+from tests.trainers.test_checkpoint import (
+    STEPS_BEFORE,
+    _global_batches,
+    _logits,
+    _snapshot,
+    _steps,
+    _trainer,
+)
+
+
+@dataclass
+class _Stored:
+    """A checkpoint as stored in a run's storage (what Ray Train's ``Checkpoint`` gives)."""
+
+    path: str
+    filesystem: Any = None
+
+    def __post_init__(self) -> None:
+        self.filesystem = self.filesystem or pafs.LocalFileSystem()
+
+    @contextmanager
+    def as_directory(self):
+        yield self.path
+
+
+def _storing_report(root: Path, rank: int):
+    """A report function storing each rank's checkpoint files into ``root/checkpoint_<n>``
+    (merged, as Ray Train does) and returning it as stored."""
+    count = [0]
+
+    def report(metrics: dict, *, checkpoint_dir: str | None = None) -> _Stored | None:
+        if checkpoint_dir is None:
+            return None
+        target = root / f"checkpoint_{count[0]:03d}"
+        count[0] += 1
+        shutil.copytree(checkpoint_dir, target, dirs_exist_ok=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank's part stored before it is registered
+        return _Stored(str(target))
+
+    return report
+
+
+def _differential_trainer(rank, world_size, data_dir, types, optimizer, seed, root, **ckpt):
+    settings = {"differential": True, "baseline_fraction": 1.0, **ckpt}
+    report = _storing_report(Path(root), rank)
+    return _trainer(
+        rank, world_size, data_dir, types, optimizer, seed=seed, checkpoint=settings, report=report
+    )
+
+
+def _save_chain(rank, world_size, data_dir, root, types, optimizer) -> dict:
+    """A checkpoint after each of the first steps (a baseline, then deltas)."""
+    trainer = _differential_trainer(rank, world_size, data_dir, types, optimizer, 7, root)
+    batches = _global_batches(data_dir, trainer.spec)
+    for batch in batches[:STEPS_BEFORE]:
+        _steps(trainer, [batch], world_size)
+        trainer.checkpointer.save({}, loop_state=trainer.state_dict(), progress=EpochProgress(0))
+    before = _snapshot(trainer, data_dir, world_size)
+    _steps(trainer, batches[STEPS_BEFORE:], world_size)
+    return {"before": before, "after": _snapshot(trainer, data_dir, world_size)}
+
+
+def _load_chain(rank, world_size, data_dir, root, types, optimizer) -> dict:
+    trainer = _differential_trainer(rank, world_size, data_dir, types, optimizer, 99, root)
+    trainer.load(str(Path(root) / f"checkpoint_{STEPS_BEFORE - 1:03d}"))
+    assert trainer.step == STEPS_BEFORE
+    before = _snapshot(trainer, data_dir, world_size)
+    _steps(trainer, _global_batches(data_dir, trainer.spec)[STEPS_BEFORE:], world_size)
+    return {"before": before, "after": _snapshot(trainer, data_dir, world_size)}
+
+
+def _chain_bytes(root: Path) -> list[tuple[str, int]]:
+    out = []
+    for i in range(STEPS_BEFORE):
+        path = root / f"checkpoint_{i:03d}"
+        state = read_state_file(path)
+        size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("__"))
+        out.append((state["differential"]["kind"], size))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("optimizer", "saved", "loaded"),
+    [
+        ("rowwise_adagrad", (2, "row_wise"), (2, "row_wise")),
+        ("rowwise_adagrad", (2, "table_wise+int8"), (2, "table_wise+int8")),
+        ("adagrad", (2, "column_wise@torch"), (2, "column_wise@torch")),
+        # the SSD tier (files behind a DRAM row cache), on both kernels
+        ("rowwise_adagrad", (2, "table_wise!ssd"), (2, "table_wise!ssd")),
+        ("adagrad", (2, "row_wise@torch!ssd"), (2, "row_wise@torch!ssd")),
+        ("sgd", (2, "data_parallel"), (2, "data_parallel")),
+        # reshard from a chain: another world size and sharding type
+        ("rowwise_adagrad", (2, "column_wise"), (3, "table_wise")),
+        ("rowwise_adagrad", (3, "row_wise+int8"), (1, "table_wise+int8")),
+    ],
+)
+def test_chain_resumes_as_the_run_went_on(
+    data_dir: Path, tmp_path: Path, optimizer: str, saved, loaded
+) -> None:
+    """Resumed from a baseline and two deltas, the model, its fused optimizer state and its
+    predictions are those of the saving run at that step, bit for bit, and with the same plan
+    the next steps are too; each delta is smaller than the baseline."""
+    root = tmp_path / "run"
+    args = (str(data_dir), str(root), saved[1], optimizer)
+    a = run_distributed(_save_chain, world_size=saved[0], args=args)
+    kinds = _chain_bytes(root)
+    assert [k for k, _ in kinds] == ["baseline", "delta", "delta"]
+    assert all(size < kinds[0][1] for _, size in kinds[1:]), kinds
+    args = (str(data_dir), str(root), loaded[1], optimizer)
+    if loaded[0] == 1:
+        b = [_load_chain(0, 1, *args)]
+    else:
+        b = run_distributed(_load_chain, world_size=loaded[0], args=args)
+    # The loading run has another seed: int8 rows round their updates with other noise.
+    exact = ["before"] + (["after"] if saved == loaded and "int8" not in saved[1] else [])
+    # A column-wise table's per-block momenta merge into one (their mean): later steps differ
+    # from the saving run's, as from any column-wise checkpoint.
+    resharded_columns = saved[1] != loaded[1] and "column" in saved[1]
+    for when in ("before",) if resharded_columns else ("before", "after"):
+        sa, sb = a[0][when]["state"], b[0][when]["state"]
+        for key in sa:
+            if when in exact:
+                assert torch.equal(sa[key], sb[key]), (when, key)
+            else:
+                atol = 5e-3 if "int8" in saved[1] else 1e-6  # a quantization step
+                torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=atol, msg=key)
+        for table, states in a[0][when]["optimizer"].items():
+            for x, y in zip(states, b[0][when]["optimizer"][table], strict=True):
+                if when in exact and saved[1] == loaded[1]:
+                    assert torch.equal(x, y), (when, table)
+                else:  # momenta are small: relative error only
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=0, msg=table)
+    assert torch.equal(_logits(a, "before"), _logits(b, "before"))
+
+
+def _ckpt(root: Path, i: int) -> Path:
+    return root / f"checkpoint_{i:03d}"
+
+
+def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, caplog) -> None:
+    """One process: retention keeps the newest checkpoints and every baseline and delta they
+    need; a chain exports as the model at its step; a damaged delta, a missing baseline and a
+    delta of another chain are named, and a resume takes the newest intact point; fp16 and
+    int8 checkpoints hold tables within their rounding."""
+    root = tmp_path / "run"
+    trainer = _differential_trainer(
+        0, 1, str(data_dir), "row_wise", "rowwise_adagrad", 7, root, num_to_keep=2
+    )
+    batches = _global_batches(data_dir, trainer.spec)
+
+    def save(final: bool = False) -> None:
+        trainer.checkpointer.save(
+            {}, loop_state=trainer.state_dict(), progress=EpochProgress(0), final=final
+        )
+
+    models = []
+    for i in range(4):  # baseline 0, deltas 1-3: all needed by the newest two
+        _steps(trainer, [batches[i % len(batches)]], 1)
+        save()
+        models.append({k: v.clone() for k, v in unsharded_state_dict(trainer).items()})
+    assert sorted(p.name for p in root.iterdir()) == [_ckpt(root, i).name for i in range(4)]
+    exported = dict(ModelWeights(_ckpt(root, 3)).items())
+    assert exported.keys() == models[3].keys()
+    assert all(torch.equal(exported[k], v) for k, v in models[3].items())
+    save(final=True)  # the final checkpoint is a baseline
+    assert read_state_file(_ckpt(root, 4))["differential"]["kind"] == "baseline"
+    _steps(trainer, [batches[0]], 1)
+    save()  # a delta of 4: 0-3 are needed no more
+    assert sorted(p.name for p in root.iterdir()) == [_ckpt(root, 4).name, _ckpt(root, 5).name]
+
+    # Another chain of 3 (baseline 6, deltas 7, 8); damage delta 7.
+    for i in range(3):
+        _steps(trainer, [batches[i]], 1)
+        save()
+    shard = next(p for p in _ckpt(root, 7).iterdir() if p.name.startswith("__"))
+    shard.write_bytes(shard.read_bytes()[:-3])
+    problems = verify_checkpoint(_ckpt(root, 8), checksums=False)
+    assert any("the chain's checkpoint_007 is damaged" in p for p in problems), problems
+    with (
+        caplog.at_level(logging.WARNING),
+        newest_intact(_Stored(str(_ckpt(root, 8)))) as (
+            directory,
+            _,
+        ),
+    ):
+        assert Path(directory).name == "checkpoint_006"
+    assert "checkpoint_008 is damaged, passed over" in caplog.text
+    # A delta whose baseline is gone, or of another chain.
+    shutil.rmtree(_ckpt(root, 4))
+    assert any(
+        "checkpoint_004 is damaged or missing" in p for p in verify_checkpoint(_ckpt(root, 5))
+    )
+    shutil.copytree(_ckpt(root, 6), _ckpt(root, 4))
+    assert any("belongs to another chain" in p for p in verify_checkpoint(_ckpt(root, 5)))
+    fresh = _trainer(0, 1, str(data_dir), "row_wise", "rowwise_adagrad", seed=99)
+    with pytest.raises(CheckpointDamagedError, match="belongs to another chain"):
+        load_training_state(_ckpt(root, 5), parts=fresh.parts())
+
+    # Lower precision checkpoints: fp16 rounds to nearest, int8 within half a step a row.
+    for precision in ("fp16", "int8"):
+        store = tmp_path / precision
+        saving = _trainer(
+            0,
+            1,
+            str(data_dir),
+            "row_wise",
+            "rowwise_adagrad",
+            seed=7,
+            checkpoint={"embedding_precision": precision},
+            report=_storing_report(store, 0),
+        )
+        _steps(saving, batches[:2], 1)
+        full = unsharded_state_dict(saving)
+        saving.checkpointer.save({}, loop_state=saving.state_dict(), progress=EpochProgress(0))
+        loading = _trainer(0, 1, str(data_dir), "row_wise", "rowwise_adagrad", seed=99)
+        load_training_state(_ckpt(store, 0), parts=loading.parts())
+        got = unsharded_state_dict(loading)
+        for key, value in full.items():
+            if not key.startswith("embedding_bags."):
+                assert torch.equal(got[key], value), key
+            elif precision == "fp16":
+                assert torch.equal(got[key], value.half().float()), key
+            else:
+                step = (value.amax(1) - value.amin(1)).unsqueeze(1) / 255
+                assert bool(((got[key] - value).abs() <= step * (1 + 2**-9) / 2 + 1e-6).all())
+                assert not torch.equal(got[key], value)
