@@ -164,15 +164,18 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
 
 
 def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch) -> None:
-    """Run storage on the loopback S3 server: checkpoints written there, a killed worker
-    restarted from the latest one, the fault marker kept there, retention applied there."""
+    """Run storage on the loopback S3 server: differential checkpoints written there (a
+    baseline, then deltas), a killed worker restarted from the latest delta and its chain (the
+    same bits as the uninterrupted run), the fault marker kept there, retention applied there
+    (the newest two and the checkpoints their chains need)."""
     import s3fs
 
     root, clean = uninterrupted
     storage = s3_server("ckpt")
     config = _config(root, "on-s3", max_failures=1)
     config["run"].update(storage_path="s3://ckpt/runs", storage=asdict(storage))
-    config["checkpoint"]["num_to_keep"] = 2
+    # Deltas up to a whole baseline's bytes: these tables are small, batches touch most rows.
+    config["checkpoint"].update(num_to_keep=2, differential=True, baseline_fraction=1.0)
     monkeypatch.setenv("RAYDLRM_FAULT", "rank=1,step=11")
     result = raydlrm.train(config)
     assert result.checkpoint_path.startswith("s3://ckpt/runs/on-s3/checkpoint_")
@@ -187,8 +190,15 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
         for e in fs.ls("ckpt/runs/on-s3", detail=True)
         if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")
     ]
-    assert len(kept) == 2  # num_to_keep, applied on S3
-    assert all(fs.exists(f"{p}/trainer_state.json") for p in kept)
+    links = {
+        p.rsplit("/", 1)[-1]: json.loads(fs.cat(f"{p}/trainer_state.json"))["differential"]
+        for p in kept
+    }
+    newest = sorted(links)[-2:]
+    assert links[newest[-1]]["kind"] == "baseline"  # the final checkpoint: the model
+    # The chain went on across the restart (from step 9's delta).
+    assert links[newest[0]]["kind"] == "delta" and len(links[newest[0]]["chain"]) > 3
+    assert set(links) == {*newest, *links[newest[0]]["chain"]}  # num_to_keep, on S3
     run = MlflowClient(result.tracking_uri).get_run(result.run_id)
     assert run.data.tags["raydlrm.checkpoint"] == result.checkpoint_path
     # The CLI reads a checkpoint on S3 (the store from the standard AWS variables).

@@ -15,8 +15,10 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from raydlrm.ingestion.reader import EpochProgress
+from raydlrm.platform.cli import app
 from raydlrm.trainers.checkpoint import (
     CheckpointDamagedError,
     load_training_state,
@@ -193,6 +195,11 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     exported = dict(ModelWeights(_ckpt(root, 3)).items())
     assert exported.keys() == models[3].keys()
     assert all(torch.equal(exported[k], v) for k, v in models[3].items())
+    shown = CliRunner().invoke(app, ["checkpoint", "show", str(_ckpt(root, 3))])
+    assert shown.exit_code == 0, shown.output
+    assert "differential: delta 3 of the chain of baseline checkpoint_000" in shown.output
+    verified = CliRunner().invoke(app, ["checkpoint", "verify", str(_ckpt(root, 3))])
+    assert verified.exit_code == 0, verified.output
     save(final=True)  # the final checkpoint is a baseline
     assert read_state_file(_ckpt(root, 4))["differential"]["kind"] == "baseline"
     _steps(trainer, [batches[0]], 1)
@@ -207,6 +214,8 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     shard.write_bytes(shard.read_bytes()[:-3])
     problems = verify_checkpoint(_ckpt(root, 8), checksums=False)
     assert any("the chain's checkpoint_007 is damaged" in p for p in problems), problems
+    verified = CliRunner().invoke(app, ["checkpoint", "verify", str(_ckpt(root, 8))])
+    assert verified.exit_code == 1 and "checkpoint_007 is damaged" in verified.output
     with (
         caplog.at_level(logging.WARNING),
         newest_intact(_Stored(str(_ckpt(root, 8)))) as (

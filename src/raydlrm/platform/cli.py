@@ -551,8 +551,9 @@ def _newest_checkpoint(run: Path) -> Path | None:
 
 @checkpoint_app.command("show")
 def checkpoint_show(checkpoint: CheckpointArg) -> None:
-    """Print a checkpoint's step, epoch, world size, plan summary, data position and whether
-    its files match their manifests (sizes; `checkpoint verify` also checks the checksums)."""
+    """Print a checkpoint's step, epoch, world size, plan summary, data position, its place in
+    a chain of differential checkpoints, and whether its files (and its chain's) match their
+    manifests (sizes; `checkpoint verify` also checks the checksums)."""
     from raydlrm.sharding import ShardingPlan
     from raydlrm.trainers.checkpoint import (
         CheckpointDamagedError,
@@ -578,6 +579,17 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
         f"data position: {sum(position['consumed'].values())} rows of epoch "
         f"{position['epoch']} trained, in {len(position['consumed'])} row groups"
     )
+    link = state.get("differential")
+    if link and link["kind"] == "delta":
+        typer.echo(
+            f"differential: delta {len(link['chain'])} of the chain of baseline "
+            f"{link['chain'][0]} (read with {', '.join(link['chain'][1:]) or 'no other delta'})"
+        )
+    elif link:
+        typer.echo("differential: a baseline (full)")
+    precisions = sorted(set(state.get("saved_precisions", {}).values()))
+    if precisions:
+        typer.echo(f"tables saved in {', '.join(precisions)}")
     typer.echo(plan.format_summary())
 
 
