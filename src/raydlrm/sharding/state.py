@@ -287,16 +287,11 @@ def embedding_state_dict(
                     table, weight, rank=rank, replicated=replicated, precision=precision
                 )
             )
-        elif replicated:
-            out[weight_key(table.name)] = weight
         else:
-            out[weight_key(table.name)] = _sharded(
-                weight,
-                rank=rank,
-                shards=_weight_pieces(table),
-                size=[table.num_embeddings, table.embedding_dim],
-                device=device,
-                dtype=WEIGHT_DTYPES[precision],
+            out[weight_key(table.name)] = (
+                weight
+                if replicated
+                else _float_entry(table, weight, rank=rank, device=device, precision=precision)
             )
         if optimizer != "sgd":
             state = states[table.name][0] if weight is not None else None
@@ -312,6 +307,25 @@ def embedding_state_dict(
             )
     # A replicated table is a plain tensor on the ranks that hold it and absent elsewhere.
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _float_entry(
+    table: TablePlan,
+    weight: torch.Tensor | None,
+    *,
+    rank: int,
+    device: torch.device,
+    precision: str,
+) -> ShardedTensor:
+    """An fp32 or fp16 sharded table's weight (this rank's shard ``weight``, or None)."""
+    return _sharded(
+        weight,
+        rank=rank,
+        shards=_weight_pieces(table),
+        size=[table.num_embeddings, table.embedding_dim],
+        device=device,
+        dtype=WEIGHT_DTYPES[precision],
+    )
 
 
 def _quantized_entries(
