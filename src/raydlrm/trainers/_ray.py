@@ -8,9 +8,12 @@ processes and tests.
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 
@@ -65,15 +68,41 @@ def report(
     metrics: dict[str, Any], *, checkpoint_dir: str | None = None
 ) -> ray.train.Checkpoint | None:
     """Reports metrics (and, from the ranks that pass one, a checkpoint directory); returns the
-    checkpoint as stored in the run storage (None for a metrics-only report).
+    checkpoint as stored in the run storage (None for a metrics-only report). A run storage on
+    a local file system takes the directory's files by moving them (:func:`_move_into`); an
+    object store by Ray Train's upload.
 
     Every worker must call this the same number of times.
     """
     if checkpoint_dir is None:
         ray.train.report(metrics, checkpoint=None)
         return None
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir))
+    checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir)
+    storage = ray.train.get_context().get_storage()
+    if isinstance(storage.storage_filesystem, pafs.LocalFileSystem):
+        # Moved, not copied: no second full copy of the rank's part on the disk.
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_upload_fn=lambda c, name: _move_into(c, storage, name),
+            delete_local_checkpoint_after_upload=False,
+        )
+    else:
+        ray.train.report(metrics, checkpoint=checkpoint)
     return ray.train.get_checkpoint()  # Ray Train's latest: the one just stored
+
+
+def _move_into(checkpoint: ray.train.Checkpoint, storage: Any, name: str) -> ray.train.Checkpoint:
+    """Stores this rank's part of a checkpoint in a run storage on a local (or mounted)
+    file system by moving its files there: a rename on the same disk (no copy: a large
+    checkpoint is not on the disk twice while it is stored), a copy then a delete across
+    disks. Every rank moves its own files into the same directory, as Ray Train merges
+    them when it copies."""
+    target = Path(storage.build_checkpoint_path_from_name(name))
+    target.mkdir(parents=True, exist_ok=True)
+    for source in Path(checkpoint.path).iterdir():
+        shutil.move(source, target / source.name)  # os.rename where it can
+    return ray.train.Checkpoint(path=str(target), filesystem=storage.storage_filesystem)
 
 
 def registered_checkpoint() -> ray.train.Checkpoint | None:

@@ -20,6 +20,17 @@ Every rank writes ``manifest.rank<r>.json`` last: the size and CRC-32 of each fi
 file there with its size, and with ``checksums`` its CRC-32): a truncated shard or state file
 is found before a load fails on it, and a resume falls back to the newest intact checkpoint
 (:func:`newest_intact`).
+
+Differential checkpoints (``checkpoint.differential``, Check-N-Run): a checkpoint is a full
+*baseline* or a *delta* holding only the embedding rows modified since the checkpoint before it
+(:mod:`raydlrm.sharding.delta`; dense part, optimizer, RNG and position whole). A delta's
+``trainer_state.json`` names its chain (:class:`ChainLink`: the checkpoints before it, baseline
+first, its siblings in the run storage, and the baseline's id); :func:`verify_checkpoint`
+checks the chain with the checkpoint, so a delta whose chain is damaged, missing or foreign is
+damaged itself and a resume passes it over; :func:`load_training_state` and
+:func:`model_tensors` read the chain as one checkpoint; :func:`prune_checkpoints` keeps what
+the kept deltas need. ``checkpoint.embedding_precision`` saves fp32 tables at fp16 or int8
+(:func:`~raydlrm.sharding.state.checkpoint_precision`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,13 @@ merges the ranks' directories into one checkpoint, registered only once every ra
 stored. The final
 checkpoint also holds the model's config, plan and metrics (:mod:`raydlrm.trainers.model_dir`):
 its shards are the model's weights. It sees the training loop only through its state dict.
+
+With ``checkpoint.differential`` it also keeps the chain (:class:`~raydlrm.trainers.checkpoint.
+ChainLink`): a baseline first, then deltas of the rows modified since the last checkpoint, a
+baseline again after ``baseline_every`` checkpoints, when the chain's deltas would pass
+``baseline_fraction`` of a baseline's bytes, and for the final checkpoint; a resume with the
+same plan and precisions goes on with the chain it loaded. Rank 0 deletes what retention
+(``num_to_keep``) no longer needs.
 """
 
 from __future__ import annotations
