@@ -8,7 +8,8 @@ export directories in the temporary directory (so other work on the shared disk 
 count; Ray's own session files do not either); the figure is the peak, with the tables' own
 bytes for scale, and what the run left (checkpoints, MLflow artifacts).
 
-Variants (``--variants``): ``full`` (a full checkpoint every ``--every`` steps), ``differential``
+Checkpoints every ``--every`` steps, ``num_to_keep = --keep``. Variants (``--variants``):
+``full`` (a full checkpoint each time), ``differential``
 (``checkpoint.differential``, baselines every 10), ``differential-int8`` (and
 ``checkpoint.embedding_precision = "int8"``).
 
@@ -34,8 +35,10 @@ BATCH_SIZE = 512  # per worker
 DIM = 64
 
 
-def _config(root: Path, rows: int, steps: int, every: int, variant: str) -> dict[str, Any]:
-    checkpoint: dict[str, Any] = {"every_steps": every}
+def _config(
+    root: Path, rows: int, steps: int, every: int, variant: str, keep: int
+) -> dict[str, Any]:
+    checkpoint: dict[str, Any] = {"every_steps": every, "num_to_keep": keep}
     if variant.startswith("differential"):
         checkpoint.update(differential=True)
     if variant.endswith("int8"):
@@ -108,19 +111,19 @@ def _du(path: Path) -> int:
     return _allocated([path])
 
 
-def _run(out: Path, variant: str, rows: int, steps: int, every: int) -> dict[str, Any]:
+def _run(out: Path, variant: str, rows: int, steps: int, every: int, keep: int) -> dict[str, Any]:
     import raydlrm
 
     root = out / variant
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    config = _config(root, rows, steps, every, variant)
+    config = _config(root, rows, steps, every, variant, keep)
     peak = _DiskPeak(root)
     started = time.perf_counter()
     raydlrm.train(config)
     seconds = time.perf_counter() - started
     checkpoints = sorted((root / "runs" / variant).glob("checkpoint_*"))
-    return {
+    result = {
         "variant": variant,
         "seconds": round(seconds, 1),
         "tables_bytes": 26 * rows * DIM * 4,
@@ -129,6 +132,8 @@ def _run(out: Path, variant: str, rows: int, steps: int, every: int) -> dict[str
         "checkpoint_bytes": sum(_du(p) for p in checkpoints),
         "mlflow_bytes": _du(root / "mlruns"),
     }
+    shutil.rmtree(root)  # the next variant has the disk to itself
+    return result
 
 
 def main() -> None:
@@ -137,6 +142,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=300_000, help="rows of each of 26 tables")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
+    parser.add_argument("--keep", type=int, default=2, help="checkpoint.num_to_keep")
     parser.add_argument(
         "--variants", nargs="+", default=["full", "differential", "differential-int8"]
     )
@@ -144,7 +150,9 @@ def main() -> None:
     import ray
 
     ray.init(address="local", num_cpus=2, object_store_memory=1 << 30)
-    results = [_run(args.out, v, args.rows, args.steps, args.every) for v in args.variants]
+    results = [
+        _run(args.out, v, args.rows, args.steps, args.every, args.keep) for v in args.variants
+    ]
     ray.shutdown()
     gb = 1e9
     print(

@@ -277,24 +277,31 @@ def apply_delta(
     states = collection.optimizer_states() if optimizer != "sgd" else {}
     shards = collection.local_shards()
     saved_tables = {t.name: t for t in saved_plan.tables}
+    wanted = {  # table -> the saved pieces overlapping this rank's rectangle
+        name: [s for s in saved_pieces(saved_tables[name]) if _wanted(s, shard, metadata, name)]
+        for name, shard in shards.items()
+    }
+    # One read of every piece this rank needs (one pass over the delta's files).
+    keys = [
+        k
+        for name, pieces in wanted.items()
+        for s in pieces
+        for k in metadata
+        if k.startswith(delta_key(name, s.rank, ""))
+    ]
+    tensors = read(keys) if keys else {}
     for name, shard in shards.items():
-        pieces = []
-        for s in saved_pieces(saved_tables[name]):
-            if delta_key(name, s.rank, "rows") not in metadata:
-                continue
-            if not _overlap((s.row_start, s.row_end), (shard.row_start, shard.row_end)):
-                continue
-            if not _overlap((s.col_start, s.col_end), (shard.col_start, shard.col_end)):
-                continue
-            prefix = delta_key(name, s.rank, "")
-            keys = [k for k in metadata if k.startswith(prefix)]
-            pieces.append((s, {k[len(prefix) :]: v for k, v in read(keys).items()}))
-        if not pieces:
+        if not wanted[name]:
             continue
-        patch = _Patch(shard, pieces)
+        pieces = []
+        for s in wanted[name]:
+            prefix = delta_key(name, s.rank, "")
+            pieces.append(
+                (s, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+            )
         try:
             _write_patch(
-                patch,
+                _Patch(shard, pieces),
                 local[name],
                 states.get(name, [None])[0],
                 optimizer=optimizer,
@@ -302,6 +309,15 @@ def apply_delta(
             )
         except DeltaError as exc:
             raise DeltaError(f"table {name!r}: {exc}") from exc
+
+
+def _wanted(saved: Shard, shard: Shard, metadata: dict[str, Any], name: str) -> bool:
+    """Whether the delta holds a piece ``saved`` of table ``name`` overlapping ``shard``."""
+    return (
+        delta_key(name, saved.rank, "rows") in metadata
+        and _overlap((saved.row_start, saved.row_end), (shard.row_start, shard.row_end)) > 0
+        and _overlap((saved.col_start, saved.col_end), (shard.col_start, shard.col_end)) > 0
+    )
 
 
 def _write_patch(

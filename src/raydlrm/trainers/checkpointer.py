@@ -171,7 +171,8 @@ class Checkpointer:
     def _next_link(self, *, final: bool) -> ChainLink:
         """The next checkpoint's place in its chain (the same on every rank): a delta of the
         rows modified since the last checkpoint, or a baseline (none yet, the final
-        checkpoint, ``baseline_every`` reached, or the deltas past ``baseline_fraction``)."""
+        checkpoint, ``baseline_every`` reached, the deltas past ``baseline_fraction``, or a
+        delta as large as a baseline)."""
         rows = self.parts.collection.modified_rows()
         sizes = sum_over_ranks(_embedding_bytes(self.parts, rows), self.device)
         last, config = self._link, self.config
@@ -181,6 +182,7 @@ class Checkpointer:
             or final
             or len(self._names) >= config.baseline_every
             or last.delta_bytes + sizes["delta"] > config.baseline_fraction * last.baseline_bytes
+            or sizes["delta"] >= sizes["full"]  # nothing to save: most rows were modified
         ):
             chain_id = all_gather_object(uuid.uuid4().hex)[0]
             return ChainLink("baseline", chain_id=chain_id, baseline_bytes=sizes["full"])

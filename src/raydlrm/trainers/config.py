@@ -87,7 +87,9 @@ class CheckpointConfig:
     resume reads is at most this long)."""
     baseline_fraction: float = 0.5
     """With ``differential``: a baseline instead of a delta once the chain's deltas would
-    hold more than this fraction of a baseline's embedding bytes."""
+    hold more than this fraction of a baseline's embedding bytes (above 1: longer chains, fewer
+    bytes written, a slower resume). A delta that would be as large as a baseline is always
+    written as one."""
     embedding_precision: Literal["fp32", "fp16", "int8"] = "fp32"
     """The precision checkpoints hold fp32 tables in: ``fp32`` (as trained: an exact resume),
     ``fp16`` (half the bytes), ``int8`` (row-wise codes with an fp16 scale and bias: a
@@ -106,9 +108,9 @@ class CheckpointConfig:
             raise ValueError(
                 f"checkpoint.baseline_every must be at least 1, got {self.baseline_every}"
             )
-        if not 0 < self.baseline_fraction <= 1:
+        if not self.baseline_fraction > 0:
             raise ValueError(
-                f"checkpoint.baseline_fraction must be in (0, 1], got {self.baseline_fraction}"
+                f"checkpoint.baseline_fraction must be positive, got {self.baseline_fraction}"
             )
         if self.differential and self.score_metric is not None:
             raise ValueError(
