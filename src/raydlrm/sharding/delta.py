@@ -195,12 +195,9 @@ class _Patch:
 
     def __init__(self, shard: Shard, pieces: list[tuple[Shard, dict[str, torch.Tensor]]]):
         self.shard = shard
-        inside = []
-        for _s, piece in pieces:
-            rows = piece["rows"]
-            inside.append((rows >= shard.row_start) & (rows < shard.row_end))
+        inside = [(p["rows"] >= shard.row_start) & (p["rows"] < shard.row_end) for _, p in pieces]
         self.rows = torch.unique(
-            torch.cat([p["rows"][m] for (_, p), m in zip(pieces, inside, strict=False)])
+            torch.cat([p["rows"][m] for (_, p), m in zip(pieces, inside, strict=True)])
         )
         self.pieces = [
             (s, {k: v[m] for k, v in p.items()}, torch.searchsorted(self.rows, p["rows"][m]))
@@ -281,27 +278,10 @@ def apply_delta(
         name: [s for s in saved_pieces(saved_tables[name]) if _wanted(s, shard, metadata, name)]
         for name, shard in shards.items()
     }
-    # One read of every piece this rank needs (one pass over the delta's files).
-    keys = [
-        k
-        for name, pieces in wanted.items()
-        for s in pieces
-        for k in metadata
-        if k.startswith(delta_key(name, s.rank, ""))
-    ]
-    tensors = read(keys) if keys else {}
-    for name, shard in shards.items():
-        if not wanted[name]:
-            continue
-        pieces = []
-        for s in wanted[name]:
-            prefix = delta_key(name, s.rank, "")
-            pieces.append(
-                (s, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
-            )
+    for name, pieces in _read_pieces(wanted, metadata, read).items():
         try:
             _write_patch(
-                _Patch(shard, pieces),
+                _Patch(shards[name], pieces),
                 local[name],
                 states.get(name, [None])[0],
                 optimizer=optimizer,
@@ -309,6 +289,21 @@ def apply_delta(
             )
         except DeltaError as exc:
             raise DeltaError(f"table {name!r}: {exc}") from exc
+
+
+def _read_pieces(
+    wanted: dict[str, list[Shard]], metadata: dict[str, Any], read: ReadFn
+) -> dict[str, list[tuple[Shard, dict[str, torch.Tensor]]]]:
+    """Table -> its ``wanted`` pieces with their tensors by part, read in one pass over the
+    delta's files; tables with none are left out."""
+    prefixes = {(name, s): delta_key(name, s.rank, "") for name, ss in wanted.items() for s in ss}
+    keys = [k for p in prefixes.values() for k in metadata if k.startswith(p)]
+    tensors = read(keys) if keys else {}
+    out: dict[str, list[tuple[Shard, dict[str, torch.Tensor]]]] = {}
+    for (name, s), prefix in prefixes.items():
+        parts = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        out.setdefault(name, []).append((s, parts))
+    return out
 
 
 def _wanted(saved: Shard, shard: Shard, metadata: dict[str, Any], name: str) -> bool:
