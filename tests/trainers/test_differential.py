@@ -23,6 +23,7 @@ from raydlrm.trainers.checkpoint import (
     CheckpointDamagedError,
     load_training_state,
     newest_intact,
+    open_chain,
     read_state_file,
     verify_checkpoint,
 )
@@ -200,6 +201,10 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     assert "differential: delta 3 of the chain of baseline checkpoint_000" in shown.output
     verified = CliRunner().invoke(app, ["checkpoint", "verify", str(_ckpt(root, 3))])
     assert verified.exit_code == 0, verified.output
+    # A warm start (another run) from the delta takes the chain's tables.
+    warm = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=99)
+    warm.warm_start(str(_ckpt(root, 3)))
+    assert all(torch.equal(v, models[3][k]) for k, v in unsharded_state_dict(warm).items())
     save(final=True)  # the final checkpoint is a baseline
     assert read_state_file(_ckpt(root, 4))["differential"]["kind"] == "baseline"
     _steps(trainer, [batches[0]], 1)
@@ -232,6 +237,15 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     )
     shutil.copytree(_ckpt(root, 6), _ckpt(root, 4))
     assert any("belongs to another chain" in p for p in verify_checkpoint(_ckpt(root, 5)))
+    alone = tmp_path / "alone" / "checkpoint_005"
+    shutil.copytree(_ckpt(root, 5), alone)  # a delta copied without its chain
+    with pytest.raises(CheckpointDamagedError, match="the chain's checkpoint_004 is damaged or"):
+        ModelWeights(alone)
+    with (
+        pytest.raises(FileNotFoundError, match="checkpoint_004 of its chain is not beside it"),
+        open_chain(alone),
+    ):
+        pass
     fresh = _trainer(0, 1, str(data_dir), "row_wise", "rowwise_adagrad", seed=99)
     with pytest.raises(CheckpointDamagedError, match="belongs to another chain"):
         load_training_state(_ckpt(root, 5), parts=fresh.parts())

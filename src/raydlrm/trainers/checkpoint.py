@@ -485,7 +485,14 @@ def open_chain(directory: str | Path, stored: Any = None) -> Iterator[list[str]]
         members = []
         for name in names:
             if stored is None:
-                members.append(str(Path(directory).parent / name))
+                sibling = Path(directory).parent / name
+                if not sibling.is_dir():
+                    raise FileNotFoundError(
+                        f"checkpoint {directory} is a delta (differential checkpoints): the "
+                        f"{name} of its chain is not beside it; give it with its run directory, "
+                        "or the run's final checkpoint (a baseline)"
+                    )
+                members.append(str(sibling))
             else:
                 sibling = type(stored)(
                     path=_sibling(stored.path, name), filesystem=stored.filesystem
