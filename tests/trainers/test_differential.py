@@ -18,6 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from raydlrm.ingestion.reader import EpochProgress
+from raydlrm.models.quantized import dequantize_blocks
 from raydlrm.platform.cli import app
 from raydlrm.trainers.checkpoint import (
     CheckpointDamagedError,
@@ -260,7 +261,11 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
             "row_wise",
             "rowwise_adagrad",
             seed=7,
-            checkpoint={"embedding_precision": precision},
+            checkpoint={
+                "embedding_precision": precision,
+                "differential": True,
+                "baseline_fraction": 10.0,
+            },
             report=_storing_report(store, 0),
         )
         _steps(saving, batches[:2], 1)
@@ -278,3 +283,21 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
                 step = (value.amax(1) - value.amin(1)).unsqueeze(1) / 255
                 assert bool(((got[key] - value).abs() <= step * (1 + 2**-9) / 2 + 1e-6).all())
                 assert not torch.equal(got[key], value)
+    # An int8 chain unshards as the codes it loads (the delta's rows patched in).
+    _steps(saving, batches[2:3], 1)
+    saving.checkpointer.save({}, loop_state=saving.state_dict(), progress=EpochProgress(0))
+    assert read_state_file(_ckpt(store, 1))["differential"]["kind"] == "delta"
+    exported = dict(ModelWeights(_ckpt(store, 1)).items())
+    load_training_state(_ckpt(store, 1), parts=loading.parts())
+    got = unsharded_state_dict(loading)
+    for key, value in got.items():
+        if key.startswith("embedding_bags."):
+            prefix = key.replace(".weights.", ".quantized.") + "."
+            blocks = [tuple(b) for b in exported[prefix + "blocks"].tolist()]
+            rows = dequantize_blocks(
+                exported[prefix + "codes"],
+                exported[prefix + "qparams"],
+                blocks=blocks,
+                precision="int8",
+            )
+            assert torch.equal(rows, value), key

@@ -877,8 +877,11 @@ def _embedding_tensors(directory: str, *, deltas: list[str]) -> dict[str, tuple[
         for name, (key, meta) in keys.items():
             if isinstance(meta, _StateTensor):
                 continue
-            table = plan.table(name.split(".")[2])
-            part = name.rsplit(".", 1)[1] if ".quantized." in name else "weight"
+            if name.startswith("embedding_bags.quantized."):  # .<table>.codes / .qparams
+                table_name, part = name.removeprefix("embedding_bags.quantized.").rsplit(".", 1)
+            else:  # embedding_bags.weights.<table>
+                table_name, part = name.removeprefix("embedding_bags.weights."), "weight"
+            table = plan.table(table_name)
             keys[name] = (
                 key,
                 _ChainTensor(meta, directory, tuple(deltas), table, part, precisions[table.name]),
