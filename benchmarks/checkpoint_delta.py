@@ -75,7 +75,7 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.config import SyntheticConfig
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.ingestion.reader import EpochProgress
-from raydlrm.ingestion.synthetic import generate_synthetic
+from raydlrm.ingestion.synthetic import generate_synthetic, zipf_ranks
 from raydlrm.sharding import plan_sharding
 from raydlrm.trainers.checkpoint import read_state_file, save_training_state
 from raydlrm.trainers.checkpointer import Checkpointer
@@ -183,17 +183,6 @@ def _trainer(spec: WorkerSpec, rank: int, world: int, report: Any) -> Trainer:
     return Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"), report=report)
 
 
-def _zipf_ranks(rng: np.random.Generator, *, size: Any, cardinality: int, s: float) -> np.ndarray:
-    """Ranks in ``[0, cardinality)`` with P(rank) ~ (rank + 1) ** -s (inverse CDF, continuous;
-    as ``raydlrm.ingestion.synthetic``)."""
-    u = rng.random(size)
-    n = cardinality + 1.0
-    if abs(s - 1.0) < 1e-6:
-        return np.minimum((n**u).astype(np.int64) - 1, cardinality - 1)
-    x = ((n ** (1.0 - s) - 1.0) * u + 1.0) ** (1.0 / (1.0 - s))
-    return np.minimum(x.astype(np.int64) - 1, cardinality - 1)
-
-
 class _Batches:
     """This rank's share of the global batch of step ``s`` (the same on every rank)."""
 
@@ -209,7 +198,7 @@ class _Batches:
         if self.distribution == "uniform":
             ids = rng.integers(0, a.rows, size=(a.tables, b))
         else:
-            ranks = _zipf_ranks(rng, size=(a.tables, b), cardinality=a.rows, s=a.zipf)
+            ranks = zipf_ranks(rng, size=(a.tables, b), cardinality=a.rows, s=a.zipf)
             ids = np.take_along_axis(self.perms, ranks, axis=1)
         dense = np.log1p(rng.lognormal(1.0, 1.5, size=(b, NUM_DENSE))).astype(np.float32)
         labels = (rng.random(b) < 0.25).astype(np.float32)

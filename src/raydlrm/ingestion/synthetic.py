@@ -58,7 +58,7 @@ from raydlrm.ingestion.layout import ClusteredLayout, write_layout
 from raydlrm.ingestion.preprocess import mix64
 from raydlrm.storage import SAMPLES_DIR, SESSIONS_DIR
 
-__all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic"]
+__all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic", "zipf_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,9 @@ def _num_single(config: SyntheticConfig) -> int:
     return config.num_sparse - config.num_list_features
 
 
-def _zipf_ranks(rng: np.random.Generator, *, size: int, cardinality: int, s: float) -> np.ndarray:
+def zipf_ranks(
+    rng: np.random.Generator, *, size: int | tuple[int, ...], cardinality: int, s: float
+) -> np.ndarray:
     """Ranks in ``[0, cardinality)`` with P(rank) ~ (rank + 1) ** -s (inverse CDF, continuous)."""
     u = rng.random(size)
     n = cardinality + 1.0
@@ -182,7 +184,7 @@ def _user_histories(
     of the session's samples (``session``: each row's session)."""
     lengths = 1 + rng.poisson(config.user_history_length - 1, size=num_sessions)
     starts = np.concatenate([[0], np.cumsum(lengths)])
-    ranks = _zipf_ranks(rng, size=int(starts[-1]), cardinality=cardinality, s=config.zipf_exponent)
+    ranks = zipf_ranks(rng, size=int(starts[-1]), cardinality=cardinality, s=config.zipf_exponent)
     row_lengths = lengths[session]
     offsets = np.zeros(session.size + 1, dtype=np.int32)
     np.cumsum(row_lengths, out=offsets[1:])
@@ -217,17 +219,17 @@ def _sample_rows(
                 config, rng, session=session, num_sessions=num_sessions, cardinality=card
             )
         elif f < config.num_user_features:
-            ranks = _zipf_ranks(rng, size=num_sessions, cardinality=card, s=config.zipf_exponent)
+            ranks = zipf_ranks(rng, size=num_sessions, cardinality=card, s=config.zipf_exponent)
             ranks = ranks[session]
             offs = None
         elif f < _num_single(config):
-            ranks = _zipf_ranks(rng, size=num_rows, cardinality=card, s=config.zipf_exponent)
+            ranks = zipf_ranks(rng, size=num_rows, cardinality=card, s=config.zipf_exponent)
             offs = None
         else:
             list_lengths = rng.integers(1, config.max_list_length + 1, size=num_rows)
             offs = np.zeros(num_rows + 1, dtype=np.int32)
             np.cumsum(list_lengths, out=offs[1:])
-            ranks = _zipf_ranks(rng, size=int(offs[-1]), cardinality=card, s=config.zipf_exponent)
+            ranks = zipf_ranks(rng, size=int(offs[-1]), cardinality=card, s=config.zipf_exponent)
         raw = mix64(ranks.astype(np.uint64) + model.id_salts[f]) >> np.uint64(1)
         ids.append(raw.view(np.int64))
         offsets.append(offs)

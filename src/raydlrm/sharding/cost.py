@@ -168,6 +168,15 @@ def quantized_row_bytes(dim: int, precision: str) -> int:
     return code_bytes_per_row(dim, precision) + _QUANTIZED_PARAM_BYTES
 
 
+def stored_row_bytes(dim: int, *, precision: str, optimizer: str) -> int:
+    """Bytes of one row's weights at ``precision`` (a quantized row: its codes, scale and
+    bias) plus its fused optimizer state (always fp32)."""
+    state = {"rowwise_adagrad": _FP32_BYTES, "adagrad": dim * _FP32_BYTES, "sgd": 0}[optimizer]
+    if precision in QUANTIZED_BITS:
+        return quantized_row_bytes(dim, precision) + state
+    return dim * _WEIGHT_BYTES[precision] + state
+
+
 def table_memory_bytes(
     table: EmbeddingBagConfig,
     *,
@@ -201,8 +210,10 @@ def table_memory_bytes(
         cache = cache_rows * (dim * _FP32_BYTES + state + CACHE_SLOT_BYTES)
         if placement == "ssd":
             return row_state_in_memory + cache
-        return rows * (quantized_row_bytes(dim, weights_precision) + state) + cache
-    row_bytes = dim * _WEIGHT_BYTES[weights_precision] + state
+        return (
+            rows * stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer) + cache
+        )
+    row_bytes = stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer)
     if placement != "ssd":
         return rows * row_bytes
     in_memory = row_state_in_memory

@@ -36,6 +36,7 @@ from raydlrm.sharding._layout import TbeGroup
 from raydlrm.sharding.config import QUANTIZED
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.quantized import QuantizedRows
+from raydlrm.sharding.state import column_blocks
 from raydlrm.sharding.types import ShardedTables
 
 __all__ = [
@@ -370,7 +371,7 @@ def patch_model_tensor(
     same plan holds it (unsharding a chain in one process): ``part`` ``weight`` ``(N, D)``,
     ``codes`` ``(N, code bytes)`` or ``qparams`` ``(N, 2 K)`` (column block ``k`` at ``2k``),
     the delta holding the table at ``precision``."""
-    blocks = sorted({(s.col_start, s.col_end) for s in table.shards})
+    blocks = column_blocks(table)
     for s in saved_pieces(table):
         keys = [delta_key(table.name, s.rank, "rows"), delta_key(table.name, s.rank, part)]
         if keys[0] not in metadata:
@@ -383,5 +384,5 @@ def patch_model_tensor(
             lo, hi = block_code_columns(s.col_start, s.col_end, precision)
             tensor[rows, lo:hi] = values
         else:
-            k = blocks.index((s.col_start, s.col_end)) if len(blocks) > 1 else 0
+            k = blocks.index((s.col_start, s.col_end))
             tensor[rows, 2 * k : 2 * k + 2] = values

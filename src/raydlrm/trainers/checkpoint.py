@@ -508,11 +508,7 @@ def prune_checkpoints(latest: Any, *, keep: int) -> list[str]:
     newest, and needs nothing."""
     filesystem = latest.filesystem
     parent = latest.path.rstrip("/").rsplit("/", 1)[0]
-    names = sorted(
-        i.base_name
-        for i in filesystem.get_file_info(pafs.FileSelector(parent))
-        if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
-    )
+    names = _checkpoint_names(filesystem, parent)
     kept = set(names[-keep:])
     for name in names[-keep:]:
         try:
@@ -599,18 +595,20 @@ def _newest_first(latest: Any) -> list[Any]:
     names), as checkpoints of ``latest``'s type."""
     filesystem = latest.filesystem
     parent = latest.path.rstrip("/").rsplit("/", 1)[0]
-    infos = filesystem.get_file_info(pafs.FileSelector(parent))
-    paths = sorted(
-        (
-            i.path
-            for i in infos
-            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
-        ),
-        reverse=True,
-    )
+    paths = [f"{parent}/{n}" for n in reversed(_checkpoint_names(filesystem, parent))]
     if latest.path.rstrip("/") not in paths:
         paths.insert(0, latest.path)
     return [type(latest)(path=p, filesystem=filesystem) for p in paths]
+
+
+def _checkpoint_names(filesystem: pafs.FileSystem, parent: str) -> list[str]:
+    """The ``checkpoint_*`` directories of a run directory, oldest first (by Ray's
+    time-stamped names)."""
+    return sorted(
+        i.base_name
+        for i in filesystem.get_file_info(pafs.FileSelector(parent))
+        if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+    )
 
 
 def check_state_matches(
@@ -833,9 +831,10 @@ def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
 
     A delta's tables are its chain's (its siblings): the baseline's, patched by the deltas
     when read."""
-    with open_chain(directory) as chain:
-        keys = _embedding_tensors(chain[0], deltas=chain[1:])
     metadata = _metadata(directory)
+    with open_chain(directory) as chain:
+        base = metadata if len(chain) == 1 else _metadata(chain[0])
+        keys = _embedding_tensors(chain[0], base, deltas=chain[1:])
     dense_prefix = "rank0." + _DENSE
     for key, meta in metadata.items():
         if key.startswith(dense_prefix):
@@ -843,11 +842,12 @@ def model_tensors(directory: str | Path) -> dict[str, tuple[str, Any]]:
     return keys
 
 
-def _embedding_tensors(directory: str, *, deltas: list[str]) -> dict[str, tuple[str, Any]]:
-    """The tables of :func:`model_tensors`, from the baseline ``directory`` (patched by
-    ``deltas`` when read)."""
+def _embedding_tensors(
+    directory: str, metadata: dict[str, Any], *, deltas: list[str]
+) -> dict[str, tuple[str, Any]]:
+    """The tables of :func:`model_tensors`, from the baseline ``directory`` and its DCP
+    ``metadata`` (patched by ``deltas`` when read)."""
     state = read_state_file(directory)
-    metadata = _metadata(directory)
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
     keys: dict[str, tuple[str, Any]] = {}
     for table in plan.tables:

@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from raydlrm.ingestion.reader import EpochProgress
-from raydlrm.models.quantized import code_bytes_per_row
-from raydlrm.sharding.config import QUANTIZED
+from raydlrm.sharding.cost import stored_row_bytes
 from raydlrm.trainers._dist import all_gather_object, all_reduce_scalar, sum_over_ranks
 from raydlrm.trainers.checkpoint import (
     ChainLink,
@@ -300,11 +299,9 @@ def _embedding_bytes(parts: TrainingParts, rows: dict[str, torch.Tensor]) -> dic
         s = shards.get(table.name)
         if s is None or (table.sharding_type == "data_parallel" and parts.rank != 0):
             continue
-        cols, precision = s.col_end - s.col_start, precisions[table.name]
-        row = {"fp32": 4 * cols, "fp16": 2 * cols}.get(precision)
-        if precision in QUANTIZED:
-            row = code_bytes_per_row(cols, precision) + 4
-        row += {"rowwise_adagrad": 4, "adagrad": 4 * cols}.get(optimizer, 0)
+        row = stored_row_bytes(
+            s.col_end - s.col_start, precision=precisions[table.name], optimizer=optimizer
+        )
         full += row * (s.row_end - s.row_start)
         delta += (row + 8) * rows[table.name].numel()
     return {"full": full, "delta": delta}
