@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import mlflow
 import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
@@ -72,6 +73,9 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
         "ssd_cache_load_factor": 0.5,
         "ssd_cache_min_rows": 200,
     }
+    # The logged model holds its own copy of the weights (the default here would reference
+    # the checkpoint).
+    config["tracking"]["model_weights"] = "copy"
     result = raydlrm.train(config)
     assert [t.name for t in result.plan.tables if t.placement == "ssd"] == ["t_C1", "t_C20"]
     for name in ("t_C1", "t_C20"):  # the page cache holds the tables (small, just trained)
@@ -121,6 +125,15 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     ours, theirs = (pq.read_table(tmp_path / p).sort_by("sample_id") for p in ("p-c", "p-f"))
     assert ours.column("sample_id").to_pylist() == list(range(2048))
     assert ours.column("prediction").equals(theirs.column("prediction"))
+    # The logged model, with its copy of the weights, scores alike.
+    assert run.data.tags["raydlrm.model_weights"] == "copy"
+    mlflow.set_tracking_uri(result.tracking_uri)
+    stored = Path(mlflow.artifacts.download_artifacts(result.model_uri))
+    assert len(list(stored.rglob("model.safetensors"))) == 1
+    assert not list(stored.rglob("weights_ref.json"))
+    raydlrm.score(result.model_uri, str(flat), str(tmp_path / "p-m"))
+    logged = pq.read_table(tmp_path / "p-m").sort_by("sample_id")
+    assert logged.column("prediction").equals(theirs.column("prediction"))
 
 
 def test_bad_config_raises_before_running(tmp_path: Path) -> None:

@@ -184,8 +184,21 @@ def test_one_mlflow_run_with_params_metrics_and_model(finished_run) -> None:
 
 
 def test_registered_model_scores_raw_rows(finished_run) -> None:
+    """The run's model is registered by reference (a local run storage, a local tracking
+    store): MLflow's artifact store holds its config and the checkpoint's URI, no weights; it
+    loads them from the final checkpoint and scores raw rows."""
     workdir, _ = finished_run
     mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+    client = MlflowClient()
+    (version,) = client.search_model_versions("name='e2e-model'")
+    run = client.get_run(version.run_id)
+    assert run.data.tags["raydlrm.model_weights"] == "reference"
+    stored = Path(mlflow.artifacts.download_artifacts("models:/e2e-model/1"))
+    files = {p.name for p in stored.rglob("*") if p.is_file()}
+    assert "weights_ref.json" in files and "model.safetensors" not in files
+    assert not any(n.endswith(".distcp") for n in files)
+    (ref,) = stored.rglob("weights_ref.json")
+    assert json.loads(ref.read_text()) == {"checkpoint": run.data.tags["raydlrm.checkpoint"]}
     model = mlflow.pyfunc.load_model("models:/e2e-model/1")
     rows = pd.read_parquet(workdir / "data" / "eval").head(2000)
     probs = np.asarray(model.predict(rows.drop(columns=["label", "sample_id", "session_id"])))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -21,7 +22,7 @@ from typer.testing import CliRunner
 
 import raydlrm
 from raydlrm.platform.cli import app
-from raydlrm.trainers.checkpoint import read_state_file
+from raydlrm.trainers.checkpoint import local_checkpoint, read_state_file
 from raydlrm.trainers.model_dir import ModelWeights
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -163,17 +164,22 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     assert max(steps) == clean.metrics["step"]  # the metric steps went on
 
 
-def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch) -> None:
+def test_checkpoints_on_s3_resume_exactly(
+    uninterrupted, s3_server, mlflow_server, monkeypatch
+) -> None:
     """Run storage on the loopback S3 server: differential checkpoints written there (a
     baseline, then deltas), a killed worker restarted from the latest delta and its chain (the
     same bits as the uninterrupted run), the fault marker kept there, retention applied there
-    (the newest two and the checkpoints their chains need)."""
+    (the newest two and the checkpoints their chains need). The model is registered on the
+    tracking server by reference: its weights are the final checkpoint's chain on S3, never
+    copied into MLflow's artifact store, and it loads and scores from there."""
     import s3fs
 
     root, clean = uninterrupted
     storage = s3_server("ckpt")
     config = _config(root, "on-s3", max_failures=1)
     config["run"].update(storage_path="s3://ckpt/runs", storage=asdict(storage))
+    config["tracking"].update(tracking_uri=mlflow_server, registered_model_name="on-s3-model")
     # Deltas up to a whole baseline's bytes: these tables are small, batches touch most rows.
     config["checkpoint"].update(num_to_keep=2, differential=True, baseline_fraction=1.0)
     monkeypatch.setenv("RAYDLRM_FAULT", "rank=1,step=11")
@@ -181,10 +187,6 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
     assert result.checkpoint_path.startswith("s3://ckpt/runs/on-s3/checkpoint_")
     fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
     assert fs.exists("ckpt/runs/on-s3/fault-injected.rank1.step11.step")
-    final = root / "on-s3-final"
-    fs.get(result.checkpoint_path.removeprefix("s3://"), str(final), recursive=True)
-    _assert_same_run(root, clean, result, "on-s3", checkpoint=final)
-    _assert_restored_from(result, 9)
     kept = [
         e["name"]
         for e in fs.ls("ckpt/runs/on-s3", detail=True)
@@ -195,13 +197,25 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
         for p in kept
     }
     newest = sorted(links)[-2:]
-    assert links[newest[-1]]["kind"] == "baseline"  # the final checkpoint: the model
     # The chain went on across the restart (from step 9's delta).
     assert links[newest[0]]["kind"] == "delta" and len(links[newest[0]]["chain"]) > 3
-    assert set(links) == {*newest, *links[newest[0]]["chain"]}  # num_to_keep, on S3
-    run = MlflowClient(result.tracking_uri).get_run(result.run_id)
+    needed = {name for n in newest for name in links[n].get("chain", [])}
+    assert set(links) == {*newest, *needed}  # num_to_keep, on S3
+    with local_checkpoint(result.checkpoint_path, storage) as final:  # with its chain
+        _assert_same_run(root, clean, result, "on-s3", checkpoint=final)
+        trained = _weights(final)
+    _assert_restored_from(result, 9)
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
     assert run.data.tags["raydlrm.checkpoint"] == result.checkpoint_path
-    # The CLI reads a checkpoint on S3 (the store from the standard AWS variables).
+    assert run.data.tags["raydlrm.model_weights"] == "reference"
+    stored = mlflow.artifacts.download_artifacts(
+        "models:/on-s3-model/1", tracking_uri=mlflow_server
+    )
+    files = {p.name for p in Path(stored).rglob("*") if p.is_file()}
+    assert "weights_ref.json" in files and "model.safetensors" not in files
+    # The CLI and the model read the checkpoint on S3 (the store from the standard AWS
+    # variables).
     for name, value in {
         "AWS_ENDPOINT_URL": storage.endpoint_url,
         "AWS_REGION": storage.region,
@@ -214,14 +228,24 @@ def test_checkpoints_on_s3_resume_exactly(uninterrupted, s3_server, monkeypatch)
     assert f"step {clean.metrics['step']}, epoch {EPOCHS - 1}" in shown.output
     missing = CliRunner().invoke(app, ["checkpoint", "show", "s3://ckpt/runs/nothing"])
     assert missing.exit_code == 2 and "s3://ckpt/runs/nothing does not exist" in missing.output
-    # Scoring takes the checkpoint on S3 too (downloaded, then its tables written out).
+    # Scoring takes the registered model (its chain downloaded, its tables written out) and
+    # the checkpoint on S3 alike.
     from raydlrm.platform.scoring import model_files
 
-    with model_files(result.checkpoint_path) as files:
-        copy = files.directory
-        assert (copy / "model.safetensors").is_file()
-        assert files.spec["model"] == read_state_file(final)["spec"]["model"]
-    assert not copy.exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    for model in ("models:/on-s3-model/1", result.checkpoint_path):
+        with model_files(model) as files:
+            copy = files.directory
+            scored = _weights(copy)
+            assert scored.keys() == trained.keys()
+            assert all(torch.equal(scored[k], v) for k, v in trained.items())
+            assert files.spec["model"]["arch"] == "dhen"
+        assert not copy.exists()
+    rows = pd.read_parquet(root / "data" / "train").head(64)
+    pyfunc = mlflow.pyfunc.load_model("models:/on-s3-model/1")
+    features = rows.drop(columns=[c for c in ("label", "sample_id", "session_id") if c in rows])
+    probabilities = np.asarray(pyfunc.predict(features))
+    assert probabilities.shape == (64,) and np.all((probabilities > 0) & (probabilities < 1))
 
 
 def test_worker_killed_in_the_final_evaluation_keeps_the_final_checkpoint(

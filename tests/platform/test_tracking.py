@@ -3,6 +3,7 @@ catches up (or counts what it lost) when it answers again."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,23 @@ def test_new_experiments_keep_artifacts_beside_the_sqlite_store(tmp_path: Path, 
     from raydlrm.platform.export import _local_artifact_root
 
     assert _local_artifact_root("http://mlflow:5000") is None
+
+
+def test_model_weights_by_reference_where_the_registry_can_read_them(caplog) -> None:
+    """``tracking.model_weights = "auto"`` references a checkpoint in an object store, and one
+    on this machine for a tracking store here (SQLite, a file store, a server on loopback);
+    for a tracking server elsewhere it copies, saying why in one line (no credentials)."""
+    from raydlrm.platform.export import weights_by_reference
+
+    local, remote = "/data/runs/r/checkpoint_1", "s3://bucket/runs/r/checkpoint_1"
+    here = ("sqlite:////data/mlflow.db", "file:///data/mlruns", "http://127.0.0.1:5000")
+    with caplog.at_level(logging.INFO, logger="raydlrm.platform.export"):
+        assert all(weights_by_reference("auto", local, uri) for uri in here)
+        assert weights_by_reference("auto", remote, "https://mlflow.example.com")
+        assert not caplog.records
+        assert not weights_by_reference("auto", local, "https://user:pw@mlflow.example.com")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"logged by copy: the checkpoint {local} is on this machine's disk" in line
+    assert "https://mlflow.example.com" in line and "pw" not in line
+    assert not weights_by_reference("copy", remote, "http://127.0.0.1:5000")
+    assert weights_by_reference("reference", local, "https://mlflow.example.com")

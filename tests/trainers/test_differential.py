@@ -179,7 +179,7 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     int8 checkpoints hold tables within their rounding."""
     root = tmp_path / "run"
     trainer = _differential_trainer(
-        0, 1, str(data_dir), "row_wise", "rowwise_adagrad", 7, root, num_to_keep=2
+        0, 1, str(data_dir), "row_wise", "rowwise_adagrad", 7, root, num_to_keep=2, baseline_every=4
     )
     batches = _global_batches(data_dir, trainer.spec)
 
@@ -206,50 +206,58 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     warm = _trainer(0, 1, str(data_dir), "table_wise", "rowwise_adagrad", seed=99)
     warm.warm_start(str(_ckpt(root, 3)))
     assert all(torch.equal(v, models[3][k]) for k, v in unsharded_state_dict(warm).items())
-    save(final=True)  # the final checkpoint is a baseline
+    save(final=True)  # a baseline: baseline_every reached (being final does not decide)
     assert read_state_file(_ckpt(root, 4))["differential"]["kind"] == "baseline"
+    foreign = tmp_path / "foreign"  # a baseline of another chain, for later
+    shutil.copytree(_ckpt(root, 4), foreign)
     _steps(trainer, [batches[0]], 1)
     save()  # a delta of 4: 0-3 are needed no more
     assert sorted(p.name for p in root.iterdir()) == [_ckpt(root, 4).name, _ckpt(root, 5).name]
 
-    # Another chain of 3 (baseline 6, deltas 7, 8); damage delta 7.
-    for i in range(3):
-        _steps(trainer, [batches[i]], 1)
+    # Deltas 6, 7 of 4; another chain of 3 (baseline 8: baseline_every; deltas 9, 10); damage
+    # delta 9.
+    for i in range(5):
+        _steps(trainer, [batches[i % len(batches)]], 1)
         save()
-    shard = next(p for p in _ckpt(root, 7).iterdir() if p.name.startswith("__"))
+    kinds = {p.name: read_state_file(p)["differential"]["kind"] for p in sorted(root.iterdir())}
+    assert kinds == {
+        _ckpt(root, 8).name: "baseline",
+        **{_ckpt(root, i).name: "delta" for i in (9, 10)},
+    }
+    shard = next(p for p in _ckpt(root, 9).iterdir() if p.name.startswith("__"))
     shard.write_bytes(shard.read_bytes()[:-3])
-    problems = verify_checkpoint(_ckpt(root, 8), checksums=False)
-    assert any("the chain's checkpoint_007 is damaged" in p for p in problems), problems
-    verified = CliRunner().invoke(app, ["checkpoint", "verify", str(_ckpt(root, 8))])
-    assert verified.exit_code == 1 and "checkpoint_007 is damaged" in verified.output
+    problems = verify_checkpoint(_ckpt(root, 10), checksums=False)
+    assert any("the chain's checkpoint_009 is damaged" in p for p in problems), problems
+    verified = CliRunner().invoke(app, ["checkpoint", "verify", str(_ckpt(root, 10))])
+    assert verified.exit_code == 1 and "checkpoint_009 is damaged" in verified.output
     with (
         caplog.at_level(logging.WARNING),
-        newest_intact(_Stored(str(_ckpt(root, 8)))) as (
+        newest_intact(_Stored(str(_ckpt(root, 10)))) as (
             directory,
             _,
         ),
     ):
-        assert Path(directory).name == "checkpoint_006"
-    assert "checkpoint_008 is damaged, passed over" in caplog.text
+        assert Path(directory).name == "checkpoint_008"
+    assert "checkpoint_010 is damaged, passed over" in caplog.text
     # A delta whose baseline is gone, or of another chain.
-    shutil.rmtree(_ckpt(root, 4))
+    shutil.rmtree(_ckpt(root, 8))
     assert any(
-        "checkpoint_004 is damaged or missing" in p for p in verify_checkpoint(_ckpt(root, 5))
+        "checkpoint_008 is damaged or missing" in p for p in verify_checkpoint(_ckpt(root, 10))
     )
-    shutil.copytree(_ckpt(root, 6), _ckpt(root, 4))
-    assert any("belongs to another chain" in p for p in verify_checkpoint(_ckpt(root, 5)))
-    alone = tmp_path / "alone" / "checkpoint_005"
-    shutil.copytree(_ckpt(root, 5), alone)  # a delta copied without its chain
-    with pytest.raises(CheckpointDamagedError, match="the chain's checkpoint_004 is damaged or"):
+    shutil.copytree(foreign, _ckpt(root, 8))
+    assert any("belongs to another chain" in p for p in verify_checkpoint(_ckpt(root, 10)))
+    alone = tmp_path / "alone" / "checkpoint_010"
+    shutil.copytree(_ckpt(root, 10), alone)  # a delta copied without its chain
+    with pytest.raises(CheckpointDamagedError, match="the chain's checkpoint_008 is damaged or"):
         ModelWeights(alone)
     with (
-        pytest.raises(FileNotFoundError, match="checkpoint_004 of its chain is not beside it"),
+        pytest.raises(FileNotFoundError, match="checkpoint_008 of its chain is not beside it"),
         open_chain(alone),
     ):
         pass
     fresh = _trainer(0, 1, str(data_dir), "row_wise", "rowwise_adagrad", seed=99)
     with pytest.raises(CheckpointDamagedError, match="belongs to another chain"):
-        load_training_state(_ckpt(root, 5), parts=fresh.parts())
+        load_training_state(_ckpt(root, 10), parts=fresh.parts())
 
     # Lower precision checkpoints: fp16 rounds to nearest, int8 within half a step a row.
     for precision in ("fp16", "int8"):

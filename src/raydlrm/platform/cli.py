@@ -515,13 +515,13 @@ def _checkpoint_dir(checkpoint: str, *, model_dir_ok: bool = False) -> Iterator[
     local run directory (``runs/<run>``), its newest intact checkpoint, said on stderr. Stops
     with one line when there is none, or ``checkpoint`` is not a checkpoint directory (an
     exported model directory also passes with ``model_dir_ok``)."""
-    from raydlrm.storage import StorageConfig, StorageError, local_directory
-    from raydlrm.trainers.checkpoint import STATE_FILE
+    from raydlrm.storage import StorageConfig, StorageError
+    from raydlrm.trainers.checkpoint import STATE_FILE, local_checkpoint
     from raydlrm.trainers.model_dir import SPEC_FILE
 
     with contextlib.ExitStack() as stack:
         try:
-            directory = stack.enter_context(local_directory(checkpoint, StorageConfig()))
+            directory = stack.enter_context(local_checkpoint(checkpoint, StorageConfig()))
         except (StorageError, FileNotFoundError) as e:
             _fail(f"checkpoint {e}")
         if (directory / STATE_FILE).is_file() or (

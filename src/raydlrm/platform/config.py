@@ -80,9 +80,11 @@ class RunSpec:
     (``ray job submit``, schedulers, pipes)."""
     warm_start: str | None = None
     """A training-state checkpoint (``runs/<run>/checkpoint_...`` or ``s3://...``, read with
-    ``[run.storage]``) to start from: its embedding tables, dense weights and optimizer states,
-    resharded to this job's plan; step, epoch and data position start at zero. A run that has
-    checkpoints of its own resumes from them instead."""
+    ``[run.storage]``), or a registered model (``models:/<name>@<alias>``,
+    ``models:/<name>/<version>``: its run's final checkpoint), to start from: its embedding
+    tables, dense weights and optimizer states, resharded to this job's plan; step, epoch and
+    data position start at zero. A run that has checkpoints of its own resumes from them
+    instead."""
 
     def storage_or(self, data: StorageConfig) -> StorageConfig:
         """The object-store access of the run storage."""
@@ -104,6 +106,12 @@ class TrackingConfig:
     """MLflow experiment of the run."""
     registered_model_name: str | None = "raydlrm-model"
     """Name under which the final model is registered; None logs it without registering."""
+    model_weights: Literal["auto", "reference", "copy"] = "auto"
+    """How the logged model holds its weights: ``reference`` leaves them in the run's final
+    checkpoint (no copy; the model reads them there, so the checkpoint must stay), ``copy``
+    stores ``model.safetensors`` with the model in MLflow's artifact store. ``auto``
+    references a checkpoint in an object store, or on this machine when the tracking store is
+    here too, and copies otherwise (said in one line)."""
 
 
 @config_dataclass

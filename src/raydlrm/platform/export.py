@@ -1,12 +1,26 @@
-"""The trained model as a self-contained MLflow model that scores raw feature rows.
+"""The trained model as an MLflow model that scores raw feature rows.
 
-The logged model is an MLflow ``pyfunc``: its artifacts are a model directory (the unsharded
-weights in ``model.safetensors``, written from the checkpoint's shards one table at a time and
-memory-mapped when loaded, plus the config and plan; see ``raydlrm.trainers.model_dir``) and
-its ``predict`` takes a pandas DataFrame of raw rows, shaped like the training Parquet (dense
-and sparse columns; the label is not needed), applies the same preprocessing as training (the
-same stable id hashing and dense transform) and returns click probabilities. It needs neither
+The logged model is an MLflow ``pyfunc``: its artifacts are a model directory (the config,
+plan and metrics, and the weights; see ``raydlrm.trainers.model_dir``) and its ``predict``
+takes a pandas DataFrame of raw rows, shaped like the training Parquet (dense and sparse
+columns; the label is not needed), applies the same preprocessing as training (the same stable
+id hashing and dense transform) and returns click probabilities. It needs neither
 Ray nor a process group.
+
+A run's final model holds its weights in one of two ways (``tracking.model_weights``):
+
+* **by reference** (``reference``; ``auto`` where the registry can reach the run storage): the
+  model directory holds ``weights_ref.json``, the URI of the run's final checkpoint, whose
+  shards are the weights (no copy is written: the run's tables stay the only copy). Loading
+  reads them from there (downloaded first when remote). The checkpoint must stay where the run
+  stored it; ``raydlrm export`` makes a standalone copy.
+* **by copy** (``copy``; ``auto`` otherwise, said in one line): ``model.safetensors`` written
+  from the checkpoint's shards one table at a time, memory-mapped when loaded, and stored with
+  the model in MLflow's artifact store.
+
+``auto`` references a checkpoint in an object store (``s3://``) always, and one on this
+machine's disk when the tracking store is on this machine too (a SQLite or file store, or a
+server on loopback); it copies a local checkpoint for a tracking server elsewhere.
 """
 
 from __future__ import annotations
@@ -19,12 +33,14 @@ import tempfile
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlparse
 
 import mlflow
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.fs as pafs
 import torch
 
 from raydlrm._logs import quiet_libraries
@@ -32,9 +48,17 @@ from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.schema import check_id_kinds
+from raydlrm.storage import is_remote
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
-from raydlrm.trainers.checkpoint import STATE_FILE, check_intact
-from raydlrm.trainers.model_dir import SPEC_FILE, write_model_dir
+from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, local_checkpoint
+from raydlrm.trainers.model_dir import (
+    FINAL_METRICS_FILE,
+    METRICS_FILE,
+    PLAN_FILE,
+    REFERENCE_FILE,
+    SPEC_FILE,
+    write_model_dir,
+)
 
 __all__ = [
     "RecModelPythonModel",
@@ -42,15 +66,18 @@ __all__ = [
     "export_model",
     "log_model",
     "register_version",
+    "run_model_dir",
     "save_model",
     "score_table",
     "set_experiment",
+    "weights_by_reference",
 ]
 
 logger = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "model"
 _EXAMPLE_ROWS = 5
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
 _REQUIREMENTS = ("numpy", "pandas", "pyarrow", "pydantic", "scikit-learn", "mlflow", "ray")
 
 
@@ -202,29 +229,81 @@ def _save(model_dir: Path, path: str | Path, example: pd.DataFrame) -> Path:
     return Path(path)
 
 
+def weights_by_reference(
+    mode: Literal["auto", "reference", "copy"], checkpoint_uri: str, tracking_uri: str
+) -> bool:
+    """Whether a run's model is logged with its weights referenced at its final checkpoint
+    ``checkpoint_uri`` rather than copied (``tracking.model_weights``; see the module
+    docstring). ``auto`` says in one line why it copies."""
+    if mode != "auto":
+        return mode == "reference"
+    reason = _cannot_reference(checkpoint_uri, tracking_uri)
+    if reason:
+        logger.info("the model's weights are logged by copy: %s", reason)
+    return reason is None
+
+
+def _cannot_reference(checkpoint_uri: str, tracking_uri: str) -> str | None:
+    """Why the registry at ``tracking_uri`` could not load weights left at ``checkpoint_uri``,
+    or None when it can."""
+    if is_remote(checkpoint_uri):
+        return None
+    tracking = urlparse(tracking_uri)
+    if tracking.scheme in ("", "file", "sqlite") or tracking.hostname in _LOOPBACK:
+        return None
+    return (
+        f"the checkpoint {checkpoint_uri} is on this machine's disk, the tracking server "
+        f"({tracking.scheme}://{tracking.hostname}) is not (set run.storage_path to an object "
+        "store to register by reference)"
+    )
+
+
+@contextlib.contextmanager
+def run_model_dir(checkpoint: Any, uri: str, *, by_reference: bool) -> Iterator[Path]:
+    """The model directory to log for a run's final checkpoint (a Ray Train ``Checkpoint``:
+    ``path``, ``filesystem``; ``uri``: its URI), for the duration of the block: a reference to
+    it (its config, plan and metrics copied, nothing downloaded), or its weights assembled
+    from its shards (and its chain's)."""
+    filesystem = checkpoint.filesystem or pafs.LocalFileSystem()
+    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
+        target = Path(tmp, "checkpoint")
+        if not by_reference:
+            with local_checkpoint(checkpoint.path, filesystem=filesystem) as directory:
+                yield write_model_dir(directory, target)
+            return
+        target.mkdir()
+        metrics: dict[str, Any] = {}
+        for name in (SPEC_FILE, PLAN_FILE, METRICS_FILE, FINAL_METRICS_FILE):
+            path = f"{checkpoint.path.rstrip('/')}/{name}"
+            if filesystem.get_file_info(path).type != pafs.FileType.File:
+                continue  # the metrics files are optional (spec and plan: loading names them)
+            with filesystem.open_input_stream(path) as f:
+                content = f.read()
+            if name in (SPEC_FILE, PLAN_FILE):
+                Path(target, name).write_bytes(content)
+            else:
+                metrics.update(json.loads(content))
+        Path(target, METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        Path(target, REFERENCE_FILE).write_text(json.dumps({"checkpoint": uri}))
+        yield target
+
+
 def log_model(
     *,
     run_id: str,
-    checkpoint_dir: str | Path,
+    model_dir: Path,
     example: pd.DataFrame,
     registered_model_name: str | None,
 ) -> mlflow.models.model.ModelInfo:
-    """Logs the checkpoint's model as a pyfunc model on run ``run_id`` and registers it if a
-    name is given. Only the model travels (weights, config, plan), not the training state.
+    """Logs a model directory (:func:`run_model_dir`) as a pyfunc model on run ``run_id`` and
+    registers it if a name is given.
 
     Args:
         run_id: the job's MLflow run.
-        checkpoint_dir: a model checkpoint directory (``raydlrm.trainers.model_dir``).
+        model_dir: a model directory (``raydlrm.trainers.model_dir``).
         example: a few raw input rows, used for the model signature and input example.
         registered_model_name: registry name, or None to log without registering.
     """
-    with _model_dir(checkpoint_dir) as model_dir:
-        return _log(model_dir, run_id, example, registered_model_name)
-
-
-def _log(
-    model_dir: Path, run_id: str, example: pd.DataFrame, registered_model_name: str | None
-) -> mlflow.models.model.ModelInfo:
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pyfunc.log_model(name=MODEL_ARTIFACT, **_pyfunc_kwargs(model_dir, example))
     if registered_model_name:
@@ -348,7 +427,12 @@ def export_model(
             experiment = set_experiment(experiment_name, tracking_uri=tracking_uri)
             with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
                 mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
-            info = _log(model_dir, run.info.run_id, example, registered_model_name)
+            info = log_model(
+                run_id=run.info.run_id,
+                model_dir=model_dir,
+                example=example,
+                registered_model_name=registered_model_name,
+            )
             out.update(
                 model_uri=info.model_uri,
                 run_id=run.info.run_id,

@@ -25,7 +25,7 @@ from raydlrm._logs import configure_api, library_level, quiet_libraries, worker_
 from raydlrm.ingestion import DataSummary, default_num_actors
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.platform.config import JobConfig, load_config
-from raydlrm.platform.export import example_rows, log_model
+from raydlrm.platform.export import example_rows, log_model, run_model_dir, weights_by_reference
 from raydlrm.platform.preflight import (
     JobData,
     Preflight,
@@ -40,10 +40,10 @@ from raydlrm.platform.preflight import (
 from raydlrm.platform.progress import TrainingProgress, progress_mode
 from raydlrm.platform.ray_init import init_ray
 from raydlrm.platform.run_lock import run_lock
-from raydlrm.platform.tracking import TrackedRun, start_run
+from raydlrm.platform.tracking import TAG_CHECKPOINT, TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
-from raydlrm.trainers.checkpoint import newest_intact
+from raydlrm.trainers.checkpoint import newest_intact_stored
 from raydlrm.trainers.hooks import PROGRESS_FILE
 from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.model_dir import model_metrics
@@ -303,15 +303,24 @@ def _log_final_model(
         example = example_rows(data.eval_path, data, role="eval")
     else:
         example = example_rows(data.train_path, data)
-    with newest_intact(result.checkpoint) as (checkpoint_dir, checkpoint):
-        checkpoint_uri = with_scheme(checkpoint.path, scheme_of(job.run.storage_path))
-        tracked.set_tags({"raydlrm.checkpoint": checkpoint_uri})
+    checkpoint = newest_intact_stored(result.checkpoint)
+    checkpoint_uri = with_scheme(checkpoint.path, scheme_of(job.run.storage_path))
+    by_reference = weights_by_reference(
+        job.tracking.model_weights, checkpoint_uri, tracked.tracking_uri
+    )
+    tracked.set_tags(
+        {
+            TAG_CHECKPOINT: checkpoint_uri,
+            "raydlrm.model_weights": "reference" if by_reference else "copy",
+        }
+    )
+    with run_model_dir(checkpoint, checkpoint_uri, by_reference=by_reference) as model_dir:
         # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
-        final = {**result.metrics, **model_metrics(checkpoint_dir)}
+        final = {**result.metrics, **model_metrics(model_dir)}
         eval_error = final.get("eval/error")
         info = log_model(
             run_id=tracked.run_id,
-            checkpoint_dir=checkpoint_dir,
+            model_dir=model_dir,
             example=example,
             # A model whose final evaluation failed is kept (logged), not registered.
             registered_model_name=None if eval_error else job.tracking.registered_model_name,

@@ -47,7 +47,7 @@ from raydlrm.platform.config import (
     replaced,
 )
 from raydlrm.platform.ray_init import ray_address
-from raydlrm.platform.tracking import check_tracking_of
+from raydlrm.platform.tracking import check_tracking_of, registered_checkpoint
 from raydlrm.sharding import MemoryBudget, ShardingPlan, load_constants
 from raydlrm.sharding.plan import format_bytes
 from raydlrm.sharding.planner import plan_sharding
@@ -122,7 +122,9 @@ def resolve_paths(job: JobConfig) -> JobConfig:
         "run.warm_start": job.run.warm_start,
     }
     relative = {
-        k: v for k, v in keys.items() if v and not is_remote(v) and not Path(v).is_absolute()
+        k: v
+        for k, v in keys.items()
+        if v and not is_remote(v) and not Path(v).is_absolute() and not v.startswith("models:/")
     }
     tracking = _relative_tracking(job)
     if tracking is not None:
@@ -594,6 +596,11 @@ def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> _WarmStart:
     """
     uri = job.run.warm_start
     assert uri is not None
+    if uri.startswith("models:/"):  # a registered model: its run's final checkpoint
+        try:
+            uri = registered_checkpoint(uri, default_tracking_uri(job.tracking))
+        except ConfigError as exc:
+            raise ConfigError(f"run.warm_start: {exc}") from None
     try:
         filesystem, path = filesystem_for(uri, job.run.storage_or(job.data.storage))
         with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:

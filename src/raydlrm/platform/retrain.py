@@ -49,7 +49,7 @@ from raydlrm.platform.launch import TrainResult
 from raydlrm.platform.launch import train as run_training
 from raydlrm.platform.preflight import prepare_data, resolve_paths
 from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
-from raydlrm.platform.tracking import check_tracking_of
+from raydlrm.platform.tracking import TAG_CHECKPOINT, check_tracking_of
 from raydlrm.storage import PartitionSelector, StorageError, partition_values
 from raydlrm.trainers.model_dir import ModelWeights
 
@@ -68,7 +68,6 @@ TAG_SLOT = "raydlrm.retrain.slot"
 TAG_DECISION = "raydlrm.retrain.decision"
 TAG_REASON = "raydlrm.retrain.reason"
 TAG_CHAMPION = "raydlrm.retrain.previous_champion"
-TAG_CHECKPOINT = "raydlrm.checkpoint"
 CHAMPION, CHALLENGER = "champion", "challenger"
 _METRIC_PREFIX = "retrain/"  # new/auc is logged as retrain/new_auc
 

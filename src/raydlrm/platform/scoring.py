@@ -9,7 +9,8 @@ click probability. :func:`evaluate` scores a labelled data set and returns AUC a
 The model is a registered or logged MLflow model (``models:/name@champion``, ``models:/name/3``,
 ``runs:/<id>/model``) or a model checkpoint directory (``runs/<run>/checkpoint_...``), made
 ready once on the driver as a local directory with ``model.safetensors`` (downloaded, or written
-table by table from a training checkpoint). On a single-node cluster the actors map that file
+table by table from a training checkpoint: one given, or the one a model registered by
+reference names). On a single-node cluster the actors map that file
 (every actor shares the page cache; a model larger than RAM scores, its hot rows in memory); on
 several nodes its files travel to the actors through Ray's object store, so the actors need
 neither MLflow nor the driver's disk (the model must then fit the object store). Every row
@@ -50,8 +51,8 @@ from raydlrm.storage import (
     filesystem_for,
     is_remote,
     list_files,
-    local_directory,
 )
+from raydlrm.trainers.checkpoint import local_checkpoint
 from raydlrm.trainers.metrics import binary_metrics
 from raydlrm.trainers.model_dir import (
     METADATA_FILES,
@@ -122,7 +123,7 @@ def model_files(model: str) -> ModelFiles:
     try:
         if is_remote(model):
             try:
-                root = copies.enter_context(local_directory(model, StorageConfig()))
+                root = copies.enter_context(local_checkpoint(model, StorageConfig()))
             except (StorageError, FileNotFoundError) as exc:
                 raise FileNotFoundError(f"model {exc}") from exc
         elif Path(model).is_dir():
@@ -141,8 +142,8 @@ def model_files(model: str) -> ModelFiles:
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"model {model} has no {name}")
         if not (directory / WEIGHTS_FILE).is_file():
-            # A training checkpoint: its tables, one at a time, into a
-            # safetensors file that the actors can map.
+            # A training checkpoint (or a model referencing one): its tables, one at a time,
+            # into a safetensors file that the actors can map.
             directory = write_model_dir(directory, Path(scratch(), "model"))
         spec = json.loads((directory / SPEC_FILE).read_text())
     except BaseException:

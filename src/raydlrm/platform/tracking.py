@@ -33,7 +33,15 @@ from raydlrm.platform.export import set_experiment
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import redact, with_scheme
 
-__all__ = ["MLflowReportCallback", "TrackedRun", "check_tracking", "check_tracking_of", "start_run"]
+__all__ = [
+    "TAG_CHECKPOINT",
+    "MLflowReportCallback",
+    "TrackedRun",
+    "check_tracking",
+    "check_tracking_of",
+    "registered_checkpoint",
+    "start_run",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,41 @@ _BATCH = 100
 
 _CONNECT_TIMEOUT_S = 5.0
 """How long the tracking server has to answer the check before a job starts."""
+
+TAG_CHECKPOINT = "raydlrm.checkpoint"
+"""The run's latest (at the end: final) training checkpoint, a URI, however its model holds
+its weights."""
+
+
+def registered_checkpoint(model_uri: str, tracking_uri: str) -> str:
+    """The training checkpoint of a registered model version (``models:/<name>/<version>`` or
+    ``models:/<name>@<alias>``): its run's :data:`TAG_CHECKPOINT`.
+
+    Raises:
+        ConfigError: no such version, or its run records no checkpoint, naming the model.
+    """
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri)
+    reference = model_uri.removeprefix("models:/")
+    name, alias = reference.split("@", 1) if "@" in reference else (reference, None)
+    try:
+        if alias is not None:
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = reference.rpartition("/")
+            version = client.get_model_version(name, number)
+        checkpoint = client.get_run(version.run_id).data.tags.get(TAG_CHECKPOINT)
+    except MlflowException as exc:
+        raise ConfigError(
+            f"{model_uri}: no such registered model version ({exc.message})"
+        ) from None
+    if checkpoint is None:
+        raise ConfigError(
+            f"{model_uri} (run {version.run_id}) records no training checkpoint "
+            f"({TAG_CHECKPOINT} tag)"
+        )
+    return checkpoint
 
 
 def check_tracking_of(job: JobConfig) -> None:
@@ -324,7 +367,7 @@ class MLflowReportCallback(UserCallback):
             if checkpoint is not None:
                 uri = with_scheme(checkpoint.path, self.storage_scheme)
                 self._checkpoint = uri
-                self._client.set_tag(self.run_id, "raydlrm.checkpoint", uri)
+                self._client.set_tag(self.run_id, TAG_CHECKPOINT, uri)
         except Exception as exc:
             if self._lost and self._pending and self._pending[-1].key == "tracking/metrics_lost":
                 self._pending.pop()

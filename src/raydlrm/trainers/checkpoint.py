@@ -40,6 +40,7 @@ import json
 import logging
 import pathlib
 import pickle
+import tempfile
 import uuid
 import warnings
 import zlib
@@ -75,7 +76,14 @@ from raydlrm.sharding.state import (
     weight_key,
 )
 from raydlrm.sharding.types import ShardedTables
-from raydlrm.storage import redact
+from raydlrm.storage import (
+    StorageConfig,
+    StorageError,
+    filesystem_for,
+    is_remote,
+    local_directory,
+    redact,
+)
 from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = [
@@ -89,8 +97,10 @@ __all__ = [
     "checkpoint_precisions",
     "load_model_tensor",
     "load_training_state",
+    "local_checkpoint",
     "model_tensors",
     "newest_intact",
+    "newest_intact_stored",
     "open_chain",
     "prune_checkpoints",
     "read_state_file",
@@ -541,53 +551,99 @@ def check_intact(
         )
 
 
-@contextmanager
-def newest_intact(
-    latest: Any, *, problems_of: Callable[[str], list[str]] | None = None
-) -> Iterator[tuple[str, Any] | tuple[None, None]]:
-    """A run's newest intact checkpoint as a local directory (downloaded if remote) and as
-    stored, or (None, None) when the run has none (a fresh start).
+def newest_intact_stored(latest: Any) -> Any | None:
+    """A run's newest intact checkpoint as stored (nothing downloaded), or None when the run
+    has none (a fresh start).
 
-    ``latest`` (a Ray Train ``Checkpoint``: ``path``, ``filesystem``, ``as_directory()``) and
-    every other ``checkpoint_*`` directory beside it are tried newest first (Ray names them by
-    time): one complete but never registered (a crash between writing and registering) is
-    taken rather than redoing its steps, and a damaged one is passed over with a warning
-    naming it. Every rank checks the same directories the same way, so all ranks pick the
-    same one.
-
-    Args:
-        latest: the run's latest registered checkpoint, or None.
-        problems_of: what is wrong with a checkpoint directory (default:
-            :func:`verify_checkpoint` of the checkpoint as stored, without checksums: a delta
-            whose chain is damaged or missing is passed over like a damaged checkpoint).
+    ``latest`` (a Ray Train ``Checkpoint``: ``path``, ``filesystem``) and every other
+    ``checkpoint_*`` directory beside it are checked where they are stored (without checksums;
+    a delta with its chain), newest first (Ray names them by time): one complete but never
+    registered (a crash between writing and registering) is taken rather than redoing its
+    steps, and a damaged one is passed over with a warning naming it. Every rank checks the
+    same directories the same way, so all ranks pick the same one.
 
     Raises:
         RuntimeError: the run has checkpoints but none is intact (each named with its damage).
     """
     if latest is None:
-        yield None, None
-        return
+        return None
     damaged = []
     for checkpoint in _newest_first(latest):
-        with checkpoint.as_directory() as directory:
-            if problems_of is None:  # as stored: a delta's chain is beside it there
-                problems = verify_checkpoint(
-                    checkpoint.path, checksums=False, filesystem=checkpoint.filesystem
+        problems = verify_checkpoint(
+            checkpoint.path, checksums=False, filesystem=checkpoint.filesystem
+        )
+        if not problems:
+            if damaged or checkpoint.path != latest.path:
+                logger.warning(
+                    "taking %s rather than the latest registered checkpoint %s",
+                    checkpoint.path,
+                    latest.path,
                 )
-            else:
-                problems = problems_of(directory)
-            if not problems:
-                if damaged or checkpoint.path != latest.path:
-                    logger.warning(
-                        "taking %s rather than the latest registered checkpoint %s",
-                        checkpoint.path,
-                        latest.path,
-                    )
-                yield directory, checkpoint
-                return
+            return checkpoint
         damaged.append(f"{checkpoint.path}: {'; '.join(problems[:3])}")
         logger.warning("checkpoint %s is damaged, passed over: %s", checkpoint.path, damaged[-1])
     raise RuntimeError("no intact checkpoint to resume from: " + " | ".join(damaged))
+
+
+@contextmanager
+def newest_intact(latest: Any) -> Iterator[tuple[str, Any] | tuple[None, None]]:
+    """:func:`newest_intact_stored` as a local directory (downloaded if remote) and as stored,
+    or (None, None)."""
+    checkpoint = newest_intact_stored(latest)
+    if checkpoint is None:
+        yield None, None
+        return
+    with checkpoint.as_directory() as directory:
+        yield directory, checkpoint
+
+
+@contextmanager
+def local_checkpoint(
+    uri: str, storage: StorageConfig | None = None, *, filesystem: pafs.FileSystem | None = None
+) -> Iterator[Path]:
+    """A local directory holding the checkpoint (or model directory) ``uri``: itself when
+    local, else a temporary copy with, for a delta, the checkpoints of its chain beside it, as
+    in the run storage (removed on exit).
+
+    Args:
+        uri: a local path or an object-store URI (read with ``storage``); with ``filesystem``,
+            the path as that filesystem names it (a Ray Train checkpoint's ``path``).
+        storage: the object-store access of a URI (default: the standard AWS variables).
+        filesystem: the store's filesystem (a Ray Train checkpoint's ``filesystem``).
+
+    Raises:
+        FileNotFoundError: ``uri`` does not exist, naming it.
+        StorageError: the store cannot be read.
+    """
+    if (filesystem is None and not is_remote(uri)) or isinstance(filesystem, pafs.LocalFileSystem):
+        with local_directory(uri, storage or StorageConfig()) as local:
+            yield local
+        return
+    try:
+        if filesystem is None:
+            filesystem, path = filesystem_for(uri, storage or StorageConfig())
+        else:
+            path = uri
+        kind = filesystem.get_file_info(path).type
+        state_file = filesystem.get_file_info(f"{path}/{STATE_FILE}").type
+    except OSError as exc:
+        raise StorageError(f"{uri} cannot be read: {exc}") from exc
+    if kind != pafs.FileType.Directory:
+        raise FileNotFoundError(f"{uri} does not exist")
+    names = [path.rstrip("/").rsplit("/", 1)[-1]]
+    if state_file == pafs.FileType.File:
+        state = _read_json(filesystem, path, STATE_FILE, present=True)
+        names = [*(state.get("differential") or {}).get("chain", []), *names]
+    with tempfile.TemporaryDirectory(prefix="raydlrm-download-") as tmp:
+        for name in names:
+            Path(tmp, name).mkdir()  # copy_files writes into an existing directory only
+            pafs.copy_files(
+                _sibling(path, name),
+                f"{tmp}/{name}",
+                source_filesystem=filesystem,
+                destination_filesystem=pafs.LocalFileSystem(),
+            )
+        yield Path(tmp, names[-1])
 
 
 def _newest_first(latest: Any) -> list[Any]:

@@ -12,8 +12,10 @@ its shards are the model's weights. It sees the training loop only through its s
 With ``checkpoint.differential`` it also keeps the chain (:class:`~raydlrm.trainers.checkpoint.
 ChainLink`): a baseline first, then deltas of the rows modified since the last checkpoint, a
 baseline again after ``baseline_every`` checkpoints, when the chain's deltas would pass
-``baseline_fraction`` of a baseline's bytes, and for the final checkpoint; a resume with the
-same plan and precisions goes on with the chain it loaded. Rank 0 deletes what retention
+``baseline_fraction`` of a baseline's bytes, or when a delta would be as large as a
+baseline. The final checkpoint follows the same rule (a delta's model is its chain, read as
+one checkpoint: no extra full write at the end of a run). A resume with the same plan and
+precisions goes on with the chain it loaded. Rank 0 deletes what retention
 (``num_to_keep``) no longer needs.
 """
 
@@ -148,7 +150,7 @@ class Checkpointer:
         merged = EpochProgress.merged(
             [EpochProgress.from_dict(p) for p in all_gather_object(progress.to_dict())]
         )
-        link = self._next_link(final=final) if self.config.differential else None
+        link = self._next_link() if self.config.differential else None
         try:
             stored = self._write(
                 metrics, loop_state=loop_state, position=merged, final=final, link=link
@@ -167,18 +169,16 @@ class Checkpointer:
             self._chained(link, stored)
         return stored
 
-    def _next_link(self, *, final: bool) -> ChainLink:
+    def _next_link(self) -> ChainLink:
         """The next checkpoint's place in its chain (the same on every rank): a delta of the
-        rows modified since the last checkpoint, or a baseline (none yet, the final
-        checkpoint, ``baseline_every`` reached, the deltas past ``baseline_fraction``, or a
-        delta as large as a baseline)."""
+        rows modified since the last checkpoint, or a baseline (none yet, ``baseline_every``
+        reached, the deltas past ``baseline_fraction``, or a delta as large as a baseline)."""
         rows = self.parts.collection.modified_rows()
         sizes = sum_over_ranks(_embedding_bytes(self.parts, rows), self.device)
         last, config = self._link, self.config
         if (
             last is None
             or self._names is None
-            or final
             or len(self._names) >= config.baseline_every
             or last.delta_bytes + sizes["delta"] > config.baseline_fraction * last.baseline_bytes
             or sizes["delta"] >= sizes["full"]  # nothing to save: most rows were modified

@@ -12,8 +12,13 @@ plan), ``metrics.json`` and the weights, in one of two forms:
   (int64, ``(K, 2)``: the column blocks); the codes' width tells the precision (``dim``: int8,
   ``dim / 2``: int4). See :class:`~raydlrm.models.embedding.QuantizedTable`.
 * a training checkpoint (``raydlrm.trainers.checkpoint``): the final checkpoint of a run holds
-  its tables once, as the ranks' DCP shards, and no second copy of them. Exporting it assembles
-  the tables one at a time.
+  its tables once, as the ranks' DCP shards (a differential checkpoint: with its chain), and no
+  second copy of them. Exporting it assembles the tables one at a time.
+* a reference (``weights_ref.json``: ``{"checkpoint": <URI>}``): the weights are those of the
+  training checkpoint at that URI (a local path or ``s3://``, read with the standard AWS
+  variables), left where the run stored them. A run's model registered by reference holds only
+  this file beside its config, plan and metrics (``raydlrm.platform.export``).
+  :func:`model_source` follows it.
 
 :func:`write_model_weights` turns either into ``model.safetensors`` holding one table in
 memory at a time (the header is computed from shapes before any data is read, then each tensor
@@ -24,6 +29,7 @@ serving the hot rows (a quantized table's codes: a lookup dequantizes the rows i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,11 +43,12 @@ import torch
 
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
-from raydlrm.storage import redact
+from raydlrm.storage import StorageConfig, StorageError, redact
 from raydlrm.trainers.checkpoint import (
     STATE_FILE,
     check_intact,
     load_model_tensor,
+    local_checkpoint,
     model_tensors,
 )
 from raydlrm.trainers.spec import WorkerSpec
@@ -52,12 +59,14 @@ __all__ = [
     "find_model_dir",
     "load_model_checkpoint",
     "model_metrics",
+    "model_source",
     "save_model_metadata",
     "write_model_dir",
     "write_model_weights",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
+REFERENCE_FILE = "weights_ref.json"
 SPEC_FILE = "spec.json"
 PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.json"
@@ -103,8 +112,45 @@ def write_model_dir(checkpoint_dir: str | Path, target: str | Path) -> Path:
             shutil.copy2(Path(checkpoint_dir, name), target / name)
     metrics = model_metrics(checkpoint_dir)
     (target / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    write_model_weights(checkpoint_dir, target / WEIGHTS_FILE)
+    with model_source(checkpoint_dir) as source:
+        write_model_weights(source, target / WEIGHTS_FILE)
     return target
+
+
+def weights_reference(directory: str | Path) -> str | None:
+    """The checkpoint URI a model directory's weights are referenced at, or None when it holds
+    them (or is a checkpoint) itself."""
+    file = Path(directory, REFERENCE_FILE)
+    if not file.is_file() or Path(directory, WEIGHTS_FILE).is_file():
+        return None
+    return str(json.loads(file.read_text())["checkpoint"])
+
+
+@contextlib.contextmanager
+def model_source(directory: str | Path) -> Iterator[Path]:
+    """The directory holding a model directory's weights: itself, or for a model registered by
+    reference the training checkpoint it names (a temporary local copy of the checkpoint and
+    its chain when remote).
+
+    Raises:
+        FileNotFoundError: the referenced checkpoint is gone, naming it.
+        CheckpointDamagedError: the referenced checkpoint (or its chain) is damaged.
+    """
+    uri = weights_reference(directory)
+    if uri is None:
+        yield Path(directory)
+        return
+    try:
+        with local_checkpoint(uri, StorageConfig()) as local:
+            check_intact(local)
+            yield local
+    except (FileNotFoundError, StorageError) as exc:
+        raise FileNotFoundError(
+            f"model {directory}: its weights are referenced at the training checkpoint {uri}, "
+            f"which cannot be read ({exc}). A model registered by reference needs its run's "
+            "checkpoints where the run stored them (raydlrm export --register makes a "
+            "standalone copy)"
+        ) from None
 
 
 def save_model_metadata(
@@ -261,9 +307,9 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
     """Rebuilds the unsharded model of a model directory (on CPU, in eval mode) with its tables
     memory-mapped (no table is read into memory until its rows are looked up).
 
-    A directory without ``model.safetensors`` (a training checkpoint) is first written to a
-    temporary safetensors file, one table at a time, which is mapped and unlinked (the mapping
-    keeps it readable).
+    A directory without ``model.safetensors`` (a training checkpoint, or a reference to one) is
+    first written to a temporary safetensors file, one table at a time, which is mapped and
+    unlinked (the mapping keeps it readable).
 
     Raises:
         FileNotFoundError: naming the missing file.
@@ -281,12 +327,13 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
         num_dense=len(spec.data.dense_columns),
         embedding_device="meta",
     )
-    weights_file = path / WEIGHTS_FILE
-    if weights_file.is_file():
-        state = _mapped(weights_file)
-    else:
-        with tempfile.TemporaryDirectory(prefix="raydlrm-weights-") as tmp:
-            state = _mapped(write_model_weights(path, Path(tmp, WEIGHTS_FILE)))
+    with model_source(path) as source:
+        weights_file = source / WEIGHTS_FILE
+        if weights_file.is_file():
+            state = _mapped(weights_file)
+        else:
+            with tempfile.TemporaryDirectory(prefix="raydlrm-weights-") as tmp:
+                state = _mapped(write_model_weights(source, Path(tmp, WEIGHTS_FILE)))
     # assign=True: the meta tables become the mapped tensors themselves (no copy); a table
     # whose codes the file holds is held quantized (EmbeddingBagCollection's load).
     model.load_state_dict(state, assign=True)
