@@ -30,6 +30,9 @@ with ``RAY_DEDUP_LOGS=0``), the Train controller, Ray Data (``MapWorker``, ``Dat
 ``SplitCoordinator``, ``_StatsActor``, ...), Ray system processes (``gcs_server``, ``raylet``,
 dashboard, agents) and other Ray workers.
 
+Each command's disk use is sampled with its processes (``shutil.disk_usage`` of the working
+directory's disk, i.e. ``df``): the used bytes at its start and their peak above that.
+
 Prints one line per run and a Markdown table: fp32 embedding bytes (tables x rows x dim x 4,
 the tables of ``WorkerSpec.tables()``), peak RSS of the driver, of each worker (by rank), of
 the largest Ray Data actor, peak concurrent RSS of the whole tree, peak RSS of ``export`` and of
@@ -153,6 +156,10 @@ class Poller(threading.Thread):
         self._foreign: set[tuple[int, int]] = set()
         self._done = threading.Event()
         self._t0 = time.monotonic()
+        # The disk of the working directory: used bytes at the start and their peak.
+        self.disk_path = Path.cwd()
+        self.disk_start = self.disk_peak = shutil.disk_usage(self.disk_path).used
+        self.disk_peak_at_s = 0.0
 
     def stop(self) -> None:
         self._done.set()
@@ -198,6 +205,9 @@ class Poller(threading.Thread):
         self.polls += 1
         if total > self.max_total_kb:
             self.max_total_kb, self.max_total_at_s = total, now
+        used = shutil.disk_usage(self.disk_path).used
+        if used > self.disk_peak:
+            self.disk_peak, self.disk_peak_at_s = used, now
 
     def run(self) -> None:
         while not self._done.is_set():
@@ -256,6 +266,7 @@ def _measure(
             cmd, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True
         )
         poller = Poller(proc.pid, tag, interval)
+        poller.disk_path = cwd
         try:
             poller.start()
             rc = proc.wait(timeout=timeout)
@@ -296,6 +307,11 @@ def _measure(
         "polls": poller.polls,
         "tree_peak_concurrent_rss_gb": poller.max_total_kb * 1024 / GB,
         "tree_peak_concurrent_at_s": poller.max_total_at_s,
+        # The whole disk's used bytes (df), sampled with the processes: the command's files
+        # and anything else writing meanwhile (run on a quiet machine).
+        "disk_used_at_start_gb": poller.disk_start / GB,
+        "disk_peak_above_start_gb": (poller.disk_peak - poller.disk_start) / GB,
+        "disk_peak_at_s": poller.disk_peak_at_s,
         "processes": processes,
         "stdout_tail": stdout[-TAIL_CHARS:],
     }
@@ -429,13 +445,15 @@ def _run_one(args: argparse.Namespace, root: Path, workers: int, rows: int) -> d
         _wait_gone(row["resume"])
         if row["resume"]["rc"] == 0:
             checkpoint = _checkpoint(row["resume"]["stdout_tail"], run_dir) or checkpoint
-    model = checkpoint
+    model: Path | str | None = checkpoint
+    if checkpoint and args.score_registered:  # the run's registered model (the default store)
+        model = "models:/memory-scale/1"
     if checkpoint and not args.skip_export:
         out = run_dir / "export"
         cmd = [*_python(), "export", str(checkpoint), "--output", str(out)]
         row["export"] = _measure(cmd, run_dir, "export", **measure)
         _wait_gone(row["export"])
-        if row["export"]["rc"] == 0:
+        if row["export"]["rc"] == 0 and not args.score_registered:
             model = out
     if model and not args.skip_score:
         data = root / "data" / ("eval" if (root / "data" / "eval").exists() else "train")
@@ -525,6 +543,12 @@ def main() -> None:
     )
     parser.add_argument("--skip-export", action="store_true", help="do not measure export")
     parser.add_argument("--skip-score", action="store_true", help="do not measure score")
+    parser.add_argument(
+        "--score-registered",
+        action="store_true",
+        help="score the run's registered model (models:/memory-scale/1) rather than the "
+        "export or checkpoint",
+    )
     parser.add_argument("--score-actors", type=int, default=1, help="raydlrm score --num-actors")
     parser.add_argument("--interval", type=float, default=0.2, help="poll interval, s")
     parser.add_argument("--timeout", type=float, default=1800, help="per command, s")
