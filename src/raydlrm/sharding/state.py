@@ -79,6 +79,8 @@ __all__ = [
 ]
 
 _PREFIX = "embedding"
+_CONVERT_ROWS = 1 << 18
+"""Rows made fp32 at a time when a table is converted while loading (64 MiB at 64 columns)."""
 
 
 def weight_key(table: str) -> str:
@@ -440,7 +442,7 @@ def load_embedding_state(
         momenta = _momentum_targets(
             collection, plan=plan, rank=rank, target=target, saved_blocks=saved_blocks
         )
-    converted = _conversion_targets(
+    conversions = _conversions(
         collection,
         plan=plan,
         rank=rank,
@@ -449,7 +451,7 @@ def load_embedding_state(
         saved_precisions=saved_precisions or collection.weight_precisions(),
     )
     load(target)
-    _convert(collection, converted, saved_blocks=saved_blocks)
+    _load_converted(collection, conversions, rank=rank, load=load, saved_blocks=saved_blocks)
     if not momenta:
         return
     states = collection.optimizer_states()
@@ -497,7 +499,7 @@ def _needs_conversion(table: TablePlan, *, ours: str, saved: str, blocks: list) 
     return ours != saved or column_blocks(table) != blocks
 
 
-def _conversion_targets(
+def _conversions(
     collection: ShardedTables,
     *,
     plan: ShardingPlan,
@@ -505,13 +507,12 @@ def _conversion_targets(
     target: dict[str, Any],
     saved_blocks: dict[str, list[tuple[int, int]]],
     saved_precisions: dict[str, str],
-) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
-    """Replaces in ``target`` the weights of the tables to convert (see the module docstring)
-    by windows of the saved rows of this rank's shards; returns table name -> (saved
-    precision, its windows by key) for the tables this rank holds."""
+) -> list[tuple[TablePlan, str]]:
+    """Removes from ``target`` the weights of the tables to convert (see the module docstring);
+    returns those tables with their saved precision, in the plan's order (the same on every
+    rank)."""
     ours = collection.weight_precisions()
-    shards = collection.local_shards()
-    out = {}
+    out = []
     for table in plan.tables:
         name = table.name
         saved = saved_precisions[name]
@@ -530,51 +531,65 @@ def _conversion_targets(
                 ours[name],
                 column_blocks(table),
             )
-        if name not in shards:
-            continue
-        s = shards[name]
-        n, dim = s.row_end - s.row_start, table.embedding_dim
-        if saved in QUANTIZED:
-            width = code_bytes_per_row(dim, saved)
-            windows = {
-                codes_key(name): torch.empty(n, width, dtype=torch.uint8),
-                qparams_key(name): torch.empty(n, 2 * len(blocks), dtype=torch.float16),
-            }
-        else:
-            windows = {weight_key(name): torch.empty(n, dim, dtype=WEIGHT_DTYPES[saved])}
-        for key, window in windows.items():
-            target[key] = _shard_rows(window, table=table, shard=s, rank=rank)
-        out[name] = (saved, windows)
+        out.append((table, saved))
     return out
 
 
-@torch.no_grad()
-def _convert(
+def _load_converted(
     collection: ShardedTables,
-    converted: dict[str, tuple[str, dict[str, torch.Tensor]]],
+    conversions: list[tuple[TablePlan, str]],
     *,
+    rank: int,
+    load: Any,
     saved_blocks: dict[str, list[tuple[int, int]]],
 ) -> None:
-    """Writes the saved rows read into ``converted``'s windows into this rank's shards, in
-    their precision."""
-    if not converted:
-        return
+    """Reads the saved rows of each table to convert and writes them into this rank's shard in
+    its precision, one table at a time (every rank reads each table in turn, holding that
+    table's saved rows only; fp32 rows made ``_CONVERT_ROWS`` at a time): tables larger than
+    memory (the SSD tier) load from an int8 or fp16 checkpoint."""
     local = collection.local_tables()
     shards = collection.local_shards()
-    for name, (saved, windows) in converted.items():
-        s = shards[name]
+    for table, saved in conversions:
+        name = table.name
+        s = shards.get(name)
+        if s is None:
+            load({})  # collective: this rank holds none of it
+            continue
+        n, dim = s.row_end - s.row_start, table.embedding_dim
         if saved in QUANTIZED:
-            rows = dequantize_blocks(
-                windows[codes_key(name)],
-                windows[qparams_key(name)],
-                blocks=saved_blocks[name],
-                precision=saved,
-            )
+            blocks = len(saved_blocks[name])
+            windows = {
+                codes_key(name): torch.empty(n, code_bytes_per_row(dim, saved), dtype=torch.uint8),
+                qparams_key(name): torch.empty(n, 2 * blocks, dtype=torch.float16),
+            }
         else:
-            rows = windows[weight_key(name)].float()
-        rows = rows[:, s.col_start : s.col_end]
+            windows = {weight_key(name): torch.empty(n, dim, dtype=WEIGHT_DTYPES[saved])}
+        load({k: _shard_rows(w, table=table, shard=s, rank=rank) for k, w in windows.items()})
         weight = local[name]
         if isinstance(weight, QuantizedRows):
-            weight.assign(rows)
-        else:
-            weight.copy_(rows)
+            rows = _saved_rows(name, windows, saved, saved_blocks[name], slice(None))
+            weight.assign(rows[:, s.col_start : s.col_end])
+            continue
+        for start in range(0, n, _CONVERT_ROWS):
+            rows = _saved_rows(
+                name, windows, saved, saved_blocks[name], slice(start, start + _CONVERT_ROWS)
+            )
+            weight[start : start + _CONVERT_ROWS].copy_(rows[:, s.col_start : s.col_end])
+
+
+def _saved_rows(
+    name: str,
+    windows: dict[str, torch.Tensor],
+    saved: str,
+    blocks: list[tuple[int, int]],
+    rows: slice,
+) -> torch.Tensor:
+    """The rows ``rows`` of a table's saved windows, as fp32 (every saved column)."""
+    if saved in QUANTIZED:
+        return dequantize_blocks(
+            windows[codes_key(name)][rows],
+            windows[qparams_key(name)][rows],
+            blocks=blocks,
+            precision=saved,
+        )
+    return windows[weight_key(name)][rows].float()
