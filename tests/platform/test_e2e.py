@@ -355,3 +355,25 @@ def _one_error(result) -> str:
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     return lines[0]
+
+
+def test_warm_start_names_a_registered_model(finished_run) -> None:
+    """``run.warm_start = "models:/<name>@<alias>"`` (or ``/<version>``) means the training
+    checkpoint of the version's run (its tag, however the model holds its weights); a missing
+    version is a config error naming it. Relative-path resolution leaves the URI alone."""
+    from raydlrm.platform.config import ConfigError, load_config
+    from raydlrm.platform.preflight import resolve_paths
+    from raydlrm.platform.tracking import registered_checkpoint
+
+    workdir, _ = finished_run
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    (version,) = client.search_model_versions("name='e2e-model'")
+    client.set_registered_model_alias("e2e-model", "champion", version.version)
+    checkpoint = client.get_run(version.run_id).data.tags["raydlrm.checkpoint"]
+    for model in ("models:/e2e-model/1", "models:/e2e-model@champion"):
+        assert registered_checkpoint(model, uri) == checkpoint
+    with pytest.raises(ConfigError, match="models:/e2e-model/7"):
+        registered_checkpoint("models:/e2e-model/7", uri)
+    job = load_config({"run": {"warm_start": "models:/e2e-model@champion"}})
+    assert resolve_paths(job).run.warm_start == "models:/e2e-model@champion"
