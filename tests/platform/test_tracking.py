@@ -3,6 +3,7 @@ catches up (or counts what it lost) when it answers again."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -92,7 +93,20 @@ def test_model_weights_by_reference_where_the_registry_can_read_them(caplog) -> 
         assert not caplog.records
         assert not weights_by_reference("auto", local, "https://user:pw@mlflow.example.com")
     (line,) = [r.getMessage() for r in caplog.records]
+    assert not weights_by_reference("auto", local, "databricks")
     assert f"logged by copy: the checkpoint {local} is on this machine's disk" in line
     assert "https://mlflow.example.com" in line and "pw" not in line
     assert not weights_by_reference("copy", remote, "http://127.0.0.1:5000")
     assert weights_by_reference("reference", local, "https://mlflow.example.com")
+
+
+def test_a_model_whose_referenced_checkpoint_is_gone_names_it(tmp_path: Path) -> None:
+    """A model registered by reference whose checkpoint was deleted: loading or writing it out
+    names the checkpoint and how to keep a standalone copy."""
+    from raydlrm.trainers.model_dir import REFERENCE_FILE, write_model_dir
+
+    model, gone = tmp_path / "model", tmp_path / "runs" / "r" / "checkpoint_1"
+    model.mkdir()
+    (model / REFERENCE_FILE).write_text(json.dumps({"checkpoint": str(gone)}))
+    with pytest.raises(FileNotFoundError, match=rf"training checkpoint {gone}.*raydlrm export"):
+        write_model_dir(model, tmp_path / "out")

@@ -249,7 +249,8 @@ def _cannot_reference(checkpoint_uri: str, tracking_uri: str) -> str | None:
     if is_remote(checkpoint_uri):
         return None
     tracking = urlparse(tracking_uri)
-    if tracking.scheme in ("", "file", "sqlite") or tracking.hostname in _LOOPBACK:
+    local_store = tracking.scheme in ("", "file", "sqlite") and tracking_uri != "databricks"
+    if local_store or tracking.hostname in _LOOPBACK:
         return None
     return (
         f"the checkpoint {checkpoint_uri} is on this machine's disk, the tracking server "

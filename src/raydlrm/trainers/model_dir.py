@@ -140,17 +140,18 @@ def model_source(directory: str | Path) -> Iterator[Path]:
     if uri is None:
         yield Path(directory)
         return
-    try:
-        with local_checkpoint(uri, StorageConfig()) as local:
-            check_intact(local)
-            yield local
-    except (FileNotFoundError, StorageError) as exc:
-        raise FileNotFoundError(
-            f"model {directory}: its weights are referenced at the training checkpoint {uri}, "
-            f"which cannot be read ({exc}). A model registered by reference needs its run's "
-            "checkpoints where the run stored them (raydlrm export --register makes a "
-            "standalone copy)"
-        ) from None
+    with contextlib.ExitStack() as stack:
+        try:  # only the reference's own failures are named as such, not the caller's
+            local = stack.enter_context(local_checkpoint(uri, StorageConfig()))
+        except (FileNotFoundError, StorageError) as exc:
+            raise FileNotFoundError(
+                f"model {directory}: its weights are referenced at the training checkpoint "
+                f"{uri}, which cannot be read ({exc}). A model registered by reference needs "
+                "its run's checkpoints where the run stored them (raydlrm export --register "
+                "makes a standalone copy)"
+            ) from None
+        check_intact(local)
+        yield local
 
 
 def save_model_metadata(
