@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -328,6 +329,25 @@ def plan(
             "sharding.ssd_path) and store them at sharding.cost_constants_path.",
         ),
     ] = False,
+    collect: Annotated[
+        int,
+        typer.Option(
+            "--collect",
+            metavar="N",
+            help="First measure N random sets of synthetic tables (fused TBE forward + "
+            "backward of sharding.kernel, data.batch_size bags a table) and add them to the "
+            "cost samples in sharding.cost_samples_path.",
+        ),
+    ] = 0,
+    train_cost_model: Annotated[
+        bool,
+        typer.Option(
+            "--train-cost-model",
+            help="Then train the learned cost model on the cost samples of sharding.kernel, "
+            "store it at sharding.learned_cost_path and print its held-out error beside the "
+            "analytic model's.",
+        ),
+    ] = False,
 ) -> None:
     """Print the sharding plan of a config (a dry run: no Ray, no process group). Like
     training, it reads the training data's first rows for the tables' pooling factors and the
@@ -336,6 +356,10 @@ def plan(
         job = load_config(config, overrides=set_ or [])
         if calibrate:
             _calibrate(job)
+        if collect:
+            _collect_cost_samples(job, collect)
+        if train_cost_model:
+            _train_cost_model(job)
         sharding_plan = _dry_plan(job)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
@@ -364,6 +388,55 @@ def _calibrate(job: JobConfig) -> None:
         f"{constants.collective_latency_s:.3g} s, ssd rows "
         f"{constants.ssd_row_reads_per_s:.3g} reads/s, "
         f"{constants.ssd_row_writes_per_s:.3g} write-backs/s",
+        err=True,
+    )
+
+
+def _collect_cost_samples(job: JobConfig, n: int) -> None:
+    """Measures ``n`` cost samples and adds them to the job's samples (``plan --collect``)."""
+    import pyarrow.parquet as pq
+
+    from raydlrm.sharding.learned_cost import collect_samples
+
+    def progress(done: int, total: int) -> None:
+        if done == total or done % 50 == 0:
+            typer.echo(f"cost samples: {done}/{total} measured", err=True)
+
+    samples = collect_samples(
+        n,
+        kernel=job.sharding.kernel,
+        batch_size=job.data.batch_size,
+        progress=progress,
+        seed=time.time_ns() % 2**32,
+    )
+    directory = Path(job.sharding.cost_samples_path).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    kernel = samples.column("kernel")[0].as_py()
+    path = directory / f"{kernel}-b{job.data.batch_size}-{time.strftime('%Y%m%d-%H%M%S')}.parquet"
+    pq.write_table(samples, path)
+    typer.echo(f"{samples.num_rows} cost samples ({kernel} kernel) written to {path}", err=True)
+
+
+def _train_cost_model(job: JobConfig) -> None:
+    """Trains the learned cost model on the job's samples (``plan --train-cost-model``)."""
+    from raydlrm.sharding.kernel import resolve_kernel
+    from raydlrm.sharding.learned_cost import load_samples, train_cost_model
+
+    kernel = resolve_kernel(job.sharding.kernel)
+    directory = Path(job.sharding.cost_samples_path).expanduser()
+    files = sorted(directory.glob(f"{kernel}-b{job.data.batch_size}-*.parquet"))
+    if not files:
+        raise ValueError(
+            f"no cost samples of the {kernel} kernel at batch size {job.data.batch_size} in "
+            f"{directory}: run raydlrm plan --collect N first"
+        )
+    model = train_cost_model(load_samples(files))
+    path = model.save(job.sharding.learned_cost_path)
+    r = model.report
+    typer.echo(
+        f"learned cost model ({kernel} kernel, {int(r['train_samples'])} samples) written to "
+        f"{path}; held-out error ({int(r['held_out_samples'])} sets): learned "
+        f"{r['neural_mape']:.1%}, analytic {r['analytic_mape']:.1%} (mean absolute percentage)",
         err=True,
     )
 

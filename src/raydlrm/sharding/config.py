@@ -78,6 +78,12 @@ class ShardingConfig:
     dense model and its optimizer, batches in flight, the Ray and torch runtime."""
     cost_constants_path: str = "~/.cache/raydlrm/cost_constants.json"
     """Cost-model constants written by ``raydlrm plan --calibrate``; used when the file exists."""
+    cost_samples_path: str = "~/.cache/raydlrm/cost_samples"
+    """Directory of the measured cost samples ``raydlrm plan --collect N`` adds to (one Parquet
+    file a collection; see :mod:`raydlrm.sharding.learned_cost`)."""
+    learned_cost_path: str = "~/.cache/raydlrm/learned_cost.json"
+    """The learned cost model ``raydlrm plan --train-cost-model`` writes (and a ``.safetensors``
+    file beside it)."""
     kernel: Kernel = "auto"
     """Embedding kernels (see :mod:`raydlrm.sharding.kernel`): ``fbgemm`` (fbgemm-gpu's
     table-batched embeddings, the fast path; needs the ``cpu`` or ``gpu`` extra), ``torch``

@@ -1,0 +1,489 @@
+"""A learned compute cost model of a rank's embedding tables (NeuroShard, Zha et al., MLSys 2023).
+
+The analytic cost model (:mod:`raydlrm.sharding.cost`) charges a rank the sum of its tables'
+times. A fused kernel's time is not that sum: tables share one launch, one sort of the ids and
+one backward pass, and how many distinct rows a batch touches (the access distribution) decides
+how much of them the caches serve. NeuroShard learns the cost of a *set* of tables instead:
+
+* each table is a vector of :data:`NUM_FEATURES` features (:class:`TableStats`): log10 of its
+  rows, its dim, its mean pooling factor (ids per bag) and a :data:`HISTOGRAM_BINS`-bin
+  histogram of how often each distinct index of a batch is looked up (bin ``b``: the fraction of
+  distinct indices looked up ``2^b`` to ``2^(b+1) - 1`` times; the last bin holds the rest);
+* :class:`SetCostNet`: a per-table MLP (features -> 128 -> 32) **summed over the tables of a
+  shard** (so the prediction does not depend on their order), then a head (32 -> 64 -> 1)
+  predicting the log of the fused forward + backward time of the shard's tables;
+* trained (:func:`train_cost_model`) on measured samples (:func:`collect_samples`: random sets
+  of 1-15 synthetic tables whose rows, dims, pooling factors and access skew span the ranges
+  below, each timed with the job's kernel on this machine), Adam on the squared error of the log
+  time, features z-normalised with the training set's mean and deviation.
+
+Samples are Parquet (one row per measured set: the tables' features, flattened, the seconds,
+kernel, batch size and machine); a trained model is a safetensors file of its weights plus a
+JSON file of everything else (normalisation, kernel, machine, the features' ranges, held-out
+errors): nothing is unpickled. :func:`train_cost_model` reports the held-out mean absolute
+percentage error of the learned model beside that of the analytic model's form (a sum of the
+tables' bytes looked up over a throughput, plus a constant, fitted to the same training
+samples), so the two are compared on the same sets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+__all__ = [
+    "HISTOGRAM_BINS",
+    "NUM_FEATURES",
+    "CostModelError",
+    "LearnedCostModel",
+    "SetCostNet",
+    "TableStats",
+    "access_histogram",
+    "collect_samples",
+    "load_samples",
+    "machine_description",
+    "train_cost_model",
+]
+
+logger = logging.getLogger(__name__)
+
+HISTOGRAM_BINS = 17
+NUM_FEATURES = 3 + HISTOGRAM_BINS
+_HIDDEN, _LATENT, _HEAD = 128, 32, 64
+_DIMS = tuple(range(4, 132, 4))
+"""Dims of the synthetic tables: multiples of 4 from 4 to 128 (what the kernels vectorise)."""
+
+
+class CostModelError(ValueError):
+    """Cost samples or a learned model that cannot be used (missing, another kernel or machine,
+    malformed), naming the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """What the learned model knows of a table: its shape and how a batch looks it up."""
+
+    rows: int
+    dim: int
+    pooling: float
+    """Mean ids per bag."""
+    histogram: tuple[float, ...]
+    """:func:`access_histogram` of a batch's ids."""
+
+    def features(self) -> list[float]:
+        """The table's :data:`NUM_FEATURES` features (before normalisation)."""
+        return [math.log10(max(self.rows, 1)), float(self.dim), self.pooling, *self.histogram]
+
+    @classmethod
+    def of_batch(cls, *, rows: int, dim: int, ids: np.ndarray, bags: int) -> TableStats:
+        """The statistics of one batch of ``bags`` bags whose ids are ``ids``."""
+        return cls(rows, dim, len(ids) / max(bags, 1), access_histogram(ids))
+
+
+def access_histogram(ids: np.ndarray) -> tuple[float, ...]:
+    """Fractions of a batch's distinct ids by how often each is looked up: bin ``b`` holds
+    those looked up ``2^b`` to ``2^(b+1) - 1`` times (the last bin: ``2^16`` or more). All
+    zeros for an empty batch."""
+    if len(ids) == 0:
+        return (0.0,) * HISTOGRAM_BINS
+    _, counts = np.unique(ids, return_counts=True)
+    bins = np.minimum(np.log2(counts).astype(np.int64), HISTOGRAM_BINS - 1)
+    hist = np.bincount(bins, minlength=HISTOGRAM_BINS) / len(counts)
+    return tuple(float(v) for v in hist)
+
+
+def machine_description() -> str:
+    """This machine, as the samples and models record it: CPUs, memory, processor, torch."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return (
+        f"{os.cpu_count()} CPUs, {memory:.1f} GB RAM, {platform.machine()} "
+        f"{platform.processor() or ''}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads".replace("  ", " ")
+    )
+
+
+# --- collection -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _SyntheticTable:
+    rows: int
+    dim: int
+    pooling: float
+    skew: float
+    """Zipf exponent of the ids (0: uniform)."""
+
+
+def _random_table(rng: np.random.Generator, *, max_rows: int) -> _SyntheticTable:
+    """Rows log-uniform in [10^3, max_rows], a dim in :data:`_DIMS`, a pooling factor
+    log-uniform in [1, 100], and access skew uniform in [0, 1.2] (uniform to heavy power law)."""
+    rows = int(10 ** rng.uniform(3, math.log10(max(max_rows, 1001))))
+    dim = int(rng.choice(_DIMS))
+    pooling = float(10 ** rng.uniform(0, 2))
+    return _SyntheticTable(rows, dim, pooling, float(rng.uniform(0.0, 1.2)))
+
+
+def _draw_ids(
+    rng: np.random.Generator, table: _SyntheticTable, bags: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One batch of ``bags`` bags of a table: (ids, lengths); lengths 1 + Poisson(pooling - 1),
+    ids Zipf-ranked rows scattered over the table (a hash of the rank)."""
+    from raydlrm.ingestion.synthetic import zipf_ranks
+
+    lengths = 1 + rng.poisson(max(table.pooling - 1.0, 0.0), size=bags)
+    total = int(lengths.sum())
+    if table.skew < 1e-3:
+        ranks = rng.integers(0, table.rows, size=total)
+    else:
+        ranks = zipf_ranks(rng, size=total, cardinality=table.rows, s=table.skew)
+    ids = (ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) % np.uint64(table.rows)
+    return ids.astype(np.int64), lengths
+
+
+def _time_tables(
+    tables: Sequence[_SyntheticTable],
+    batches: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    kernel: str,
+    repeats: int,
+) -> float:
+    """Median seconds of a fused TBE forward + backward (row-wise Adagrad, fp32) of ``tables``
+    looking up ``batches`` (one per table), after one warm-up."""
+    from raydlrm.sharding.kernel import TableSpec, build_tbe
+
+    tbe = build_tbe(
+        kernel,  # type: ignore[arg-type]
+        tables=[TableSpec(t.rows, t.dim) for t in tables],
+        feature_table_map=list(range(len(tables))),
+        optimizer="rowwise_adagrad",
+        learning_rate=0.01,
+        eps=1e-8,
+        pooling="sum",
+        precision="fp32",
+        device=torch.device("cpu"),
+    )
+    indices = torch.from_numpy(np.concatenate([ids for ids, _ in batches]))
+    lengths = np.concatenate([lengths for _, lengths in batches])
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        tbe(indices, offsets).sum().backward()
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def collect_samples(
+    n: int,
+    *,
+    kernel: str = "auto",
+    batch_size: int = 1024,
+    seed: int = 0,
+    max_tables: int = 15,
+    max_rows: int = 2_000_000,
+    max_bytes: int = 1 << 30,
+    repeats: int = 5,
+    progress: Callable[[int, int], None] | None = None,
+) -> pa.Table:
+    """Measures ``n`` random sets of synthetic tables (1 to ``max_tables`` each, at most
+    ``max_bytes`` of weights and state a set) with the kernel ``kernel`` resolves to, on this
+    machine: each set's fused forward + backward seconds over one batch of ``batch_size`` bags
+    per table.
+
+    Returns:
+        One row per set: ``num_tables``, ``features`` (the tables' :class:`TableStats`
+        features, flattened), ``seconds``, ``kernel``, ``batch_size``, ``machine``.
+    """
+    from raydlrm.sharding.kernel import resolve_kernel
+
+    resolved = resolve_kernel(kernel)
+    rng = np.random.default_rng(seed)
+    machine = machine_description()
+    rows: dict[str, list[Any]] = {"num_tables": [], "features": [], "seconds": []}
+    for i in range(n):
+        count = int(rng.integers(1, max_tables + 1))
+        tables: list[_SyntheticTable] = []
+        while len(tables) < count:
+            table = _random_table(rng, max_rows=max_rows)
+            used = sum(t.rows * (t.dim + 1) * 4 for t in [*tables, table])
+            if used <= max_bytes:
+                tables.append(table)
+            elif tables:
+                break
+        batches = [_draw_ids(rng, t, batch_size) for t in tables]
+        stats = [
+            TableStats.of_batch(rows=t.rows, dim=t.dim, ids=ids, bags=batch_size)
+            for t, (ids, _) in zip(tables, batches, strict=True)
+        ]
+        seconds = _time_tables(tables, batches, kernel=resolved, repeats=repeats)
+        rows["num_tables"].append(len(tables))
+        rows["features"].append([v for s in stats for v in s.features()])
+        rows["seconds"].append(seconds)
+        if progress is not None:
+            progress(i + 1, n)
+    size = len(rows["seconds"])
+    return pa.table(
+        {
+            **rows,
+            "kernel": [resolved] * size,
+            "batch_size": [batch_size] * size,
+            "machine": [machine] * size,
+        }
+    )
+
+
+def load_samples(paths: Sequence[str | Path]) -> pa.Table:
+    """The cost samples of one or more Parquet files (as :func:`collect_samples` wrote them).
+
+    Raises:
+        CostModelError: a file is missing or lacks a column, naming it.
+    """
+    if not paths:
+        raise CostModelError("no cost samples: run raydlrm plan --collect N first")
+    tables = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise CostModelError(f"cost samples {path} do not exist: run raydlrm plan --collect N")
+        table = pq.read_table(path)
+        missing = {"num_tables", "features", "seconds", "kernel", "machine"} - set(
+            table.column_names
+        )
+        if missing:
+            raise CostModelError(f"cost samples {path} lack the columns {sorted(missing)}")
+        tables.append(
+            table.select(["num_tables", "features", "seconds", "kernel", "batch_size", "machine"])
+        )
+    return pa.concat_tables(tables)
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+class SetCostNet(nn.Module):
+    """A shard's log time from its tables' normalised features: a per-table MLP summed over the
+    tables, then a head. ``forward(features, mask)``: ``(S, T, F)`` features of ``S`` shards
+    padded to ``T`` tables, ``(S, T)`` mask of the real ones -> ``(S,)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Sequential(
+            nn.Linear(NUM_FEATURES, _HIDDEN), nn.ReLU(), nn.Linear(_HIDDEN, _LATENT), nn.ReLU()
+        )
+        self.head = nn.Sequential(nn.Linear(_LATENT, _HEAD), nn.ReLU(), nn.Linear(_HEAD, 1))
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        latent = (self.table(features) * mask.unsqueeze(-1)).sum(dim=1)
+        return self.head(latent).squeeze(-1)
+
+
+@dataclass
+class LearnedCostModel:
+    """A trained :class:`SetCostNet` with what it needs to predict and to be trusted."""
+
+    net: SetCostNet
+    mean: list[float]
+    std: list[float]
+    kernel: str
+    batch_size: int
+    machine: str
+    feature_min: list[float]
+    feature_max: list[float]
+    report: dict[str, float] = field(default_factory=dict)
+    """Held-out errors (``neural_mape``, ``analytic_mape``) and sample counts."""
+
+    def predict(self, shards: Sequence[Sequence[TableStats]]) -> list[float]:
+        """Predicted fused forward + backward seconds of each shard (a set of tables; an empty
+        set costs nothing)."""
+        return self.predict_features([[t.features() for t in shard] for shard in shards])
+
+    def predict_features(self, shards: Sequence[Sequence[Sequence[float]]]) -> list[float]:
+        """:meth:`predict` of shards given as their tables' features."""
+        out = [0.0] * len(shards)
+        nonempty = [i for i, s in enumerate(shards) if len(s)]
+        if not nonempty:
+            return out
+        features, mask = _padded(
+            [[list(t) for t in shards[i]] for i in nonempty],
+            torch.tensor(self.mean, dtype=torch.float32),
+            torch.tensor(self.std, dtype=torch.float32),
+        )
+        with torch.no_grad():
+            predicted = torch.exp(self.net(features, mask)).tolist()
+        for i, value in zip(nonempty, predicted, strict=True):
+            out[i] = value
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        """Writes ``<path>`` (JSON: everything but the weights) and ``<path>.safetensors``."""
+        from safetensors.torch import save_file
+
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, _weights(path))
+        meta = {k: v for k, v in asdict(self).items() if k != "net"}
+        path.write_text(json.dumps({"format": "raydlrm-learned-cost-1", **meta}, indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, kernel: str | None = None) -> LearnedCostModel:
+        """A model saved by :meth:`save`.
+
+        Raises:
+            CostModelError: missing or malformed files, or (``kernel`` given) a model trained
+                for another kernel, naming the file.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path).expanduser()
+        if not path.is_file() or not _weights(path).is_file():
+            raise CostModelError(
+                f"no learned cost model at {path}: run raydlrm plan --train-cost-model"
+            )
+        try:
+            meta = json.loads(path.read_text())
+            if meta.pop("format", None) != "raydlrm-learned-cost-1":
+                raise ValueError("not a raydlrm learned cost model")
+            net = SetCostNet()
+            net.load_state_dict(load_file(str(_weights(path))))
+            model = cls(net=net.eval(), **meta)
+        except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+            raise CostModelError(f"learned cost model {path} is malformed: {exc}") from None
+        if kernel is not None and model.kernel != kernel:
+            raise CostModelError(
+                f"learned cost model {path} was trained for the {model.kernel} kernel, the job "
+                f"uses {kernel}: collect samples and train again"
+            )
+        return model
+
+
+def _weights(path: Path) -> Path:
+    return path.with_name(path.name + ".safetensors")
+
+
+def _padded(
+    shards: list[list[list[float]]], mean: torch.Tensor, std: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in shards)
+    features = torch.zeros(len(shards), width, NUM_FEATURES)
+    mask = torch.zeros(len(shards), width)
+    for i, shard in enumerate(shards):
+        if shard:
+            features[i, : len(shard)] = (torch.tensor(shard) - mean) / std
+            mask[i, : len(shard)] = 1.0
+    return features, mask
+
+
+def _sets(samples: pa.Table) -> list[list[list[float]]]:
+    """Each sample's tables' features."""
+    out = []
+    for count, flat in zip(
+        samples.column("num_tables").to_pylist(),
+        samples.column("features").to_pylist(),
+        strict=True,
+    ):
+        out.append([flat[i * NUM_FEATURES : (i + 1) * NUM_FEATURES] for i in range(count)])
+    return out
+
+
+def _mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.mean(np.abs(predicted - measured) / measured))
+
+
+def _analytic_fit(
+    sets: list[list[list[float]]], seconds: np.ndarray
+) -> Callable[[list[list[list[float]]]], np.ndarray]:
+    """The analytic model's form fitted to the samples: ``seconds = c + bytes / rate``, bytes
+    the fp32 rows a step reads (the tables' pooling x dim x 4, per bag; the batch is the same
+    for all samples), by least squares."""
+
+    def volume(batch: list[list[list[float]]]) -> np.ndarray:
+        return np.array([sum(t[2] * t[1] * 4 for t in tables) for tables in batch])
+
+    x = volume(sets)
+    slope, intercept = np.polyfit(x, seconds, 1)
+    slope, intercept = max(float(slope), 1e-15), max(float(intercept), 0.0)
+    return lambda batch: intercept + slope * volume(batch)
+
+
+def train_cost_model(
+    samples: pa.Table,
+    *,
+    epochs: int = 300,
+    held_out: float = 0.2,
+    seed: int = 0,
+    learning_rate: float = 3e-3,
+) -> LearnedCostModel:
+    """Trains a :class:`LearnedCostModel` on measured samples, keeping ``held_out`` of them
+    (at random) to report its error and the analytic form's on the same sets.
+
+    Raises:
+        CostModelError: fewer than 10 samples, or samples of more than one kernel or batch
+            size.
+    """
+    if samples.num_rows < 10:
+        raise CostModelError(
+            f"{samples.num_rows} cost samples are too few to train on: collect at least 10 "
+            "(hundreds for a useful model)"
+        )
+    for column in ("kernel", "batch_size"):
+        values = set(samples.column(column).to_pylist())
+        if len(values) > 1:
+            raise CostModelError(
+                f"cost samples of several {column}s {sorted(values)}: train one each"
+            )
+    torch.manual_seed(seed)
+    sets = _sets(samples)
+    seconds = np.asarray(samples.column("seconds").to_pylist(), dtype=np.float64)
+    order = np.random.default_rng(seed).permutation(len(sets))
+    cut = max(1, round(len(sets) * held_out))
+    test, train = order[:cut], order[cut:]
+    rows = np.array([t for i in train for t in sets[i]], dtype=np.float64)
+    mean, std = rows.mean(axis=0), np.maximum(rows.std(axis=0), 1e-6)
+    net = SetCostNet()
+    features, mask = _padded(
+        [sets[i] for i in train],
+        torch.tensor(mean, dtype=torch.float32),
+        torch.tensor(std, dtype=torch.float32),
+    )
+    target = torch.tensor(np.log(seconds[train]), dtype=torch.float32)
+    optimizer = torch.optim.Adam(net.parameters(), lr=learning_rate)
+    for _ in range(epochs):  # full batch: a few thousand sets at most
+        optimizer.zero_grad()
+        loss = torch.mean((net(features, mask) - target) ** 2)
+        loss.backward()
+        optimizer.step()
+    all_rows = np.array([t for tables in sets for t in tables], dtype=np.float64)
+    model = LearnedCostModel(
+        net=net.eval(),
+        mean=mean.tolist(),
+        std=std.tolist(),
+        kernel=str(samples.column("kernel")[0].as_py()),
+        batch_size=int(samples.column("batch_size")[0].as_py()),
+        machine=str(samples.column("machine")[0].as_py()),
+        feature_min=all_rows.min(axis=0).tolist(),
+        feature_max=all_rows.max(axis=0).tolist(),
+    )
+    held = [sets[i] for i in test]
+    analytic = _analytic_fit([sets[i] for i in train], seconds[train])
+    model.report = {
+        "train_samples": float(len(train)),
+        "held_out_samples": float(len(test)),
+        "neural_mape": _mape(np.array(model.predict_features(held)), seconds[test]),
+        "analytic_mape": _mape(analytic(held), seconds[test]),
+    }
+    return model

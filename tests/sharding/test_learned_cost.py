@@ -1,0 +1,121 @@
+"""The learned cost model (NeuroShard): table features from a batch's ids, a set model that
+ignores the order of a shard's tables, cost samples measured with the kernel, training, and a
+model that round-trips to disk and refuses another kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from raydlrm.sharding.learned_cost import (
+    HISTOGRAM_BINS,
+    NUM_FEATURES,
+    CostModelError,
+    LearnedCostModel,
+    SetCostNet,
+    TableStats,
+    access_histogram,
+    collect_samples,
+    train_cost_model,
+)
+
+
+def test_table_features_from_a_batch() -> None:
+    # 4 distinct ids: looked up 1, 2, 3 and 9 times -> bins 0, 1, 1, 3.
+    ids = np.array([5] + [6] * 2 + [7] * 3 + [8] * 9)
+    assert access_histogram(ids) == (0.25, 0.5, 0.0, 0.25) + (0.0,) * (HISTOGRAM_BINS - 4)
+    stats = TableStats.of_batch(rows=1000, dim=16, ids=ids, bags=5)
+    assert stats.pooling == 3.0
+    features = stats.features()
+    assert len(features) == NUM_FEATURES and features[:3] == [3.0, 16.0, 3.0]
+    assert access_histogram(np.array([1] * 70000))[-1] == 1.0  # 2^16 and more: the last bin
+    assert access_histogram(np.array([], dtype=np.int64)) == (0.0,) * HISTOGRAM_BINS
+
+
+def test_the_set_model_ignores_the_order_of_a_shards_tables() -> None:
+    torch.manual_seed(0)
+    net = SetCostNet()
+    features = torch.randn(1, 5, NUM_FEATURES)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]])  # 3 tables, 2 padding slots
+    shuffled = features[:, [2, 0, 1, 3, 4]]
+    assert torch.allclose(net(features, mask), net(shuffled, mask), atol=1e-6)
+    padding_changed = features.clone()
+    padding_changed[:, 3:] = 100.0
+    assert torch.allclose(net(features, mask), net(padding_changed, mask))
+    assert not torch.allclose(net(features, mask), net(features, torch.ones(1, 5)))
+
+
+@pytest.fixture(scope="module")
+def samples():
+    """A few small measured sets (the machine's kernel)."""
+    return collect_samples(
+        14, kernel="auto", batch_size=64, seed=3, max_tables=3, max_rows=5000, repeats=1
+    )
+
+
+def test_samples_are_measured_sets_of_tables(samples) -> None:
+    assert samples.num_rows == 14
+    counts = samples.column("num_tables").to_pylist()
+    features = samples.column("features").to_pylist()
+    assert all(1 <= c <= 3 for c in counts)
+    assert [len(f) for f in features] == [c * NUM_FEATURES for c in counts]
+    assert all(s > 0 for s in samples.column("seconds").to_pylist())
+    assert set(samples.column("kernel").to_pylist()) <= {"fbgemm", "torch"}
+    for flat in features:  # rows in [10^3, 5000], dims multiples of 4, histograms sum to 1
+        for t in range(len(flat) // NUM_FEATURES):
+            table = flat[t * NUM_FEATURES : (t + 1) * NUM_FEATURES]
+            assert 3.0 <= table[0] <= np.log10(5000) + 1e-9 and table[1] % 4 == 0
+            assert abs(sum(table[3:]) - 1.0) < 1e-9
+
+
+def test_a_trained_model_round_trips_and_refuses_another_kernel(samples, tmp_path: Path) -> None:
+    model = train_cost_model(samples, epochs=20)
+    assert model.report["held_out_samples"] == 3 and model.report["train_samples"] == 11
+    assert model.report["neural_mape"] >= 0 and model.report["analytic_mape"] >= 0
+    shards = [
+        [TableStats(2000, 16, 2.0, (1.0,) + (0.0,) * 16)],
+        [],
+        [TableStats(4000, 64, 5.0, (0.5, 0.5) + (0.0,) * 15)] * 2,
+    ]
+    predicted = model.predict(shards)
+    assert predicted[1] == 0.0 and predicted[0] > 0 and predicted[2] > 0
+    path = model.save(tmp_path / "model.json")
+    again = LearnedCostModel.load(path, kernel=model.kernel)
+    assert again.predict(shards) == predicted
+    assert again.report == model.report
+    other = "torch" if model.kernel == "fbgemm" else "fbgemm"
+    with pytest.raises(CostModelError, match=f"trained for the {model.kernel} kernel"):
+        LearnedCostModel.load(path, kernel=other)
+    with pytest.raises(CostModelError, match="no learned cost model at"):
+        LearnedCostModel.load(tmp_path / "missing.json")
+    with pytest.raises(CostModelError, match="too few to train on"):
+        train_cost_model(samples.slice(0, 5))
+
+
+def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
+    """``raydlrm plan --collect N --train-cost-model``: samples added to
+    ``sharding.cost_samples_path``, the model written to ``sharding.learned_cost_path``, the
+    held-out errors printed; training with no samples is one line."""
+    from raydlrm.platform.cli import app
+
+    sets = [
+        f'sharding.cost_samples_path="{tmp_path / "samples"}"',
+        f'sharding.learned_cost_path="{tmp_path / "cost.json"}"',
+        "data.batch_size=64",
+        f'data.train_path="{tmp_path / "nothing"}"',
+    ]
+    args = [a for s in sets for a in ("--set", s)]
+    runner = CliRunner()
+    empty = runner.invoke(app, ["plan", *args, "--train-cost-model"])
+    assert empty.exit_code == 2 and "run raydlrm plan --collect N first" in empty.output
+    result = runner.invoke(app, ["plan", *args, "--collect", "12", "--train-cost-model"])
+    assert result.exit_code == 0, result.output
+    (written,) = (tmp_path / "samples").glob("*-b64-*.parquet")
+    assert pq.read_table(written).num_rows == 12
+    assert "held-out error" in result.output and (tmp_path / "cost.json").is_file()
+    assert LearnedCostModel.load(tmp_path / "cost.json").batch_size == 64
