@@ -1,0 +1,106 @@
+"""Held-out error of the learned cost model against the analytic form (issue 30, first part).
+
+Reads measured cost samples (Parquet, as ``raydlrm plan --collect N`` or
+:func:`raydlrm.sharding.learned_cost.collect_samples` write them) or collects ``--collect N``
+first; holds out ``--held-out`` of the sets at random; trains the learned model on the first
+``k`` of the rest for each ``k`` of ``--train-sizes`` (a learning curve); and reports on the
+same held-out sets the mean absolute percentage error (MAPE) of the learned model and of the
+analytic form (``seconds = c + bytes / rate`` over the set's tables, fitted by least squares to
+the same training sets), overall and by the number of tables in a set.
+
+    .venv/bin/python benchmarks/learned_cost.py --samples /tmp/lc_*.parquet \
+        --train-sizes 300 1000 3000 --out /tmp/bench/learned_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raydlrm.sharding import learned_cost as lc
+
+
+def _by_size(sets: list, predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]:
+    sizes = np.array([len(s) for s in sets])
+    out = {}
+    for lo, hi in ((1, 1), (2, 5), (6, 10), (11, 15)):
+        pick = (sizes >= lo) & (sizes <= hi)
+        if pick.any():
+            out[f"{lo}-{hi}"] = float(
+                np.mean(np.abs(predicted[pick] - measured[pick]) / measured[pick])
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", nargs="*", default=[], help="Parquet files of samples")
+    parser.add_argument("--collect", type=int, default=0, help="collect this many first")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--train-sizes", type=int, nargs="+", default=[300, 1000, 3000])
+    parser.add_argument("--held-out", type=int, default=500, help="sets held out")
+    parser.add_argument("--epochs", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench/learned_cost.json"))
+    args = parser.parse_args()
+    tables = [pq.read_table(p) for p in args.samples]
+    if args.collect:
+        tables.append(lc.collect_samples(args.collect, batch_size=args.batch_size, seed=args.seed))
+    samples = pa.concat_tables(tables)
+    order = np.random.default_rng(args.seed).permutation(samples.num_rows)
+    test = samples.take(order[: args.held_out])
+    rest = samples.take(order[args.held_out :])
+    sets = lc.sample_sets(test)
+    measured = np.asarray(test.column("seconds").to_pylist())
+    print(
+        f"{samples.num_rows} samples ({samples.column('kernel')[0]} kernel, "
+        f"{samples.column('machine')[0]}); {args.held_out} held out"
+    )
+    rows = []
+    for size in args.train_sizes:
+        if size > rest.num_rows:
+            continue
+        train = rest.slice(0, size)
+        start = time.perf_counter()
+        # The sets held out are ours (the same for every size): none inside.
+        model = lc.train_cost_model(train, epochs=args.epochs, held_out=0, seed=args.seed)
+        seconds = time.perf_counter() - start
+        learned = np.array(model.predict_features(sets))
+        train_sets = lc.sample_sets(train)
+        analytic = lc.fit_analytic(train_sets, np.asarray(train.column("seconds").to_pylist()))(
+            sets
+        )
+        row = {
+            "train_sets": size,
+            "train_s": seconds,
+            "learned_mape": lc.mape(learned, measured),
+            "analytic_mape": lc.mape(analytic, measured),
+            "learned_by_tables": _by_size(sets, learned, measured),
+            "analytic_by_tables": _by_size(sets, analytic, measured),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(
+        "\n| train sets | learned MAPE | analytic MAPE | learned by tables "
+        "(1 / 2-5 / 6-10 / 11-15) | analytic by tables | train s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        fmt = lambda d: " / ".join(f"{v:.1%}" for v in d.values())  # noqa: E731
+        print(
+            f"| {r['train_sets']} | {r['learned_mape']:.1%} | {r['analytic_mape']:.1%} | "
+            f"{fmt(r['learned_by_tables'])} | {fmt(r['analytic_by_tables'])} | "
+            f"{r['train_s']:.0f} |"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
