@@ -17,10 +17,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from raydlrm.sharding.cost import CostConstants
 
-__all__ = ["CalibrationSizes", "calibrate"]
+__all__ = ["CalibrationSizes", "calibrate", "timed_tbe"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,26 +151,36 @@ def _best_of(fn, *, repeats: int) -> float:
     return best
 
 
+def timed_tbe(kernel: str, tables: list[Any]) -> Any:
+    """The CPU TBE the cost measurements time: ``tables`` (``TableSpec``), one feature each,
+    row-wise Adagrad, fp32 weights, sum pooling, of the resolved ``kernel``."""
+    import torch
+
+    from raydlrm.sharding.kernel import build_tbe
+
+    return build_tbe(
+        kernel,  # type: ignore[arg-type]
+        tables=tables,
+        feature_table_map=list(range(len(tables))),
+        optimizer="rowwise_adagrad",
+        learning_rate=0.01,
+        eps=1e-8,
+        pooling="sum",
+        precision="fp32",
+        device=torch.device("cpu"),
+    )
+
+
 def _lookup_rate(sizes: list[tuple[int, int, int]], *, repeats: int, kernel: str) -> float:
     """fp32 bytes per second of a CPU TBE forward + backward (row-wise Adagrad) of ``kernel``."""
     import torch
 
-    from raydlrm.sharding.kernel import TableSpec, build_tbe
+    from raydlrm.sharding.kernel import TableSpec
 
     gen = torch.Generator().manual_seed(0)
     volumes, seconds = [], []
     for rows, dim, ids_per_step in sizes:
-        tbe = build_tbe(
-            kernel,
-            tables=[TableSpec(rows, dim)],
-            feature_table_map=[0],
-            optimizer="rowwise_adagrad",
-            learning_rate=0.01,
-            eps=1e-8,
-            pooling="sum",
-            precision="fp32",
-            device=torch.device("cpu"),
-        )
+        tbe = timed_tbe(kernel, [TableSpec(rows, dim)])
         bags = max(ids_per_step // 8, 1)
         indices = torch.randint(0, rows, (bags * 8,), generator=gen)
         offsets = torch.arange(0, bags * 8 + 1, 8)

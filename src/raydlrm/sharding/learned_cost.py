@@ -166,19 +166,10 @@ def _time_tables(
 ) -> float:
     """Median seconds of a fused TBE forward + backward (row-wise Adagrad, fp32) of ``tables``
     looking up ``batches`` (one per table), after one warm-up."""
-    from raydlrm.sharding.kernel import TableSpec, build_tbe
+    from raydlrm.sharding.calibration import timed_tbe
+    from raydlrm.sharding.kernel import TableSpec
 
-    tbe = build_tbe(
-        kernel,  # type: ignore[arg-type]
-        tables=[TableSpec(t.rows, t.dim) for t in tables],
-        feature_table_map=list(range(len(tables))),
-        optimizer="rowwise_adagrad",
-        learning_rate=0.01,
-        eps=1e-8,
-        pooling="sum",
-        precision="fp32",
-        device=torch.device("cpu"),
-    )
+    tbe = timed_tbe(kernel, [TableSpec(t.rows, t.dim) for t in tables])
     indices = torch.from_numpy(np.concatenate([ids for ids, _ in batches]))
     lengths = np.concatenate([lengths for _, lengths in batches])
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
@@ -214,6 +205,9 @@ def collect_samples(
     """
     from raydlrm.sharding.kernel import resolve_kernel
 
+    smallest = 1000 * (min(_DIMS) + 1) * 4  # the smallest table a set can draw
+    if max_bytes < smallest:
+        raise ValueError(f"max_bytes {max_bytes} is below the smallest table's {smallest}")
     resolved = resolve_kernel(kernel)
     rng = np.random.default_rng(seed)
     machine = machine_description()
@@ -371,6 +365,15 @@ class LearnedCostModel:
                 f"learned cost model {path} was trained for the {model.kernel} kernel, the job "
                 f"uses {kernel}: collect samples and train again"
             )
+        here = machine_description()
+        if model.machine != here:
+            logger.warning(
+                "learned cost model %s was measured on another machine (%s; this one: %s): "
+                "its costs may not hold here",
+                path,
+                model.machine,
+                here,
+            )
         return model
 
 
@@ -424,6 +427,26 @@ def fit_analytic(
     return lambda batch: intercept + slope * volume(batch)
 
 
+def _fit(
+    features: torch.Tensor,
+    mask: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    epochs: int,
+    learning_rate: float,
+) -> SetCostNet:
+    """A :class:`SetCostNet` fitted to the log times ``target`` (Adam, full batch: a few
+    thousand sets at most)."""
+    net = SetCostNet()
+    optimizer = torch.optim.Adam(net.parameters(), lr=learning_rate)
+    for _ in range(epochs):
+        optimizer.zero_grad()
+        loss = torch.mean((net(features, mask) - target) ** 2)
+        loss.backward()
+        optimizer.step()
+    return net
+
+
 def train_cost_model(
     samples: pa.Table,
     *,
@@ -458,19 +481,13 @@ def train_cost_model(
     test, train = order[:cut], order[cut:]
     rows = np.array([t for i in train for t in sets[i]], dtype=np.float64)
     mean, std = rows.mean(axis=0), np.maximum(rows.std(axis=0), 1e-6)
-    net = SetCostNet()
     features, mask = _padded(
         [sets[i] for i in train],
         torch.tensor(mean, dtype=torch.float32),
         torch.tensor(std, dtype=torch.float32),
     )
     target = torch.tensor(np.log(seconds[train]), dtype=torch.float32)
-    optimizer = torch.optim.Adam(net.parameters(), lr=learning_rate)
-    for _ in range(epochs):  # full batch: a few thousand sets at most
-        optimizer.zero_grad()
-        loss = torch.mean((net(features, mask) - target) ** 2)
-        loss.backward()
-        optimizer.step()
+    net = _fit(features, mask, target, epochs=epochs, learning_rate=learning_rate)
     all_rows = np.array([t for tables in sets for t in tables], dtype=np.float64)
     model = LearnedCostModel(
         net=net.eval(),
