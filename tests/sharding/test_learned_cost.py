@@ -98,8 +98,8 @@ def test_a_trained_model_round_trips_and_refuses_another_kernel(samples, tmp_pat
 
 
 def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
-    """``raydlrm plan --collect N --train-cost-model``: samples added to
-    ``sharding.cost_samples_path``, the model written to ``sharding.learned_cost_path``, the
+    """``raydlrm plan --collect N --train-cost-model``: compute and all-to-all samples (2
+    gloo ranks) added to ``sharding.cost_samples_path``, the model written to ``sharding.learned_cost_path``, the
     held-out errors printed; training with no samples is one line."""
     from raydlrm.platform.cli import app
 
@@ -115,7 +115,17 @@ def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
     assert empty.exit_code == 2 and "run raydlrm plan --collect N first" in empty.output
     result = runner.invoke(app, ["plan", *args, "--collect", "12", "--train-cost-model"])
     assert result.exit_code == 0, result.output
-    (written,) = (tmp_path / "samples").glob("*-b64-*.parquet")
+    (written,) = (tmp_path / "samples").glob("[ft]*-b64-*.parquet")  # fbgemm or torch
     assert pq.read_table(written).num_rows == 12
+    # And 12 all-to-alls of random dim-sum layouts on 2 gloo ranks (scaling.num_workers).
+    (comm_file,) = (tmp_path / "samples").glob("comm-w2-b64-*.parquet")
+    comm = pq.read_table(comm_file).to_pydict()
+    assert comm["world_size"] == [2] * 12 and comm["batch_size"] == [64] * 12
+    for dims, delays, fwd, bwd in zip(
+        comm["dim_sums"], comm["delays"], comm["forward_seconds"], comm["backward_seconds"]
+    ):
+        assert len(dims) == len(delays) == len(fwd) == len(bwd) == 2
+        assert all(d % 4 == 0 and 4 <= d <= 2048 for d in dims)
+        assert all(0 <= x <= 0.005 for x in delays) and all(t > 0 for t in fwd + bwd)
     assert "held-out error" in result.output and (tmp_path / "cost.json").is_file()
     assert LearnedCostModel.load(tmp_path / "cost.json").batch_size == 64

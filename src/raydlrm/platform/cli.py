@@ -335,7 +335,8 @@ def plan(
             "--collect",
             metavar="N",
             help="First measure N random sets of synthetic tables (fused TBE forward + "
-            "backward of sharding.kernel, data.batch_size bags a table) and add them to the "
+            "backward of sharding.kernel, data.batch_size bags a table) and N all-to-alls of "
+            "random dim-sum layouts on scaling.num_workers gloo processes, and add them to the "
             "cost samples in sharding.cost_samples_path.",
         ),
     ] = 0,
@@ -412,9 +413,20 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
     directory = Path(job.sharding.cost_samples_path).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     kernel = samples.column("kernel")[0].as_py()
-    path = directory / f"{kernel}-b{job.data.batch_size}-{time.strftime('%Y%m%d-%H%M%S')}.parquet"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = directory / f"{kernel}-b{job.data.batch_size}-{stamp}.parquet"
     pq.write_table(samples, path)
     typer.echo(f"{samples.num_rows} cost samples ({kernel} kernel) written to {path}", err=True)
+    workers = job.scaling.num_workers
+    if workers > 1:  # the all-to-all of as many gloo processes here as the job has workers
+        from raydlrm.sharding.comm_samples import collect_comm_samples
+
+        comm = collect_comm_samples(
+            n, world_size=workers, batch_size=job.data.batch_size, seed=time.time_ns() % 2**32
+        )
+        path = directory / f"comm-w{workers}-b{job.data.batch_size}-{stamp}.parquet"
+        pq.write_table(comm, path)
+        typer.echo(f"{n} all-to-all samples ({workers} ranks) written to {path}", err=True)
 
 
 def _train_cost_model(job: JobConfig) -> None:
