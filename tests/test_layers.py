@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raydlrm"
-COMMON = {"batch", "_config", "_versions", "_errors", "storage", "_logs", "_lazy"}
+COMMON = {"batch", "_config", "_versions", "_errors", "storage", "_logs", "_lazy", "_sampling"}
 ALLOWED = {
     "_lazy": set(),
     "_config": set(),
@@ -27,6 +27,7 @@ ALLOWED = {
     "batch": {"_config", "_versions"},
     "storage": {"_config"},
     "_logs": set(),
+    "_sampling": set(),
     "models": COMMON,
     "sharding": COMMON | {"models"},
     "ingestion": COMMON,

@@ -99,8 +99,9 @@ def test_a_trained_model_round_trips_and_refuses_another_kernel(samples, tmp_pat
 
 def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
     """``raydlrm plan --collect N --train-cost-model``: compute and all-to-all samples (2
-    gloo ranks) added to ``sharding.cost_samples_path``, the model written to ``sharding.learned_cost_path``, the
-    held-out errors printed; training with no samples is one line."""
+    gloo ranks) added to ``sharding.cost_samples_path``, the model written to
+    ``sharding.learned_cost_path``, the held-out errors printed; training with no samples is
+    one line."""
     from raydlrm.platform.cli import app
 
     sets = [
@@ -122,7 +123,11 @@ def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
     comm = pq.read_table(comm_file).to_pydict()
     assert comm["world_size"] == [2] * 12 and comm["batch_size"] == [64] * 12
     for dims, delays, fwd, bwd in zip(
-        comm["dim_sums"], comm["delays"], comm["forward_seconds"], comm["backward_seconds"]
+        comm["dim_sums"],
+        comm["delays"],
+        comm["forward_seconds"],
+        comm["backward_seconds"],
+        strict=True,
     ):
         assert len(dims) == len(delays) == len(fwd) == len(bwd) == 2
         assert all(d % 4 == 0 and 4 <= d <= 2048 for d in dims)

@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raydlrm._sampling import zipf_ranks
 from raydlrm.ingestion.clustered import WRITE_OPTIONS, split_sessions
 from raydlrm.ingestion.config import SyntheticConfig
 from raydlrm.ingestion.layout import ClusteredLayout, write_layout
@@ -140,18 +141,6 @@ class _Rows:
 
 def _num_single(config: SyntheticConfig) -> int:
     return config.num_sparse - config.num_list_features
-
-
-def zipf_ranks(
-    rng: np.random.Generator, *, size: int | tuple[int, ...], cardinality: int, s: float
-) -> np.ndarray:
-    """Ranks in ``[0, cardinality)`` with P(rank) ~ (rank + 1) ** -s (inverse CDF, continuous)."""
-    u = rng.random(size)
-    n = cardinality + 1.0
-    if abs(s - 1.0) < 1e-6:
-        return np.minimum((n**u).astype(np.int64) - 1, cardinality - 1)
-    x = ((n ** (1.0 - s) - 1.0) * u + 1.0) ** (1.0 / (1.0 - s))
-    return np.minimum(x.astype(np.int64) - 1, cardinality - 1)
 
 
 def _hash_normal(raw_ids: np.ndarray, salt: int) -> np.ndarray:

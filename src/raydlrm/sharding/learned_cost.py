@@ -145,7 +145,7 @@ def _draw_ids(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One batch of ``bags`` bags of a table: (ids, lengths); lengths 1 + Poisson(pooling - 1),
     ids Zipf-ranked rows scattered over the table (a hash of the rank)."""
-    from raydlrm.ingestion.synthetic import zipf_ranks
+    from raydlrm._sampling import zipf_ranks
 
     lengths = 1 + rng.poisson(max(table.pooling - 1.0, 0.0), size=bags)
     total = int(lengths.sum())
