@@ -146,7 +146,7 @@ def _has_tag(pid: int, tag: str) -> bool:
 class Poller(threading.Thread):
     """Polls the peak RSS of a process, its descendants and the processes carrying a tag."""
 
-    def __init__(self, root: int, tag: str, interval: float) -> None:
+    def __init__(self, root: int, tag: str, interval: float, disk_path: Path) -> None:
         super().__init__(daemon=True)
         self.root, self.tag, self.interval = root, tag, interval
         self.procs: dict[tuple[int, int], dict[str, Any]] = {}
@@ -156,8 +156,8 @@ class Poller(threading.Thread):
         self._foreign: set[tuple[int, int]] = set()
         self._done = threading.Event()
         self._t0 = time.monotonic()
-        # The disk of the working directory: used bytes at the start and their peak.
-        self.disk_path = Path.cwd()
+        # The disk of the command's working directory: used bytes at the start and their peak.
+        self.disk_path = disk_path
         self.disk_start = self.disk_peak = shutil.disk_usage(self.disk_path).used
         self.disk_peak_at_s = 0.0
 
@@ -265,8 +265,7 @@ def _measure(
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True
         )
-        poller = Poller(proc.pid, tag, interval)
-        poller.disk_path = cwd
+        poller = Poller(proc.pid, tag, interval, disk_path=cwd)
         try:
             poller.start()
             rc = proc.wait(timeout=timeout)

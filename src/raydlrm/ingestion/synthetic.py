@@ -59,7 +59,7 @@ from raydlrm.ingestion.layout import ClusteredLayout, write_layout
 from raydlrm.ingestion.preprocess import mix64
 from raydlrm.storage import SAMPLES_DIR, SESSIONS_DIR
 
-__all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic", "zipf_ranks"]
+__all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic"]
 
 logger = logging.getLogger(__name__)
 

@@ -397,7 +397,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
     """Measures ``n`` cost samples and adds them to the job's samples (``plan --collect``)."""
     import pyarrow.parquet as pq
 
-    from raydlrm.sharding.learned_cost import collect_samples
+    from raydlrm.sharding.learned_cost import collect_samples, save_samples
 
     def progress(done: int, total: int) -> None:
         if done == total or done % 50 == 0:
@@ -410,12 +410,8 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
         progress=progress,
         seed=time.time_ns() % 2**32,
     )
-    directory = Path(job.sharding.cost_samples_path).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
+    path = save_samples(samples, job.sharding.cost_samples_path)
     kernel = samples.column("kernel")[0].as_py()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = directory / f"{kernel}-b{job.data.batch_size}-{stamp}.parquet"
-    pq.write_table(samples, path)
     typer.echo(f"{samples.num_rows} cost samples ({kernel} kernel) written to {path}", err=True)
     workers = job.scaling.num_workers
     if workers > 1:  # the all-to-all of as many gloo processes here as the job has workers
@@ -424,7 +420,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
         comm = collect_comm_samples(
             n, world_size=workers, batch_size=job.data.batch_size, seed=time.time_ns() % 2**32
         )
-        path = directory / f"comm-w{workers}-b{job.data.batch_size}-{stamp}.parquet"
+        path = path.with_name(path.name.replace(f"{kernel}-", f"comm-w{workers}-", 1))
         pq.write_table(comm, path)
         typer.echo(f"{n} all-to-all samples ({workers} ranks) written to {path}", err=True)
 
@@ -432,17 +428,13 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
 def _train_cost_model(job: JobConfig) -> None:
     """Trains the learned cost model on the job's samples (``plan --train-cost-model``)."""
     from raydlrm.sharding.kernel import resolve_kernel
-    from raydlrm.sharding.learned_cost import load_samples, train_cost_model
+    from raydlrm.sharding.learned_cost import stored_samples, train_cost_model
 
     kernel = resolve_kernel(job.sharding.kernel)
-    directory = Path(job.sharding.cost_samples_path).expanduser()
-    files = sorted(directory.glob(f"{kernel}-b{job.data.batch_size}-*.parquet"))
-    if not files:
-        raise ValueError(
-            f"no cost samples of the {kernel} kernel at batch size {job.data.batch_size} in "
-            f"{directory}: run raydlrm plan --collect N first"
-        )
-    model = train_cost_model(load_samples(files))
+    samples = stored_samples(
+        job.sharding.cost_samples_path, kernel=kernel, batch_size=job.data.batch_size
+    )
+    model = train_cost_model(samples)
     path = model.save(job.sharding.learned_cost_path)
     r = model.report
     typer.echo(

@@ -57,6 +57,7 @@ from raydlrm.trainers.model_dir import (
     PLAN_FILE,
     REFERENCE_FILE,
     SPEC_FILE,
+    model_metrics,
     write_model_dir,
 )
 
@@ -263,27 +264,27 @@ def _cannot_reference(checkpoint_uri: str, tracking_uri: str) -> str | None:
 def run_model_dir(checkpoint: Any, uri: str, *, by_reference: bool) -> Iterator[Path]:
     """The model directory to log for a run's final checkpoint (a Ray Train ``Checkpoint``:
     ``path``, ``filesystem``; ``uri``: its URI), for the duration of the block: a reference to
-    it (its config, plan and metrics copied, nothing downloaded), or its weights assembled
+    it (its config, plan and metrics files copied, nothing else read), or its weights assembled
     from its shards (and its chain's)."""
     filesystem = checkpoint.filesystem or pafs.LocalFileSystem()
+    if not by_reference:
+        with (
+            local_checkpoint(checkpoint.path, filesystem=filesystem) as directory,
+            _model_dir(directory) as model_dir,
+        ):
+            yield model_dir
+        return
     with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
         target = Path(tmp, "checkpoint")
-        if not by_reference:
-            with local_checkpoint(checkpoint.path, filesystem=filesystem) as directory:
-                yield write_model_dir(directory, target)
-            return
         target.mkdir()
-        metrics: dict[str, Any] = {}
         for name in (SPEC_FILE, PLAN_FILE, METRICS_FILE, FINAL_METRICS_FILE):
             path = f"{checkpoint.path.rstrip('/')}/{name}"
-            if filesystem.get_file_info(path).type != pafs.FileType.File:
-                continue  # the metrics files are optional (spec and plan: loading names them)
-            with filesystem.open_input_stream(path) as f:
-                content = f.read()
-            if name in (SPEC_FILE, PLAN_FILE):
-                Path(target, name).write_bytes(content)
-            else:
-                metrics.update(json.loads(content))
+            if filesystem.get_file_info(path).type == pafs.FileType.File:  # metrics: optional
+                with filesystem.open_input_stream(path) as f:
+                    Path(target, name).write_bytes(f.read())
+        # One metrics file, the final evaluation's over the checkpoint's, as write_model_dir.
+        metrics = model_metrics(target)
+        Path(target, FINAL_METRICS_FILE).unlink(missing_ok=True)
         Path(target, METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
         Path(target, REFERENCE_FILE).write_text(json.dumps({"checkpoint": uri}))
         yield target

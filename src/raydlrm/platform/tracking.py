@@ -59,32 +59,31 @@ its weights."""
 
 
 def registered_checkpoint(model_uri: str, tracking_uri: str) -> str:
-    """The training checkpoint of a registered model version (``models:/<name>/<version>`` or
-    ``models:/<name>@<alias>``): its run's :data:`TAG_CHECKPOINT`.
+    """The training checkpoint of a registered or logged model (``models:/<name>/<version>``,
+    ``models:/<name>@<alias>``, ``models:/<name>/latest``, ``models:/m-<id>``): its run's
+    :data:`TAG_CHECKPOINT`.
 
     Raises:
-        ConfigError: no such version, or its run records no checkpoint, naming the model.
+        ConfigError: no such model, or its run records no checkpoint, naming the model.
     """
     from mlflow.exceptions import MlflowException
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
 
     client = MlflowClient(tracking_uri)
-    reference = model_uri.removeprefix("models:/")
-    name, alias = reference.split("@", 1) if "@" in reference else (reference, None)
     try:
-        if alias is not None:
-            version = client.get_model_version_by_alias(name, alias)
+        found = get_model_name_and_version(client, model_uri)
+        if len(found) == 1:  # a logged model's id
+            run_id = client.get_logged_model(found[0]).source_run_id
         else:
-            name, _, number = reference.rpartition("/")
-            version = client.get_model_version(name, number)
-        checkpoint = client.get_run(version.run_id).data.tags.get(TAG_CHECKPOINT)
+            run_id = client.get_model_version(*found).run_id
+        checkpoint = client.get_run(run_id).data.tags.get(TAG_CHECKPOINT)
     except MlflowException as exc:
         raise ConfigError(
             f"{model_uri}: no such registered model version ({exc.message})"
         ) from None
     if checkpoint is None:
         raise ConfigError(
-            f"{model_uri} (run {version.run_id}) records no training checkpoint "
-            f"({TAG_CHECKPOINT} tag)"
+            f"{model_uri} (run {run_id}) records no training checkpoint ({TAG_CHECKPOINT} tag)"
         )
     return checkpoint
 

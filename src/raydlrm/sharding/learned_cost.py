@@ -59,6 +59,8 @@ __all__ = [
     "machine_description",
     "mape",
     "sample_sets",
+    "save_samples",
+    "stored_samples",
     "train_cost_model",
 ]
 
@@ -67,6 +69,7 @@ logger = logging.getLogger(__name__)
 HISTOGRAM_BINS = 17
 NUM_FEATURES = 3 + HISTOGRAM_BINS
 _HIDDEN, _LATENT, _HEAD = 128, 32, 64
+_SAMPLE_COLUMNS = ("num_tables", "features", "seconds", "kernel", "batch_size", "machine")
 _DIMS = tuple(range(4, 132, 4))
 """Dims of the synthetic tables: multiples of 4 from 4 to 128 (what the kernels vectorise)."""
 
@@ -138,6 +141,25 @@ def _random_table(rng: np.random.Generator, *, max_rows: int) -> _SyntheticTable
     dim = int(rng.choice(_DIMS))
     pooling = float(10 ** rng.uniform(0, 2))
     return _SyntheticTable(rows, dim, pooling, float(rng.uniform(0.0, 1.2)))
+
+
+def _random_set(
+    rng: np.random.Generator, *, max_tables: int, max_rows: int, max_bytes: int
+) -> list[_SyntheticTable]:
+    """1 to ``max_tables`` random tables, fewer if the next would take the set's weights and
+    row-wise state past ``max_bytes``."""
+    count = int(rng.integers(1, max_tables + 1))
+    tables: list[_SyntheticTable] = []
+    used = 0
+    while len(tables) < count:
+        table = _random_table(rng, max_rows=max_rows)
+        size = table.rows * (table.dim + 1) * 4
+        if used + size <= max_bytes:
+            tables.append(table)
+            used += size
+        elif tables:
+            break
+    return tables
 
 
 def _draw_ids(
@@ -213,15 +235,7 @@ def collect_samples(
     machine = machine_description()
     rows: dict[str, list[Any]] = {"num_tables": [], "features": [], "seconds": []}
     for i in range(n):
-        count = int(rng.integers(1, max_tables + 1))
-        tables: list[_SyntheticTable] = []
-        while len(tables) < count:
-            table = _random_table(rng, max_rows=max_rows)
-            used = sum(t.rows * (t.dim + 1) * 4 for t in [*tables, table])
-            if used <= max_bytes:
-                tables.append(table)
-            elif tables:
-                break
+        tables = _random_set(rng, max_tables=max_tables, max_rows=max_rows, max_bytes=max_bytes)
         batches = [_draw_ids(rng, t, batch_size) for t in tables]
         stats = [
             TableStats.of_batch(rows=t.rows, dim=t.dim, ids=ids, bags=batch_size)
@@ -244,6 +258,33 @@ def collect_samples(
     )
 
 
+def save_samples(samples: pa.Table, directory: str | Path) -> Path:
+    """Adds measured samples to the store ``directory`` (``sharding.cost_samples_path``): a
+    Parquet file named by their kernel, batch size and the time; returns it."""
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    kernel, batch = samples.column("kernel")[0].as_py(), samples.column("batch_size")[0].as_py()
+    path = directory / f"{kernel}-b{batch}-{time.strftime('%Y%m%d-%H%M%S')}.parquet"
+    pq.write_table(samples, path)
+    return path
+
+
+def stored_samples(directory: str | Path, *, kernel: str, batch_size: int) -> pa.Table:
+    """Every sample of the store ``directory`` measured with ``kernel`` at ``batch_size``.
+
+    Raises:
+        CostModelError: there are none, naming the store; or a file is malformed.
+    """
+    directory = Path(directory).expanduser()
+    files = sorted(directory.glob(f"{kernel}-b{batch_size}-*.parquet"))
+    if not files:
+        raise CostModelError(
+            f"no cost samples of the {kernel} kernel at batch size {batch_size} in "
+            f"{directory}: run raydlrm plan --collect N first"
+        )
+    return load_samples(files)
+
+
 def load_samples(paths: Sequence[str | Path]) -> pa.Table:
     """The cost samples of one or more Parquet files (as :func:`collect_samples` wrote them).
 
@@ -257,14 +298,10 @@ def load_samples(paths: Sequence[str | Path]) -> pa.Table:
         if not Path(path).is_file():
             raise CostModelError(f"cost samples {path} do not exist: run raydlrm plan --collect N")
         table = pq.read_table(path)
-        missing = {"num_tables", "features", "seconds", "kernel", "machine"} - set(
-            table.column_names
-        )
+        missing = set(_SAMPLE_COLUMNS) - set(table.column_names)
         if missing:
             raise CostModelError(f"cost samples {path} lack the columns {sorted(missing)}")
-        tables.append(
-            table.select(["num_tables", "features", "seconds", "kernel", "batch_size", "machine"])
-        )
+        tables.append(table.select(list(_SAMPLE_COLUMNS)))
     return pa.concat_tables(tables)
 
 
@@ -488,7 +525,6 @@ def train_cost_model(
     )
     target = torch.tensor(np.log(seconds[train]), dtype=torch.float32)
     net = _fit(features, mask, target, epochs=epochs, learning_rate=learning_rate)
-    all_rows = np.array([t for tables in sets for t in tables], dtype=np.float64)
     model = LearnedCostModel(
         net=net.eval(),
         mean=mean.tolist(),
@@ -496,8 +532,8 @@ def train_cost_model(
         kernel=str(samples.column("kernel")[0].as_py()),
         batch_size=int(samples.column("batch_size")[0].as_py()),
         machine=str(samples.column("machine")[0].as_py()),
-        feature_min=all_rows.min(axis=0).tolist(),
-        feature_max=all_rows.max(axis=0).tolist(),
+        feature_min=rows.min(axis=0).tolist(),  # the range the model was trained on
+        feature_max=rows.max(axis=0).tolist(),
     )
     model.report = {"train_samples": float(len(train)), "held_out_samples": float(len(test))}
     if len(test):

@@ -499,8 +499,8 @@ def open_chain(directory: str | Path, stored: Any = None) -> Iterator[list[str]]
                 if not sibling.is_dir():
                     raise FileNotFoundError(
                         f"checkpoint {directory} is a delta (differential checkpoints): the "
-                        f"{name} of its chain is not beside it; give it with its run directory, "
-                        "or the run's final checkpoint (a baseline)"
+                        f"{name} of its chain is not beside it; give it with the checkpoints of "
+                        "its run directory beside it"
                     )
                 members.append(str(sibling))
             else:

@@ -150,8 +150,7 @@ def model_source(directory: str | Path) -> Iterator[Path]:
                 "its run's checkpoints where the run stored them (raydlrm export --register "
                 "makes a standalone copy)"
             ) from None
-        check_intact(local)
-        yield local
+        yield local  # checked (with its chain) by ModelWeights before anything is read
 
 
 def save_model_metadata(
