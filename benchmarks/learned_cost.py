@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydlrm.sharding import learned_cost as lc
+from raydlrm.sharding.measure import mape
 
 
 def _by_size(sets: list, predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]:
@@ -79,8 +80,8 @@ def main() -> None:
         row = {
             "train_sets": size,
             "train_s": seconds,
-            "learned_mape": lc.mape(learned, measured),
-            "analytic_mape": lc.mape(analytic, measured),
+            "learned_mape": mape(learned, measured),
+            "analytic_mape": mape(analytic, measured),
             "learned_by_tables": _by_size(sets, learned, measured),
             "analytic_by_tables": _by_size(sets, analytic, measured),
         }

@@ -107,7 +107,7 @@ def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
     sets = [
         f'sharding.cost_samples_path="{tmp_path / "samples"}"',
         f'sharding.learned_cost_path="{tmp_path / "cost.json"}"',
-        "data.batch_size=64",
+        "data.batch_size=32",  # x 2 workers: a global batch of 64
         f'data.train_path="{tmp_path / "nothing"}"',
     ]
     args = [a for s in sets for a in ("--set", s)]
@@ -133,4 +133,20 @@ def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
         assert all(d % 4 == 0 and 4 <= d <= 2048 for d in dims)
         assert all(0 <= x <= 0.005 for x in delays) and all(t > 0 for t in fwd + bwd)
     assert "held-out error" in result.output and (tmp_path / "cost.json").is_file()
-    assert LearnedCostModel.load(tmp_path / "cost.json").batch_size == 64
+    model = LearnedCostModel.load(tmp_path / "cost.json")
+    assert model.batch_size == 64 and model.comm is not None and model.comm.world_sizes == [2]
+    assert "all-to-all model ([2] ranks" in result.output
+    # Planning with it (no data: the tables are costed as looked up uniformly).
+    neural = runner.invoke(app, ["plan", *args, "--set", "sharding.cost_model=neural"])
+    assert neural.exit_code == 0, neural.output
+    assert "predicted s" in neural.output
+    missing = [*args, "--set", f'sharding.learned_cost_path="{tmp_path / "none.json"}"']
+    refused = runner.invoke(app, ["plan", *missing, "--set", "sharding.cost_model=neural"])
+    assert refused.exit_code == 2
+    assert "sharding.cost_model = 'neural': no learned cost model at" in refused.output
+    other_batch = runner.invoke(
+        app, ["plan", *args, "--set", "sharding.cost_model=neural", "--set", "data.batch_size=16"]
+    )
+    assert other_batch.exit_code == 2 and "measured at batch size 64" in other_batch.output
+    fallback = runner.invoke(app, ["plan", *missing, "--set", "sharding.cost_model=auto"])
+    assert fallback.exit_code == 0 and "est. cost" in fallback.output

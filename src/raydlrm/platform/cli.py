@@ -335,7 +335,8 @@ def plan(
             "--collect",
             metavar="N",
             help="First measure N random sets of synthetic tables (fused TBE forward + "
-            "backward of sharding.kernel, data.batch_size bags a table) and N all-to-alls of "
+            "backward of sharding.kernel, data.batch_size x scaling.num_workers bags a table) "
+            "and N all-to-alls of "
             "random dim-sum layouts on scaling.num_workers gloo processes, and add them to the "
             "cost samples in sharding.cost_samples_path.",
         ),
@@ -406,7 +407,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
     samples = collect_samples(
         n,
         kernel=job.sharding.kernel,
-        batch_size=job.data.batch_size,
+        batch_size=job.global_batch_size(),
         progress=progress,
         seed=time.time_ns() % 2**32,
     )
@@ -418,7 +419,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
         from raydlrm.sharding.comm_samples import collect_comm_samples
 
         comm = collect_comm_samples(
-            n, world_size=workers, batch_size=job.data.batch_size, seed=time.time_ns() % 2**32
+            n, world_size=workers, batch_size=job.global_batch_size(), seed=time.time_ns() % 2**32
         )
         path = path.with_name(path.name.replace(f"{kernel}-", f"comm-w{workers}-", 1))
         pq.write_table(comm, path)
@@ -427,14 +428,18 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
 
 def _train_cost_model(job: JobConfig) -> None:
     """Trains the learned cost model on the job's samples (``plan --train-cost-model``)."""
+    from raydlrm.sharding.comm_samples import stored_comm_samples
     from raydlrm.sharding.kernel import resolve_kernel
     from raydlrm.sharding.learned_cost import stored_samples, train_cost_model
 
-    kernel = resolve_kernel(job.sharding.kernel)
-    samples = stored_samples(
-        job.sharding.cost_samples_path, kernel=kernel, batch_size=job.data.batch_size
+    kernel, store, batch = (
+        resolve_kernel(job.sharding.kernel),
+        job.sharding.cost_samples_path,
+        job.global_batch_size(),
     )
-    model = train_cost_model(samples)
+    samples = stored_samples(store, kernel=kernel, batch_size=batch)
+    comm = stored_comm_samples(store, batch_size=batch)
+    model = train_cost_model(samples, comm_samples=comm)
     path = model.save(job.sharding.learned_cost_path)
     r = model.report
     typer.echo(
@@ -443,6 +448,14 @@ def _train_cost_model(job: JobConfig) -> None:
         f"{r['neural_mape']:.1%}, analytic {r['analytic_mape']:.1%} (mean absolute percentage)",
         err=True,
     )
+    if model.comm is None:
+        typer.echo("no all-to-all samples: the plan costs transfer analytically", err=True)
+    else:
+        typer.echo(
+            f"all-to-all model ({model.comm.world_sizes} ranks, "
+            f"{int(r['comm_train_layouts'])} layouts): held-out error {r['comm_mape']:.1%}",
+            err=True,
+        )
 
 
 def _dry_plan(job: JobConfig) -> ShardingPlan:

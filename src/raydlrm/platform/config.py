@@ -188,6 +188,12 @@ class JobConfig(WorkerSpec):
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
     ray: RayInitConfig = field(default_factory=RayInitConfig)
 
+    def global_batch_size(self) -> int:
+        """Samples a training step over all workers, ``data.batch_size x scaling.num_workers``:
+        the bags of a table each rank's kernel looks up (table-wise), what the learned cost
+        model is measured at."""
+        return self.data.batch_size * self.scaling.num_workers
+
     def worker_spec(self) -> WorkerSpec:
         """The part of the config the workers get."""
         return WorkerSpec(**{f.name: getattr(self, f.name) for f in fields(WorkerSpec)})

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pyarrow as pa
@@ -70,6 +70,9 @@ __all__ = [
     "validate_job_data",
     "worker_memory_budget",
 ]
+
+if TYPE_CHECKING:
+    from raydlrm.sharding.learned_cost import LearnedCostModel, TableStats
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +237,9 @@ class DataShape:
     dedup_ratios: dict[str, float]
     """Table name -> its dedup group's samples per unique row in a batch (tables of
     ``data.dedup_groups`` only)."""
+    table_stats: dict[str, TableStats] = dataclasses.field(default_factory=dict)
+    """Table name -> the ids per sample and access histogram of the first batch, for the
+    learned cost model (``sharding.cost_model`` other than ``analytic`` only)."""
 
 
 def data_shape(job: JobConfig, data: JobData) -> DataShape:
@@ -268,7 +274,47 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
             for name, columns in config.table_columns().items()
             if set(columns) <= set(group)
         )
-    return DataShape(rows=table.num_rows, pooling_factors=pooling, dedup_ratios=ratios)
+    stats = {}
+    if job.sharding.cost_model != "analytic":
+        stats = table_stats(job, table.slice(0, job.global_batch_size()))
+    return DataShape(
+        rows=table.num_rows, pooling_factors=pooling, dedup_ratios=ratios, table_stats=stats
+    )
+
+
+def table_stats(job: JobConfig, batch: pa.Table) -> dict[str, TableStats]:
+    """Each table's :class:`~raydlrm.sharding.learned_cost.TableStats` in one batch of rows:
+    the ids of its features per row, and how often each distinct id is looked up (raw ids: the
+    hashing into the table's rows merges few of them)."""
+    from raydlrm.sharding.learned_cost import TableStats, histogram_of_counts
+
+    tables = {t.name: t for t in job.worker_spec().tables()}
+    out = {}
+    for name, columns in job.data.table_columns().items():
+        present = [c for c in columns if c in batch.column_names]
+        if not present or not batch.num_rows:
+            continue
+        ids = [_flat_ids(batch.column(c)) for c in present]
+        if len({a.type for a in ids}) > 1:
+            ids = [a.cast(pa.string()) for a in ids]
+        values = pa.concat_arrays(ids).drop_null()
+        counts = pc.value_counts(values).field("counts").to_numpy()
+        t = tables[name]
+        out[name] = TableStats(
+            t.num_embeddings,
+            t.embedding_dim,
+            len(values) / batch.num_rows,
+            histogram_of_counts(counts),
+        )
+    return out
+
+
+def _flat_ids(column: pa.ChunkedArray) -> pa.Array:
+    """A sparse column's ids, its lists flattened."""
+    array = column.combine_chunks()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        return array.flatten()
+    return array
 
 
 def _mean_length(column: pa.ChunkedArray) -> float:
@@ -353,19 +399,54 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     constants_path = Path(config.sharding.cost_constants_path).expanduser()
     constants = load_constants(constants_path) if constants_path.exists() else None
     budget = worker_memory_budget(config)
+    learned = learned_cost_model(config)
     try:
         return plan_sharding(
             spec.tables(),
             world_size=config.scaling.num_workers,
             config=config.sharding,
-            batch_size=config.data.batch_size,
+            # The learned model is measured at the global batch (what a rank looks up).
+            batch_size=config.data.batch_size if learned is None else config.global_batch_size(),
             constants=constants,
             memory_budget=budget,
             pooling_factors=None if shape is None else shape.pooling_factors,
             dedup_ratios=None if shape is None else shape.dedup_ratios,
+            learned=learned,
+            table_stats=None if shape is None else shape.table_stats,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:
+    """The learned cost model ``sharding.cost_model`` asks for (None: ``analytic``, or
+    ``auto`` without a usable one, with a warning naming why).
+
+    Raises:
+        ConfigError: ``neural`` and the model at ``sharding.learned_cost_path`` is missing,
+            malformed, or trained for another kernel or batch size (naming it).
+    """
+    choice = job.sharding.cost_model
+    if choice == "analytic":
+        return None
+    from raydlrm.sharding.kernel import resolve_kernel
+    from raydlrm.sharding.learned_cost import CostModelError, LearnedCostModel
+
+    path = job.sharding.learned_cost_path
+    try:
+        model = LearnedCostModel.load(path, kernel=resolve_kernel(job.sharding.kernel))
+        if model.batch_size != job.global_batch_size():
+            raise CostModelError(
+                f"learned cost model {path} was measured at batch size {model.batch_size}, "
+                f"the job's is {job.global_batch_size()} (data.batch_size x "
+                "scaling.num_workers): collect samples and train at it"
+            )
+    except CostModelError as exc:
+        if choice == "neural":
+            raise ConfigError(f"sharding.cost_model = 'neural': {exc}") from None
+        logger.warning("sharding.cost_model = 'auto': planning with the analytic model: %s", exc)
+        return None
+    return model
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,14 @@ class ShardingConfig:
     learned_cost_path: str = "~/.cache/raydlrm/learned_cost.json"
     """The learned cost model ``raydlrm plan --train-cost-model`` writes (and a ``.safetensors``
     file beside it)."""
+    cost_model: Literal["analytic", "neural", "auto"] = "analytic"
+    """The cost model the planner searches with. ``analytic``: a rank's cost is the sum of its
+    tables' (:mod:`raydlrm.sharding.cost`, with ``cost_constants_path``). ``neural``: the
+    learned model at ``learned_cost_path`` (NeuroShard: a rank's set of tables costed at once,
+    from the data's pooling factors and access histograms; greedy-grid and beam search, see
+    :mod:`raydlrm.sharding.neural_search`); an error when it is missing or was trained for
+    another kernel or batch size. ``auto``: the learned model when it can be used, else the
+    analytic one with a warning naming why."""
     kernel: Kernel = "auto"
     """Embedding kernels (see :mod:`raydlrm.sharding.kernel`): ``fbgemm`` (fbgemm-gpu's
     table-batched embeddings, the fast path; needs the ``cpu`` or ``gpu`` extra), ``torch``

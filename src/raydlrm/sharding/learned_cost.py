@@ -31,11 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch import nn
+
+from raydlrm.sharding.comm_samples import CommCostModel, CommCostNet, train_comm_model
+from raydlrm.sharding.measure import machine_description, mape
 
 __all__ = [
     "HISTOGRAM_BINS",
@@ -55,12 +56,12 @@ __all__ = [
     "access_histogram",
     "collect_samples",
     "fit_analytic",
+    "histogram_of_counts",
     "load_samples",
-    "machine_description",
-    "mape",
     "sample_sets",
     "save_samples",
     "stored_samples",
+    "time_tables",
     "train_cost_model",
 ]
 
@@ -99,6 +100,13 @@ class TableStats:
         """The statistics of one batch of ``bags`` bags whose ids are ``ids``."""
         return cls(rows, dim, len(ids) / max(bags, 1), access_histogram(ids))
 
+    @classmethod
+    def uniform(cls, *, rows: int, dim: int, pooling: float, bags: int) -> TableStats:
+        """The statistics of ``bags`` bags of ``pooling`` ids each drawn uniformly from
+        ``rows`` rows (what the planner assumes of a table the data says nothing of)."""
+        ids = np.random.default_rng(0).integers(0, rows, size=max(1, round(bags * pooling)))
+        return cls(rows, dim, pooling, access_histogram(ids))
+
 
 def access_histogram(ids: np.ndarray) -> tuple[float, ...]:
     """Fractions of a batch's distinct ids by how often each is looked up: bin ``b`` holds
@@ -106,20 +114,17 @@ def access_histogram(ids: np.ndarray) -> tuple[float, ...]:
     zeros for an empty batch."""
     if len(ids) == 0:
         return (0.0,) * HISTOGRAM_BINS
-    _, counts = np.unique(ids, return_counts=True)
+    return histogram_of_counts(np.unique(ids, return_counts=True)[1])
+
+
+def histogram_of_counts(counts: np.ndarray) -> tuple[float, ...]:
+    """:func:`access_histogram` of the look-up counts of a batch's distinct ids."""
+    counts = np.asarray(counts)
+    if len(counts) == 0:
+        return (0.0,) * HISTOGRAM_BINS
     bins = np.minimum(np.log2(counts).astype(np.int64), HISTOGRAM_BINS - 1)
     hist = np.bincount(bins, minlength=HISTOGRAM_BINS) / len(counts)
     return tuple(float(v) for v in hist)
-
-
-def machine_description() -> str:
-    """This machine, as the samples and models record it: CPUs, memory, processor, torch."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return (
-        f"{os.cpu_count()} CPUs, {memory:.1f} GB RAM, {platform.machine()} "
-        f"{platform.processor() or ''}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads".replace("  ", " ")
-    )
 
 
 # --- collection -------------------------------------------------------------------------------
@@ -179,15 +184,16 @@ def _draw_ids(
     return ids.astype(np.int64), lengths
 
 
-def _time_tables(
-    tables: Sequence[_SyntheticTable],
+def time_tables(
+    tables: Sequence[Any],
     batches: Sequence[tuple[np.ndarray, np.ndarray]],
     *,
     kernel: str,
     repeats: int,
 ) -> float:
     """Median seconds of a fused TBE forward + backward (row-wise Adagrad, fp32) of ``tables``
-    looking up ``batches`` (one per table), after one warm-up."""
+    (anything with ``rows`` and ``dim``) looking up ``batches`` (ids and bag lengths, one per
+    table), after one warm-up."""
     from raydlrm.sharding.calibration import timed_tbe
     from raydlrm.sharding.kernel import TableSpec
 
@@ -241,7 +247,7 @@ def collect_samples(
             TableStats.of_batch(rows=t.rows, dim=t.dim, ids=ids, bags=batch_size)
             for t, (ids, _) in zip(tables, batches, strict=True)
         ]
-        seconds = _time_tables(tables, batches, kernel=resolved, repeats=repeats)
+        seconds = time_tables(tables, batches, kernel=resolved, repeats=repeats)
         rows["num_tables"].append(len(tables))
         rows["features"].append([v for s in stats for v in s.features()])
         rows["seconds"].append(seconds)
@@ -338,7 +344,82 @@ class LearnedCostModel:
     feature_min: list[float]
     feature_max: list[float]
     report: dict[str, float] = field(default_factory=dict)
-    """Held-out errors (``neural_mape``, ``analytic_mape``) and sample counts."""
+    """Held-out errors (``neural_mape``, ``analytic_mape``), sample counts and the most tables
+    of a training set (``max_set_tables``)."""
+    comm: CommCostModel | None = None
+    """The all-to-all transfer model, when all-to-all samples were collected."""
+
+    def latents(self, tables: Sequence[Sequence[float]]) -> np.ndarray:
+        """The per-table MLP's outputs ``(T, 32)`` of tables given as their features: a shard's
+        predicted time is :meth:`head_seconds` of the sum of its tables' latents."""
+        features = (torch.tensor(np.asarray(tables, dtype=np.float32)) - self._mean()) / self._std()
+        with torch.no_grad():
+            return self.net.table(features).numpy().astype(np.float64)
+
+    def head_seconds(self, sums: np.ndarray) -> np.ndarray:
+        """Predicted seconds of shards from their latent sums ``(..., 32)`` (the head in numpy:
+        the search calls it once a placement step)."""
+        if self._head is None:
+            first, last = self.net.head[0], self.net.head[2]
+            self._head = tuple(
+                t.detach().numpy().astype(np.float64)
+                for t in (first.weight.T, first.bias, last.weight[0], last.bias)
+            )
+        w1, b1, w2, b2 = self._head
+        return np.exp(np.maximum(sums @ w1 + b1, 0.0) @ w2 + b2)
+
+    def warn_outside(
+        self, tables: dict[str, Sequence[float]], *, world_size: int, set_sizes: Sequence[int]
+    ) -> None:
+        """Warns, a line each, of what this model predicts outside what it was trained on:
+        tables whose rows, dim or pooling factor lie outside its training tables' (``tables``:
+        name -> features), ranks holding more tables than its largest training set, and a
+        world size its all-to-all model was not measured at (or no all-to-all model)."""
+        labels = ("log10 rows", "dim", "pooling")
+        outside = []
+        for name, f in tables.items():
+            for i, label in enumerate(labels):
+                lo, hi = self.feature_min[i], self.feature_max[i]
+                if not lo <= f[i] <= hi:
+                    outside.append(f"{name} ({label} {f[i]:.3g} not in [{lo:.3g}, {hi:.3g}])")
+                    break
+        if outside:
+            logger.warning(
+                "the learned cost model was not trained on tables like %d of these: %s%s; its "
+                "costs of them are extrapolations",
+                len(outside),
+                ", ".join(outside[:3]),
+                ", ..." if len(outside) > 3 else "",
+            )
+        largest = int(self.report.get("max_set_tables", 0))
+        if largest and max(set_sizes, default=0) > largest:
+            logger.warning(
+                "a rank holds %d tables, the learned cost model's training sets at most %d: "
+                "its costs of such ranks are extrapolations (collect samples with more tables)",
+                max(set_sizes),
+                largest,
+            )
+        if world_size > 1 and self.comm is None:
+            logger.warning(
+                "the learned cost model has no all-to-all samples: transfer is costed "
+                "analytically (raydlrm plan --collect N with scaling.num_workers > 1)"
+            )
+        elif world_size > 1 and world_size not in self.comm.world_sizes:
+            logger.warning(
+                "the learned all-to-all model was measured on %s ranks, the job has %d: its "
+                "transfer costs are extrapolations",
+                self.comm.world_sizes,
+                world_size,
+            )
+
+    def _mean(self) -> torch.Tensor:
+        return torch.tensor(self.mean, dtype=torch.float32)
+
+    def _std(self) -> torch.Tensor:
+        return torch.tensor(self.std, dtype=torch.float32)
+
+    def __post_init__(self) -> None:
+        self._head: tuple[np.ndarray, ...] | None = None
 
     def predict(self, shards: Sequence[Sequence[TableStats]]) -> list[float]:
         """Predicted fused forward + backward seconds of each shard (a set of tables; an empty
@@ -352,9 +433,7 @@ class LearnedCostModel:
         if not nonempty:
             return out
         features, mask = _padded(
-            [[list(t) for t in shards[i]] for i in nonempty],
-            torch.tensor(self.mean, dtype=torch.float32),
-            torch.tensor(self.std, dtype=torch.float32),
+            [[list(t) for t in shards[i]] for i in nonempty], self._mean(), self._std()
         )
         with torch.no_grad():
             predicted = torch.exp(self.net(features, mask)).tolist()
@@ -368,8 +447,13 @@ class LearnedCostModel:
 
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, _weights(path))
-        meta = {k: v for k, v in asdict(self).items() if k != "net"}
+        tensors = dict(self.net.state_dict())
+        meta = {f.name: getattr(self, f.name) for f in fields(self)}
+        del meta["net"], meta["comm"]
+        if self.comm is not None:
+            tensors.update({f"comm.{k}": v for k, v in self.comm.net.state_dict().items()})
+            meta["comm"] = self.comm.meta()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, _weights(path))
         path.write_text(json.dumps({"format": "raydlrm-learned-cost-1", **meta}, indent=2))
         return path
 
@@ -392,9 +476,18 @@ class LearnedCostModel:
             meta = json.loads(path.read_text())
             if meta.pop("format", None) != "raydlrm-learned-cost-1":
                 raise ValueError("not a raydlrm learned cost model")
+            tensors = load_file(str(_weights(path)))
             net = SetCostNet()
-            net.load_state_dict(load_file(str(_weights(path))))
-            model = cls(net=net.eval(), **meta)
+            net.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("comm.")})
+            comm_meta = meta.pop("comm", None)
+            comm = None
+            if comm_meta is not None:
+                comm_net = CommCostNet()
+                comm_net.load_state_dict(
+                    {k[5:]: v for k, v in tensors.items() if k.startswith("comm.")}
+                )
+                comm = CommCostModel(net=comm_net.eval(), **comm_meta)
+            model = cls(net=net.eval(), comm=comm, **meta)
         except (ValueError, TypeError, RuntimeError, KeyError) as exc:
             raise CostModelError(f"learned cost model {path} is malformed: {exc}") from None
         if kernel is not None and model.kernel != kernel:
@@ -443,11 +536,6 @@ def sample_sets(samples: pa.Table) -> list[list[list[float]]]:
     return out
 
 
-def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
-    """Mean absolute percentage error (a fraction)."""
-    return float(np.mean(np.abs(predicted - measured) / measured))
-
-
 def fit_analytic(
     sets: list[list[list[float]]], seconds: np.ndarray
 ) -> Callable[[list[list[list[float]]]], np.ndarray]:
@@ -484,21 +572,7 @@ def _fit(
     return net
 
 
-def train_cost_model(
-    samples: pa.Table,
-    *,
-    epochs: int = 1000,
-    held_out: float = 0.2,
-    seed: int = 0,
-    learning_rate: float = 3e-3,
-) -> LearnedCostModel:
-    """Trains a :class:`LearnedCostModel` on measured samples, keeping ``held_out`` of them
-    (at random; 0: none) to report its error and the analytic form's on the same sets.
-
-    Raises:
-        CostModelError: fewer than 10 samples, or samples of more than one kernel or batch
-            size.
-    """
+def _check_trainable(samples: pa.Table) -> None:
     if samples.num_rows < 10:
         raise CostModelError(
             f"{samples.num_rows} cost samples are too few to train on: collect at least 10 "
@@ -510,6 +584,27 @@ def train_cost_model(
             raise CostModelError(
                 f"cost samples of several {column}s {sorted(values)}: train one each"
             )
+
+
+def train_cost_model(
+    samples: pa.Table,
+    *,
+    comm_samples: pa.Table | None = None,
+    epochs: int = 1000,
+    held_out: float = 0.2,
+    seed: int = 0,
+    learning_rate: float = 3e-3,
+) -> LearnedCostModel:
+    """Trains a :class:`LearnedCostModel` on measured samples, keeping ``held_out`` of them
+    (at random; 0: none) to report its error and the analytic form's on the same sets; and,
+    given ``comm_samples`` (:func:`~raydlrm.sharding.comm_samples.collect_comm_samples`), its
+    all-to-all model (:func:`~raydlrm.sharding.comm_samples.train_comm_model`).
+
+    Raises:
+        CostModelError: fewer than 10 samples, or samples of more than one kernel or batch
+            size.
+    """
+    _check_trainable(samples)
     torch.manual_seed(seed)
     sets = sample_sets(samples)
     seconds = np.asarray(samples.column("seconds").to_pylist(), dtype=np.float64)
@@ -535,7 +630,16 @@ def train_cost_model(
         feature_min=rows.min(axis=0).tolist(),  # the range the model was trained on
         feature_max=rows.max(axis=0).tolist(),
     )
-    model.report = {"train_samples": float(len(train)), "held_out_samples": float(len(test))}
+    model.report = {
+        "train_samples": float(len(train)),
+        "held_out_samples": float(len(test)),
+        "max_set_tables": float(max(len(sets[i]) for i in train)),
+    }
+    if comm_samples is not None and comm_samples.num_rows:
+        model.comm = train_comm_model(
+            comm_samples, batch_size=model.batch_size, epochs=epochs, held_out=held_out, seed=seed
+        )
+        model.report.update(model.comm.report)
     if len(test):
         held = [sets[i] for i in test]
         analytic = fit_analytic([sets[i] for i in train], seconds[train])

@@ -118,12 +118,19 @@ class ShardingPlan:
         page_cache_hit: the share of the ``ssd`` tables' touched rows the planner's costs
             assume the page cache holds (see :func:`raydlrm.sharding.planner.page_cache_hit`);
             None without ``ssd`` tables.
+        cost_model: the cost model the planner searched with: ``analytic`` (a rank's cost is
+            the sum of its tables') or ``learned`` (NeuroShard's, a rank's set of tables at
+            once; :mod:`raydlrm.sharding.neural_search`).
+        predicted_seconds: with the learned model, each rank's predicted step seconds (its
+            fused lookups, forward and backward, plus its all-to-all transfer); None otherwise.
     """
 
     world_size: int
     tables: list[TablePlan] = field(default_factory=list)
     memory_budget: MemoryBudget | None = None
     page_cache_hit: float | None = None
+    cost_model: str = "analytic"
+    predicted_seconds: list[float] | None = None
 
     def table(self, name: str) -> TablePlan:
         """The plan of table ``name``.
@@ -141,7 +148,10 @@ class ShardingPlan:
         return [t.name for t in self.tables if rank in t.ranks]
 
     def per_rank_cost(self) -> list[float]:
-        """Estimated cost per rank (a table's cost is split evenly over its shards)."""
+        """Estimated cost per rank: the learned model's :attr:`predicted_seconds`, else the sum
+        of the rank's tables' costs (a table's cost is split evenly over its shards)."""
+        if self.predicted_seconds is not None:
+            return list(self.predicted_seconds)
         costs = [0.0] * self.world_size
         for t in self.tables:
             for s in t.shards:
@@ -243,6 +253,8 @@ class ShardingPlan:
             tables=tables,
             memory_budget=None if budget is None else MemoryBudget(**budget),
             page_cache_hit=data.get("page_cache_hit"),
+            cost_model=data.get("cost_model", "analytic"),
+            predicted_seconds=data.get("predicted_seconds"),
         )
 
     def _memory_cells(self) -> tuple[str, list[str]]:
@@ -274,7 +286,8 @@ class ShardingPlan:
             )
             for r in range(self.world_size)
         ]
-        header = ("rank", "tables", "est. cost", memory_header, *(["ssd"] if any(disk) else []))
+        cost_header = "est. cost" if self.predicted_seconds is None else "predicted s"
+        header = ("rank", "tables", cost_header, memory_header, *(["ssd"] if any(disk) else []))
         widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
         lines = [
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -311,7 +324,8 @@ class ShardingPlan:
         return "\n".join(
             [
                 f"{len(self.tables)} tables on {self.world_size} ranks",
-                f"est. cost per rank: max {max(costs):.4g}, mean {mean:.4g}, min {min(costs):.4g}"
+                f"{'est. cost' if self.predicted_seconds is None else 'predicted s'} per rank: "
+                f"max {max(costs):.4g}, mean {mean:.4g}, min {min(costs):.4g}"
                 f" (max/mean {self.imbalance():.3f})",
                 f"memory per rank: max {format_bytes(max(memory))}, mean "
                 f"{format_bytes(sum(memory) // len(memory))}, min {format_bytes(min(memory))}",

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -55,8 +56,13 @@ from raydlrm.sharding.cost import (
     quantized_cache_rows,
     table_disk_bytes,
     table_memory_bytes,
+    wire_bytes_per_vector,
 )
 from raydlrm.sharding.plan import MemoryBudget, Shard, ShardingPlan, TablePlan, format_bytes
+
+if TYPE_CHECKING:
+    from raydlrm.sharding.learned_cost import LearnedCostModel, TableStats
+    from raydlrm.sharding.neural_search import SearchResult
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -72,6 +78,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 512
 """Global samples per step the planner's costs assume unless told."""
 _SPLIT_TYPES = ("row_wise", "column_wise")
+_SEARCH_TYPES = ("auto", "table_wise", "column_wise")
 
 
 def table_cost(
@@ -144,6 +151,8 @@ def plan_sharding(
     search: Literal["greedy", "refine"] = "refine",
     memory_budget: MemoryBudget | None = None,
     dedup_ratios: dict[str, float] | None = None,
+    learned: LearnedCostModel | None = None,
+    table_stats: dict[str, TableStats] | None = None,
 ) -> ShardingPlan:
     """Places every table on ranks, balancing the per-rank cost within the memory budget.
 
@@ -155,21 +164,21 @@ def plan_sharding(
         batch_size: global samples per step the costs assume.
         constants: cost-model constants (defaults if None).
         search: ``greedy`` placement only, or ``refine`` it (moves, swaps, splits).
-        memory_budget: bytes each rank may hold; default: ``config.device_memory_bytes`` if
-            set, else no budget.
+        memory_budget: bytes a rank may hold; default: ``config.device_memory_bytes``, if set.
         dedup_ratios: table name -> samples per unique row of its dedup group in a batch
-            (RecD; default 1.0): the table is looked up, routed and sent back on
-            ``batch_size / ratio`` rows, so its lookups and bytes are counted after dedup.
+            (RecD; default 1.0): its lookups and bytes are counted on ``batch_size / ratio``.
+        learned: a learned cost model: the tables it can place (:meth:`_Planner.neural`)
+            are placed by NeuroShard's search (:mod:`.neural_search`), not steps 1-3.
+        table_stats: table name -> its :class:`~.learned_cost.TableStats` for ``learned``
+            (default: its ids looked up uniformly, ``pooling_factors`` a bag).
 
     Returns:
         A validated plan for ``tables`` on ``world_size`` ranks, recording the budget.
 
     Raises:
-        ValueError: for a non-positive world size, or naming a pinned, per-table precision or
-            pooling-factor or dedup-ratio table that is not among ``tables``, a ratio below 1,
-            a pinned rank ``>= world_size``, a ``group_size`` that does not divide
-            ``world_size``, or a table that does not fit the budget (with the rank, the
-            shortfall in bytes and the budget's source).
+        ValueError: a non-positive world size; or naming a per-table setting of an unknown
+            table, a ratio below 1, a pinned rank ``>= world_size``, a ``group_size`` not
+            dividing it, or a table that does not fit the budget (rank, shortfall, source).
     """
     if memory_budget is None and config.device_memory_bytes is not None:
         memory_budget = MemoryBudget(config.device_memory_bytes, "sharding.device_memory_bytes")
@@ -183,6 +192,8 @@ def plan_sharding(
         search=search,
         memory_budget=memory_budget,
         dedup_ratios=dedup_ratios or {},
+        learned=learned,
+        table_stats=table_stats or {},
     )
     _check_arguments(request)
     plan = _plan_spilling(request)
@@ -263,6 +274,8 @@ class _Request:
     search: Literal["greedy", "refine"]
     memory_budget: MemoryBudget | None
     dedup_ratios: dict[str, float]
+    learned: LearnedCostModel | None = None
+    table_stats: dict[str, TableStats] = dataclasses.field(default_factory=dict)
 
     def rows(self, table: str) -> float:
         """Rows a step looks ``table`` up for: samples, or unique rows of a dedup group."""
@@ -417,16 +430,22 @@ def _plan(request: _Request, *, config: ShardingConfig) -> ShardingPlan:
         budget=budget,
         page_cache_hit=hit,
     )
-    planner.greedy()
-    if request.search == "refine":
-        planner.refine()
-        if config.default_type == "auto":
-            planner.split()
+    predicted = None
+    if request.learned is not None:
+        predicted = planner.neural(request.learned)
+    else:
+        planner.greedy(planner.order)
+        if request.search == "refine":
+            planner.refine()
+            if config.default_type == "auto":
+                planner.split()
     plan = ShardingPlan(
         world_size=world_size,
         tables=[planner.plans[t.name] for t in tables],
         memory_budget=budget,
         page_cache_hit=hit if any(p.placement == "ssd" for p in planner.plans.values()) else None,
+        cost_model="analytic" if predicted is None else "learned",
+        predicted_seconds=predicted,
     )
     plan.validate(tables)
     return plan
@@ -454,6 +473,7 @@ class _Planner:
         self.load = np.zeros(world_size)
         self.memory = np.zeros(world_size, dtype=np.int64)
         self.plans: dict[str, TablePlan] = {}
+        self._uniform: dict[str, TableStats] = {}  # assumed stats of tables without data
         for t in tables:
             kind = config.pinned_types.get(t.name, config.default_type)
             self.plans[t.name] = TablePlan(
@@ -523,12 +543,13 @@ class _Planner:
             f"({format_bytes(need - free)}); {self.budget.describe()}"
         )
 
-    def _check_fits_somewhere(self) -> None:
-        """Names every table whose smallest possible shard exceeds the budget of a rank."""
+    def _check_fits_somewhere(self, plans: list[TablePlan]) -> None:
+        """Names every table of ``plans`` whose smallest possible shard exceeds the budget of
+        a rank."""
         if self.budget is None:
             return
         misfits = []
-        for p in self.order:
+        for p in plans:
             ranks = len(self.config.pinned_ranks.get(p.name, range(self.world_size)))
             if p.name in self.auto or p.sharding_type == "row_wise":
                 parts = min(ranks, p.num_embeddings)
@@ -549,9 +570,10 @@ class _Planner:
                 f"{'; '.join(misfits)}: cannot fit anywhere, {self.budget.describe()}"
             )
 
-    def greedy(self) -> None:
-        self._check_fits_somewhere()
-        for p in self.order:
+    def greedy(self, plans: list[TablePlan]) -> None:
+        """Places ``plans`` (in :attr:`order`) one by one (step 1 of the module)."""
+        self._check_fits_somewhere(plans)
+        for p in plans:
             allowed = sorted(set(self.config.pinned_ranks.get(p.name, range(self.world_size))))
             room = self._room()
             by_load = sorted(allowed, key=lambda r: (self.load[r], self.memory[r], r))
@@ -693,6 +715,154 @@ class _Planner:
         # The ranks the split changes (other ranks may tie the max and are split next).
         touched = [rank, *(s.rank for s in trial.shards)]
         return float(load[touched].max()), trial.shards, cost
+
+    # --- the learned cost model (NeuroShard) ----------------------------------------------
+
+    def _searchable(self, p: TablePlan) -> bool:
+        """Whether the learned search places ``p``: not pinned (rank or type), in DRAM at fp32
+        or fp16 (what the model was measured on), ``default_type`` ``auto``, ``table_wise``
+        or ``column_wise``, and small enough for one rank's budget (an ``auto`` table that is
+        not goes row-wise, as in step 1)."""
+        return (
+            self.config.default_type in _SEARCH_TYPES
+            and p.name not in self.config.pinned_types
+            and p.name not in self.config.pinned_ranks
+            and p.placement == "dram"
+            and self.config.weights_precision_of(p.name) not in QUANTIZED
+            and (self.capacity is None or p.memory_bytes <= self.capacity)
+        )
+
+    def neural(self, learned: LearnedCostModel) -> list[float]:
+        """Places the tables :meth:`_searchable` keeps by NeuroShard's search (column halvings
+        unless ``default_type`` is ``table_wise``) around the others, placed first by step 1.
+        Returns each rank's predicted seconds (lookups plus transfer)."""
+        from raydlrm.sharding.neural_search import NeuralSearch
+
+        free = [p for p in self.order if self._searchable(p)]
+        names = {p.name for p in free}
+        self.greedy([p for p in self.order if p.name not in names])
+        latents, dims = self._rank_load(learned)
+        search = NeuralSearch(
+            latent=lambda dim: learned.latents([self._features(p, dim) for p in free]),
+            head=learned.head_seconds,
+            transfer=lambda sums: self._transfer(learned, sums),
+            dims=[p.embedding_dim for p in free],
+            memory=[p.memory_bytes for p in free],
+            base_latent=latents,
+            base_dims=dims,
+            room=self._room(),
+        )
+        if free:
+            splits = self.config.default_type != "table_wise"
+            result = search.column_wise() if splits else search.table_wise()
+            if result is None:
+                largest = max(free, key=lambda p: (p.memory_bytes, p.name))
+                assert self.budget is not None  # without a budget every piece fits
+                raise BudgetError(
+                    f"the learned search found no placement of {len(free)} tables in the "
+                    f"memory left on the ranks (the largest, {largest.name!r}, takes "
+                    f"{format_bytes(largest.memory_bytes)}); {self.budget.describe()}"
+                )
+            self._take(free, result, learned)
+        sizes = [len(self.tables_on(r)) for r in range(self.world_size)]
+        learned.warn_outside(
+            {p.name: self._features(p, p.embedding_dim) for p in free},
+            world_size=self.world_size,
+            set_sizes=sizes,
+        )
+        latents, dims = self._rank_load(learned)
+        compute = learned.head_seconds(latents) * (np.array(sizes) > 0)
+        return (compute + self._transfer(learned, dims[None])[0]).tolist()
+
+    def _take(self, free: list[TablePlan], result: SearchResult, learned: LearnedCostModel) -> None:
+        """Places ``free`` as the search's ``result`` has it: a table's pieces on one rank are
+        one shard there; a table on one rank is table-wise, else column-wise. Its cost: the
+        learned model's of the table alone."""
+        alone = learned.head_seconds(
+            learned.latents([self._features(p, p.embedding_dim) for p in free])
+        )
+        for i, p in enumerate(free):
+            widths: dict[int, int] = {}
+            for piece, rank in zip(result.pieces, result.ranks, strict=True):
+                if piece.table == i:
+                    widths[rank] = widths.get(rank, 0) + piece.dim
+            ranks = sorted(widths)
+            starts = np.cumsum([0, *(widths[r] for r in ranks)])
+            p.shards = [
+                Shard(r, 0, p.num_embeddings, int(lo), int(lo) + widths[r])
+                for r, lo in zip(ranks, starts, strict=False)
+            ]
+            p.sharding_type = "table_wise" if len(p.shards) == 1 else "column_wise"
+            p.cost = float(alone[i])
+            self._apply(p, +1)
+
+    def tables_on(self, rank: int) -> list[str]:
+        """The tables with a shard on ``rank`` so far."""
+        return [p.name for p in self.plans.values() if rank in p.ranks]
+
+    def _stats(self, p: TablePlan) -> TableStats:
+        """The table's statistics: the data's, else its ids looked up uniformly with its
+        pooling factor (ids per sample over its features) in a batch."""
+        from raydlrm.sharding.learned_cost import TableStats
+
+        stats = self.request.table_stats.get(p.name) or self._uniform.get(p.name)
+        if stats is None:
+            features = len(self.configs[p.name].feature_names)
+            pooling = self.request.pooling_factors.get(p.name, 1.0) * features
+            stats = TableStats.uniform(
+                rows=p.num_embeddings,
+                dim=p.embedding_dim,
+                pooling=pooling,
+                bags=self.request.batch_size,
+            )
+            self._uniform[p.name] = stats
+        return stats
+
+    def _features(
+        self, p: TablePlan, dim: int, *, rows: int | None = None, share: float = 1.0
+    ) -> list[float]:
+        """The learned model's features of ``p`` (or of its shard of ``rows`` rows looked up
+        by ``share`` of its ids) at width ``dim``; a dedup group's table is looked up on a
+        step's unique rows."""
+        stats = self._stats(p)
+        pooling = stats.pooling * share / self.request.dedup_ratios.get(p.name, 1.0)
+        rows = p.num_embeddings if rows is None else rows
+        return [math.log10(max(rows, 1)), float(dim), pooling, *stats.histogram]
+
+    def _rank_load(self, learned: LearnedCostModel) -> tuple[np.ndarray, np.ndarray]:
+        """The placed shards' latent sums ``(W, L)`` and all-to-all dim sums ``(W,)`` per rank
+        (a row-wise shard sends partial sums of the whole width; a replica sends nothing)."""
+        features: list[list[list[float]]] = [[] for _ in range(self.world_size)]
+        dims = np.zeros(self.world_size)
+        for p in self.plans.values():
+            for s in p.shards:
+                rows = s.row_end - s.row_start
+                share = {"data_parallel": 1 / self.world_size}.get(
+                    p.sharding_type, rows / p.num_embeddings
+                )
+                width = s.col_end - s.col_start
+                features[s.rank].append(self._features(p, width, rows=rows, share=share))
+                dims[s.rank] += 0 if p.sharding_type == "data_parallel" else width
+        size = learned.net.head[0].in_features
+        latents = np.stack(
+            [learned.latents(f).sum(axis=0) if f else np.zeros(size) for f in features]
+        )
+        return latents, dims
+
+    def _transfer(self, learned: LearnedCostModel, dim_sums: np.ndarray) -> np.ndarray:
+        """Predicted all-to-all transfer seconds ``(K, W)`` of layouts of dim sums ``(K, W)``,
+        forward plus backward, at ``comm_precision``: the learned model's when it has one,
+        else the analytic model's (the larger of the bytes a rank sends and receives, over the
+        calibrated rate)."""
+        if self.world_size == 1:
+            return np.zeros(dim_sums.shape)
+        scale = wire_bytes_per_vector(128, precision=self.config.comm_precision) / (128 * 4)
+        dims = np.asarray(dim_sums, dtype=np.float64) * scale
+        if learned.comm is not None:
+            return learned.comm.predict(dims)
+        batch = self.request.batch_size
+        values = np.maximum(batch * dims, batch / self.world_size * dims.sum(axis=1, keepdims=True))
+        return 2 * 4 * values / self.request.constants.comm_bytes_per_s
 
 
 def _even_split(total: int, parts: int) -> list[int]:
