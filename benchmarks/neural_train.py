@@ -5,9 +5,9 @@ of them id lists of up to 30 ids, tables of 10^3 to 10^6 rows log-spaced, ids po
 with 64-wide embeddings, ``sharding.default_type = "auto"``, 2 Ray Train workers, 256 samples a
 worker (a global batch of 512, what the learned model was measured at). The same job trained
 with ``sharding.cost_model = "analytic"`` (calibrated constants when ``--constants`` is given)
-and ``"neural"`` (the model at ``--model``), repeats interleaved; reported per variant (medians): the plans' shapes,
-``train/samples_per_second`` (the training steps' wall time, data waits included) and the job's
-wall time, and the ratio neural / analytic. Usage::
+and ``"neural"`` (the model at ``--model``), repeats interleaved; reported per variant
+(medians): the plans' shapes, ``train/samples_per_second`` (the training steps' wall time, data
+waits included) and the job's wall time, and the ratio neural / analytic. Usage::
 
     python benchmarks/neural_train.py --model ~/.cache/raydlrm/learned_cost.json \
         [--constants ~/.cache/raydlrm/cost_constants.json] [--repeats 2] [--data DIR]

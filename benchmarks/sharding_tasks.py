@@ -43,9 +43,9 @@ from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.cost import load_constants
 from raydlrm.sharding.learned_cost import (
     LearnedCostModel,
+    SyntheticTable,
     TableStats,
-    _draw_ids,
-    _SyntheticTable,
+    draw_ids,
     time_tables,
 )
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
@@ -57,7 +57,7 @@ PLANNERS = ("random", "size-greedy", "lookup-greedy", "analytic", "torchrec", "n
 @dataclass(frozen=True)
 class PoolTable:
     name: str
-    table: _SyntheticTable
+    table: SyntheticTable
     ids: np.ndarray
     lengths: np.ndarray
     stats: TableStats
@@ -70,8 +70,8 @@ def make_pool(size: int, *, batch_size: int, seed: int, max_rows: int) -> list[P
         rows = int(10 ** rng.uniform(3, math.log10(max_rows)))
         dim = int(4 * rng.integers(1, 33))
         pooling = float(np.clip(rng.lognormal(math.log(10), 0.8), 1, 100))
-        table = _SyntheticTable(rows, dim, pooling, float(rng.uniform(0.3, 1.2)))
-        ids, lengths = _draw_ids(rng, table, batch_size)
+        table = SyntheticTable(rows, dim, pooling, float(rng.uniform(0.3, 1.2)))
+        ids, lengths = draw_ids(rng, table, batch_size)
         stats = TableStats.of_batch(rows=rows, dim=dim, ids=ids, bags=batch_size)
         pool.append(PoolTable(f"t{i}", table, ids, lengths, stats))
     return pool
@@ -245,7 +245,7 @@ def measure_set(
     tables, batches = [], []
     for name, kind, s in key:
         rows, ids, lengths = _shard_batch(pool[name], s, kind, world_size)
-        tables.append(_SyntheticTable(rows, s.col_end - s.col_start, 0.0, 0.0))
+        tables.append(SyntheticTable(rows, s.col_end - s.col_start, 0.0, 0.0))
         batches.append((ids.astype(np.int64), lengths.astype(np.int64)))
     return time_tables(tables, batches, kernel=kernel, repeats=repeats)
 

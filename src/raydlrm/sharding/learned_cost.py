@@ -52,9 +52,11 @@ __all__ = [
     "CostModelError",
     "LearnedCostModel",
     "SetCostNet",
+    "SyntheticTable",
     "TableStats",
     "access_histogram",
     "collect_samples",
+    "draw_ids",
     "fit_analytic",
     "histogram_of_counts",
     "load_samples",
@@ -131,7 +133,9 @@ def histogram_of_counts(counts: np.ndarray) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class _SyntheticTable:
+class SyntheticTable:
+    """A table of the synthetic family the samples (and the sharding benchmark) draw."""
+
     rows: int
     dim: int
     pooling: float
@@ -139,22 +143,22 @@ class _SyntheticTable:
     """Zipf exponent of the ids (0: uniform)."""
 
 
-def _random_table(rng: np.random.Generator, *, max_rows: int) -> _SyntheticTable:
+def _random_table(rng: np.random.Generator, *, max_rows: int) -> SyntheticTable:
     """Rows log-uniform in [10^3, max_rows], a dim in :data:`_DIMS`, a pooling factor
     log-uniform in [1, 100], and access skew uniform in [0, 1.2] (uniform to heavy power law)."""
     rows = int(10 ** rng.uniform(3, math.log10(max(max_rows, 1001))))
     dim = int(rng.choice(_DIMS))
     pooling = float(10 ** rng.uniform(0, 2))
-    return _SyntheticTable(rows, dim, pooling, float(rng.uniform(0.0, 1.2)))
+    return SyntheticTable(rows, dim, pooling, float(rng.uniform(0.0, 1.2)))
 
 
 def _random_set(
     rng: np.random.Generator, *, max_tables: int, max_rows: int, max_bytes: int
-) -> list[_SyntheticTable]:
+) -> list[SyntheticTable]:
     """1 to ``max_tables`` random tables, fewer if the next would take the set's weights and
     row-wise state past ``max_bytes``."""
     count = int(rng.integers(1, max_tables + 1))
-    tables: list[_SyntheticTable] = []
+    tables: list[SyntheticTable] = []
     used = 0
     while len(tables) < count:
         table = _random_table(rng, max_rows=max_rows)
@@ -167,8 +171,8 @@ def _random_set(
     return tables
 
 
-def _draw_ids(
-    rng: np.random.Generator, table: _SyntheticTable, bags: int
+def draw_ids(
+    rng: np.random.Generator, table: SyntheticTable, bags: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """One batch of ``bags`` bags of a table: (ids, lengths); lengths 1 + Poisson(pooling - 1),
     ids Zipf-ranked rows scattered over the table (a hash of the rank)."""
@@ -242,7 +246,7 @@ def collect_samples(
     rows: dict[str, list[Any]] = {"num_tables": [], "features": [], "seconds": []}
     for i in range(n):
         tables = _random_set(rng, max_tables=max_tables, max_rows=max_rows, max_bytes=max_bytes)
-        batches = [_draw_ids(rng, t, batch_size) for t in tables]
+        batches = [draw_ids(rng, t, batch_size) for t in tables]
         stats = [
             TableStats.of_batch(rows=t.rows, dim=t.dim, ids=ids, bags=batch_size)
             for t, (ids, _) in zip(tables, batches, strict=True)
