@@ -155,3 +155,25 @@ def test_table_statistics_from_a_batch_of_the_data() -> None:
     assert stats["ab"].histogram == histogram_of_counts(np.array([3, 1, 2, 1]))
     assert stats["t_c"].pooling == 6 / 4
     assert stats["t_c"].histogram == histogram_of_counts(np.array([4, 1, 1]))
+
+
+def test_the_search_path_predicts_as_the_model_and_warns_outside_its_range(model, caplog) -> None:
+    shard = [
+        TableStats(3000, 16, 2.0, (1.0,) + (0.0,) * 16),
+        TableStats(9000, 32, 4.0, (0.5, 0.5) + (0.0,) * 15),
+    ]
+    latents = model.latents([t.features() for t in shard])
+    assert model.head_seconds(latents.sum(axis=0)) == pytest.approx(model.predict([shard])[0])
+    huge = TableStats(10**9, 512, 1000.0, (1.0,) + (0.0,) * 16)
+    with caplog.at_level("WARNING"):
+        model.warn_outside(
+            {"huge": huge.features(), "fine": shard[0].features()},
+            world_size=2,
+            set_sizes=[1, 1000],
+        )
+    text = caplog.text
+    assert (
+        "not trained on tables like 1 of these: huge (log10 rows 9" in text and "fine" not in text
+    )
+    assert "a rank holds 1000 tables" in text
+    assert "has no all-to-all samples" in text
