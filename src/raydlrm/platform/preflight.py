@@ -389,7 +389,8 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     :func:`worker_memory_budget`, costed with the calibrated constants at
     ``sharding.cost_constants_path`` when that file exists, and with the data's pooling
     factors and dedup ratios (``shape``, from :func:`data_shape`; without it every bag is
-    taken to hold one id and nothing to be deduplicated).
+    taken to hold one id and nothing to be deduplicated), at the global batch (every worker's
+    samples: what a rank's kernel looks up of a table-wise table).
 
     Raises:
         ConfigError: sharding settings that cannot be planned, e.g. a table that does not fit
@@ -405,8 +406,7 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
             spec.tables(),
             world_size=config.scaling.num_workers,
             config=config.sharding,
-            # The learned model is measured at the global batch (what a rank looks up).
-            batch_size=config.data.batch_size if learned is None else config.global_batch_size(),
+            batch_size=config.global_batch_size(),  # what a rank's kernel looks up
             constants=constants,
             memory_budget=budget,
             pooling_factors=None if shape is None else shape.pooling_factors,
