@@ -113,6 +113,41 @@ def train(
     print_summary(result)
 
 
+@app.command()
+def tune(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    search: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--search",
+            metavar="KEY=DIST",
+            help="A config key and its distribution: choice(a, b), grid(a, b), uniform(lo, hi), "
+            "loguniform(lo, hi), randint(lo, hi); repeat for more keys (adds to [tune.search]).",
+        ),
+    ] = None,
+    trials: Annotated[
+        int | None, typer.Option("--trials", help="Trials to run (default: tune.num_trials).")
+    ] = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Sweep hyperparameters: Ray Tune over training jobs, early stopping (ASHA), MLflow child
+    runs under one parent, the best model registered; run again with the same run.name to
+    continue an interrupted sweep."""
+    _setup_logging(verbose)
+    job = _job(config, set_)
+    from raydlrm.platform.tune import tune as run_sweep
+
+    try:
+        with _ray_ends_first():
+            result = run_sweep(job, search=search or [], num_trials=trials)
+    except _bad_input_errors() as e:
+        _fail(str(e))
+    except Exception as e:
+        _run_failed(e, "the sweep")
+    typer.echo(result.summary)
+
+
 def _job(config: Path | None, overrides: list[str] | None) -> JobConfig:
     """The validated config, read before torch, Ray and MLflow are imported (seconds): a typo
     stops the command at once with one line."""

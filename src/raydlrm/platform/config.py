@@ -112,6 +112,8 @@ class TrackingConfig:
     stores ``model.safetensors`` with the model in MLflow's artifact store. ``auto``
     references a checkpoint in an object store, or on this machine when the tracking store is
     here too, and copies otherwise (said in one line)."""
+    parent_run_id: str | None = None
+    """MLflow run this job's run is a child of (``raydlrm tune`` sets it for its trials)."""
 
 
 @config_dataclass
@@ -156,6 +158,47 @@ class RetrainConfig:
 
 
 @config_dataclass
+class TuneConfig:
+    """A hyperparameter sweep (``raydlrm tune``; :mod:`raydlrm.platform.tune`)."""
+
+    search: dict[str, str] = field(default_factory=dict)
+    """Dotted config key -> its distribution: ``choice(a, b, ...)``, ``grid(a, b, ...)``
+    (every value, each with ``num_trials`` samples of the rest), ``uniform(lo, hi)``,
+    ``loguniform(lo, hi)``, ``randint(lo, hi)`` (``hi`` excluded); values as in ``--set``."""
+    num_trials: int = 8
+    """Trials to sample (with ``grid``: per grid point)."""
+    metric: str = "eval/auc"
+    """The metric trials are ranked and stopped early on (reported at each evaluation,
+    ``training.eval_every_steps``, and at the end)."""
+    mode: Literal["max", "min"] = "max"
+    """Whether ``metric`` is better high (``max``, AUC) or low (``min``, log loss)."""
+    scheduler: Literal["asha", "fifo"] = "asha"
+    """``asha``: stop the trials whose ``metric`` trails the others' at the same evaluation
+    (asynchronous successive halving); ``fifo``: run every trial to the end."""
+    grace_period: int = 1
+    """Evaluations a trial gets before ASHA may stop it."""
+    reduction_factor: int = 3
+    """ASHA keeps the best ``1 / reduction_factor`` of the trials at each rung."""
+    max_concurrent_trials: int = 0
+    """Trials run at once; 0: as many as the cluster's CPUs fit (each trial's workers'
+    ``scaling.resources_per_worker`` CPUs, at least 1 a trial)."""
+    seed: int | None = None
+    """Seed of the sampler (None: random)."""
+
+    def __post_init__(self) -> None:
+        if self.num_trials < 1:
+            raise ValueError(f"tune.num_trials must be >= 1, got {self.num_trials}")
+        if self.grace_period < 1:
+            raise ValueError(f"tune.grace_period must be >= 1, got {self.grace_period}")
+        if self.reduction_factor < 2:
+            raise ValueError(f"tune.reduction_factor must be >= 2, got {self.reduction_factor}")
+        if self.max_concurrent_trials < 0:
+            raise ValueError(
+                f"tune.max_concurrent_trials must be >= 0, got {self.max_concurrent_trials}"
+            )
+
+
+@config_dataclass
 class RayInitConfig:
     """How to reach (or start) Ray when the caller has not initialized it."""
 
@@ -187,6 +230,7 @@ class JobConfig(WorkerSpec):
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
     ray: RayInitConfig = field(default_factory=RayInitConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def global_batch_size(self) -> int:
         """Samples a training step over all workers, ``data.batch_size x scaling.num_workers``:

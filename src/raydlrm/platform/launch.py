@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray.train
 from ray.train import CheckpointConfig as RayCheckpointConfig
-from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 
 from raydlrm._logs import configure_api, library_level, quiet_libraries, worker_level
@@ -93,6 +94,7 @@ def train(
     overrides: list[str] | tuple[str, ...] = (),
     scaling_config: ScalingConfig | None = None,
     run_config: RunConfig | None = None,
+    callbacks: Sequence[UserCallback] = (),
 ) -> TrainResult:
     """Runs a training job end to end.
 
@@ -102,6 +104,7 @@ def train(
         scaling_config: a Ray ``ScalingConfig`` replacing the ``[scaling]`` section.
         run_config: a Ray ``RunConfig`` replacing the ``[run]`` section (its callbacks are kept
             and the MLflow callback is added; the object given is not changed).
+        callbacks: Ray Train callbacks added to the run's (e.g. Tune's report of a trial).
 
     Returns:
         The final metrics, checkpoint, MLflow run and registered model.
@@ -130,6 +133,7 @@ def train(
             quarantined_before=quarantined_before,
             scaling_config=scaling_config,
             run_config=run_config,
+            callbacks=callbacks,
         )
 
 
@@ -142,6 +146,7 @@ def _tracked_run(
     quarantined_before: dict[str, int],
     scaling_config: ScalingConfig | None,
     run_config: RunConfig | None,
+    callbacks: Sequence[UserCallback],
 ) -> TrainResult:
     """Ray, the job's MLflow run, Ray Train's run, the final model and the row accounting;
     a failure marks the MLflow run failed."""
@@ -156,7 +161,9 @@ def _tracked_run(
             train_loop_per_worker,
             train_loop_config={"job": worker_job},
             scaling_config=scaling_config or _scaling(job),
-            run_config=_run_config(job, run_name=run_name, tracked=tracked, given=run_config),
+            run_config=_run_config(
+                job, run_name=run_name, tracked=tracked, given=run_config, extra=callbacks
+            ),
         )
         result = _run(trainer, job=job, data=data, tracked=tracked, plan=plan, run_name=run_name)
         _account_rows(
@@ -183,13 +190,18 @@ def _scaling(job: JobConfig) -> ScalingConfig:
 
 
 def _run_config(
-    job: JobConfig, *, run_name: str, tracked: TrackedRun, given: RunConfig | None
+    job: JobConfig,
+    *,
+    run_name: str,
+    tracked: TrackedRun,
+    given: RunConfig | None,
+    extra: Sequence[UserCallback] = (),
 ) -> RunConfig:
-    """Ray Train's ``RunConfig``: the caller's (copied, with the MLflow callback added), or
-    one made from ``[run]`` and ``[checkpoint]``."""
-    callback = tracked.callback(scheme_of(job.run.storage_path))
+    """Ray Train's ``RunConfig``: the caller's (copied, with the MLflow callback and ``extra``
+    added), or one made from ``[run]`` and ``[checkpoint]``."""
+    callbacks = [tracked.callback(scheme_of(job.run.storage_path)), *extra]
     if given is not None:
-        return dataclasses.replace(given, callbacks=[*(given.callbacks or []), callback])
+        return dataclasses.replace(given, callbacks=[*(given.callbacks or []), *callbacks])
     storage_path, storage_filesystem = run_storage(job)
     ckpt = job.checkpoint
     return RunConfig(
@@ -204,7 +216,7 @@ def _run_config(
             checkpoint_score_attribute=ckpt.score_metric,
             checkpoint_score_order=ckpt.score_order,
         ),
-        callbacks=[callback],
+        callbacks=callbacks,
         # Ray Train's own console lines (worker group start, each report, each checkpoint).
         logging_config=LoggingConfig(log_level=logging.getLevelName(library_level())),
     )

@@ -247,6 +247,8 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
         tags = {"raydlrm.run_name": run_name, "raydlrm.submissions": "1"}
         if run_key:
             tags["raydlrm.run_key"] = run_key
+        if config.tracking.parent_run_id:
+            tags["mlflow.parentRunId"] = config.tracking.parent_run_id
         run = client.create_run(experiment.experiment_id, run_name=run_name, tags=tags)
     tracked = TrackedRun(
         tracking_uri=uri, run_id=run.info.run_id, experiment_id=experiment.experiment_id

@@ -1,0 +1,507 @@
+"""Hyperparameter sweeps: Ray Tune over whole training jobs (``raydlrm tune``, :func:`tune`).
+
+A sweep is one Tune experiment whose trials are training jobs (:func:`raydlrm.train`, each with
+its own Ray Train run, workers and MLflow run) that differ in the config keys of the search
+space (``[tune.search]``, ``--search``: a dotted key and a distribution, see
+:func:`parse_search`). Before any trial starts, the driver checks every key and the values at
+the ends of its range against the config (one error naming the key), validates the data, the
+sharding plan and the tracking once, and computes the dense statistics and id kinds that every
+trial then reuses. Trials report ``tune.metric`` to Tune at each evaluation
+(``training.eval_every_steps``) and at the end; ASHA stops those that trail; a failing trial
+(an invalid combination, a diverging run) is recorded with its reason and the sweep goes on.
+
+In MLflow the sweep is a parent run (its search space, the best trial's values and metrics, the
+summary of all trials) and every trial a child run; the best trial's model is registered as
+``tracking.registered_model_name``. Run again with the same ``run.name`` and storage, a sweep
+that was interrupted continues (Tune's experiment restore): finished trials are kept and the
+rest run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from raydlrm.platform.config import ConfigError, JobConfig, load_config, replaced
+
+__all__ = ["Dimension", "TuneResult", "check_space", "parse_search", "tune"]
+
+logger = logging.getLogger(__name__)
+
+_DISTRIBUTION = re.compile(r"^\s*(choice|grid|uniform|loguniform|randint)\s*\((.*)\)\s*$", re.S)
+_NUMERIC = ("uniform", "loguniform", "randint")
+RUN_ID = "raydlrm/run_id"
+MODEL_URI = "raydlrm/model_uri"
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One key of a search space and its distribution."""
+
+    key: str
+    kind: str
+    """``choice``, ``grid``, ``uniform``, ``loguniform`` or ``randint``."""
+    values: tuple[Any, ...]
+    """The choices, or ``(low, high)``."""
+
+    def domain(self) -> Any:
+        """The Ray Tune domain."""
+        from ray import tune
+
+        if self.kind == "choice":
+            return tune.choice(list(self.values))
+        if self.kind == "grid":
+            return tune.grid_search(list(self.values))
+        sampler = {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}
+        return sampler[self.kind](*self.values)
+
+    def corners(self) -> list[Any]:
+        """The values a config must accept: every choice, or both ends of the range."""
+        if self.kind in ("choice", "grid"):
+            return list(self.values)
+        low, high = self.values
+        return [low, high - 1 if self.kind == "randint" else high]
+
+
+def _values(text: str) -> list[Any]:
+    """A distribution's arguments: TOML values (``1e-3``, ``"dlrm"``, ``[64, 32]``), a bare
+    word taken as a string."""
+    try:
+        return tomllib.loads(f"v = [{text}]")["v"]
+    except tomllib.TOMLDecodeError:
+        out = []
+        for token in text.split(","):
+            token = token.strip()
+            try:
+                out.append(tomllib.loads(f"v = {token}")["v"])
+            except tomllib.TOMLDecodeError:
+                out.append(token)
+        return out
+
+
+def parse_search(expressions: Mapping[str, str] | Sequence[str]) -> dict[str, Dimension]:
+    """A search space from ``key = distribution`` expressions (``[tune.search]``) or
+    ``key=distribution`` strings (``--search``): ``choice(a, b, ...)``, ``grid(a, b, ...)``,
+    ``uniform(lo, hi)``, ``loguniform(lo, hi)``, ``randint(lo, hi)`` (``hi`` excluded).
+
+    Raises:
+        ConfigError: an expression that is not one of these, naming its key.
+    """
+    if isinstance(expressions, Mapping):
+        items = list(expressions.items())
+    else:
+        items = []
+        for expression in expressions:
+            key, sep, text = expression.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--search {expression!r} is not of the form key=distribution")
+            items.append((key.strip(), text))
+    space = {}
+    for key, text in items:
+        space[key] = _dimension(key, text)
+    return space
+
+
+def _dimension(key: str, text: str) -> Dimension:
+    match = _DISTRIBUTION.match(text)
+    if match is None:
+        raise ConfigError(
+            f"tune.search.{key}: {text.strip()!r} is not a distribution: choice(a, b, ...), "
+            "grid(a, b, ...), uniform(lo, hi), loguniform(lo, hi) or randint(lo, hi)"
+        )
+    kind, values = match.group(1), _values(match.group(2))
+    if kind in ("choice", "grid"):
+        if not values:
+            raise ConfigError(f"tune.search.{key}: {kind}() needs at least one value")
+        return Dimension(key, kind, tuple(values))
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+    if len(values) != 2 or not numbers:
+        raise ConfigError(f"tune.search.{key}: {kind}(lo, hi) needs two numbers, got {values}")
+    low, high = values
+    if not low < high:
+        raise ConfigError(f"tune.search.{key}: {kind}({low}, {high}) is empty (lo >= hi)")
+    if kind == "loguniform" and low <= 0:
+        raise ConfigError(f"tune.search.{key}: loguniform needs lo > 0, got {low}")
+    if kind == "randint" and not all(isinstance(v, int) for v in values):
+        raise ConfigError(f"tune.search.{key}: randint(lo, hi) needs integers, got {values}")
+    return Dimension(key, kind, (low, high))
+
+
+def _override(key: str, value: Any) -> str:
+    """``key=value`` as ``--set`` takes it (JSON is TOML for numbers, strings and arrays)."""
+    return f"{key}={json.dumps(value)}"
+
+
+def _current(job: JobConfig, key: str) -> Any:
+    node: Any = job.to_dict()
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"tune.search.{key}: unknown config key")
+        node = node[part]
+    return node
+
+
+def check_space(job: JobConfig, space: Mapping[str, Dimension]) -> None:
+    """Checks a search space against ``job`` before any trial: every key is a config key, a
+    numeric distribution is on a numeric key, every choice and both ends of every range are
+    values the config accepts, and the point of every key's first value is a valid config.
+
+    Raises:
+        ConfigError: naming the key (and value) that fails.
+    """
+    for dim in space.values():
+        current = _current(job, dim.key)
+        numeric = isinstance(current, int | float) and not isinstance(current, bool)
+        if dim.kind in _NUMERIC and not numeric:
+            raise ConfigError(
+                f"tune.search.{dim.key}: {dim.kind}() needs a numeric key; {dim.key} is "
+                f"{current!r}: use choice(...)"
+            )
+        if dim.kind in ("uniform", "loguniform") and isinstance(current, int):
+            raise ConfigError(
+                f"tune.search.{dim.key}: an integer key; use randint(lo, hi) or choice(...)"
+            )
+        for value in dim.corners():
+            try:
+                load_config(job, overrides=[_override(dim.key, value)])
+            except ConfigError as e:
+                raise ConfigError(f"tune.search.{dim.key} = {value!r}: {e}") from None
+    first = [_override(d.key, d.corners()[0]) for d in space.values()]
+    try:
+        load_config(job, overrides=first)
+    except ConfigError as e:
+        raise ConfigError(f"the search space's first point ({', '.join(first)}): {e}") from None
+
+
+@dataclass
+class TuneResult:
+    """What a sweep produced."""
+
+    best_config: dict[str, Any]
+    """The best trial's values of the searched keys."""
+    best_metrics: dict[str, float]
+    """The best trial's final metrics."""
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    """Every trial: ``trial``, ``status`` (``done``, ``stopped early``, ``failed: ...``), its
+    values, the metric and the evaluations reported."""
+    run_id: str = ""
+    """The sweep's MLflow (parent) run."""
+    best_run_id: str | None = None
+    """The best trial's MLflow (child) run."""
+    model_uri: str | None = None
+    """The best trial's logged model."""
+    registered_model_version: str | None = None
+    """The version the best model was registered as (None: not registered)."""
+    summary: str = ""
+    """A table of the trials and the best config, as ``raydlrm tune`` prints it."""
+
+
+def tune(
+    config: str | Path | dict[str, Any] | JobConfig | None = None,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    search: Sequence[str] = (),
+    num_trials: int | None = None,
+) -> TuneResult:
+    """Runs a sweep (see the module): the job of ``config`` and ``overrides``, searched over
+    ``[tune.search]`` and ``search`` (``key=distribution`` strings, which win), ``num_trials``
+    (default ``tune.num_trials``).
+
+    Raises:
+        ConfigError: an invalid config or search space, before any trial starts.
+        DataValidationError: missing or malformed data, before any trial starts.
+    """
+    from raydlrm._logs import configure_api, quiet_libraries
+
+    job = load_config(config, overrides=overrides)
+    if num_trials is not None:
+        job = replaced(job, tune=replaced(job.tune, num_trials=num_trials))
+    space = {**parse_search(job.tune.search), **parse_search(list(search))}
+    if not space:
+        raise ConfigError("nothing to search: give --search key=distribution or [tune.search]")
+    check_space(job, space)
+    configure_api()
+    quiet_libraries()
+    sweep = job.run.name or f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
+    job = _prepared(job, sweep)
+    from raydlrm.platform.ray_init import init_ray
+    from raydlrm.platform.tracking import start_run
+
+    init_ray(job)
+    parent = start_run(job, run_name=sweep, run_key=f"tune:{job.run.storage_path}/{sweep}")
+    try:
+        parent.log_params({f"tune.search.{k}": f"{d.kind}{d.values}" for k, d in space.items()})
+        grid = _fit(job, space, sweep=sweep, parent_run_id=parent.run_id)
+        result = _outcome(job, grid, space=space, parent=parent, sweep=sweep)
+    except BaseException:
+        parent.finish(failed=True)
+        raise
+    parent.finish()
+    return result
+
+
+def _prepared(job: JobConfig, sweep: str) -> JobConfig:
+    """The checks of a training job, once for the sweep: its data, plan, storage and tracking;
+    returns the job with the dense statistics and id kinds every trial reuses."""
+    from raydlrm.platform.preflight import (
+        data_shape,
+        make_plan,
+        preflight,
+        resolve_dedup_groups,
+        resolve_job,
+        validate_job_data,
+    )
+
+    job = resolve_job(job, run_name=sweep)
+    data = validate_job_data(job)
+    job = resolve_dedup_groups(job, data)
+    checked = preflight(job, make_plan(job, shape=data_shape(job, data)), data=data, run_name=sweep)
+    if job.tune.scheduler == "asha" and not job.training.eval_every_steps:
+        logger.warning(
+            "tune.scheduler = 'asha' stops trials on %s at each evaluation, and "
+            "training.eval_every_steps is 0: trials evaluate only at the end, none stops early",
+            job.tune.metric,
+        )
+    return checked.job
+
+
+def _concurrency(job: JobConfig) -> int:
+    """``tune.max_concurrent_trials``, or as many trials as the cluster's CPUs fit: a trial's
+    workers' CPUs plus one for its input pipeline."""
+    import ray
+
+    if job.tune.max_concurrent_trials:
+        return job.tune.max_concurrent_trials
+    per_worker = float(job.scaling.resources_per_worker.get("CPU", 1.0))
+    per_trial = job.scaling.num_workers * per_worker + 1.0
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    return max(1, math.floor(cpus / per_trial))
+
+
+def _fit(job: JobConfig, space: Mapping[str, Dimension], *, sweep: str, parent_run_id: str):
+    """Tune's experiment of the sweep (restored when an earlier one of the same name is in
+    the run storage); returns its result grid."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search import BasicVariantGenerator
+
+    from raydlrm.platform.preflight import run_storage
+
+    cfg = job.tune
+    base = job.to_dict()
+    base["tracking"] |= {"parent_run_id": parent_run_id, "registered_model_name": None}
+    base["run"] |= {"progress": "off"}  # one progress line a trial would interleave
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, base=base, sweep=sweep, metric=cfg.metric),
+        {"CPU": 0.01},  # the trial's driver; its workers and data pipeline ask for their own
+    )
+    storage, filesystem = run_storage(job)
+    path = f"{storage.rstrip('/')}/{sweep}"
+    if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
+        logger.info("continuing the sweep in %s", path)
+        tuner = tune.Tuner.restore(
+            path, trainable=trainable, storage_filesystem=filesystem, restart_errored=False
+        )
+        return tuner.fit()
+    scheduler = (
+        ASHAScheduler(grace_period=cfg.grace_period, reduction_factor=cfg.reduction_factor)
+        if cfg.scheduler == "asha"
+        else FIFOScheduler()
+    )
+    tuner = tune.Tuner(
+        trainable,
+        param_space={key: dim.domain() for key, dim in space.items()},
+        tune_config=tune.TuneConfig(
+            metric=cfg.metric,
+            mode=cfg.mode,
+            num_samples=cfg.num_trials,
+            scheduler=scheduler,
+            search_alg=BasicVariantGenerator(random_state=cfg.seed),
+            max_concurrent_trials=_concurrency(job),
+        ),
+        run_config=tune.RunConfig(
+            name=sweep,
+            storage_path=storage,
+            storage_filesystem=filesystem,
+            failure_config=tune.FailureConfig(fail_fast=False),
+            verbose=0,
+        ),
+    )
+    return tuner.fit()
+
+
+def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: str) -> None:
+    """One trial: the sweep's job with ``params``, trained as a child run; its evaluations
+    reported to Tune as they come, its final metrics and model at the end."""
+    from ray import tune
+
+    from raydlrm.platform.launch import train
+
+    trial = tune.get_context().get_trial_id()
+    overrides = [_override(k, v) for k, v in params.items()]
+    overrides.append(_override("run.name", f"{sweep}-{trial}"))
+    result = train(base, overrides=overrides, callbacks=[_evaluation_reports(metric)])
+    final = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
+    tune.report({**final, RUN_ID: result.run_id, MODEL_URI: result.model_uri})
+
+
+def _evaluation_reports(metric: str) -> Any:
+    """A Ray Train callback that passes a trial's reports to Tune when ``metric`` has a new
+    value (an evaluation: the reports in between carry the last one)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class EvaluationReports(TuneReportCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last: float | None = None
+
+        def after_report(self, run_context, metrics, checkpoint) -> None:
+            value = metrics[0].get(metric)
+            if value is None or value == self.last:
+                return
+            self.last = value
+            super().after_report(run_context, metrics, None)
+
+    return EvaluationReports()
+
+
+def _status(result: Any) -> str:
+    if result.error is not None:
+        reason = str(result.error).strip().splitlines()
+        return f"failed: {reason[-1] if reason else type(result.error).__name__}"
+    return "done" if MODEL_URI in (result.metrics or {}) else "stopped early"
+
+
+def _outcome(
+    job: JobConfig, grid: Any, *, space: Mapping[str, Dimension], parent: Any, sweep: str
+) -> TuneResult:
+    """The trials' table, the best trial registered and logged to the parent run; the runs of
+    trials stopped early marked killed."""
+    cfg = job.tune
+    trials = []
+    for result in grid:
+        metrics = result.metrics or {}
+        trials.append(
+            {
+                "trial": metrics.get("trial_id", Path(result.path or "?").name),
+                "status": _status(result),
+                **{k: (result.config or {}).get(k) for k in space},
+                cfg.metric: metrics.get(cfg.metric),
+                "evaluations": metrics.get("training_iteration", 0),
+                RUN_ID: metrics.get(RUN_ID),
+                MODEL_URI: metrics.get(MODEL_URI),
+            }
+        )
+    stopped = {f"{sweep}-{t['trial']}" for t in trials if t["status"] == "stopped early"}
+    _close_stopped_runs(parent, stopped)
+    done = [t for t in trials if t["status"] == "done" and t[cfg.metric] is not None]
+    if not done:
+        summary = _table(trials, space, cfg.metric)
+        raise RuntimeError(f"no trial of the sweep finished:\n{summary}")
+    sign = 1 if cfg.mode == "max" else -1
+    best = max(done, key=lambda t: sign * t[cfg.metric])
+    best_metrics = {
+        k: v
+        for k, v in (grid[trials.index(best)].metrics or {}).items()
+        if "/" in k and isinstance(v, int | float)
+    }
+    result = TuneResult(
+        best_config={k: best[k] for k in space},
+        best_metrics=best_metrics,
+        trials=trials,
+        run_id=parent.run_id,
+        best_run_id=best[RUN_ID],
+        model_uri=best[MODEL_URI],
+    )
+    _record_best(job, result, parent)
+    result.summary = _table(trials, space, cfg.metric) + "\n" + _best_line(result, cfg.metric)
+    parent.log_text(result.summary, artifact_file="tune/summary.txt")
+    parent.log_text(json.dumps(trials, indent=2, default=str), artifact_file="tune/trials.json")
+    return result
+
+
+def _record_best(job: JobConfig, result: TuneResult, parent: Any) -> None:
+    """The best trial's values and metrics on the parent run, its model registered."""
+    from raydlrm.platform.export import register_version
+
+    parent.log_params({f"best.{k}": v for k, v in result.best_config.items()})
+    parent.log_metrics(result.best_metrics, step=0)
+    tags = parent.client.get_run(parent.run_id).data.tags
+    name = job.tracking.registered_model_name
+    if tags.get("raydlrm.tune.best_run_id") == result.best_run_id:  # a finished sweep again
+        result.registered_model_version = tags.get("raydlrm.tune.registered_version")
+    elif name and result.model_uri:
+        version = register_version(
+            result.model_uri,
+            name,
+            run_id=str(result.best_run_id),
+            tags={"raydlrm.tune.run_id": parent.run_id},
+            client=parent.client,
+        )
+        result.registered_model_version = str(version)
+    parent.set_tags(
+        {
+            "raydlrm.tune.best_run_id": str(result.best_run_id),
+            **(
+                {"raydlrm.tune.registered_version": result.registered_model_version}
+                if result.registered_model_version
+                else {}
+            ),
+        }
+    )
+
+
+def _close_stopped_runs(parent: Any, stopped: set[str]) -> None:
+    """Marks killed the child runs of the trials ASHA stopped (run names ``stopped``; their
+    job ended as failed when its trial was stopped) and those left running (a trial process
+    that died)."""
+    client = parent.client
+    runs = client.search_runs(
+        [parent.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'"
+    )
+    for run in runs:
+        if run.data.tags.get("raydlrm.run_name") in stopped:
+            client.set_tag(run.info.run_id, "raydlrm.tune.stopped_early", "true")
+            client.set_terminated(run.info.run_id, status="KILLED")
+        elif run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, status="KILLED")
+
+
+def _table(trials: list[dict[str, Any]], space: Mapping[str, Dimension], metric: str) -> str:
+    header = ["trial", *space, metric, "evaluations", "status"]
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "-" if value is None else str(value)
+
+    rows = [[cell(t.get(h)) for h in header] for t in trials]
+    widths = [max(len(x) for x in column) for column in zip(header, *rows, strict=False)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _best_line(result: TuneResult, metric: str) -> str:
+    values = ", ".join(f"{k}={v!r}" for k, v in result.best_config.items())
+    registered = (
+        f"; registered as version {result.registered_model_version}"
+        if result.registered_model_version
+        else ""
+    )
+    return (
+        f"best: {values} ({metric} {result.best_metrics.get(metric, float('nan')):.4f}; "
+        f"run {result.best_run_id}{registered})"
+    )

@@ -1,0 +1,138 @@
+"""Hyperparameter sweeps (``raydlrm tune``): the search-space parser, the checks before any
+trial starts, and a 4-trial sweep with ASHA on the session's local Ray cluster (child MLflow
+runs under one parent, the best model registered, the trials' table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from raydlrm.platform.config import ConfigError, load_config
+from raydlrm.platform.tune import Dimension, check_space, parse_search
+
+
+def test_the_parser_reads_every_distribution() -> None:
+    space = parse_search(
+        [
+            "training.learning_rate=loguniform(1e-4, 1e-2)",
+            "model.arch=choice(dlrm, dcnv2)",
+            "model.top_mlp=grid([16], [32, 16])",
+            "training.seed=randint(0, 10)",
+        ]
+    )
+    assert space["training.learning_rate"] == Dimension(
+        "training.learning_rate", "loguniform", (1e-4, 1e-2)
+    )
+    assert space["model.arch"].values == ("dlrm", "dcnv2")  # bare words are strings
+    assert space["model.top_mlp"].values == ([16], [32, 16])
+    assert space["training.seed"].corners() == [0, 9]  # randint excludes its high end
+    assert parse_search({"training.learning_rate": 'choice(0.1, "x")'})[
+        "training.learning_rate"
+    ].values == (0.1, "x")
+    for bad, message in (
+        ("training.learning_rate=normal(0, 1)", "is not a distribution"),
+        ("training.learning_rate=uniform(1)", "needs two numbers"),
+        ("training.learning_rate=uniform(2, 1)", "is empty"),
+        ("training.learning_rate=loguniform(0, 1)", "needs lo > 0"),
+        ("training.seed=randint(0.5, 3)", "needs integers"),
+        ("model.arch=choice()", "at least one value"),
+        ("no distribution", "not of the form key=distribution"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_search([bad])
+
+
+def test_the_space_is_checked_against_the_config_before_any_trial() -> None:
+    job = load_config(None)
+
+    def check(*expressions: str) -> None:
+        check_space(job, parse_search(list(expressions)))
+
+    check("training.learning_rate=loguniform(1e-4, 1e-2)", "model.arch=choice(dlrm, dcnv2)")
+    with pytest.raises(ConfigError, match=r"tune.search.training.learnin_rate: unknown config key"):
+        check("training.learnin_rate=uniform(0.1, 0.2)")
+    with pytest.raises(ConfigError, match=r"tune.search.model.arch: uniform\(\) needs a numeric"):
+        check("model.arch=uniform(1, 2)")
+    with pytest.raises(ConfigError, match=r"tune\.search\.model\.embedding_dim: an integer key"):
+        check("model.embedding_dim=uniform(4, 16)")
+    with pytest.raises(ConfigError, match=r"tune.search.model.arch = 'mlp'"):
+        check("model.arch=choice(dlrm, mlp)")
+    with pytest.raises(ConfigError, match=r"tune\.search\.training\.learning_rate = -1"):
+        check("training.learning_rate=uniform(-1, 1)")
+
+
+def _sweep_config(tmp_path: Path) -> dict:
+    return {
+        "data": {
+            "train_path": str(tmp_path / "data" / "train"),
+            "eval_path": str(tmp_path / "data" / "eval"),
+            "batch_size": 128,
+            "table_size": 500,
+            "synthetic": {
+                "num_train_rows": 2048,
+                "num_eval_rows": 512,
+                "rows_per_file": 1024,
+                "max_cardinality": 400,
+            },
+        },
+        "model": {"arch": "dlrm", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
+        "training": {"max_steps": 6, "log_every_steps": 2, "eval_every_steps": 2},
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "sweep"},
+        "tracking": {
+            "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "experiment_name": "tune",
+            "registered_model_name": "tuned",
+        },
+        "tune": {"num_trials": 4, "seed": 0, "reduction_factor": 2, "max_concurrent_trials": 2},
+    }
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sweep_with_asha_records_child_runs_and_registers_the_best(
+    tmp_path: Path, ray_cluster
+) -> None:
+    import raydlrm
+
+    config = _sweep_config(tmp_path)
+    search = [
+        "training.learning_rate=loguniform(1e-4, 1e-1)",
+        "model.top_mlp=choice([16], [32, 16])",
+    ]
+    result = raydlrm.tune(config, search=search)
+    assert len(result.trials) == 4
+    statuses = [t["status"] for t in result.trials]
+    assert set(statuses) <= {"done", "stopped early"} and "done" in statuses
+    done = [t for t in result.trials if t["status"] == "done"]
+    assert result.best_metrics["eval/auc"] == max(t["eval/auc"] for t in done)
+    assert set(result.best_config) == {"training.learning_rate", "model.top_mlp"}
+    client = MlflowClient(config["tracking"]["tracking_uri"])
+    children = client.search_runs(
+        [client.get_run(result.run_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.run_id}'",
+    )
+    assert len(children) == 4  # every trial a child run, none left running
+    assert {r.info.status for r in children} <= {"FINISHED", "KILLED"}
+    parent = client.get_run(result.run_id)
+    assert parent.data.tags["raydlrm.tune.best_run_id"] == result.best_run_id
+    assert parent.data.metrics["eval/auc"] == result.best_metrics["eval/auc"]
+    version = client.get_model_version("tuned", result.registered_model_version)
+    assert version.run_id == result.best_run_id
+    assert result.summary.splitlines()[-1].startswith("best: ")
+    # The same sweep again (same run.name and storage) continues Tune's experiment: nothing is
+    # left to run, the same best trial, no second registered version.
+    again = raydlrm.tune(config, search=search)
+    assert again.best_run_id == result.best_run_id and again.run_id == result.run_id
+    assert again.registered_model_version == result.registered_model_version
+    assert len(client.search_model_versions("name='tuned'")) == 1
+    # From the command line: a bad search space is one line before any trial starts.
+    from raydlrm.platform.cli import app
+
+    bad = CliRunner().invoke(
+        app, ["tune", "--search", "model.arch=uniform(1, 2)", "--set", "run.name=x"]
+    )
+    assert bad.exit_code == 2 and "needs a numeric key" in bad.output
