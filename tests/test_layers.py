@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raydlrm"
-COMMON = {"batch", "_config", "_versions", "_errors", "storage", "_logs", "_lazy", "_sampling"}
+COMMON = {
+    "batch",
+    "_config",
+    "_versions",
+    "_errors",
+    "storage",
+    "_logs",
+    "_lazy",
+    "_sampling",
+    "_text",
+}
 ALLOWED = {
     "_lazy": set(),
     "_config": set(),
@@ -28,6 +38,7 @@ ALLOWED = {
     "storage": {"_config"},
     "_logs": set(),
     "_sampling": set(),
+    "_text": set(),
     "models": COMMON,
     "sharding": COMMON | {"models"},
     "ingestion": COMMON,

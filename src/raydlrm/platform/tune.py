@@ -31,6 +31,7 @@ from typing import Any
 
 import tomllib
 
+from raydlrm._text import text_table
 from raydlrm.platform.config import ConfigError, JobConfig, load_config, replaced
 
 __all__ = ["Dimension", "TuneResult", "check_space", "parse_search", "tune"]
@@ -485,13 +486,7 @@ def _table(trials: list[dict[str, Any]], space: Mapping[str, Dimension], metric:
         return "-" if value is None else str(value)
 
     rows = [[cell(t.get(h)) for h in header] for t in trials]
-    widths = [max(len(x) for x in column) for column in zip(header, *rows, strict=False)]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table(header, rows))
 
 
 def _best_line(result: TuneResult, metric: str) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import get_args
 
+from raydlrm._text import text_table
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import Placement, ShardingType
 
@@ -288,12 +289,7 @@ class ShardingPlan:
         ]
         cost_header = "est. cost" if self.predicted_seconds is None else "predicted s"
         header = ("rank", "tables", cost_header, memory_header, *(["ssd"] if any(disk) else []))
-        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
-        lines = [
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in [header, *rows]
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = text_table(header, rows)
         if self.memory_budget is not None:
             lines.append(f"memory {self.memory_budget.describe()}")
         lines.extend(self._tier_lines())
