@@ -41,6 +41,7 @@ GPU_TEST_FILES = [
     "tests/trainers/test_loop.py",
     "tests/sharding/test_kernel.py",
     "tests/sharding/test_quantized.py",
+    "tests/sharding/test_codecs.py",
 ]
 VARIANTS = "torch-none,torch-sparse_dist,reference"
 RATIOS = [

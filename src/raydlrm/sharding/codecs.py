@@ -252,7 +252,7 @@ class Mx4Codec:
     to the nearest E2M1 value, ties to even, magnitudes in ``(6, 7]`` saturating to 6, and the
     sign bit of ``x`` (``-0.0`` and negatives that round to 0 send code 8, ``-0``). A block
     holding inf or NaN sends exponent byte 255 (E8M0's NaN) and decodes to NaN throughout (its
-    codes are unspecified).
+    codes are 0 but for the sign bits, the same bytes on every device).
 
     Layout: the ``rows * ceil(cols / 2)`` code bytes (two codes a byte, the even column's in the
     low nibble; an odd ``cols`` leaves each row's last high nibble 0), then the ``rows * ceil(cols
@@ -284,8 +284,10 @@ class Mx4Codec:
         finite = amax.isfinite()
         # 1 / 2**e as fp32 bits, exact; 0 in a non-finite block.
         inv = torch.where(finite, ((127 - e) << 23).view(torch.float32), 0.0)
-        # |x| / 2**e <= 7 (8 where e = 125 cut m's exponent), saturated to 6.
-        codes = _e2m1_codes_(mag.mul_(inv.unsqueeze(2)).clamp_(max=6.0))
+        # |x| / 2**e <= 7 (8 where e = 125 cut m's exponent), saturated to 6. A non-finite
+        # block's NaN and inf times 0 are NaN, whose bits differ by device (a GPU makes its
+        # canonical NaN, a CPU keeps the operand's): 0 instead, so that its codes are 0.
+        codes = _e2m1_codes_(mag.mul_(inv.unsqueeze(2)).nan_to_num_(nan=0.0).clamp_(max=6.0))
         codes |= x.signbit().view(torch.uint8) << 3
         codes = codes.view(rows, -1, 2)
         packed = codes[..., 0] | (codes[..., 1] << 4)

@@ -45,6 +45,15 @@ from raydlrm.sharding.tiers import TierError
 __all__ = ["RowCache"]
 
 
+def _stamp(step: int, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The LRU stamps of ``slots`` looked up at ``step`` (0: empty; steps count from 1) in a
+    cache of ``capacity`` slots: ``step * capacity + slot``, distinct, ordered by step, then by
+    slot. Distinct because among equal keys, which ones ``topk`` picks (and in which order)
+    differs between a CPU and a GPU, whose caches (and so their stochastic roundings of
+    quantized rows) would then part ways."""
+    return slots.to(torch.int64) + step * capacity
+
+
 @dataclass
 class _Table:
     """One table of the group: its slots in the TBE and its rows in the files (or quantized)."""
@@ -56,7 +65,7 @@ class _Table:
     row_state: torch.Tensor | None  # (N,) DRAM or (N, D) mapped: the optimizer state
     slot_of: torch.Tensor | None  # (N,) int32: the slot holding each row, -1 if none
     row_of: torch.Tensor  # (C,) int64: the row each slot holds, -1 if none
-    last_used: torch.Tensor  # (C,) int64: step each slot was last looked up, -1 if never
+    last_used: torch.Tensor  # (C,) int64: see _stamp
     dirty: torch.Tensor  # (C,) bool: the slot's row was looked up by a training step
     sorted_rows: torch.Tensor | None = None  # without slot_of: row_of sorted ...
     sorted_slots: torch.Tensor | None = None  # ... and the slot of each
@@ -146,7 +155,7 @@ class RowCache:
                     if dense
                     else None,
                     row_of=torch.full((c,), -1, dtype=torch.int64, device=device),
-                    last_used=torch.full((c,), -1, dtype=torch.int64, device=device),
+                    last_used=_stamp(0, torch.arange(c, device=device), c),
                     dirty=torch.zeros(c, dtype=torch.bool, device=device),
                 )
             )
@@ -198,7 +207,7 @@ class RowCache:
                 )
             held = t.find(unique)
             hit = held >= 0
-            t.last_used[held[hit]] = self._step
+            t.last_used[held[hit]] = _stamp(self._step, held[hit], t.slots.shape[0])
             if training:
                 t.dirty[held[hit]] = True
             missing = unique[~hit]
@@ -216,9 +225,11 @@ class RowCache:
         """Gives the rows ``missing`` (sorted) the least recently used slots not used this
         step, and returns them: evicted rows are written back first (those a training step
         looked up)."""
-        # Empty slots (-1) go first; this step's slots (the largest stamp) never qualify, as
-        # the distinct rows of the step fit the cache.
-        victims = torch.topk(t.last_used, missing.numel(), largest=False, sorted=False).indices
+        # Empty slots (step 0) go first; this step's slots (the largest stamps) never
+        # qualify, as the distinct rows of the step fit the cache. The stamps are distinct and
+        # the victims sorted, so every device picks the same slots and gives them the same
+        # (sorted) rows.
+        victims = torch.topk(t.last_used, missing.numel(), largest=False, sorted=True).indices
         evicted = t.row_of[victims]
         valid = evicted >= 0
         if bool(valid.any()):
@@ -228,7 +239,7 @@ class RowCache:
         if t.row_state is not None:
             t.slot_state[victims] = t.row_state[missing]
         t.map(missing, victims)
-        t.last_used[victims] = self._step
+        t.last_used[victims] = _stamp(self._step, victims, t.slots.shape[0])
         t.dirty[victims] = dirty
         return victims
 
@@ -242,7 +253,9 @@ class RowCache:
                 t.write_back(cached)
                 t.unmap(t.row_of[cached])
             t.row_of.fill_(-1)  # changes row_of only where unmap dropped the sorted index
-            t.last_used.fill_(-1)
+            t.last_used.copy_(
+                _stamp(0, torch.arange(t.slots.shape[0], device=t.slots.device), t.slots.shape[0])
+            )
 
     def memory_bytes(self, *, rows_in_memory: bool) -> int:
         """Bytes the cache holds beyond the TBE's slots: its bookkeeping, the rows' optimizer

@@ -114,6 +114,16 @@ def _roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return (float(ranks[positive].sum()) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
+def _on_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` as one host tensor, in order (an earlier offload's host tensor first, then
+    those added since: on a GPU, joined there and copied in one transfer)."""
+    host = [t for t in parts if t.device.type == "cpu"]
+    added = [t for t in parts if t.device.type != "cpu"]
+    if added:
+        host.append(torch.cat(added).cpu())
+    return [torch.cat(host)] if len(host) > 1 else host
+
+
 class PredictionBuffer:
     """Collects a worker's logits and labels over a window; computes global metrics.
 
@@ -131,9 +141,7 @@ class PredictionBuffer:
 
     def offload(self) -> None:
         """Moves the predictions collected so far to the host, as one tensor each."""
-        if len(self._logits) > 1 or (self._logits and self._logits[0].device.type != "cpu"):
-            self._logits = [torch.cat(self._logits).cpu()]
-            self._labels = [torch.cat(self._labels).cpu()]
+        self._logits, self._labels = _on_host(self._logits), _on_host(self._labels)
 
     def compute(self) -> BinaryMetrics:
         """Global metrics over every rank's buffer (a collective: all ranks must call); clears."""
