@@ -42,6 +42,7 @@ GPU_TEST_FILES = [
     "tests/sharding/test_kernel.py",
     "tests/sharding/test_quantized.py",
     "tests/sharding/test_codecs.py",
+    "tests/sharding/test_learned_cost.py",
 ]
 VARIANTS = "torch-none,torch-sparse_dist,reference"
 RATIOS = [

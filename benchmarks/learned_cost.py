@@ -10,6 +10,12 @@ the same training sets), overall and by the number of tables in a set.
 
     .venv/bin/python benchmarks/learned_cost.py --samples /tmp/lc_*.parquet \
         --train-sizes 300 1000 3000 --out /tmp/bench/learned_cost.json
+
+On a GPU (the tables in GPU memory, as GPU workers hold them), collecting for at most two
+minutes and keeping the samples and the model trained on the most sets:
+
+    python3 benchmarks/learned_cost.py --device cuda --collect 5000 --collect-seconds 120 \
+        --batch-size 4096 --train-sizes 100000 --save-samples S.parquet --save-model M.json
 """
 
 from __future__ import annotations
@@ -48,25 +54,32 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=500, help="sets held out")
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--collect-seconds", type=float, default=0, help="stop collecting after this long"
+    )
+    parser.add_argument("--save-samples", type=Path, help="write the samples (Parquet) here")
+    parser.add_argument("--save-model", type=Path, help="save the model of the most sets here")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench/learned_cost.json"))
     args = parser.parse_args()
     tables = [pq.read_table(p) for p in args.samples]
     if args.collect:
-        tables.append(lc.collect_samples(args.collect, batch_size=args.batch_size, seed=args.seed))
+        tables += _collect(args)
     samples = pa.concat_tables(tables)
+    if args.save_samples:
+        pq.write_table(samples, args.save_samples)
     order = np.random.default_rng(args.seed).permutation(samples.num_rows)
-    test = samples.take(order[: args.held_out])
-    rest = samples.take(order[args.held_out :])
+    held_out = min(args.held_out, samples.num_rows // 5)  # a fifth at most: few collected
+    test = samples.take(order[:held_out])
+    rest = samples.take(order[held_out:])
     sets = lc.sample_sets(test)
     measured = np.asarray(test.column("seconds").to_pylist())
     print(
         f"{samples.num_rows} samples ({samples.column('kernel')[0]} kernel, "
-        f"{samples.column('machine')[0]}); {args.held_out} held out"
+        f"{samples.column('machine')[0]}); {held_out} held out"
     )
-    rows = []
-    for size in args.train_sizes:
-        if size > rest.num_rows:
-            continue
+    rows, model = [], None
+    for size in sorted({min(s, rest.num_rows) for s in args.train_sizes}):
         train = rest.slice(0, size)
         start = time.perf_counter()
         # The sets held out are ours (the same for every size): none inside.
@@ -99,8 +112,29 @@ def main() -> None:
             f"{fmt(r['learned_by_tables'])} | {fmt(r['analytic_by_tables'])} | "
             f"{r['train_s']:.0f} |"
         )
+    if args.save_model and model is not None:
+        model.save(args.save_model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}))
+    meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"args": meta, "samples": samples.num_rows, "rows": rows}))
+
+
+def _collect(args) -> list[pa.Table]:
+    """``--collect`` sets on ``--device``, in chunks of 50, until ``--collect-seconds``."""
+    out, start, done = [], time.perf_counter(), 0
+    while done < args.collect:
+        n = min(50, args.collect - done)
+        out.append(
+            lc.collect_samples(
+                n, batch_size=args.batch_size, seed=args.seed + done, device=args.device
+            )
+        )
+        done += n
+        elapsed = time.perf_counter() - start
+        print(f"collected {done} sets in {elapsed:.0f} s", flush=True)
+        if args.collect_seconds and elapsed > args.collect_seconds:
+            break
+    return out
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ lookups plus all-to-all. Identical rank sets are measured once.
     .venv/bin/python benchmarks/sharding_tasks.py --model ~/.cache/raydlrm/learned_cost.json \
         --tasks 30 --out /tmp/bench/sharding_tasks.json
     .venv/bin/python benchmarks/sharding_tasks.py --model M --planning-time-only
+
+On one GPU (``--device cuda --no-comm``): each rank's set is looked up on the GPU (a model
+trained on GPU samples), one rank at a time; the all-to-all of GPU ranks needs a GPU per rank,
+so the cost is the max over ranks of the lookups alone, and the planners plan for that cost:
+their transfer is free (the analytic comm rate infinite, no learned all-to-all model).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +45,7 @@ import numpy as np
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.comm_samples import time_all_to_all
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.cost import load_constants
+from raydlrm.sharding.cost import CostConstants, load_constants
 from raydlrm.sharding.learned_cost import (
     LearnedCostModel,
     SyntheticTable,
@@ -238,7 +243,13 @@ def rank_sets(plan: ShardingPlan, pool: dict[str, PoolTable]) -> list[tuple]:
 
 
 def measure_set(
-    key: tuple, pool: dict[str, PoolTable], world_size: int, *, kernel: str, repeats: int
+    key: tuple,
+    pool: dict[str, PoolTable],
+    world_size: int,
+    *,
+    kernel: str,
+    repeats: int,
+    device: str = "cpu",
 ) -> float:
     if not key:
         return 0.0
@@ -247,7 +258,7 @@ def measure_set(
         rows, ids, lengths = _shard_batch(pool[name], s, kind, world_size)
         tables.append(SyntheticTable(rows, s.col_end - s.col_start, 0.0, 0.0))
         batches.append((ids.astype(np.int64), lengths.astype(np.int64)))
-    return time_tables(tables, batches, kernel=kernel, repeats=repeats)
+    return time_tables(tables, batches, kernel=kernel, repeats=repeats, device=device)
 
 
 def dim_sums(plan: ShardingPlan) -> list[int]:
@@ -297,10 +308,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--planners", default=",".join(PLANNERS))
     parser.add_argument("--planning-time-only", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="lookups on")
+    parser.add_argument(
+        "--no-comm", action="store_true", help="lookups only: no all-to-all measured"
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench/sharding_tasks.json"))
     args = parser.parse_args()
     model = LearnedCostModel.load(args.model)
     constants = load_constants(args.constants) if args.constants else None
+    if args.no_comm:  # plan for what is measured: lookups alone
+        base = constants or CostConstants()
+        constants = replace(base, comm_bytes_per_s=1e18, collective_latency_s=0.0)
+        model.comm = None
     timing = {
         f"{t} tables / {r} ranks": planning_time(
             model, tables=t, ranks=r, batch_size=args.batch_size, seed=args.seed
@@ -316,6 +335,17 @@ def main() -> None:
     planners = args.planners.split(",")
     measured_sets: dict[tuple, float] = {}
     results, references = [], []
+
+    def measure(key: tuple, world_size: int) -> float:
+        return measure_set(
+            key,
+            by_name,
+            world_size,
+            kernel=model.kernel,
+            repeats=args.repeats,
+            device=args.device,
+        )
+
     for world_size in args.ranks:
         tasks = []
         for task in range(args.tasks):
@@ -335,23 +365,16 @@ def main() -> None:
                 times = []
                 for key in rank_sets(plan, by_name):
                     if key not in measured_sets:
-                        measured_sets[key] = measure_set(
-                            key, by_name, world_size, kernel=model.kernel, repeats=args.repeats
-                        )
+                        measured_sets[key] = measure(key, world_size)
                     times.append(measured_sets[key])
                 compute[name] = times
             # References: the analytic plan's sets measured again (the noise of one
             # comparison), and every table in one fused set over W (what perfect balance of a
             # sub-additive kernel could reach).
-            again = [
-                measure_set(k, by_name, world_size, kernel=model.kernel, repeats=args.repeats)
-                for k in rank_sets(plans["analytic"], by_name)
-            ]
+            again = [measure(k, world_size) for k in rank_sets(plans["analytic"], by_name)]
             whole = _plan_of(tables, [0] * len(tables), 1)
             (everything,) = rank_sets(whole, by_name)
-            fused = measure_set(
-                everything, by_name, world_size, kernel=model.kernel, repeats=args.repeats
-            )
+            fused = measure(everything, world_size)
             references.append(
                 {
                     "world_size": world_size,
@@ -368,8 +391,13 @@ def main() -> None:
         dims = np.array([dim_sums(tasks[t][1][name]) for t, name in layouts])
         compute = np.array([tasks[t][3][name] for t, name in layouts])
         delays = compute - compute.min(axis=1, keepdims=True)
-        comm = time_all_to_all(dims, delays, batch_size=args.batch_size, repeats=args.comm_repeats)
-        a2a = comm[:, 0, :].T + comm[:, 1, :].T  # (layout, rank)
+        if args.no_comm:
+            a2a = np.zeros_like(compute)
+        else:
+            comm = time_all_to_all(
+                dims, delays, batch_size=args.batch_size, repeats=args.comm_repeats
+            )
+            a2a = comm[:, 0, :].T + comm[:, 1, :].T  # (layout, rank)
         for j, (t, name) in enumerate(layouts):
             count, plans, seconds, _ = tasks[t]
             plan = plans[name]
@@ -452,8 +480,9 @@ def _summarize(costs: dict[tuple, float], planners: list[str]) -> None:
                 wins = int((ratios < 1).sum())
                 print(
                     f"  neural vs {other}: mean cost "
-                    f"{100 * (1 - means['neural'] / means[other]):+.1f}% lower, median task "
-                    f"ratio {np.median(ratios):.3f}, neural cheaper in {wins}/{len(pick)} tasks"
+                    f"{100 * (means['neural'] / means[other] - 1):+.1f}% (negative: neural "
+                    f"cheaper), median task ratio {np.median(ratios):.3f}, neural cheaper in "
+                    f"{wins}/{len(pick)} tasks"
                 )
 
 

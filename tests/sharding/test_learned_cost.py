@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -21,6 +22,8 @@ from raydlrm.sharding.learned_cost import (
     TableStats,
     access_histogram,
     collect_samples,
+    save_samples,
+    stored_samples,
     train_cost_model,
 )
 
@@ -66,6 +69,7 @@ def test_samples_are_measured_sets_of_tables(samples) -> None:
     assert [len(f) for f in features] == [c * NUM_FEATURES for c in counts]
     assert all(s > 0 for s in samples.column("seconds").to_pylist())
     assert set(samples.column("kernel").to_pylist()) <= {"fbgemm", "torch"}
+    assert set(samples.column("device").to_pylist()) == {"cpu"}
     for flat in features:  # rows in [10^3, 5000], dims multiples of 4, histograms sum to 1
         for t in range(len(flat) // NUM_FEATURES):
             table = flat[t * NUM_FEATURES : (t + 1) * NUM_FEATURES]
@@ -91,10 +95,37 @@ def test_a_trained_model_round_trips_and_refuses_another_kernel(samples, tmp_pat
     other = "torch" if model.kernel == "fbgemm" else "fbgemm"
     with pytest.raises(CostModelError, match=f"trained for the {model.kernel} kernel"):
         LearnedCostModel.load(path, kernel=other)
+    assert model.device == "cpu" and LearnedCostModel.load(path, device="cpu").device == "cpu"
+    with pytest.raises(CostModelError, match=r"measured on cpu, the job's tables are on cuda"):
+        LearnedCostModel.load(path, device="cuda")
     with pytest.raises(CostModelError, match="no learned cost model at"):
         LearnedCostModel.load(tmp_path / "missing.json")
     with pytest.raises(CostModelError, match="too few to train on"):
         train_cost_model(samples.slice(0, 5))
+    gpu = samples.set_column(
+        samples.column_names.index("device"), "device", pa.array(["cuda"] * 7 + ["cpu"] * 7)
+    )
+    with pytest.raises(CostModelError, match=r"several devices \['cpu', 'cuda'\]"):
+        train_cost_model(gpu)
+
+
+def test_samples_stored_before_gpu_measurements_read_as_cpu(samples, tmp_path: Path) -> None:
+    """A sample file without the ``device`` column (written before GPU measurements) is CPU;
+    the store keeps GPU samples apart (their own file names)."""
+    old = tmp_path / "torch-b64-20261101-000000.parquet"
+    pq.write_table(samples.drop_columns(["device"]), old)
+    assert set(stored_samples(tmp_path, kernel="torch", batch_size=64)["device"].to_pylist()) == {
+        "cpu"
+    }
+    on_gpu = samples.set_column(
+        samples.column_names.index("device"), "device", pa.array(["cuda"] * samples.num_rows)
+    )
+    path = save_samples(on_gpu.set_column(3, "kernel", pa.array(["torch"] * 14)), tmp_path)
+    assert path.name.startswith("torch-cuda-b64-")
+    assert stored_samples(tmp_path, kernel="torch", batch_size=64, device="cuda").num_rows == 14
+    assert stored_samples(tmp_path, kernel="torch", batch_size=64).num_rows == 14  # the old file
+    with pytest.raises(CostModelError, match="no cost samples of the torch kernel on cuda"):
+        stored_samples(tmp_path, kernel="torch", batch_size=32, device="cuda")
 
 
 def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
@@ -150,3 +181,28 @@ def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
     assert other_batch.exit_code == 2 and "measured at batch size 64" in other_batch.output
     fallback = runner.invoke(app, ["plan", *missing, "--set", "sharding.cost_model=auto"])
     assert fallback.exit_code == 0 and "est. cost" in fallback.output
+    if not torch.cuda.is_available():  # GPU workers' costs are measured on a GPU
+        gpu = runner.invoke(app, ["plan", *args, "--set", "scaling.use_gpu=true", "--collect", "2"])
+        assert gpu.exit_code == 2
+        assert "scaling.use_gpu is true but this machine has no CUDA device" in gpu.output
+
+
+@pytest.mark.gpu
+def test_gpu_workers_costs_are_measured_on_the_gpu() -> None:
+    """With the tables in GPU memory: samples timed on the GPU (its kernels waited for), the GPU
+    named in the machine; the lookup throughput calibrated there."""
+    from raydlrm.sharding.calibration import CalibrationSizes, calibrate
+
+    samples = collect_samples(
+        6, kernel="torch", batch_size=256, seed=5, max_tables=4, repeats=2, device="cuda"
+    )
+    assert samples.column("device").to_pylist() == ["cuda"] * 6
+    assert torch.cuda.get_device_name(0) in samples.column("machine")[0].as_py()
+    assert all(s > 0 for s in samples.column("seconds").to_pylist())
+    constants = calibrate(
+        sizes=CalibrationSizes(lookups=((10_000, 64, 16_384), (10_000, 64, 65_536)), repeats=3),
+        comm=False,
+        kernel="torch",
+        device="cuda",
+    )
+    assert constants.lookup_bytes_per_s > 0 and "on cuda" in constants.source

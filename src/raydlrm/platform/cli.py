@@ -359,7 +359,7 @@ def plan(
         typer.Option(
             "--calibrate",
             help="First measure the cost-model constants on this machine (TBE lookups of "
-            "sharding.kernel, gloo "
+            "sharding.kernel, on its GPU with scaling.use_gpu; gloo "
             "all-to-all, random page reads and write-backs of the SSD tier in "
             "sharding.ssd_path) and store them at sharding.cost_constants_path.",
         ),
@@ -370,7 +370,8 @@ def plan(
             "--collect",
             metavar="N",
             help="First measure N random sets of synthetic tables (fused TBE forward + "
-            "backward of sharding.kernel, data.batch_size x scaling.num_workers bags a table) "
+            "backward of sharding.kernel, data.batch_size x scaling.num_workers bags a table; "
+            "on this machine's GPU with scaling.use_gpu) "
             "and N all-to-alls of "
             "random dim-sum layouts on scaling.num_workers gloo processes, and add them to the "
             "cost samples in sharding.cost_samples_path.",
@@ -415,7 +416,9 @@ def _calibrate(job: JobConfig) -> None:
     from raydlrm.sharding.tiers import ssd_directory
 
     constants = measure(
-        ssd_directory=ssd_directory(job.sharding.ssd_path), kernel=job.sharding.kernel
+        ssd_directory=ssd_directory(job.sharding.ssd_path),
+        kernel=job.sharding.kernel,
+        device=job.table_device(),
     )
     path = save_constants(constants, job.sharding.cost_constants_path)
     typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
@@ -445,6 +448,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
         batch_size=job.global_batch_size(),
         progress=progress,
         seed=time.time_ns() % 2**32,
+        device=job.table_device(),
     )
     path = save_samples(samples, job.sharding.cost_samples_path)
     kernel = samples.column("kernel")[0].as_py()
@@ -472,13 +476,14 @@ def _train_cost_model(job: JobConfig) -> None:
         job.sharding.cost_samples_path,
         job.global_batch_size(),
     )
-    samples = stored_samples(store, kernel=kernel, batch_size=batch)
+    samples = stored_samples(store, kernel=kernel, batch_size=batch, device=job.table_device())
     comm = stored_comm_samples(store, batch_size=batch)
     model = train_cost_model(samples, comm_samples=comm)
     path = model.save(job.sharding.learned_cost_path)
     r = model.report
     typer.echo(
-        f"learned cost model ({kernel} kernel, {int(r['train_samples'])} samples) written to "
+        f"learned cost model ({kernel} kernel on {model.device}, {int(r['train_samples'])} "
+        f"samples) written to "
         f"{path}; held-out error ({int(r['held_out_samples'])} sets): learned "
         f"{r['neural_mape']:.1%}, analytic {r['analytic_mape']:.1%} (mean absolute percentage)",
         err=True,

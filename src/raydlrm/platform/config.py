@@ -238,6 +238,11 @@ class JobConfig(WorkerSpec):
         model is measured at."""
         return self.data.batch_size * self.scaling.num_workers
 
+    def table_device(self) -> str:
+        """Where the workers' tables are, as the cost measurements name it: ``cuda`` with
+        ``scaling.use_gpu``, else ``cpu``."""
+        return "cuda" if self.scaling.use_gpu else "cpu"
+
     def worker_spec(self) -> WorkerSpec:
         """The part of the config the workers get."""
         return WorkerSpec(**{f.name: getattr(self, f.name) for f in fields(WorkerSpec)})

@@ -424,7 +424,7 @@ def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:
 
     Raises:
         ConfigError: ``neural`` and the model at ``sharding.learned_cost_path`` is missing,
-            malformed, or trained for another kernel or batch size (naming it).
+            malformed, or trained for another kernel, device or batch size (naming it).
     """
     choice = job.sharding.cost_model
     if choice == "analytic":
@@ -434,7 +434,9 @@ def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:
 
     path = job.sharding.learned_cost_path
     try:
-        model = LearnedCostModel.load(path, kernel=resolve_kernel(job.sharding.kernel))
+        model = LearnedCostModel.load(
+            path, kernel=resolve_kernel(job.sharding.kernel), device=job.table_device()
+        )
         if model.batch_size != job.global_batch_size():
             raise CostModelError(
                 f"learned cost model {path} was measured at batch size {model.batch_size}, "

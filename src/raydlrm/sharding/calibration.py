@@ -61,6 +61,7 @@ def calibrate(
     comm: bool = True,
     ssd_directory: str | Path | None = None,
     kernel: str = "auto",
+    device: str = "cpu",
 ) -> CostConstants:
     """Measures the cost constants on this machine.
 
@@ -76,6 +77,8 @@ def calibrate(
         comm: measure the all-to-all too.
         ssd_directory: where to measure the SSD tier (the workers' ``sharding.ssd_path``).
         kernel: the workers' ``sharding.kernel``.
+        device: where the workers' tables are (``cpu``, or ``cuda``: the lookups are timed on
+            this machine's GPU).
 
     Returns:
         The measured constants.
@@ -84,7 +87,7 @@ def calibrate(
         TierError: ``ssd_directory`` cannot be written or lacks the space for the test file.
     """
     sizes = sizes or CalibrationSizes()
-    lookups = _measure_lookups(sizes, kernel=kernel)
+    lookups = _measure_lookups(sizes, kernel=kernel, device=device)
     stamp = f"calibrated {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}"
     if comm:
         comms = _measure_comm(sizes)
@@ -99,13 +102,17 @@ def calibrate(
     return CostConstants(**measured, source="; ".join([stamp, *(p.note for p in parts)]))
 
 
-def _measure_lookups(sizes: CalibrationSizes, *, kernel: str) -> _Measurement:
-    """The lookup throughput of the kernel ``kernel`` resolves to."""
+def _measure_lookups(sizes: CalibrationSizes, *, kernel: str, device: str) -> _Measurement:
+    """The lookup throughput of the kernel ``kernel`` resolves to, on ``device``."""
     from raydlrm.sharding.kernel import resolve_kernel
+    from raydlrm.sharding.measure import check_device
 
+    check_device(device)
     resolved = resolve_kernel(kernel)
-    rate = _lookup_rate(list(sizes.lookups), repeats=sizes.repeats, kernel=resolved)
-    return _Measurement(f"lookups: {resolved} TBE fwd+bwd", {"lookup_bytes_per_s": rate})
+    rate = _lookup_rate(list(sizes.lookups), repeats=sizes.repeats, kernel=resolved, device=device)
+    return _Measurement(
+        f"lookups: {resolved} TBE fwd+bwd on {device}", {"lookup_bytes_per_s": rate}
+    )
 
 
 def _measure_comm(sizes: CalibrationSizes) -> _Measurement:
@@ -151,9 +158,9 @@ def _best_of(fn, *, repeats: int) -> float:
     return best
 
 
-def timed_tbe(kernel: str, tables: list[Any]) -> Any:
-    """The CPU TBE the cost measurements time: ``tables`` (``TableSpec``), one feature each,
-    row-wise Adagrad, fp32 weights, sum pooling, of the resolved ``kernel``."""
+def timed_tbe(kernel: str, tables: list[Any], *, device: str = "cpu") -> Any:
+    """The TBE the cost measurements time: ``tables`` (``TableSpec``), one feature each,
+    row-wise Adagrad, fp32 weights, sum pooling, of the resolved ``kernel``, on ``device``."""
     import torch
 
     from raydlrm.sharding.kernel import build_tbe
@@ -167,26 +174,31 @@ def timed_tbe(kernel: str, tables: list[Any]) -> Any:
         eps=1e-8,
         pooling="sum",
         precision="fp32",
-        device=torch.device("cpu"),
+        device=torch.device(device),
     )
 
 
-def _lookup_rate(sizes: list[tuple[int, int, int]], *, repeats: int, kernel: str) -> float:
-    """fp32 bytes per second of a CPU TBE forward + backward (row-wise Adagrad) of ``kernel``."""
+def _lookup_rate(
+    sizes: list[tuple[int, int, int]], *, repeats: int, kernel: str, device: str = "cpu"
+) -> float:
+    """fp32 bytes per second of a TBE forward + backward (row-wise Adagrad) of ``kernel`` on
+    ``device``."""
     import torch
 
     from raydlrm.sharding.kernel import TableSpec
+    from raydlrm.sharding.measure import synchronize
 
     gen = torch.Generator().manual_seed(0)
     volumes, seconds = [], []
     for rows, dim, ids_per_step in sizes:
-        tbe = timed_tbe(kernel, [TableSpec(rows, dim)])
+        tbe = timed_tbe(kernel, [TableSpec(rows, dim)], device=device)
         bags = max(ids_per_step // 8, 1)
-        indices = torch.randint(0, rows, (bags * 8,), generator=gen)
-        offsets = torch.arange(0, bags * 8 + 1, 8)
+        indices = torch.randint(0, rows, (bags * 8,), generator=gen).to(device)
+        offsets = torch.arange(0, bags * 8 + 1, 8).to(device)
 
         def step(tbe=tbe, indices=indices, offsets=offsets) -> None:
             tbe(indices, offsets).sum().backward()
+            synchronize(device)
 
         volumes.append(float(bags * 8 * dim * torch.float32.itemsize))
         seconds.append(_best_of(step, repeats=repeats))

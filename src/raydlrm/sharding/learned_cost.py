@@ -18,12 +18,13 @@ how much of them the caches serve. NeuroShard learns the cost of a *set* of tabl
   time, features z-normalised with the training set's mean and deviation.
 
 Samples are Parquet (one row per measured set: the tables' features, flattened, the seconds,
-kernel, batch size and machine); a trained model is a safetensors file of its weights plus a
-JSON file of everything else (normalisation, kernel, machine, the features' ranges, held-out
-errors): nothing is unpickled. :func:`train_cost_model` reports the held-out mean absolute
-percentage error of the learned model beside that of the analytic model's form (a sum of the
-tables' bytes looked up over a throughput, plus a constant, fitted to the same training
-samples), so the two are compared on the same sets.
+kernel, batch size, device -- ``cpu``, or ``cuda`` for GPU workers -- and machine); a trained
+model is a safetensors file of its weights plus a JSON file of everything else (normalisation,
+kernel, device, machine, the features' ranges, held-out errors): nothing is unpickled.
+:func:`train_cost_model` reports the held-out mean absolute percentage error of the learned
+model beside that of the analytic model's form (a sum of the tables' bytes looked up over a
+throughput, plus a constant, fitted to the same training samples), so the two are compared on
+the same sets.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 from raydlrm.sharding.comm_samples import CommCostModel, CommCostNet, train_comm_model
-from raydlrm.sharding.measure import machine_description, mape
+from raydlrm.sharding.measure import check_device, machine_description, mape, synchronize
 
 __all__ = [
     "HISTOGRAM_BINS",
@@ -72,7 +73,15 @@ logger = logging.getLogger(__name__)
 HISTOGRAM_BINS = 17
 NUM_FEATURES = 3 + HISTOGRAM_BINS
 _HIDDEN, _LATENT, _HEAD = 128, 32, 64
-_SAMPLE_COLUMNS = ("num_tables", "features", "seconds", "kernel", "batch_size", "machine")
+_SAMPLE_COLUMNS = (
+    "num_tables",
+    "features",
+    "seconds",
+    "kernel",
+    "batch_size",
+    "device",
+    "machine",
+)
 _DIMS = tuple(range(4, 132, 4))
 """Dims of the synthetic tables: multiples of 4 from 4 to 128 (what the kernels vectorise)."""
 
@@ -194,21 +203,25 @@ def time_tables(
     *,
     kernel: str,
     repeats: int,
+    device: str = "cpu",
 ) -> float:
     """Median seconds of a fused TBE forward + backward (row-wise Adagrad, fp32) of ``tables``
-    (anything with ``rows`` and ``dim``) looking up ``batches`` (ids and bag lengths, one per
-    table), after one warm-up."""
+    (anything with ``rows`` and ``dim``) on ``device`` looking up ``batches`` (ids and bag
+    lengths, one per table), after one warm-up (on a GPU: until its kernels finish)."""
     from raydlrm.sharding.calibration import timed_tbe
     from raydlrm.sharding.kernel import TableSpec
 
-    tbe = timed_tbe(kernel, [TableSpec(t.rows, t.dim) for t in tables])
-    indices = torch.from_numpy(np.concatenate([ids for ids, _ in batches]))
+    tbe = timed_tbe(kernel, [TableSpec(t.rows, t.dim) for t in tables], device=device)
+    indices = torch.from_numpy(np.concatenate([ids for ids, _ in batches])).to(device)
     lengths = np.concatenate([lengths for _, lengths in batches])
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    offsets = offsets.to(device)
     times = []
+    synchronize(device)
     for i in range(repeats + 1):
         start = time.perf_counter()
         tbe(indices, offsets).sum().backward()
+        synchronize(device)
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - start)
     return float(np.median(times))
@@ -225,24 +238,28 @@ def collect_samples(
     max_bytes: int = 1 << 30,
     repeats: int = 5,
     progress: Callable[[int, int], None] | None = None,
+    device: str = "cpu",
 ) -> pa.Table:
     """Measures ``n`` random sets of synthetic tables (1 to ``max_tables`` each, at most
     ``max_bytes`` of weights and state a set) with the kernel ``kernel`` resolves to, on this
-    machine: each set's fused forward + backward seconds over one batch of ``batch_size`` bags
+    machine's ``device`` (``cpu``, or ``cuda``: the tables in GPU memory, as GPU workers hold
+    them): each set's fused forward + backward seconds over one batch of ``batch_size`` bags
     per table.
 
     Returns:
         One row per set: ``num_tables``, ``features`` (the tables' :class:`TableStats`
-        features, flattened), ``seconds``, ``kernel``, ``batch_size``, ``machine``.
+        features, flattened), ``seconds``, ``kernel``, ``batch_size``, ``device``,
+        ``machine``.
     """
     from raydlrm.sharding.kernel import resolve_kernel
 
     smallest = 1000 * (min(_DIMS) + 1) * 4  # the smallest table a set can draw
     if max_bytes < smallest:
         raise ValueError(f"max_bytes {max_bytes} is below the smallest table's {smallest}")
+    check_device(device)
     resolved = resolve_kernel(kernel)
     rng = np.random.default_rng(seed)
-    machine = machine_description()
+    machine = machine_description(device)
     rows: dict[str, list[Any]] = {"num_tables": [], "features": [], "seconds": []}
     for i in range(n):
         tables = _random_set(rng, max_tables=max_tables, max_rows=max_rows, max_bytes=max_bytes)
@@ -251,7 +268,7 @@ def collect_samples(
             TableStats.of_batch(rows=t.rows, dim=t.dim, ids=ids, bags=batch_size)
             for t, (ids, _) in zip(tables, batches, strict=True)
         ]
-        seconds = time_tables(tables, batches, kernel=resolved, repeats=repeats)
+        seconds = time_tables(tables, batches, kernel=resolved, repeats=repeats, device=device)
         rows["num_tables"].append(len(tables))
         rows["features"].append([v for s in stats for v in s.features()])
         rows["seconds"].append(seconds)
@@ -263,36 +280,55 @@ def collect_samples(
             **rows,
             "kernel": [resolved] * size,
             "batch_size": [batch_size] * size,
+            "device": [device] * size,
             "machine": [machine] * size,
         }
     )
 
 
+def _store_prefix(kernel: str, batch_size: int, device: str) -> str:
+    """The name of a sample file of the store, up to its time: ``<kernel>-b<batch>`` for CPU
+    samples, ``<kernel>-<device>-b<batch>`` for others."""
+    return f"{kernel}-b{batch_size}" if device == "cpu" else f"{kernel}-{device}-b{batch_size}"
+
+
 def save_samples(samples: pa.Table, directory: str | Path) -> Path:
     """Adds measured samples to the store ``directory`` (``sharding.cost_samples_path``): a
-    Parquet file named by their kernel, batch size and the time; returns it."""
+    Parquet file named by their kernel, device, batch size and the time; returns it."""
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
-    kernel, batch = samples.column("kernel")[0].as_py(), samples.column("batch_size")[0].as_py()
-    path = directory / f"{kernel}-b{batch}-{time.strftime('%Y%m%d-%H%M%S')}.parquet"
+    first = {c: samples.column(c)[0].as_py() for c in ("kernel", "batch_size", "device")}
+    prefix = _store_prefix(first["kernel"], first["batch_size"], first["device"])
+    path = directory / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.parquet"
     pq.write_table(samples, path)
     return path
 
 
-def stored_samples(directory: str | Path, *, kernel: str, batch_size: int) -> pa.Table:
-    """Every sample of the store ``directory`` measured with ``kernel`` at ``batch_size``.
+def stored_samples(
+    directory: str | Path, *, kernel: str, batch_size: int, device: str = "cpu"
+) -> pa.Table:
+    """Every sample of the store ``directory`` measured with ``kernel`` at ``batch_size`` on
+    ``device``.
 
     Raises:
         CostModelError: there are none, naming the store; or a file is malformed.
     """
     directory = Path(directory).expanduser()
-    files = sorted(directory.glob(f"{kernel}-b{batch_size}-*.parquet"))
+    files = sorted(directory.glob(f"{_store_prefix(kernel, batch_size, device)}-*.parquet"))
     if not files:
         raise CostModelError(
-            f"no cost samples of the {kernel} kernel at batch size {batch_size} in "
-            f"{directory}: run raydlrm plan --collect N first"
+            f"no cost samples of the {kernel} kernel on {device} at batch size {batch_size} "
+            f"in {directory}: run raydlrm plan --collect N first"
         )
     return load_samples(files)
+
+
+def _with_device(samples: pa.Table) -> pa.Table:
+    """``samples`` with a ``device`` column: those measured before GPU measurements were
+    possible have none, and are CPU samples."""
+    if "device" in samples.column_names:
+        return samples
+    return samples.append_column("device", pa.array(["cpu"] * samples.num_rows))
 
 
 def load_samples(paths: Sequence[str | Path]) -> pa.Table:
@@ -307,7 +343,7 @@ def load_samples(paths: Sequence[str | Path]) -> pa.Table:
     for path in paths:
         if not Path(path).is_file():
             raise CostModelError(f"cost samples {path} do not exist: run raydlrm plan --collect N")
-        table = pq.read_table(path)
+        table = _with_device(pq.read_table(path))
         missing = set(_SAMPLE_COLUMNS) - set(table.column_names)
         if missing:
             raise CostModelError(f"cost samples {path} lack the columns {sorted(missing)}")
@@ -352,6 +388,8 @@ class LearnedCostModel:
     of a training set (``max_set_tables``)."""
     comm: CommCostModel | None = None
     """The all-to-all transfer model, when all-to-all samples were collected."""
+    device: str = "cpu"
+    """Where its samples' tables were looked up: ``cpu`` or ``cuda`` (GPU workers)."""
 
     def latents(self, tables: Sequence[Sequence[float]]) -> np.ndarray:
         """The per-table MLP's outputs ``(T, 32)`` of tables given as their features: a shard's
@@ -462,12 +500,14 @@ class LearnedCostModel:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, kernel: str | None = None) -> LearnedCostModel:
+    def load(
+        cls, path: str | Path, *, kernel: str | None = None, device: str | None = None
+    ) -> LearnedCostModel:
         """A model saved by :meth:`save`.
 
         Raises:
-            CostModelError: missing or malformed files, or (``kernel`` given) a model trained
-                for another kernel, naming the file.
+            CostModelError: missing or malformed files, or (``kernel`` / ``device`` given) a
+                model trained for another kernel or device, naming the file.
         """
         from safetensors.torch import load_file
 
@@ -499,7 +539,14 @@ class LearnedCostModel:
                 f"learned cost model {path} was trained for the {model.kernel} kernel, the job "
                 f"uses {kernel}: collect samples and train again"
             )
-        here = machine_description()
+        if device is not None and model.device != device:
+            raise CostModelError(
+                f"learned cost model {path} was measured on {model.device}, the job's tables "
+                f"are on {device} (scaling.use_gpu): collect samples there and train again"
+            )
+        if model.device == "cuda" and not torch.cuda.is_available():
+            return model  # a GPU job planned where there is no GPU: nothing here to compare
+        here = machine_description(model.device)
         if model.machine != here:
             logger.warning(
                 "learned cost model %s was measured on another machine (%s; this one: %s): "
@@ -582,7 +629,7 @@ def _check_trainable(samples: pa.Table) -> None:
             f"{samples.num_rows} cost samples are too few to train on: collect at least 10 "
             "(hundreds for a useful model)"
         )
-    for column in ("kernel", "batch_size"):
+    for column in ("kernel", "batch_size", "device"):
         values = set(samples.column(column).to_pylist())
         if len(values) > 1:
             raise CostModelError(
@@ -605,9 +652,10 @@ def train_cost_model(
     all-to-all model (:func:`~raydlrm.sharding.comm_samples.train_comm_model`).
 
     Raises:
-        CostModelError: fewer than 10 samples, or samples of more than one kernel or batch
-            size.
+        CostModelError: fewer than 10 samples, or samples of more than one kernel, batch size
+            or device.
     """
+    samples = _with_device(samples)
     _check_trainable(samples)
     torch.manual_seed(seed)
     sets = sample_sets(samples)
@@ -630,6 +678,7 @@ def train_cost_model(
         std=std.tolist(),
         kernel=str(samples.column("kernel")[0].as_py()),
         batch_size=int(samples.column("batch_size")[0].as_py()),
+        device=str(samples.column("device")[0].as_py()),
         machine=str(samples.column("machine")[0].as_py()),
         feature_min=rows.min(axis=0).tolist(),  # the range the model was trained on
         feature_max=rows.max(axis=0).tolist(),
