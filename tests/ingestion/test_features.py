@@ -1,5 +1,6 @@
-"""Tests of the feature spec: string ids, shared tables, per-id weights, dense clipping and
-standardization, dedup groups from the preprocessor to the loader's DedupGroups."""
+"""Tests of the feature spec: string ids, shared tables, per-id weights, dense clipping,
+standardization and bucketization, dedup groups from the preprocessor to the loader's
+DedupGroups."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ import torch
 
 from raydlrm.ingestion import DataConfig, DataValidationError, Preprocessor, validate_data
 from raydlrm.ingestion.loader import arrow_to_batch
-from raydlrm.ingestion.preprocess import compute_dense_stats, hash_strings, mix64
-from raydlrm.ingestion.stats import dense_stats_of
+from raydlrm.ingestion.preprocess import (
+    compute_bucket_boundaries,
+    compute_dense_stats,
+    hash_strings,
+    mix64,
+)
+from raydlrm.ingestion.stats import bucket_boundaries_of, dense_stats_of
 from raydlrm.models import ModelConfig
 from raydlrm.trainers.spec import WorkerSpec
 
@@ -130,6 +136,22 @@ def test_shared_tables_and_sizes() -> None:
         ),
         ({"table_sizes": {"t_nope": 3}}, "table_sizes.t_nope"),
         ({"dense_stats": {"I1": [0.0, 1.0]}}, "not a standardized"),
+        ({"dense_buckets": 1}, "dense_buckets must be 0 .none. or at least 2"),
+        ({"dense_specs": {"I1": {"buckets": 1}}}, "buckets must be 0"),
+        ({"bucket_boundaries": {"I1": [1.0]}}, r"bucket_boundaries\.I1: not a bucketized"),
+        (
+            {"dense_buckets": 3, "bucket_boundaries": {"I1": [1.0, 2.0, 3.0]}},
+            r"bucket_boundaries\.I1: 3 boundaries make more than its 3 buckets",
+        ),
+        (
+            {"dense_buckets": 4, "bucket_boundaries": {"I2": [2.0, 1.0]}},
+            r"bucket_boundaries\.I2: not strictly ascending",
+        ),
+        (
+            {"dense_buckets": 4, "sparse_columns": ["user", "I1_bucket"]},
+            "'I1' would become the sparse feature 'I1_bucket'",
+        ),
+        ({"dense_buckets": 4, "table_sizes": {"t_I2_bucket": 9}}, "a bucket table has"),
     ],
 )
 def test_bad_feature_specs_name_the_key(overrides, message) -> None:
@@ -175,6 +197,61 @@ def test_dense_stats_of_a_parquet_directory(tmp_path) -> None:
     )
     assert stats["I1"] == pytest.approx((both.mean(), both.std()))
     assert set(stats) == {"I1", "I2"}
+
+
+def test_bucketized_dense_columns_become_features_of_their_own() -> None:
+    """A bucketized column keeps its dense input and adds the feature ``<column>_bucket``: one
+    bucket per distinct training value when they are few enough (boundaries halfway), else
+    quantiles of the distinct values; values are clipped first, unseen ones land between."""
+    config = _config(dense_buckets=4, dense_specs={"I1": {"buckets": 64, "clip": [0.0, 40.0]}})
+    assert config.feature_columns() == ["user", "item", "tags", "I1_bucket", "I2_bucket"]
+    assert config.table_size_of("I1_bucket") == 64 and config.table_size_of("I2_bucket") == 4
+    raw = _table()
+    with pytest.raises(ValueError, match=r"\['I1', 'I2'\] have no data.bucket_boundaries"):
+        Preprocessor(config)
+    bounds = compute_bucket_boundaries([raw.slice(0, 4), raw.slice(4)], config)
+    i1 = np.clip(raw.column("I1").to_numpy(), 0, 40)
+    distinct = np.unique(i1)  # 10 values, fewer than 64: one bucket each
+    np.testing.assert_allclose(bounds["I1"], (distinct[1:] + distinct[:-1]) / 2)
+    i2 = np.unique(raw.column("I2").to_numpy()).astype(float)  # 10 values, more than 4
+    np.testing.assert_allclose(bounds["I2"], np.quantile(i2, [0.25, 0.5, 0.75]))
+    assert compute_bucket_boundaries([raw.slice(0, 1)], config)["I1"] == []  # one value
+    config = _config(
+        dense_buckets=4,
+        dense_specs={"I1": {"buckets": 64, "clip": [0.0, 40.0]}},
+        bucket_boundaries=bounds,
+    )
+    out = Preprocessor(config)(raw)
+    ranks = {v: k for k, v in enumerate(distinct)}
+    assert out.column("I1_bucket").to_pylist() == [ranks[v] for v in i1]
+    assert out.column("I2_bucket").to_pylist() == list(
+        np.searchsorted(bounds["I2"], raw.column("I2").to_numpy(), side="right")
+    )
+    dense = out.column("dense").combine_chunks().flatten().to_numpy().reshape(-1, 2)
+    np.testing.assert_allclose(dense[:, 0], np.log1p(i1), rtol=1e-6)  # still a dense input
+    batch = arrow_to_batch(out, config=config)
+    assert batch.sparse.keys == config.feature_columns()
+    tables = WorkerSpec(data=config).tables()
+    assert [(t.name, t.num_embeddings) for t in tables][-2:] == [
+        ("t_I1_bucket", 64),
+        ("t_I2_bucket", 4),
+    ]
+    unseen = raw.set_column(1, "I1", pa.array([-3.0, 100.0, 7.0] + [0.0] * (raw.num_rows - 3)))
+    got = Preprocessor(config)(unseen).column("I1_bucket").to_pylist()[:3]
+    assert got == [0, len(distinct) - 1, int(np.searchsorted(bounds["I1"], 7.0, side="right"))]
+
+
+def test_bucket_boundaries_of_a_parquet_directory(tmp_path) -> None:
+    pq.write_table(_table(), tmp_path / "a.parquet")
+    pq.write_table(_table([5, 5]), tmp_path / "b.parquet")
+    config = _config(dense_specs={"I2": {"buckets": 200}})
+    both = np.concatenate(
+        [_table().column("I2").to_numpy(), _table([5, 5]).column("I2").to_numpy()]
+    )
+    values = np.unique(both).astype(float)
+    assert bucket_boundaries_of(str(tmp_path), config) == {
+        "I2": ((values[1:] + values[:-1]) / 2).tolist()
+    }
 
 
 def test_weights_travel_aligned_with_their_ids() -> None:

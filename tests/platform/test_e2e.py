@@ -98,6 +98,10 @@ def finished_run(
             'sharding.weights_precision_per_table={ t_C3 = "int8" }',
             "--set",
             "sharding.cache_load_factor_per_table={ t_C3 = 0.5 }",
+            # One bucketized dense column (a feature of its own): scored and exported with
+            # the boundaries computed once over the training data.
+            "--set",
+            "data.dense_specs={ I1 = { buckets = 16 } }",
         ],
         cwd=workdir,
         env=env,
@@ -179,6 +183,11 @@ def test_one_mlflow_run_with_params_metrics_and_model(finished_run) -> None:
     assert [m.step for m in history] == sorted(m.step for m in history)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "sharding")}
     assert artifacts == {"sharding/plan.json", "sharding/plan.txt"}
+    plan = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "sharding/plan.json")).read_text()
+    )
+    bucket_table = next(t for t in plan["tables"] if t["name"] == "t_I1_bucket")
+    assert bucket_table["num_embeddings"] == 16
     versions = client.search_model_versions("name='e2e-model'")
     assert len(versions) == 1 and versions[0].run_id == run.info.run_id
 

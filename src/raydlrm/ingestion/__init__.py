@@ -35,6 +35,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "preprocess": (
         "Preprocessor",
+        "compute_bucket_boundaries",
+        "compute_dense_stats",
         "hash_ids",
         "mix64",
     ),

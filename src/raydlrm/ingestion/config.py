@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import field
+from itertools import pairwise
 from typing import Literal
 
 from raydlrm._config import config_dataclass
@@ -10,6 +11,9 @@ from raydlrm.storage import PartitionSelector, StorageConfig
 
 DEFAULT_DENSE_COLUMNS = [f"I{i}" for i in range(1, 14)]
 DEFAULT_SPARSE_COLUMNS = [f"C{i}" for i in range(1, 27)]
+BUCKET_SUFFIX = "_bucket"
+"""A bucketized dense column ``c`` is also the sparse feature ``c_bucket`` (table
+``t_c_bucket``)."""
 
 
 @config_dataclass
@@ -189,10 +193,16 @@ class DenseSpec:
     ``data.dense_transform``."""
     clip: tuple[float, float] | None = None
     """``[lo, hi]``: values are clipped into this range before the transform."""
+    buckets: int | None = None
+    """Also a sparse feature of the column, ``<column>_bucket``: the bucket of its (null-filled,
+    clipped) value among at most ``buckets`` (see :attr:`DataConfig.bucket_boundaries`), looked
+    up in a table of its own. 0: none; default: ``data.dense_buckets``."""
 
     def __post_init__(self) -> None:
         if self.clip is not None and not self.clip[0] <= self.clip[1]:
             raise ValueError(f"clip must be [lo, hi] with lo <= hi, got {list(self.clip)}")
+        if self.buckets is not None and self.buckets != 0 and self.buckets < 2:
+            raise ValueError(f"buckets must be 0 (none) or at least 2, got {self.buckets}")
 
 
 @config_dataclass
@@ -263,6 +273,16 @@ class DataConfig:
     dense_stats: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``(mean, std)`` of each standardized dense column (after null fill and clipping). Computed
     once over the training data before training when missing, then stored with the model."""
+    dense_buckets: int = 0
+    """Bucketize every dense column into at most this many buckets (see :class:`DenseSpec`
+    ``buckets``, which overrides it per column); 0: none. The value stays a dense input too."""
+    bucket_boundaries: dict[str, list[float]] = field(default_factory=dict)
+    """The ascending boundaries of each bucketized dense column: a value's bucket is the number
+    of boundaries at or below it. A column of at most ``buckets`` distinct training values gets
+    one bucket per value (boundaries halfway between them); otherwise the boundaries are
+    quantiles of its distinct values, so that rare values (a long tail) get buckets of their
+    own. Computed once over the training data before training when missing (from at most 2^20
+    of the distinct values: beyond, an evenly thinned subset), then stored with the model."""
     id_kinds: dict[str, Literal["integer", "string"]] = field(default_factory=dict)
     """The kind of each sparse column's ids (``integer`` or ``string``): read off the training
     data when missing, then stored with the model. Integers and strings hash to different rows,
@@ -339,6 +359,7 @@ class DataConfig:
         for col in self.dense_specs:
             if col not in self.dense_columns:
                 raise ValueError(f"data.dense_specs.{col}: not one of data.dense_columns")
+        self._check_buckets()
         for col, spec in self.sparse_specs.items():
             if col not in self.sparse_columns:
                 raise ValueError(f"data.sparse_specs.{col}: not one of data.sparse_columns")
@@ -362,9 +383,40 @@ class DataConfig:
             if not stats[1] > 0:
                 raise ValueError(f"data.dense_stats.{col}: std must be positive, got {stats[1]}")
 
+    def _check_buckets(self) -> None:
+        if self.dense_buckets != 0 and self.dense_buckets < 2:
+            raise ValueError(
+                f"data.dense_buckets must be 0 (none) or at least 2, got {self.dense_buckets}"
+            )
+        bucketized = self.bucketized_columns()
+        taken = {self.label_column, *self.dense_columns, *self.sparse_columns}
+        taken |= {self.table_of(c) for c in self.sparse_columns}
+        for col in bucketized:
+            feature = self.bucket_feature(col)
+            if feature in taken or f"t_{feature}" in taken:
+                raise ValueError(
+                    f"data.dense_buckets: dense column {col!r} would become the sparse feature "
+                    f"{feature!r} (table 't_{feature}'), which is already a column or table name"
+                )
+        for col, bounds in self.bucket_boundaries.items():
+            if col not in bucketized:
+                raise ValueError(f"data.bucket_boundaries.{col}: not a bucketized dense column")
+            if len(bounds) >= self.buckets_of(col):
+                raise ValueError(
+                    f"data.bucket_boundaries.{col}: {len(bounds)} boundaries make more than its "
+                    f"{self.buckets_of(col)} buckets"
+                )
+            if any(not a < b for a, b in pairwise(bounds)):
+                raise ValueError(f"data.bucket_boundaries.{col}: not strictly ascending")
+
     def _check_tables(self) -> None:
         tables = self.table_columns()
         for key, size in self.table_sizes.items():
+            if key in self.bucket_tables():
+                raise ValueError(
+                    f"data.table_sizes.{key}: a bucket table has its column's buckets as rows "
+                    "(set the column's buckets instead)"
+                )
             if key not in tables and key not in self.sparse_columns:
                 raise ValueError(
                     f"data.table_sizes.{key}: not a table ({sorted(tables)}) or sparse column"
@@ -399,20 +451,47 @@ class DataConfig:
                 )
 
     def table_of(self, column: str) -> str:
-        """Name of the embedding table of sparse ``column``."""
+        """Name of the embedding table of sparse ``column`` (or bucket feature)."""
         spec = self.sparse_specs.get(column)
         return spec.table if spec is not None and spec.table else f"t_{column}"
 
+    def buckets_of(self, column: str) -> int:
+        """The most buckets of dense ``column`` (0: not bucketized)."""
+        spec = self.dense_specs.get(column)
+        if spec is not None and spec.buckets is not None:
+            return spec.buckets
+        return self.dense_buckets
+
+    def bucketized_columns(self) -> list[str]:
+        """Dense columns that are also a bucket feature, in dense column order."""
+        return [c for c in self.dense_columns if self.buckets_of(c)]
+
+    @staticmethod
+    def bucket_feature(column: str) -> str:
+        """The sparse feature of bucketized dense ``column``."""
+        return column + BUCKET_SUFFIX
+
+    def bucket_tables(self) -> dict[str, str]:
+        """Table name -> its bucketized dense column."""
+        return {f"t_{self.bucket_feature(c)}": c for c in self.bucketized_columns()}
+
+    def feature_columns(self) -> list[str]:
+        """The model's sparse features: the sparse columns, then the bucket features."""
+        return [*self.sparse_columns, *map(self.bucket_feature, self.bucketized_columns())]
+
     def table_columns(self) -> dict[str, list[str]]:
-        """Table name -> its sparse columns, tables in order of their first column."""
+        """Table name -> its sparse features, tables in order of their first feature."""
         tables: dict[str, list[str]] = {}
-        for column in self.sparse_columns:
+        for column in self.feature_columns():
             tables.setdefault(self.table_of(column), []).append(column)
         return tables
 
     def table_size_of(self, column: str) -> int:
-        """Rows of the embedding table of sparse ``column``."""
+        """Rows of the embedding table of sparse ``column`` (a bucket feature: its buckets)."""
         table = self.table_of(column)
+        bucketized = self.bucket_tables().get(table)
+        if bucketized is not None:
+            return self.buckets_of(bucketized)
         for key in (table, *self.table_columns()[table]):
             if key in self.table_sizes:
                 return self.table_sizes[key]

@@ -142,11 +142,16 @@ def _recd_report(
 
 
 def _inspecting(data: DataConfig) -> DataConfig:
-    """``data`` as inspection reads with it: failing on a broken file, with any dense stats."""
+    """``data`` as inspection reads with it: failing on a broken file, with any dense stats
+    and bucket boundaries."""
     # Inspecting writes nothing: a broken file is reported (``fail``), not quarantined. Dense
-    # statistics do not matter here (dedup keys and hashed ids do not depend on them).
+    # statistics and buckets do not matter here (dedup keys and hashed ids do not depend on
+    # them).
     stats = {c: data.dense_stats.get(c, (0.0, 1.0)) for c in data.standardized_columns()}
-    return dataclasses.replace(data, bad_input="fail", dense_stats={**data.dense_stats, **stats})
+    bounds = {c: data.bucket_boundaries.get(c, []) for c in data.bucketized_columns()}
+    return dataclasses.replace(
+        data, bad_input="fail", dense_stats={**data.dense_stats, **stats}, bucket_boundaries=bounds
+    )
 
 
 def _label_rate(sample: pa.Table, *, data: DataConfig) -> float:

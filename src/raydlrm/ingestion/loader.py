@@ -196,14 +196,14 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
 
     Args:
         table: ``B`` rows with ``label`` (float32), ``dense`` (``FixedSizeList<float32>[D]``),
-            each of ``config.sparse_columns`` (int64 or ``list<int64>``, already hashed), their
+            each of ``config.feature_columns()`` (int64 or ``list<int64>``, already hashed), their
             ``weight:<column>`` columns, the ``dedup:<i>`` row keys of the dedup groups and
             optionally ``sample_id`` (int64). May be sliced or chunked. A sparse column (and
             its weights) may be a dictionary array (session-clustered data): a dedup group of
             such columns, sharing one index, is built from the dictionaries (unique rows) and
             the indices (inverse index) and needs no ``dedup:<i>`` column; elsewhere such a
             column is decoded.
-        config: the data config; its ``sparse_columns`` give the KJT keys, in order.
+        config: the data config; its ``feature_columns()`` give the KJT keys, in order.
 
     Returns:
         A ``Batch`` with dense ``(B, D)`` float32, labels ``(B,)`` float32, a KJT over the
@@ -220,7 +220,8 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
 
     grouped = {c for g in config.dedup_groups for c in g}
     weighted = any(config.weight_column_of(c) is not None for c in config.sparse_columns)
-    sparse = _kjt(table, [c for c in config.sparse_columns if c not in grouped], weighted=weighted)
+    features = [c for c in config.feature_columns() if c not in grouped]
+    sparse = _kjt(table, features, weighted=weighted)
     dedup_groups = [
         _dictionary_group(table, list(group), weighted=weighted)
         if all(_is_dictionary(table, c) for c in group)

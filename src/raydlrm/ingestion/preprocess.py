@@ -9,6 +9,8 @@ It turns a table of raw columns into
   stored statistics (``DataConfig.dense_stats``), or unchanged;
 - one column per sparse feature: int64 (single-valued) or ``list<int64>`` (id lists), every raw id
   (integer or string) hashed into ``[0, table_size_of(column))``;
+- ``<column>_bucket`` for a bucketized dense column: int64, the bucket of its null-filled,
+  clipped value (the number of ``DataConfig.bucket_boundaries`` at or below it);
 - ``weight:<column>`` for a sparse column with a weight column: float32 (or ``list<float32>``
   aligned with the id list);
 - ``dedup:<i>`` for dedup group ``i``: an int64 key per row, a hash of the group's hashed ids;
@@ -55,6 +57,7 @@ __all__ = [
     "WEIGHT_PREFIX",
     "Preprocessor",
     "SessionRows",
+    "compute_bucket_boundaries",
     "compute_dense_stats",
     "hash_ids",
     "hash_strings",
@@ -275,6 +278,12 @@ class Preprocessor:
                 f"standardized dense columns {missing} have no data.dense_stats (mean, std); "
                 "compute them with raydlrm.ingestion.compute_dense_stats"
             )
+        missing = [c for c in config.bucketized_columns() if c not in config.bucket_boundaries]
+        if missing:
+            raise ValueError(
+                f"bucketized dense columns {missing} have no data.bucket_boundaries; compute "
+                "them with raydlrm.ingestion.compute_bucket_boundaries"
+            )
 
     def __call__(self, table: pa.Table) -> pa.Table:
         """Preprocesses one batch.
@@ -394,6 +403,10 @@ class Preprocessor:
                 self._add_sparse(outputs, table, column, key=column in grouped)
             weight = [WEIGHT_PREFIX + column] if cfg.weight_column_of(column) is not None else []
             names += [column, *weight]
+        for column in cfg.bucketized_columns():
+            feature = cfg.bucket_feature(column)
+            outputs.add(feature, pa.array(bucket_of(_dense_values(table, column), column, cfg)))
+            names.append(feature)
         for i, group in enumerate(cfg.dedup_groups):
             if per_session is not None and all(c in per_session.names for c in group):
                 continue  # its batches carry it deduplicated (dictionary-encoded)
@@ -424,8 +437,7 @@ class Preprocessor:
         columns = self.config.dense_columns
         out = np.empty((table.num_rows, len(columns)), dtype=np.float32)
         for j, column in enumerate(columns):
-            values = pc.fill_null(_single_array(table.column(column)).cast(pa.float32()), 0.0)
-            out[:, j] = values.to_numpy(zero_copy_only=False)
+            out[:, j] = _dense_values(table, column)
             transform_dense(out[:, j], column, self.config)
         return pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), len(columns))
 
@@ -483,6 +495,21 @@ class Preprocessor:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), floats)
 
 
+def _dense_values(table: pa.Table | pa.RecordBatch, column: str) -> np.ndarray:
+    """The float32 values of dense ``column``, nulls filled with 0 (a writable copy)."""
+    values = pc.fill_null(_single_array(table.column(column)).cast(pa.float32()), 0.0)
+    return values.to_numpy(zero_copy_only=False).copy()
+
+
+def bucket_of(values: np.ndarray, column: str, config: DataConfig) -> np.ndarray:
+    """The bucket (int64) of each null-filled value of bucketized dense ``column``: clipped,
+    then the number of its boundaries at or below it (compared in float64, as computed)."""
+    values = values.copy()
+    clip_dense(values, column, config)
+    bounds = np.asarray(config.bucket_boundaries[column], dtype=np.float64)
+    return np.searchsorted(bounds, values.astype(np.float64), side="right").astype(np.int64)
+
+
 def transform_dense(values: np.ndarray, column: str, config: DataConfig) -> None:
     """Clips and transforms the (null-filled) float32 values of dense ``column`` in place."""
     clip_dense(values, column, config)
@@ -528,8 +555,7 @@ def compute_dense_stats(
     for batch in batches:
         count += batch.num_rows
         for j, column in enumerate(columns):
-            values = pc.fill_null(_single_array(batch.column(column)).cast(pa.float32()), 0.0)
-            x = values.to_numpy(zero_copy_only=False).copy()
+            x = _dense_values(batch, column)
             clip_dense(x, column, config)
             x64 = x.astype(np.float64)
             sums[j] += x64.sum()
@@ -543,3 +569,52 @@ def compute_dense_stats(
         std = float(np.sqrt(var))
         stats[column] = (float(mean), std if std > 0 else 1.0)
     return stats
+
+
+_MAX_DISTINCT = 1 << 20
+"""Distinct values kept per column while computing bucket boundaries (beyond: thinned)."""
+
+
+def compute_bucket_boundaries(
+    batches: Iterable[pa.RecordBatch | pa.Table], config: DataConfig
+) -> dict[str, list[float]]:
+    """The bucket boundaries of each bucketized dense column over all ``batches`` (see
+    ``DataConfig.bucket_boundaries``): values null-filled with 0 and clipped, as the
+    preprocessor buckets them.
+
+    Args:
+        batches: the training data's raw columns (at least the bucketized ones).
+        config: the data config.
+
+    Returns:
+        Column -> ascending boundaries (fewer than its buckets; none for a constant column).
+
+    Raises:
+        ValueError: if ``batches`` hold no rows.
+    """
+    columns = config.bucketized_columns()
+    distinct = {c: np.empty(0) for c in columns}
+    count = 0
+    for batch in batches:
+        count += batch.num_rows
+        for column in columns:
+            x = _dense_values(batch, column)
+            clip_dense(x, column, config)
+            seen = np.union1d(distinct[column], x.astype(np.float64))
+            while seen.size > _MAX_DISTINCT:  # evenly thinned: the quantiles stay close
+                seen = seen[::2]
+            distinct[column] = seen
+    if columns and count == 0:
+        raise ValueError("cannot compute bucket boundaries of an empty data set")
+    return {c: _boundaries(distinct[c], config.buckets_of(c)) for c in columns}
+
+
+def _boundaries(values: np.ndarray, buckets: int) -> list[float]:
+    """Boundaries of at most ``buckets`` buckets over the sorted distinct ``values``: one bucket
+    per value when they are few enough, else quantiles of the distinct values."""
+    if values.size <= 1:
+        return []
+    if values.size <= buckets:
+        return ((values[1:] + values[:-1]) / 2).tolist()
+    quantiles = np.quantile(values, np.linspace(0.0, 1.0, buckets + 1)[1:-1])
+    return np.unique(quantiles).tolist()

@@ -37,7 +37,7 @@ from raydlrm.ingestion import (
     id_kinds_of,
     validate_data,
 )
-from raydlrm.ingestion.stats import dense_stats_of
+from raydlrm.ingestion.stats import bucket_boundaries_of, dense_stats_of
 from raydlrm.platform.config import (
     BASE_DIR_ENV,
     ConfigError,
@@ -476,9 +476,11 @@ def preflight(job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: st
     if job.run.warm_start:
         warm_start = _warm_start_checkpoint(job, plan)
         job = _with_dense_stats(job, warm_start.data.get("dense_stats") or {})
+        job = _with_boundaries(job, warm_start.data.get("bucket_boundaries") or {})
         job = _with_id_kinds(job, warm_start.data.get("id_kinds") or {})
     job = _with_id_kinds(job, _data_id_kinds(job, data))
     job = _with_dense_stats(job, _training_stats(job))
+    job = _with_boundaries(job, _training_boundaries(job))
     _check_run_storage(job, run_name)
     _check_resume(job, plan, run_name)
     check_tracking_of(job)
@@ -518,6 +520,40 @@ def _with_dense_stats(job: JobConfig, stats: dict[str, tuple[float, float]]) -> 
     return dataclasses.replace(
         job, data=dataclasses.replace(data, dense_stats={**new, **data.dense_stats})
     )
+
+
+def _with_boundaries(job: JobConfig, boundaries: dict[str, list[float]]) -> JobConfig:
+    """``job`` with ``boundaries`` for the bucketized columns it has none for (a warm start's
+    first: the model's buckets keep their meaning)."""
+    data = job.data
+    new = {
+        c: list(boundaries[c])
+        for c in data.bucketized_columns()
+        if c not in data.bucket_boundaries and c in boundaries
+    }
+    if not new:
+        return job
+    merged = {**new, **data.bucket_boundaries}
+    return dataclasses.replace(job, data=dataclasses.replace(data, bucket_boundaries=merged))
+
+
+def _training_boundaries(job: JobConfig) -> dict[str, list[float]]:
+    """The bucket boundaries of the bucketized dense columns over the training data, computed
+    once when the config does not already hold them (as the dense statistics)."""
+    data = job.data
+    missing = [c for c in data.bucketized_columns() if c not in data.bucket_boundaries]
+    if not missing:
+        return {}
+    started = time.perf_counter()
+    boundaries = bucket_boundaries_of(data.train_path, data)
+    logger.info(
+        "bucket boundaries of %s over %s in %.1fs: %s buckets",
+        missing,
+        data.train_path,
+        time.perf_counter() - started,
+        {c: len(b) + 1 for c, b in boundaries.items()},
+    )
+    return boundaries
 
 
 def _training_stats(job: JobConfig) -> dict[str, tuple[float, float]]:
