@@ -117,6 +117,12 @@ def test_a_sweep_with_asha_records_child_runs_and_registers_the_best(
     )
     assert len(children) == 4  # every trial a child run, none left running
     assert {r.info.status for r in children} <= {"FINISHED", "KILLED"}
+    # tune.max_concurrent_trials holds: at most 2 trials' runs at a time (it was once ignored).
+    events = sorted(
+        [(r.info.start_time, 1) for r in children] + [(r.info.end_time, -1) for r in children]
+    )
+    running = [sum(step for _, step in events[: i + 1]) for i in range(len(events))]
+    assert max(running) <= 2, events
     parent = client.get_run(result.run_id)
     assert parent.data.tags["raydlrm.tune.best_run_id"] == result.best_run_id
     assert parent.data.metrics["eval/auc"] == result.best_metrics["eval/auc"]

@@ -326,8 +326,11 @@ def _fit(job: JobConfig, space: Mapping[str, Dimension], *, sweep: str, parent_r
             mode=cfg.mode,
             num_samples=cfg.num_trials,
             scheduler=scheduler,
-            search_alg=BasicVariantGenerator(random_state=cfg.seed),
-            max_concurrent_trials=_concurrency(job),
+            # The limit goes to the search algorithm: Tune ignores max_concurrent_trials (with a
+            # warning) when given a BasicVariantGenerator, and every trial would start at once.
+            search_alg=BasicVariantGenerator(
+                random_state=cfg.seed, max_concurrent=_concurrency(job)
+            ),
         ),
         run_config=tune.RunConfig(
             name=sweep,
