@@ -126,6 +126,8 @@ def write_data_set(
         table, metadata = make_table(wheel)
         wheel_name = wheel.name
     (args.out / "metadata.json").unlink(missing_ok=True)  # incomplete until written again
+    for stale in ("fit", "valid"):  # benchmarks/baselines.py's split of the old training rows
+        shutil.rmtree(args.out / stale, ignore_errors=True)
     counts = write_split(
         table,
         out=args.out,

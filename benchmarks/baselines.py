@@ -43,7 +43,8 @@ MAX_LIST_VALUES = 64
 
 def validation_split(data: DataConfig, *, seed: int = 0, fraction: float = 0.2) -> tuple[str, str]:
     """``fit/`` and ``valid/`` beside the training data: its rows shuffled with ``seed``, a
-    ``fraction`` held out. Written once (kept when there), returned as paths."""
+    ``fraction`` held out. Written once (kept when there: the data writers remove them when
+    they write the data again), returned as paths."""
     root = Path(data.train_path).parent
     fit, valid = root / "fit", root / "valid"
     if not (fit / "part-00000.parquet").exists() or not (valid / "part-00000.parquet").exists():
@@ -141,14 +142,7 @@ def gbdt(train: Frame, fit: Frame, valid: Frame, evaluation: Frame, data, *, tri
     rounds = max(1, round(rounds * len(train.labels) / len(fit.labels)))
     aucs = []
     for seed in range(seeds):
-        model = lgb.LGBMClassifier(
-            n_estimators=rounds,
-            verbose=-1,
-            random_state=seed,
-            subsample=0.9,
-            subsample_freq=1,
-            **params,
-        )
+        model = lgb.LGBMClassifier(n_estimators=rounds, verbose=-1, random_state=seed, **params)
         model.fit(x_train, train.labels)
         aucs.append(float(roc_auc_score(evaluation.labels, model.predict_proba(x_eval)[:, 1])))
     return {"valid_auc": valid_auc, "params": params, "rounds": rounds, "eval_aucs": aucs}

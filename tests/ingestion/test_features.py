@@ -15,13 +15,13 @@ import torch
 
 from raydlrm.ingestion import DataConfig, DataValidationError, Preprocessor, validate_data
 from raydlrm.ingestion.loader import arrow_to_batch
-from raydlrm.ingestion.preprocess import (
+from raydlrm.ingestion.preprocess import hash_strings, mix64
+from raydlrm.ingestion.stats import (
+    bucket_boundaries_of,
     compute_bucket_boundaries,
     compute_dense_stats,
-    hash_strings,
-    mix64,
+    dense_stats_of,
 )
-from raydlrm.ingestion.stats import bucket_boundaries_of, dense_stats_of
 from raydlrm.models import ModelConfig
 from raydlrm.trainers.spec import WorkerSpec
 
@@ -152,6 +152,10 @@ def test_shared_tables_and_sizes() -> None:
             "'I1' would become the sparse feature 'I1_bucket'",
         ),
         ({"dense_buckets": 4, "table_sizes": {"t_I2_bucket": 9}}, "a bucket table has"),
+        (
+            {"dense_buckets": 4, "bucket_boundaries": {"I2": [1.0, float("nan")]}},
+            r"bucket_boundaries\.I2: a boundary is NaN or infinite",
+        ),
     ],
 )
 def test_bad_feature_specs_name_the_key(overrides, message) -> None:
@@ -239,6 +243,29 @@ def test_bucketized_dense_columns_become_features_of_their_own() -> None:
     unseen = raw.set_column(1, "I1", pa.array([-3.0, 100.0, 7.0] + [0.0] * (raw.num_rows - 3)))
     got = Preprocessor(config)(unseen).column("I1_bucket").to_pylist()[:3]
     assert got == [0, len(distinct) - 1, int(np.searchsorted(bounds["I1"], 7.0, side="right"))]
+
+
+def test_statistics_skip_non_finite_values_and_sampling_ignores_row_order(monkeypatch) -> None:
+    """A NaN or infinite value (a bad row, which training skips) counts in neither the mean nor
+    the buckets; beyond MAX_DISTINCT distinct values a value-hash sample is kept, the same
+    whatever the order of the rows."""
+    from raydlrm.ingestion import stats
+
+    config = _config(dense_buckets=8, dense_specs={"I1": {"transform": "standardize"}})
+    x = np.arange(100, dtype=np.float64)
+    dirty = pa.table({"I1": np.r_[x, np.nan, np.inf], "I2": np.r_[x, -np.inf, 3.0]})
+    assert compute_dense_stats([dirty], config)["I1"] == pytest.approx((x.mean(), x.std()))
+    clean = compute_bucket_boundaries([pa.table({"I1": x, "I2": x})], config)
+    assert compute_bucket_boundaries([dirty], config) == clean
+    assert all(np.isfinite(b).all() for b in clean.values())
+    values = np.random.default_rng(0).normal(size=1000)
+    table = pa.table({"I1": values, "I2": values})
+    every = compute_bucket_boundaries([table], config)
+    monkeypatch.setattr(stats, "MAX_DISTINCT", 40)
+    forward = compute_bucket_boundaries(table.to_batches(max_chunksize=64), config)
+    backward = table.take(pa.array(np.arange(999, -1, -1)))
+    assert compute_bucket_boundaries(backward.to_batches(max_chunksize=50), config) == forward
+    assert len(forward["I1"]) == 7 and forward != every  # a sample's quantiles
 
 
 def test_bucket_boundaries_of_a_parquet_directory(tmp_path) -> None:

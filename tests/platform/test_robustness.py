@@ -185,6 +185,31 @@ def test_resuming_with_another_model_or_features_is_refused_before_ray_starts(
     assert not (tmp_path / "mlflow.db").exists()  # no run, no tags from a refused attempt
 
 
+def test_a_resumed_or_warm_started_run_keeps_the_statistics_its_model_was_trained_with() -> None:
+    """Dense statistics and bucket boundaries recorded by a checkpoint (a resumed run's, a warm
+    start's) win over the training data's, a config's own win over both, and a resume whose
+    config sets other boundaries is refused naming them."""
+    from raydlrm.platform.preflight import _with_statistics, resume_differences
+
+    overrides = ['data.dense_specs={ I1 = { buckets = 4, transform = "standardize" } }']
+    job = load_config(overrides=overrides)
+    recorded = {"dense_stats": {"I1": [1.0, 2.0]}, "bucket_boundaries": {"I1": [0.5, 1.5]}}
+    data = {"dense_stats": {"I1": [9.0, 9.0]}, "bucket_boundaries": {"I1": [7.0]}}
+    kept = _with_statistics(_with_statistics(job, recorded), data)
+    assert kept.data.dense_stats == {"I1": (1.0, 2.0)}
+    assert kept.data.bucket_boundaries == {"I1": [0.5, 1.5]}
+    own = load_config(overrides=[*overrides, "data.bucket_boundaries={ I1 = [3.0] }"])
+    assert _with_statistics(own, recorded).data.bucket_boundaries == {"I1": [3.0]}
+    spec = kept.worker_spec()
+    plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+    state = {"spec": spec.to_dict(), "plan": json.loads(plan.to_json())}
+    assert resume_differences(state, job=kept, plan=plan) == []
+    (line,) = resume_differences(state, job=_with_statistics(own, recorded), plan=plan)
+    assert line == (
+        "data.bucket_boundaries: {'I1': [0.5, 1.5]} in the checkpoint, {'I1': [3.0]} in the config"
+    )
+
+
 def _small_model(dim: int) -> list[str]:
     return [f"model.embedding_dim={dim}", f"model.bottom_mlp=[16, {dim}]", "data.table_size=500"]
 

@@ -91,6 +91,22 @@ def _sweep_config(tmp_path: Path) -> dict:
     }
 
 
+def test_trials_reuse_the_statistics_unless_the_search_changes_them(tmp_path: Path) -> None:
+    """The sweep computes the dense statistics and bucket boundaries once for its trials; a
+    search over the buckets (or the transform, the columns, the data) leaves each trial its
+    own: reused, a trial with other buckets would fail or keep the base's."""
+    from raydlrm.platform.tune import _prepared
+
+    config = _sweep_config(tmp_path)
+    config["data"] |= {"dense_buckets": 8, "dense_specs": {"I1": {"transform": "standardize"}}}
+    job = load_config(config)
+    reused = _prepared(job, "s", parse_search(["training.learning_rate=choice(0.1, 0.2)"]))
+    assert set(reused.data.bucket_boundaries) == set(reused.data.dense_columns)
+    assert set(reused.data.dense_stats) == {"I1"}
+    own = _prepared(job, "s", parse_search(["data.dense_buckets=choice(4, 16)"]))
+    assert own.data.bucket_boundaries == {} and own.data.dense_stats == {}
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_sweep_with_asha_records_child_runs_and_registers_the_best(

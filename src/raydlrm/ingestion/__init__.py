@@ -35,8 +35,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "preprocess": (
         "Preprocessor",
-        "compute_bucket_boundaries",
-        "compute_dense_stats",
         "hash_ids",
         "mix64",
     ),
@@ -48,6 +46,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "check_id_kinds",
         "id_kinds_of",
         "validate_data",
+    ),
+    "stats": (
+        "compute_bucket_boundaries",
+        "compute_dense_stats",
+        "training_statistics",
     ),
     "synthetic": (
         "SyntheticInfo",

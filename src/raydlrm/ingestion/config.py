@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 from itertools import pairwise
 from typing import Literal
@@ -406,6 +407,8 @@ class DataConfig:
                     f"data.bucket_boundaries.{col}: {len(bounds)} boundaries make more than its "
                     f"{self.buckets_of(col)} buckets"
                 )
+            if not all(math.isfinite(b) for b in bounds):
+                raise ValueError(f"data.bucket_boundaries.{col}: a boundary is NaN or infinite")
             if any(not a < b for a, b in pairwise(bounds)):
                 raise ValueError(f"data.bucket_boundaries.{col}: not strictly ascending")
 

@@ -125,7 +125,8 @@ def _recd_report(
         source = "per-session columns of the clustered layout"
     else:
         user, source = constant or [], "constant within sessions"
-    counts = {c: id_occurrences(processed, c)[0].size for c in data.sparse_columns}
+    # Every feature's lookups, the bucket features' (one a sample) too.
+    counts = {c: id_occurrences(processed, c)[0].size for c in data.feature_columns()}
     total = sum(counts.values())
     return {
         "layout": "samples" if layout is None else "clustered",

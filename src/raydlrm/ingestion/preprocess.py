@@ -35,7 +35,6 @@ bytes buffer plus offsets (one NumPy pass per byte position), never per row.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,8 +56,9 @@ __all__ = [
     "WEIGHT_PREFIX",
     "Preprocessor",
     "SessionRows",
-    "compute_bucket_boundaries",
-    "compute_dense_stats",
+    "bucket_of",
+    "clip_dense",
+    "dense_values",
     "hash_ids",
     "hash_strings",
     "mix64",
@@ -276,13 +276,13 @@ class Preprocessor:
         if missing:
             raise ValueError(
                 f"standardized dense columns {missing} have no data.dense_stats (mean, std); "
-                "compute them with raydlrm.ingestion.compute_dense_stats"
+                "compute them with raydlrm.ingestion.stats.compute_dense_stats"
             )
         missing = [c for c in config.bucketized_columns() if c not in config.bucket_boundaries]
         if missing:
             raise ValueError(
                 f"bucketized dense columns {missing} have no data.bucket_boundaries; compute "
-                "them with raydlrm.ingestion.compute_bucket_boundaries"
+                "them with raydlrm.ingestion.stats.compute_bucket_boundaries"
             )
 
     def __call__(self, table: pa.Table) -> pa.Table:
@@ -405,7 +405,7 @@ class Preprocessor:
             names += [column, *weight]
         for column in cfg.bucketized_columns():
             feature = cfg.bucket_feature(column)
-            outputs.add(feature, pa.array(bucket_of(_dense_values(table, column), column, cfg)))
+            outputs.add(feature, pa.array(bucket_of(dense_values(table, column), column, cfg)))
             names.append(feature)
         for i, group in enumerate(cfg.dedup_groups):
             if per_session is not None and all(c in per_session.names for c in group):
@@ -437,7 +437,7 @@ class Preprocessor:
         columns = self.config.dense_columns
         out = np.empty((table.num_rows, len(columns)), dtype=np.float32)
         for j, column in enumerate(columns):
-            out[:, j] = _dense_values(table, column)
+            out[:, j] = dense_values(table, column)
             transform_dense(out[:, j], column, self.config)
         return pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), len(columns))
 
@@ -495,7 +495,7 @@ class Preprocessor:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), floats)
 
 
-def _dense_values(table: pa.Table | pa.RecordBatch, column: str) -> np.ndarray:
+def dense_values(table: pa.Table | pa.RecordBatch, column: str) -> np.ndarray:
     """The float32 values of dense ``column``, nulls filled with 0 (a writable copy)."""
     values = pc.fill_null(_single_array(table.column(column)).cast(pa.float32()), 0.0)
     return values.to_numpy(zero_copy_only=False).copy()
@@ -528,93 +528,3 @@ def clip_dense(values: np.ndarray, column: str, config: DataConfig) -> None:
     spec = config.dense_specs.get(column)
     if spec is not None and spec.clip is not None:
         np.clip(values, spec.clip[0], spec.clip[1], out=values)
-
-
-def compute_dense_stats(
-    batches: Iterable[pa.RecordBatch | pa.Table], config: DataConfig
-) -> dict[str, tuple[float, float]]:
-    """Mean and standard deviation of each standardized dense column, over all ``batches``.
-
-    Values are null-filled with 0 and clipped first, as the preprocessor does before
-    standardizing. Sums are accumulated in float64, one pass.
-
-    Args:
-        batches: the training data's raw columns (at least the standardized ones).
-        config: the data config.
-
-    Returns:
-        Column -> ``(mean, std)`` (``std`` is 1 for a constant column).
-
-    Raises:
-        ValueError: if ``batches`` hold no rows.
-    """
-    columns = config.standardized_columns()
-    count = 0
-    sums = np.zeros(len(columns))
-    squares = np.zeros(len(columns))
-    for batch in batches:
-        count += batch.num_rows
-        for j, column in enumerate(columns):
-            x = _dense_values(batch, column)
-            clip_dense(x, column, config)
-            x64 = x.astype(np.float64)
-            sums[j] += x64.sum()
-            squares[j] += np.square(x64).sum()
-    if columns and count == 0:
-        raise ValueError("cannot compute dense statistics of an empty data set")
-    stats = {}
-    for j, column in enumerate(columns):
-        mean = sums[j] / count
-        var = max(squares[j] / count - mean * mean, 0.0)
-        std = float(np.sqrt(var))
-        stats[column] = (float(mean), std if std > 0 else 1.0)
-    return stats
-
-
-_MAX_DISTINCT = 1 << 20
-"""Distinct values kept per column while computing bucket boundaries (beyond: thinned)."""
-
-
-def compute_bucket_boundaries(
-    batches: Iterable[pa.RecordBatch | pa.Table], config: DataConfig
-) -> dict[str, list[float]]:
-    """The bucket boundaries of each bucketized dense column over all ``batches`` (see
-    ``DataConfig.bucket_boundaries``): values null-filled with 0 and clipped, as the
-    preprocessor buckets them.
-
-    Args:
-        batches: the training data's raw columns (at least the bucketized ones).
-        config: the data config.
-
-    Returns:
-        Column -> ascending boundaries (fewer than its buckets; none for a constant column).
-
-    Raises:
-        ValueError: if ``batches`` hold no rows.
-    """
-    columns = config.bucketized_columns()
-    distinct = {c: np.empty(0) for c in columns}
-    count = 0
-    for batch in batches:
-        count += batch.num_rows
-        for column in columns:
-            x = _dense_values(batch, column)
-            clip_dense(x, column, config)
-            seen = np.union1d(distinct[column], x.astype(np.float64))
-            while seen.size > _MAX_DISTINCT:  # evenly thinned: the quantiles stay close
-                seen = seen[::2]
-            distinct[column] = seen
-    if columns and count == 0:
-        raise ValueError("cannot compute bucket boundaries of an empty data set")
-    return {c: _boundaries(distinct[c], config.buckets_of(c)) for c in columns}
-
-
-def _boundaries(values: np.ndarray, buckets: int) -> list[float]:
-    """Boundaries of at most ``buckets`` buckets over the sorted distinct ``values``: one bucket
-    per value when they are few enough, else quantiles of the distinct values."""
-    if values.size <= 1:
-        return []
-    if values.size <= buckets:
-        return ((values[1:] + values[:-1]) / 2).tolist()
-    quantiles = np.quantile(values, np.linspace(0.0, 1.0, buckets + 1)[1:-1])
-    return np.unique(quantiles).tolist()

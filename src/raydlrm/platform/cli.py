@@ -415,10 +415,18 @@ def _calibrate(job: JobConfig) -> None:
     from raydlrm.sharding import save_constants
     from raydlrm.sharding.tiers import ssd_directory
 
+    device = job.table_device()
+    if device == "cuda":
+        typer.echo(
+            "GPU workers: lookups timed on this machine's GPU; the all-to-all is not (gloo "
+            "here does not time NCCL between GPUs): its constants stay the defaults",
+            err=True,
+        )
     constants = measure(
         ssd_directory=ssd_directory(job.sharding.ssd_path),
         kernel=job.sharding.kernel,
-        device=job.table_device(),
+        device=device,
+        comm=device == "cpu",
     )
     path = save_constants(constants, job.sharding.cost_constants_path)
     typer.echo(f"cost constants ({constants.source}) written to {path}:", err=True)
@@ -454,7 +462,13 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
     kernel = samples.column("kernel")[0].as_py()
     typer.echo(f"{samples.num_rows} cost samples ({kernel} kernel) written to {path}", err=True)
     workers = job.scaling.num_workers
-    if workers > 1:  # the all-to-all of as many gloo processes here as the job has workers
+    if workers > 1 and job.table_device() == "cuda":
+        typer.echo(
+            "no all-to-all samples for GPU workers (gloo here does not time NCCL between "
+            "GPUs): the plan costs their transfer analytically",
+            err=True,
+        )
+    elif workers > 1:  # the all-to-all of as many gloo processes here as the job has workers
         from raydlrm.sharding.comm_samples import collect_comm_samples
 
         comm = collect_comm_samples(
@@ -476,8 +490,10 @@ def _train_cost_model(job: JobConfig) -> None:
         job.sharding.cost_samples_path,
         job.global_batch_size(),
     )
-    samples = stored_samples(store, kernel=kernel, batch_size=batch, device=job.table_device())
-    comm = stored_comm_samples(store, batch_size=batch)
+    device = job.table_device()
+    samples = stored_samples(store, kernel=kernel, batch_size=batch, device=device)
+    # The all-to-all samples are gloo's: a model for GPU workers has none (costed analytically).
+    comm = stored_comm_samples(store, batch_size=batch) if device == "cpu" else None
     model = train_cost_model(samples, comm_samples=comm)
     path = model.save(job.sharding.learned_cost_path)
     r = model.report

@@ -37,7 +37,7 @@ from raydlrm.ingestion import (
     id_kinds_of,
     validate_data,
 )
-from raydlrm.ingestion.stats import bucket_boundaries_of, dense_stats_of
+from raydlrm.ingestion.stats import training_statistics
 from raydlrm.platform.config import (
     BASE_DIR_ENV,
     ConfigError,
@@ -285,7 +285,8 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
 def table_stats(job: JobConfig, batch: pa.Table) -> dict[str, TableStats]:
     """Each table's :class:`~raydlrm.sharding.learned_cost.TableStats` in one batch of rows:
     the ids of its features per row, and how often each distinct id is looked up (raw ids: the
-    hashing into the table's rows merges few of them)."""
+    hashing into the table's rows merges few of them). A bucket table is not in the raw batch:
+    the planner takes it as looked up uniformly (at most its buckets' rows)."""
     from raydlrm.sharding.learned_cost import TableStats, histogram_of_counts
 
     tables = {t.name: t for t in job.worker_spec().tables()}
@@ -399,6 +400,14 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     spec = config.worker_spec()
     constants_path = Path(config.sharding.cost_constants_path).expanduser()
     constants = load_constants(constants_path) if constants_path.exists() else None
+    if constants is not None and constants.device != config.table_device():
+        logger.warning(
+            "the cost constants at %s were calibrated on %s, the job's tables are on %s "
+            "(scaling.use_gpu): the plan's costs may not hold (raydlrm plan --calibrate there)",
+            constants_path,
+            constants.device,
+            config.table_device(),
+        )
     budget = worker_memory_budget(config)
     learned = learned_cost_model(config)
     try:
@@ -456,16 +465,18 @@ class Preflight:
     """What the checks before Ray starts settle."""
 
     job: JobConfig
-    """The job with its dense statistics and id kinds."""
+    """The job with its dense statistics, bucket boundaries and id kinds."""
     warm_start: ray.train.Checkpoint | None
     """The ``run.warm_start`` checkpoint, checked, or None."""
 
 
 def preflight(job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: str) -> Preflight:
     """The checks and statistics before Ray starts: the SSD tier's space, the warm start's
-    checkpoint (whose dense statistics and id kinds the job keeps), the kind of every sparse
-    column's ids, the dense statistics of the training data, the run storage and the MLflow
-    tracking server. Returns the job with its statistics and id kinds, and the warm start.
+    checkpoint (whose dense statistics, bucket boundaries and id kinds the job keeps), the kind
+    of every sparse column's ids, the run storage, the checkpoint a resumed run continues
+    (whose statistics it keeps, and whose settings must match), the dense statistics and bucket
+    boundaries of the training data (those still missing) and the MLflow tracking server.
+    Returns the job with its statistics and id kinds, and the warm start.
 
     Raises:
         ConfigError: naming the key whose setting cannot work (and why).
@@ -475,14 +486,16 @@ def preflight(job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: st
     warm_start = None
     if job.run.warm_start:
         warm_start = _warm_start_checkpoint(job, plan)
-        job = _with_dense_stats(job, warm_start.data.get("dense_stats") or {})
-        job = _with_boundaries(job, warm_start.data.get("bucket_boundaries") or {})
+        job = _with_statistics(job, warm_start.data)
         job = _with_id_kinds(job, warm_start.data.get("id_kinds") or {})
     job = _with_id_kinds(job, _data_id_kinds(job, data))
-    job = _with_dense_stats(job, _training_stats(job))
-    job = _with_boundaries(job, _training_boundaries(job))
     _check_run_storage(job, run_name)
-    _check_resume(job, plan, run_name)
+    resumed = _resumed_state(job, run_name)
+    if resumed is not None:  # a resumed run keeps the statistics it was trained with
+        job = _with_statistics(job, resumed[1]["spec"]["data"])
+    job = _with_statistics(job, _training_statistics(job))
+    if resumed is not None:
+        _check_resume(job, plan, run_name, resumed)
     check_tracking_of(job)
     return Preflight(job=job, warm_start=None if warm_start is None else warm_start.checkpoint)
 
@@ -507,73 +520,56 @@ def _with_id_kinds(job: JobConfig, kinds: dict[str, str]) -> JobConfig:
     return dataclasses.replace(job, data=dataclasses.replace(job.data, id_kinds=merged))
 
 
-def _with_dense_stats(job: JobConfig, stats: dict[str, tuple[float, float]]) -> JobConfig:
-    """``job`` with ``stats`` for the standardized columns it has none for."""
+def _with_statistics(job: JobConfig, recorded: dict[str, Any]) -> JobConfig:
+    """``job`` with the dense statistics and bucket boundaries of ``recorded`` (a data config
+    as a dict: a warm start's, a resumed run's, the training data's) for the columns it holds
+    none for: those the job already has win, so a model's features keep their meaning."""
     data = job.data
-    new = {
+    stats = recorded.get("dense_stats") or {}
+    bounds = recorded.get("bucket_boundaries") or {}
+    new_stats = {
         c: tuple(stats[c])
         for c in data.standardized_columns()
         if c not in data.dense_stats and c in stats
     }
-    if not new:
+    new_bounds = {
+        c: list(bounds[c])
+        for c in data.bucketized_columns()
+        if c not in data.bucket_boundaries and c in bounds
+    }
+    if not new_stats and not new_bounds:
         return job
     return dataclasses.replace(
-        job, data=dataclasses.replace(data, dense_stats={**new, **data.dense_stats})
+        job,
+        data=dataclasses.replace(
+            data,
+            dense_stats={**new_stats, **data.dense_stats},
+            bucket_boundaries={**new_bounds, **data.bucket_boundaries},
+        ),
     )
 
 
-def _with_boundaries(job: JobConfig, boundaries: dict[str, list[float]]) -> JobConfig:
-    """``job`` with ``boundaries`` for the bucketized columns it has none for (a warm start's
-    first: the model's buckets keep their meaning)."""
-    data = job.data
-    new = {
-        c: list(boundaries[c])
-        for c in data.bucketized_columns()
-        if c not in data.bucket_boundaries and c in boundaries
-    }
-    if not new:
-        return job
-    merged = {**new, **data.bucket_boundaries}
-    return dataclasses.replace(job, data=dataclasses.replace(data, bucket_boundaries=merged))
-
-
-def _training_boundaries(job: JobConfig) -> dict[str, list[float]]:
-    """The bucket boundaries of the bucketized dense columns over the training data, computed
-    once when the config does not already hold them (as the dense statistics)."""
-    data = job.data
-    missing = [c for c in data.bucketized_columns() if c not in data.bucket_boundaries]
-    if not missing:
-        return {}
-    started = time.perf_counter()
-    boundaries = bucket_boundaries_of(data.train_path, data)
-    logger.info(
-        "bucket boundaries of %s over %s in %.1fs: %s buckets",
-        missing,
-        data.train_path,
-        time.perf_counter() - started,
-        {c: len(b) + 1 for c, b in boundaries.items()},
-    )
-    return boundaries
-
-
-def _training_stats(job: JobConfig) -> dict[str, tuple[float, float]]:
-    """The statistics of standardized dense columns over the training data, computed once when
-    the config does not already hold them; they travel in the config to the workers, the
+def _training_statistics(job: JobConfig) -> dict[str, Any]:
+    """The dense statistics and bucket boundaries over the training data that the config does
+    not hold yet, computed once in one pass; they travel in the config to the workers, the
     checkpoint and the logged model."""
     data = job.data
-    missing = [c for c in data.standardized_columns() if c not in data.dense_stats]
-    if not missing:
+    stats = [c for c in data.standardized_columns() if c not in data.dense_stats]
+    bounds = [c for c in data.bucketized_columns() if c not in data.bucket_boundaries]
+    if not stats and not bounds:
         return {}
     started = time.perf_counter()
-    stats = dense_stats_of(data.train_path, data)
+    dense_stats, boundaries = training_statistics(
+        data.train_path, data, dense=bool(stats), buckets=bool(bounds)
+    )
     logger.info(
-        "dense statistics of %s over %s in %.1fs: %s",
-        missing,
+        "statistics of the dense columns over %s in %.1fs: mean and deviation %s; buckets %s",
         data.train_path,
         time.perf_counter() - started,
-        {c: (round(m, 4), round(s, 4)) for c, (m, s) in stats.items()},
+        {c: (round(m, 4), round(s, 4)) for c, (m, s) in dense_stats.items()},
+        {c: len(b) + 1 for c, b in boundaries.items()},
     )
-    return stats
+    return {"dense_stats": dense_stats, "bucket_boundaries": boundaries}
 
 
 def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
@@ -611,14 +607,9 @@ def _check_run_storage(job: JobConfig, run_name: str) -> None:
         ) from exc
 
 
-def _check_resume(job: JobConfig, plan: ShardingPlan, run_name: str) -> None:
-    """A run that resumes (its storage holds checkpoints) must keep the model and features its
-    checkpoints were trained with: checked against the newest one with a readable state.
-
-    Raises:
-        ConfigError: naming the run, the checkpoint and every setting that differs, with both
-            values.
-    """
+def _resumed_state(job: JobConfig, run_name: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint of the run with a readable state (``trainer_state.json``): its
+    path and state; None when the run has none (it starts afresh)."""
     root, filesystem = run_storage(job)
     filesystem = filesystem or pafs.LocalFileSystem()
     selector = pafs.FileSelector(f"{root.rstrip('/')}/{run_name}", allow_not_found=True)
@@ -633,24 +624,37 @@ def _check_resume(job: JobConfig, plan: ShardingPlan, run_name: str) -> None:
     for path in checkpoints:
         try:
             with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:
-                state = json.loads(f.read())
+                return path, json.loads(f.read())
         except (OSError, ValueError):
             continue  # a damaged or partial checkpoint: the workers pass it over too
-        differences = resume_differences(state, job=job, plan=plan)
-        if differences:
-            raise ConfigError(
-                f"run {run_name} would resume from {path}, trained with other settings: "
-                f"{'; '.join(differences)} (keep the checkpoint's settings to resume, or "
-                "start a new run with another run.name)"
-            )
-        return
+    return None
+
+
+def _check_resume(
+    job: JobConfig, plan: ShardingPlan, run_name: str, resumed: tuple[str, dict[str, Any]]
+) -> None:
+    """A run that resumes from ``resumed`` (its newest readable checkpoint: path and state)
+    must keep the model and features that checkpoint was trained with.
+
+    Raises:
+        ConfigError: naming the run, the checkpoint and every setting that differs, with both
+            values.
+    """
+    path, state = resumed
+    differences = resume_differences(state, job=job, plan=plan)
+    if differences:
+        raise ConfigError(
+            f"run {run_name} would resume from {path}, trained with other settings: "
+            f"{'; '.join(differences)} (keep the checkpoint's settings to resume, or "
+            "start a new run with another run.name)"
+        )
 
 
 def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingPlan) -> list[str]:
     """What a checkpoint's ``trainer_state.json`` (``state``) and the job disagree on that a
-    resume cannot change: the model, the dense and sparse columns, the fused optimizer, the
-    tables (names and shapes; tables that differ alike are named together); one phrase each,
-    with both values."""
+    resume cannot change: the model, the dense and sparse columns and their statistics (what
+    a standardized value and a bucket mean), the fused optimizer, the tables (names and
+    shapes; tables that differ alike are named together); one phrase each, with both values."""
     spec = state["spec"]
     settings = {
         f"model.{k}": (v, getattr(job.model, k))
@@ -659,6 +663,8 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
     }
     for key in ("dense_columns", "sparse_columns"):
         settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
+    for key in ("dense_stats", "bucket_boundaries"):  # an older checkpoint may lack them
+        settings[f"data.{key}"] = (spec["data"].get(key, {}), getattr(job.data, key))
     settings["sharding.optimizer"] = (spec["sharding"]["optimizer"], job.sharding.optimizer)
     out = [
         f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"

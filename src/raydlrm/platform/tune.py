@@ -5,8 +5,9 @@ its own Ray Train run, workers and MLflow run) that differ in the config keys of
 space (``[tune.search]``, ``--search``: a dotted key and a distribution, see
 :func:`parse_search`). Before any trial starts, the driver checks every key and the values at
 the ends of its range against the config (one error naming the key), validates the data, the
-sharding plan and the tracking once, and computes the dense statistics and id kinds that every
-trial then reuses. Trials report ``tune.metric`` to Tune at each evaluation
+sharding plan and the tracking once, and computes the dense statistics, bucket boundaries and
+id kinds that every trial then reuses (unless the search changes what they are computed from:
+then each trial computes its own). Trials report ``tune.metric`` to Tune at each evaluation
 (``training.eval_every_steps``) and at the end; ASHA stops those that trail; a failing trial
 (an invalid combination, a diverging run) is recorded with its reason and the sweep goes on.
 
@@ -233,7 +234,7 @@ def tune(
     configure_api()
     quiet_libraries()
     sweep = job.run.name or f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
-    job = _prepared(job, sweep)
+    job = _prepared(job, sweep, space)
     from raydlrm.platform.ray_init import init_ray
     from raydlrm.platform.tracking import start_run
 
@@ -250,9 +251,21 @@ def tune(
     return result
 
 
-def _prepared(job: JobConfig, sweep: str) -> JobConfig:
+_STATISTICS_KEYS = (
+    "data.train_path",
+    "data.partitions",
+    "data.dense_columns",
+    "data.dense_transform",
+    "data.dense_specs",
+    "data.dense_buckets",
+)
+"""Keys whose value decides the dense statistics or bucket boundaries of the training data."""
+
+
+def _prepared(job: JobConfig, sweep: str, space: Mapping[str, Dimension]) -> JobConfig:
     """The checks of a training job, once for the sweep: its data, plan, storage and tracking;
-    returns the job with the dense statistics and id kinds every trial reuses."""
+    returns the job with the dense statistics, bucket boundaries and id kinds every trial
+    reuses (the statistics only when the search leaves what they depend on alone)."""
     from raydlrm.platform.preflight import (
         data_shape,
         make_plan,
@@ -272,7 +285,15 @@ def _prepared(job: JobConfig, sweep: str) -> JobConfig:
             "training.eval_every_steps is 0: trials evaluate only at the end, none stops early",
             job.tune.metric,
         )
-    return checked.job
+    prepared = checked.job
+    if any(key.startswith(_STATISTICS_KEYS) for key in space):
+        data = replaced(
+            prepared.data,
+            dense_stats=job.data.dense_stats,
+            bucket_boundaries=job.data.bucket_boundaries,
+        )
+        prepared = replaced(prepared, data=data)
+    return prepared
 
 
 def _concurrency(job: JobConfig) -> int:

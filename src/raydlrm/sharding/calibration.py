@@ -99,7 +99,9 @@ def calibrate(
         ssd = _measure_ssd(sizes, directory=Path(ssd_directory).expanduser())
     parts = (lookups, comms, ssd)
     measured = {name: value for part in parts for name, value in part.values.items()}
-    return CostConstants(**measured, source="; ".join([stamp, *(p.note for p in parts)]))
+    return CostConstants(
+        **measured, source="; ".join([stamp, *(p.note for p in parts)]), device=device
+    )
 
 
 def _measure_lookups(sizes: CalibrationSizes, *, kernel: str, device: str) -> _Measurement:

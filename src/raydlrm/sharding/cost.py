@@ -96,6 +96,7 @@ class CostConstants:
         ssd_row_writes_per_s: updated rows of an ``ssd`` table written back per second
             (random dirty 4 KiB pages synced to the disk).
         source: where the numbers come from (``default`` or a calibration note).
+        device: where the lookups were timed: ``cpu``, or ``cuda`` (GPU workers' tables).
     """
 
     lookup_bytes_per_s: float = 8e8
@@ -104,6 +105,7 @@ class CostConstants:
     ssd_row_reads_per_s: float = 5e4
     ssd_row_writes_per_s: float = 2e4
     source: str = "default"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in (

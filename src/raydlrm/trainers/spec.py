@@ -43,9 +43,10 @@ class WorkerSpec:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def tables(self) -> list[EmbeddingBagConfig]:
-        """The embedding tables of the data config's sparse columns (``t_<column>`` unless a
-        ``sparse_specs`` entry names a shared table), each looked up by its columns, sized from
-        the data config, in order of their first column."""
+        """The embedding tables of the data config's sparse features (``t_<column>`` unless a
+        ``sparse_specs`` entry names a shared table; ``t_<column>_bucket`` of a bucketized dense
+        column), each looked up by its features, sized from the data config, in order of their
+        first feature."""
         from raydlrm.models.embedding import EmbeddingBagConfig
 
         return [
