@@ -1,9 +1,15 @@
 """Hyperparameter sweeps (``raydlrm tune``): the search-space parser, the checks before any
-trial starts, and a 4-trial sweep with ASHA on the session's local Ray cluster (child MLflow
-runs under one parent, the best model registered, the trials' table)."""
+trial starts, and a 4-trial sweep with ASHA on the session's local Ray cluster, its driver
+killed once and the sweep continued (child MLflow runs under one parent, the best model
+registered, the trials' table)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +70,27 @@ def test_the_space_is_checked_against_the_config_before_any_trial() -> None:
         check("training.learning_rate=uniform(-1, 1)")
 
 
+def test_a_trial_that_cannot_fit_the_cluster_is_refused_before_any_starts(caplog) -> None:
+    """A trial's workers (at the largest searched count) must fit the cluster's resources: a
+    local cluster that cannot hold them is an error naming the keys, a remote one a warning."""
+    from raydlrm.platform.tune import check_trial_fits
+
+    job = load_config(overrides=["scaling.resources_per_worker={ CPU = 1.5 }"])
+    space = parse_search(["scaling.num_workers=choice(1, 3)"])
+    check_trial_fits(job, {}, cluster={"CPU": 3.0}, local=True)  # 2 workers x 1.5
+    with pytest.raises(
+        ConfigError,
+        match=r"one trial does not fit the cluster: 3 workers x 1\.5 CPU = 4\.5 CPU "
+        r"\(scaling\.num_workers, scaling\.resources_per_worker\.CPU\), the cluster has 3",
+    ):
+        check_trial_fits(job, space, cluster={"CPU": 3.0}, local=True)
+    gpu = load_config(overrides=["scaling.use_gpu=true"])
+    with pytest.raises(ConfigError, match=r"= 2 GPU \(scaling.num_workers, scaling.use_gpu\)"):
+        check_trial_fits(gpu, {}, cluster={"CPU": 8.0}, local=True)
+    check_trial_fits(gpu, {}, cluster={"CPU": 8.0}, local=False)
+    assert "waiting for an autoscaler" in caplog.text
+
+
 def _sweep_config(tmp_path: Path) -> dict:
     return {
         "data": {
@@ -107,11 +134,41 @@ def test_trials_reuse_the_statistics_unless_the_search_changes_them(tmp_path: Pa
     assert own.data.bucket_boundaries == {} and own.data.dense_stats == {}
 
 
+def _killed_after_a_trial(config: dict, search: list[str], ray_cluster) -> float:
+    """Runs the sweep in a driver process of its own on the session's cluster and kills it
+    (SIGKILL) once Tune has recorded a finished trial; returns the time of the kill."""
+    runs = Path(config["run"]["storage_path"]) / config["run"]["name"]
+    script = "import json, sys, raydlrm; raydlrm.tune(json.loads(sys.argv[1]), search=sys.argv[2:])"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(config), *search],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline and driver.poll() is None:
+            states = [p.read_text() for p in runs.glob("experiment_state-*.json")]
+            if any("TERMINATED" in s for s in states):
+                break
+            time.sleep(1)
+        assert driver.poll() is None, "the sweep ended before it could be killed"
+    finally:
+        driver.kill()
+        driver.wait()
+    return time.time()
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_sweep_with_asha_records_child_runs_and_registers_the_best(
+def test_a_sweep_killed_with_its_driver_continues_and_registers_the_best(
     tmp_path: Path, ray_cluster
 ) -> None:
+    """A sweep whose driver is killed once a trial has finished continues when run again
+    (Tune's experiment restore): the finished trial is kept, the others run, every trial is
+    one child run, at most ``tune.max_concurrent_trials`` at a time, the best is registered
+    once; run again after it finished, it reports the same result."""
     import raydlrm
 
     config = _sweep_config(tmp_path)
@@ -119,6 +176,7 @@ def test_a_sweep_with_asha_records_child_runs_and_registers_the_best(
         "training.learning_rate=loguniform(1e-4, 1e-1)",
         "model.top_mlp=choice([16], [32, 16])",
     ]
+    killed_at = _killed_after_a_trial(config, search, ray_cluster)
     result = raydlrm.tune(config, search=search)
     assert len(result.trials) == 4
     statuses = [t["status"] for t in result.trials]
@@ -133,9 +191,21 @@ def test_a_sweep_with_asha_records_child_runs_and_registers_the_best(
     )
     assert len(children) == 4  # every trial a child run, none left running
     assert {r.info.status for r in children} <= {"FINISHED", "KILLED"}
-    # tune.max_concurrent_trials holds: at most 2 trials' runs at a time (it was once ignored).
+    kill_ms = killed_at * 1000
+    # A trial's last training report (ASHA-stopped trials' runs are ended with the sweep).
+    last = {
+        r.info.run_id: max(
+            m.timestamp for m in client.get_metric_history(r.info.run_id, "train/loss")
+        )
+        for r in children
+    }
+    assert any(last[r.info.run_id] < kill_ms for r in children)  # kept, not run again
+    # tune.max_concurrent_trials held before the kill: at most 2 trials trained at a time (it
+    # was once ignored). A trial cut by the kill continued its run after it: cut it there.
+    before = [r for r in children if r.info.start_time < kill_ms]
     events = sorted(
-        [(r.info.start_time, 1) for r in children] + [(r.info.end_time, -1) for r in children]
+        [(r.info.start_time, 1) for r in before]
+        + [(min(last[r.info.run_id], kill_ms), -1) for r in before]
     )
     running = [sum(step for _, step in events[: i + 1]) for i in range(len(events))]
     assert max(running) <= 2, events

@@ -35,7 +35,7 @@ import tomllib
 from raydlrm._text import text_table
 from raydlrm.platform.config import ConfigError, JobConfig, load_config, replaced
 
-__all__ = ["Dimension", "TuneResult", "check_space", "parse_search", "tune"]
+__all__ = ["Dimension", "TuneResult", "check_space", "check_trial_fits", "parse_search", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +239,11 @@ def tune(
     from raydlrm.platform.tracking import start_run
 
     init_ray(job)
+    import ray
+
+    from raydlrm.platform.ray_init import ray_address
+
+    check_trial_fits(job, space, cluster=ray.cluster_resources(), local=ray_address(job) == "local")
     parent = start_run(job, run_name=sweep, run_key=f"tune:{job.run.storage_path}/{sweep}")
     try:
         parent.log_params({f"tune.search.{k}": f"{d.kind}{d.values}" for k, d in space.items()})
@@ -249,6 +254,41 @@ def tune(
         raise
     parent.finish()
     return result
+
+
+def check_trial_fits(
+    job: JobConfig, space: Mapping[str, Dimension], *, cluster: Mapping[str, float], local: bool
+) -> None:
+    """Checks that the cluster's resources (``cluster``, as ``ray.cluster_resources()``) hold
+    one trial's workers: ``scaling.num_workers`` (its largest searched value) times
+    ``scaling.resources_per_worker``, and a GPU each with ``scaling.use_gpu``.
+
+    Raises:
+        ConfigError: a local cluster (``local``) lacks a resource, naming the keys and both
+            amounts. A remote cluster only gets a warning: an autoscaler may add nodes.
+    """
+    workers = job.scaling.num_workers
+    searched = space.get("scaling.num_workers")
+    if searched is not None:
+        workers = max(workers, *(int(v) for v in searched.values))
+    need = {k: workers * float(v) for k, v in job.scaling.resources_per_worker.items()}
+    if job.scaling.use_gpu:
+        need["GPU"] = need.get("GPU", 0.0) + workers
+    keys = {
+        k: "scaling.use_gpu" if k == "GPU" else f"scaling.resources_per_worker.{k}" for k in need
+    }
+    short = [
+        f"{workers} workers x {need[k] / workers:g} {k} = {need[k]:g} {k} (scaling.num_workers, "
+        f"{keys[k]}), the cluster has {cluster.get(k, 0.0):g}"
+        for k in need
+        if need[k] > cluster.get(k, 0.0) + 1e-9
+    ]
+    if not short:
+        return
+    message = f"one trial does not fit the cluster: {'; '.join(short)}"
+    if local:
+        raise ConfigError(message)
+    logger.warning("%s (waiting for an autoscaler to add nodes)", message)
 
 
 _STATISTICS_KEYS = (
