@@ -12,6 +12,12 @@ bottom MLP's last width, which a search of one key cannot follow).
 
     .venv/bin/python benchmarks/quality.py --configs configs/adult.toml configs/movielens.toml \\
         --trials 12 --out /tmp/bench/quality.json
+
+``--shipped`` trains the config as it is (no sweep; ``--set`` overrides, e.g. to compare a
+setting) with ``--seeds`` seeds on the whole training data, for each architecture:
+
+    .venv/bin/python benchmarks/quality.py --configs configs/adult.toml --archs dlrm \\
+        --shipped --set data.dense_buckets=0 --out /tmp/bench/shipped.json
 """
 
 from __future__ import annotations
@@ -66,13 +72,27 @@ def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int,
     )
     sweep_s = time.perf_counter() - start
     print(sweep.summary, flush=True)
+    runs = _seeds(config, [*base, *_overrides(sweep.best_config)], seeds=seeds, name=name)
+    return {
+        "config": config,
+        "arch": arch,
+        "best_config": sweep.best_config,
+        "valid_auc": sweep.best_metrics.get("eval/auc"),
+        **runs,
+        "sweep_seconds": sweep_s,
+        "trials": [{k: v for k, v in t.items() if k != "evaluations"} for t in sweep.trials],
+    }
+
+
+def _seeds(config: str, overrides: list[str], *, seeds: int, name: str) -> dict:
+    """The config with ``overrides`` trained with ``seeds`` seeds on the whole training data:
+    each eval AUC, their mean and deviation."""
     aucs = []
     for seed in range(seeds):
         result = raydlrm.train(
             config,
             overrides=[
-                *base,
-                *_overrides(sweep.best_config),
+                *overrides,
                 f"training.seed={seed}",
                 f"run.name={json.dumps(f'{name}-final-{seed}')}",
             ],
@@ -80,16 +100,22 @@ def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int,
         aucs.append(result.metrics["eval/auc"])
         print(f"{name} seed {seed}: eval AUC {aucs[-1]:.4f}", flush=True)
     return {
-        "config": config,
-        "arch": arch,
-        "best_config": sweep.best_config,
-        "valid_auc": sweep.best_metrics.get("eval/auc"),
         "eval_aucs": aucs,
         "mean": statistics.mean(aucs),
         "stdev": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
-        "sweep_seconds": sweep_s,
-        "trials": [{k: v for k, v in t.items() if k != "evaluations"} for t in sweep.trials],
     }
+
+
+def shipped(config: str, arch: str, *, seeds: int, overrides: list[str], tag: str) -> dict:
+    """The config as it is (with ``overrides``), ``seeds`` seeds, on the train/eval split."""
+    name = f"shipped-{tag}-{Path(config).stem}-{arch}"
+    base = [
+        f"model.arch={json.dumps(arch)}",
+        f"tracking.registered_model_name={json.dumps(name)}",
+        *overrides,
+    ]
+    runs = _seeds(config, base, seeds=seeds, name=name)
+    return {"config": config, "arch": arch, "overrides": overrides, "best_config": {}, **runs}
 
 
 def main() -> None:
@@ -100,21 +126,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--tag", default=time.strftime("%m%d%H%M"))
+    parser.add_argument("--shipped", action="store_true", help="no sweep: the config as it is")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench/quality.json"))
     args = parser.parse_args()
     results = []
     for config in args.configs:
         for arch in args.archs.split(","):
-            results.append(
-                quality(
-                    config,
-                    arch,
-                    trials=args.trials,
-                    seeds=args.seeds,
-                    eval_every=args.eval_every,
-                    tag=args.tag,
+            if args.shipped:
+                results.append(
+                    shipped(config, arch, seeds=args.seeds, overrides=args.overrides, tag=args.tag)
                 )
-            )
+            else:
+                results.append(
+                    quality(
+                        config,
+                        arch,
+                        trials=args.trials,
+                        seeds=args.seeds,
+                        eval_every=args.eval_every,
+                        tag=args.tag,
+                    )
+                )
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
     print("\n| data | arch | eval AUC (mean of seeds) | sd | best values |")

@@ -672,14 +672,12 @@ def train_cost_model(
     )
     target = torch.tensor(np.log(seconds[train]), dtype=torch.float32)
     net = _fit(features, mask, target, epochs=epochs, learning_rate=learning_rate)
+    first = {c: samples.column(c)[0].as_py() for c in ("kernel", "batch_size", "device", "machine")}
     model = LearnedCostModel(
         net=net.eval(),
         mean=mean.tolist(),
         std=std.tolist(),
-        kernel=str(samples.column("kernel")[0].as_py()),
-        batch_size=int(samples.column("batch_size")[0].as_py()),
-        device=str(samples.column("device")[0].as_py()),
-        machine=str(samples.column("machine")[0].as_py()),
+        **first,
         feature_min=rows.min(axis=0).tolist(),  # the range the model was trained on
         feature_max=rows.max(axis=0).tolist(),
     )
