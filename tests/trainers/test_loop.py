@@ -3,6 +3,7 @@ that change numerics are seen), on 1 process and on 2 gloo ranks with sharded ta
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -87,8 +88,10 @@ def _run(
     short_rank: int | None = None,
     max_steps: int | None = None,
     eval_every: int = 0,
+    embedding_l2: float = 0.0,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
+    spec.training.embedding_l2 = embedding_l2
     spec.training.eval_every_steps = eval_every
     spec.sharding.kernel = kernel
     spec.training.pipeline = pipeline
@@ -189,13 +192,19 @@ def test_single_process_run_pins_first_losses(data_dir: Path, caplog) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
-def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
+@pytest.mark.parametrize(("optimizer", "embedding_l2"), [("rowwise_adagrad", 0.0), ("sgd", 0.5)])
+def test_two_ranks_match_single_process(
+    data_dir: Path, optimizer: str, embedding_l2: float
+) -> None:
     """Sharded tables on 2 ranks train exactly like one process on the global batch. SGD is not
     invariant to the gradient's scale, so it catches embedding gradients summed over ranks
-    instead of averaged."""
-    single = _run(0, 1, str(data_dir), optimizer)
-    results = run_distributed(_run, world_size=2, args=(str(data_dir), optimizer))
+    instead of averaged (with the embeddings' L2 term too)."""
+    single = _run(0, 1, str(data_dir), optimizer, embedding_l2=embedding_l2)
+    results = run_distributed(
+        functools.partial(_run, embedding_l2=embedding_l2),
+        world_size=2,
+        args=(str(data_dir), optimizer),
+    )
     for r in results:
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert results[0]["final"]["eval/auc"] == pytest.approx(single["final"]["eval/auc"], abs=1e-5)
@@ -209,6 +218,25 @@ def test_two_ranks_match_single_process(data_dir: Path, optimizer: str) -> None:
     # Evaluation sends pooled vectors forward only, so forward exceeds backward.
     assert final["comm/forward_fp32_bytes"] > final["comm/backward_fp32_bytes"] > 0
     assert results[1]["final"]["comm/forward_fp32_bytes"] == final["comm/forward_fp32_bytes"]
+
+
+def test_embedding_l2_pulls_the_looked_up_rows_toward_zero(data_dir: Path) -> None:
+    """``training.embedding_l2``: the rows the steps looked up end closer to zero than without
+    it, the rows no step looked up are untouched, and ``train/loss`` stays the log loss (the
+    first step's, before any update, is the same)."""
+    plain = _run(0, 1, str(data_dir), "sgd", max_steps=3)
+    decayed = _run(0, 1, str(data_dir), "sgd", max_steps=3, embedding_l2=2.0)
+    assert decayed["losses"][0] == plain["losses"][0]
+    assert decayed["losses"][1] != plain["losses"][1]
+    tables = [k for k in plain["state"] if k.startswith("embedding_bags.weights.")]
+    assert tables
+    changed = 0
+    for key in tables:
+        a, b = plain["state"][key], decayed["state"][key]
+        rows = (a != b).any(dim=1)
+        changed += int(rows.sum())
+        assert b[rows].norm() < a[rows].norm(), key
+    assert 0 < changed < sum(plain["state"][k].shape[0] for k in tables)
 
 
 @pytest.mark.distributed

@@ -117,8 +117,12 @@ class RecModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits of shape ``(B,)``."""
-        pooled = self.embedding_bags(batch.sparse, batch.dedup_groups)
-        return self.dense(batch.dense, pooled.values)
+        return self.forward_pooled(batch)[0]
+
+    def forward_pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Click logits ``(B,)`` and the pooled embeddings ``B x sum D_f`` they came from."""
+        pooled = self.embedding_bags(batch.sparse, batch.dedup_groups).values
+        return self.dense(batch.dense, pooled), pooled
 
     def forward_features(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Click logits of shape ``(B,)`` from dense ``B x num_dense`` and a KJT of batch ``B``."""

@@ -19,6 +19,12 @@ class TrainingConfig:
     """Optimizer of the data-parallel dense parameters."""
     learning_rate: float = 1e-3
     """Learning rate of the dense optimizer."""
+    embedding_l2: float = 0.0
+    """L2 regularization of the embeddings: ``embedding_l2 / 2`` times each sample's squared
+    pooled embeddings is added to the training loss (its mean over the batch), so every step
+    pulls the rows a batch looks up toward zero (for a one-id feature, by ``embedding_l2``
+    times the row, through the fused optimizer) and rows no batch looks up stay as they are.
+    Any kernel, precision, tier and sharding type; ``train/loss`` stays the log loss."""
     seed: int = 0
     """Seed of model initialization; the same seed and world size give the same run."""
     log_every_steps: int = 50
@@ -46,6 +52,8 @@ class TrainingConfig:
             raise ValueError(f"training.max_steps must be positive, got {self.max_steps}")
         if self.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be positive, got {self.learning_rate}")
+        if self.embedding_l2 < 0:
+            raise ValueError(f"training.embedding_l2 must be >= 0, got {self.embedding_l2}")
         if self.log_every_steps <= 0:
             raise ValueError(
                 f"training.log_every_steps must be positive, got {self.log_every_steps}"

@@ -231,14 +231,23 @@ class Trainer:
     def train_step(self, batch: Batch) -> StepResult:
         """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
-        logits = self.model(batch)
+        logits, pooled = self.model.forward_pooled(batch)
         # The mean over this rank's samples, written so that an empty batch (a rank that ran
         # dry while others still train) has loss 0 and zero gradients rather than NaN.
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, batch.labels, reduction="sum"
-        ) / max(batch.batch_size, 1)
+        samples = max(batch.batch_size, 1)
+        loss = (
+            torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, batch.labels, reduction="sum"
+            )
+            / samples
+        )
+        objective = loss
+        if l2 := self.spec.training.embedding_l2:
+            # Gradient l2 * pooled to each looked-up row (the row itself for a one-id bag),
+            # through every kernel, tier and sharding type; the metrics keep the log loss.
+            objective = loss + 0.5 * l2 * pooled.float().square().sum() / samples
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # also applies the fused embedding optimizer
+        objective.backward()  # also applies the fused embedding optimizer
         self.optimizer.step()
         self.step += 1
         loss = loss.detach()
