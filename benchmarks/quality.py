@@ -53,10 +53,7 @@ def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int,
     data = raydlrm.load_config(config).data
     fit, valid = validation_split(data)
     name = f"quality-{tag}-{Path(config).stem}-{arch}"
-    base = [
-        f"model.arch={json.dumps(arch)}",
-        f"tracking.registered_model_name={json.dumps(name)}",
-    ]
+    base = _base(arch, name)
     start = time.perf_counter()
     sweep = raydlrm.tune(
         config,
@@ -84,6 +81,12 @@ def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int,
     }
 
 
+def _base(arch: str, name: str) -> list[str]:
+    """The overrides every run of ``arch`` named ``name`` takes: the architecture, and a
+    registered model of its own (runs do not add versions to the config's model)."""
+    return [f"model.arch={json.dumps(arch)}", f"tracking.registered_model_name={json.dumps(name)}"]
+
+
 def _seeds(config: str, overrides: list[str], *, seeds: int, name: str) -> dict:
     """The config with ``overrides`` trained with ``seeds`` seeds on the whole training data:
     each eval AUC, their mean and deviation."""
@@ -109,12 +112,7 @@ def _seeds(config: str, overrides: list[str], *, seeds: int, name: str) -> dict:
 def shipped(config: str, arch: str, *, seeds: int, overrides: list[str], tag: str) -> dict:
     """The config as it is (with ``overrides``), ``seeds`` seeds, on the train/eval split."""
     name = f"shipped-{tag}-{Path(config).stem}-{arch}"
-    base = [
-        f"model.arch={json.dumps(arch)}",
-        f"tracking.registered_model_name={json.dumps(name)}",
-        *overrides,
-    ]
-    runs = _seeds(config, base, seeds=seeds, name=name)
+    runs = _seeds(config, [*_base(arch, name), *overrides], seeds=seeds, name=name)
     return {"config": config, "arch": arch, "overrides": overrides, "best_config": {}, **runs}
 
 
@@ -134,20 +132,19 @@ def main() -> None:
     for config in args.configs:
         for arch in args.archs.split(","):
             if args.shipped:
-                results.append(
-                    shipped(config, arch, seeds=args.seeds, overrides=args.overrides, tag=args.tag)
+                run = shipped(
+                    config, arch, seeds=args.seeds, overrides=args.overrides, tag=args.tag
                 )
             else:
-                results.append(
-                    quality(
-                        config,
-                        arch,
-                        trials=args.trials,
-                        seeds=args.seeds,
-                        eval_every=args.eval_every,
-                        tag=args.tag,
-                    )
+                run = quality(
+                    config,
+                    arch,
+                    trials=args.trials,
+                    seeds=args.seeds,
+                    eval_every=args.eval_every,
+                    tag=args.tag,
                 )
+            results.append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
     print("\n| data | arch | eval AUC (mean of seeds) | sd | best values |")

@@ -221,9 +221,9 @@ def test_two_ranks_match_single_process(
 
 
 def test_embedding_l2_pulls_the_looked_up_rows_toward_zero(data_dir: Path) -> None:
-    """``training.embedding_l2``: the rows the steps looked up end closer to zero than without
-    it, the rows no step looked up are untouched, and ``train/loss`` stays the log loss (the
-    first step's, before any update, is the same)."""
+    """``training.embedding_l2``: the rows that differ from a run without it are closer to
+    zero, and not every row differs (rows no step looked up are not decayed); ``train/loss``
+    stays the log loss (the first step's, before any update, is the same)."""
     plain = _run(0, 1, str(data_dir), "sgd", max_steps=3)
     decayed = _run(0, 1, str(data_dir), "sgd", max_steps=3, embedding_l2=2.0)
     assert decayed["losses"][0] == plain["losses"][0]
