@@ -38,6 +38,14 @@ def test_overrides_are_typed_and_nested(tmp_path: Path) -> None:
     assert job.run.name == "my run"
 
 
+def test_null_unsets_an_optional_key_and_is_refused_elsewhere() -> None:
+    job = load_config(overrides=["tracking.registered_model_name=null", 'run.name="null"'])
+    assert job.tracking.registered_model_name is None
+    assert job.run.name == "null"
+    with pytest.raises(ConfigError, match=r"training\.learning_rate"):
+        load_config(overrides=["training.learning_rate=null"])
+
+
 def test_unknown_key_is_named_with_its_dotted_path() -> None:
     with pytest.raises(ConfigError, match=r"training\.learning_rte: unknown key"):
         load_config({"training": {"learning_rte": 0.1}})

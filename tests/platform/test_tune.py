@@ -38,6 +38,9 @@ def test_the_parser_reads_every_distribution() -> None:
     assert parse_search({"training.learning_rate": 'choice(0.1, "x")'})[
         "training.learning_rate"
     ].values == (0.1, "x")
+    assert parse_search(["tracking.registered_model_name=choice(null, m)"])[
+        "tracking.registered_model_name"
+    ].values == (None, "m")  # a bare null is None, as --set reads it
     for bad, message in (
         ("training.learning_rate=normal(0, 1)", "is not a distribution"),
         ("training.learning_rate=uniform(1)", "needs two numbers"),

@@ -266,7 +266,11 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """A value as TOML reads it; a bare ``null`` is None (unsets an optional key: TOML has no
+    null, and the word would otherwise become the string "null"; quote it for that string)."""
+    if text == "null":
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -287,7 +291,7 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
                 f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section"
             )
         node = child
-    node[parts[-1]] = _parse_value(text.strip())
+    node[parts[-1]] = parse_value(text.strip())
 
 
 def replaced(config: Any, **changes: Any) -> Any:

@@ -33,7 +33,7 @@ from typing import Any
 import tomllib
 
 from raydlrm._text import text_table
-from raydlrm.platform.config import ConfigError, JobConfig, load_config, replaced
+from raydlrm.platform.config import ConfigError, JobConfig, load_config, parse_value, replaced
 
 __all__ = ["Dimension", "TuneResult", "check_space", "check_trial_fits", "parse_search", "tune"]
 
@@ -76,18 +76,11 @@ class Dimension:
 
 def _values(text: str) -> list[Any]:
     """A distribution's arguments: TOML values (``1e-3``, ``"dlrm"``, ``[64, 32]``), a bare
-    word taken as a string."""
+    word taken as a string, a bare ``null`` as None (as ``--set`` reads them)."""
     try:
         return tomllib.loads(f"v = [{text}]")["v"]
     except tomllib.TOMLDecodeError:
-        out = []
-        for token in text.split(","):
-            token = token.strip()
-            try:
-                out.append(tomllib.loads(f"v = {token}")["v"])
-            except tomllib.TOMLDecodeError:
-                out.append(token)
-        return out
+        return [parse_value(token.strip()) for token in text.split(",")]
 
 
 def parse_search(expressions: Mapping[str, str] | Sequence[str]) -> dict[str, Dimension]:
