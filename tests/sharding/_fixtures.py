@@ -81,6 +81,35 @@ def feature_rows(tables: list[EmbeddingBagConfig]) -> dict[str, int]:
     return {f: t.num_embeddings for t in tables for f in t.feature_names}
 
 
+def reference_optimizer(ebc: EmbeddingBagCollection, optimizer: str, *, lr: float, eps: float):
+    """The fused optimizers' update rules written in torch, for an unsharded collection's
+    tables: returns ``(step, states)``; ``step()`` applies and clears the tables' gradients."""
+    states = {
+        t.name: {
+            "rowwise_adagrad": [torch.zeros(t.num_embeddings)],
+            "adagrad": [torch.zeros(t.num_embeddings, t.embedding_dim)],
+            "sgd": [],
+        }[optimizer]
+        for t in ebc.tables
+    }
+
+    @torch.no_grad()
+    def step() -> None:
+        for name, weight in ebc.weights.items():
+            grad = weight.grad
+            if optimizer == "rowwise_adagrad":
+                states[name][0] += (grad * grad).mean(dim=1)
+                weight -= lr * grad / (states[name][0].sqrt() + eps).unsqueeze(1)
+            elif optimizer == "adagrad":
+                states[name][0] += grad * grad
+                weight -= lr * grad / (states[name][0].sqrt() + eps)
+            else:
+                weight -= lr * grad
+            weight.grad = None
+
+    return step, states
+
+
 def assert_steps_match(
     got: dict, ref: dict, *, rows: slice, world_size: int, num_steps: int, tol: dict
 ) -> None:

@@ -29,6 +29,7 @@ from tests.sharding._fixtures import (
     global_batch,
     load_full_tables,
     make_tables,
+    reference_optimizer,
     targets,
 )
 
@@ -104,29 +105,7 @@ def _reference(optimizer: str, weighted: bool) -> dict:
     tables = make_tables(mean_pooling=not weighted)
     model = TinyModel(tables)
     ebc = model.embedding_bags
-    states = {
-        t.name: {
-            "rowwise_adagrad": [torch.zeros(t.num_embeddings)],
-            "adagrad": [torch.zeros(t.num_embeddings, t.embedding_dim)],
-            "sgd": [],
-        }[optimizer]
-        for t in tables
-    }
-
-    @torch.no_grad()
-    def step() -> None:
-        for name, weight in ebc.weights.items():
-            grad = weight.grad
-            if optimizer == "rowwise_adagrad":
-                states[name][0] += (grad * grad).mean(dim=1)
-                weight -= LR * grad / (states[name][0].sqrt() + EPS).unsqueeze(1)
-            elif optimizer == "adagrad":
-                states[name][0] += grad * grad
-                weight -= LR * grad / (states[name][0].sqrt() + EPS)
-            else:
-                weight -= LR * grad
-            weight.grad = None
-
+    step, states = reference_optimizer(ebc, optimizer, lr=LR, eps=EPS)
     model.reference_optimizer_step = step
     record = _train(model, weighted=weighted, rows=slice(0, GLOBAL_BATCH), tables=tables)
     record["tables"] = {k: w.detach() for k, w in ebc.weights.items()}

@@ -1,0 +1,267 @@
+"""Disaggregated Multi-Tower (:mod:`raydlrm.sharding.towers`): towers pinned to hosts equal the
+flat model.
+
+Four gloo ranks as 2 hosts x 2 ranks (and as 4 hosts of one rank, one with an empty batch)
+each feed their own (unequal) slice of a seeded global
+batch through a :class:`ShardedTowerCollection` and a data-parallel head; the reference runs
+the whole batch through the unsharded collection, the same tower modules and head, with the
+fused optimizer's update written in torch. With identity towers the outputs are the pooled
+embeddings, so this is also the flat model's equivalence; with compressing towers (a linear
+projection each, data-parallel inside its host) the tower modules' gradients must be those of
+the reference too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raydlrm.batch import KeyedTensor
+from raydlrm.models.embedding import EmbeddingBagCollection
+from raydlrm.sharding import ShardingConfig, plan_sharding
+from raydlrm.sharding.towers import (
+    ShardedTowerCollection,
+    Topology,
+    Tower,
+    check_towers,
+    topology_groups,
+)
+from tests._multiprocess import run_distributed
+from tests.sharding._fixtures import (
+    GLOBAL_BATCH,
+    SPLITS,
+    feature_rows,
+    global_batch,
+    make_tables,
+    reference_optimizer,
+    targets,
+)
+
+NUM_STEPS = 2
+LR = 0.1
+EPS = 1e-8
+TOL = {"atol": 1e-6, "rtol": 1e-5}
+# The second tower is on host 0: the output columns are reordered from host order.
+TOWERS = [Tower("item", ("f2", "f3"), host=1), Tower("user", ("f0", "f1", "f4"), host=0)]
+# One rank per host (no intra-host communication), the towers not in host order either.
+TOWERS_4 = [
+    Tower("a", ("f0", "f1"), host=0),
+    Tower("b", ("f4",), host=3),
+    Tower("c", ("f2",), host=1),
+    Tower("d", ("f3",), host=2),
+]
+DIMS = {"f0": 8, "f1": 8, "f2": 4, "f3": 12, "f4": 4}
+TOWER_INPUT = {t.name: sum(DIMS[f] for f in t.features) for t in TOWERS + TOWERS_4}
+COMPRESSED = 6
+SPLITS_4 = [6, 0, 4, 3]  # rank 1 has an empty batch
+SCENARIOS = [
+    {"compress": False, "optimizer": "rowwise_adagrad", "weighted": False, "type": "table_wise"},
+    {"compress": False, "optimizer": "sgd", "weighted": True, "type": "row_wise"},
+    {"compress": True, "optimizer": "adagrad", "weighted": False, "type": "column_wise"},
+    {"compress": True, "optimizer": "rowwise_adagrad", "weighted": True, "type": "data_parallel"},
+    {"compress": True, "optimizer": "sgd", "weighted": False, "type": "table_wise", "hosts": 4},
+]
+
+
+def _towers(sc: dict) -> list[Tower]:
+    return TOWERS_4 if sc.get("hosts") == 4 else TOWERS
+
+
+def _rows(sc: dict, rank: int) -> slice:
+    splits = SPLITS_4 if sc.get("hosts") == 4 else SPLITS[4]
+    start = sum(splits[:rank])
+    return slice(start, start + splits[rank])
+
+
+def _tower_modules(sc: dict) -> dict[str, nn.Module | None]:
+    torch.manual_seed(1)
+    if not sc["compress"]:
+        return {}
+    return {t.name: nn.Linear(TOWER_INPUT[t.name], COMPRESSED) for t in _towers(sc)}
+
+
+def _head(sc: dict) -> nn.Module:
+    torch.manual_seed(2)
+    towers = _towers(sc)
+    width = COMPRESSED * len(towers) if sc["compress"] else sum(DIMS.values())
+    return nn.Linear(width, 1)
+
+
+class _Reference(nn.Module):
+    """The towers written out on one process: each tower's pooled features, in its order,
+    through its module, side by side in tower order."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, sc: dict):
+        super().__init__()
+        self.ebc = ebc
+        self.towers = _towers(sc)
+        modules = _tower_modules(sc)
+        self.blocks = nn.ModuleDict({k: m for k, m in modules.items() if m is not None})
+
+    def forward(self, kjt):
+        pooled = self.ebc(kjt).to_dict()
+        outs = []
+        for t in self.towers:
+            x = torch.cat([pooled[f] for f in t.features], dim=1)
+            outs.append(self.blocks[t.name](x) if t.name in self.blocks else x)
+        return torch.cat(outs, dim=1)
+
+
+def _train(collection, head, blocks: dict[str, nn.Module], *, sc: dict, rows: slice, step_fn):
+    """NUM_STEPS steps on samples ``rows`` of each global batch: outputs, their gradients (the
+    loss scaled by the world size over the global batch, see test_embedding), the head's and
+    each tower module's gradients."""
+    tables = make_tables(mean_pooling=not sc["weighted"])
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    record = {"out": [], "out_grad": [], "head_grad": [], "tower_grad": []}
+    for step in range(NUM_STEPS):
+        batch = global_batch(step, weighted=sc["weighted"], rows=feature_rows(tables))
+        out = collection(batch.index_rows(torch.arange(rows.start, rows.stop)))
+        out = out.values if isinstance(out, KeyedTensor) else out
+        out.retain_grad()
+        pred = head(out).squeeze(1)
+        loss = ((pred - targets(step)[rows]) ** 2).sum() * world_size / GLOBAL_BATCH
+        loss.backward()
+        if step_fn is not None:
+            step_fn()
+        record["out"].append(out.detach().clone())
+        record["out_grad"].append(out.grad.clone())
+        params = list(getattr(head, "module", head).parameters())
+        record["head_grad"].append([p.grad.clone() for p in params])
+        record["tower_grad"].append(
+            {k: [p.grad.clone() for p in m.parameters()] for k, m in blocks.items()}
+        )
+        for p in [*params, *(p for m in blocks.values() for p in m.parameters())]:
+            p.grad = None
+    return record
+
+
+def _reference(sc: dict) -> dict:
+    tables = make_tables(mean_pooling=not sc["weighted"])
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables)
+    model = _Reference(ebc, sc)
+    step, _ = reference_optimizer(ebc, sc["optimizer"], lr=LR, eps=EPS)
+    blocks = dict(model.blocks.items())
+    record = _train(model, _head(sc), blocks, sc=sc, rows=slice(0, GLOBAL_BATCH), step_fn=step)
+    record["tables"] = {k: w.detach() for k, w in ebc.weights.items()}
+    return record
+
+
+def _tower_worker(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
+    results = []
+    by_hosts = {}
+    for sc in scenarios:
+        hosts = sc.get("hosts", 2)
+        if hosts not in by_hosts:
+            by_hosts[hosts] = topology_groups(Topology(hosts, world_size // hosts))
+        groups, towers, rows = by_hosts[hosts], _towers(sc), _rows(sc, rank)
+        topology = groups.topology
+        tables = make_tables(mean_pooling=not sc["weighted"])
+        config = ShardingConfig(
+            optimizer=sc["optimizer"], learning_rate=LR, eps=EPS, default_type=sc["type"]
+        )
+        host_tables = [
+            t
+            for t in tables
+            if any(f in t.feature_names for tw in towers if tw.host == groups.host
+                   for f in tw.features)
+        ]  # fmt: skip
+        plan = plan_sharding(host_tables, world_size=topology.ranks_per_host, config=config)
+        modules = _tower_modules(sc)
+        torch.manual_seed(0)
+        collection = ShardedTowerCollection(
+            EmbeddingBagCollection(tables),
+            towers=towers,
+            modules=modules,
+            output_widths={t.name: COMPRESSED for t in towers},
+            plan=plan,
+            config=config,
+            device="cpu",
+            groups=groups,
+        )
+        towers = getattr(collection.tower_modules, "module", collection.tower_modules)
+        head = DistributedDataParallel(_head(sc))
+        record = _train(collection, head, dict(towers.blocks.items()), sc=sc, rows=rows,
+                        step_fn=None)  # fmt: skip
+        shards = collection.host_tables.local_shards()
+        record["pieces"] = {
+            k: (shards[k], w.detach().clone())
+            for k, w in collection.host_tables.local_tables().items()
+        }
+        record["keys"] = collection.output_keys
+        record["tower_ddp"] = type(collection.tower_modules).__name__
+        record["comm"] = collection.comm_bytes()
+        results.append(record)
+    return results
+
+
+@pytest.fixture(scope="module")
+def tower_runs() -> list[list[dict]]:
+    return run_distributed(_tower_worker, world_size=4, args=(SCENARIOS,))
+
+
+@pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=lambda i: str(SCENARIOS[i]))
+def test_towers_on_hosts_equal_the_flat_model(index: int, tower_runs) -> None:
+    sc = SCENARIOS[index]
+    ref = _reference(sc)
+    for rank, got in enumerate(r[index] for r in tower_runs):
+        rows = _rows(sc, rank)
+        host = rank // (4 // sc.get("hosts", 2))
+        if not sc["compress"]:
+            assert got["keys"] == ["f2", "f3", "f0", "f1", "f4"]
+        for step in range(NUM_STEPS):
+            torch.testing.assert_close(got["out"][step], ref["out"][step][rows], **TOL)
+            torch.testing.assert_close(
+                got["out_grad"][step] / 4, ref["out_grad"][step][rows], **TOL
+            )
+            for g, r in zip(got["head_grad"][step], ref["head_grad"][step], strict=True):
+                torch.testing.assert_close(g, r, **TOL)
+            # Each rank holds its host's tower modules only, averaged over the host's ranks.
+            mine = [t.name for t in _towers(sc) if t.host == host] if sc["compress"] else []
+            assert sorted(got["tower_grad"][step]) == mine
+            for name in mine:
+                for g, r in zip(
+                    got["tower_grad"][step][name], ref["tower_grad"][step][name], strict=True
+                ):
+                    torch.testing.assert_close(g, r, **TOL)
+        ddp = sc["compress"] and sc.get("hosts", 2) == 2  # data parallel over a host's 2 ranks
+        assert got["tower_ddp"] == ("DistributedDataParallel" if ddp else "_HostTowers")
+    # The updated tables, assembled from every rank's shards, equal the reference's.
+    for name, weight in ref["tables"].items():
+        full = torch.full_like(weight, float("nan"))
+        for got in (r[index] for r in tower_runs):
+            if name in got["pieces"]:
+                s, chunk = got["pieces"][name]
+                full[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
+        torch.testing.assert_close(full, weight, **TOL)
+
+
+def test_only_tower_outputs_cross_hosts(tower_runs) -> None:
+    """Cross-host bytes: the ids each rank sends to the other host, and tower outputs (6
+    columns per compressed tower against the tower's 16 or 20 pooled columns): a rank sends
+    its host's tower outputs of the other host's samples."""
+    for rank, results in enumerate(tower_runs):
+        plain, compressed = results[0]["comm"], results[2]["comm"]
+        assert plain["cross_input"]["ids"] > 0
+        mine = next(t for t in TOWERS if t.host == rank // 2)
+        ratio = plain["cross_forward"]["float32"] / compressed["cross_forward"]["float32"]
+        assert ratio == pytest.approx(TOWER_INPUT[mine.name] / COMPRESSED)
+
+
+def test_bad_towers_name_the_tower_and_feature() -> None:
+    ebc = EmbeddingBagCollection(make_tables())
+    good = [Tower("a", ("f0", "f1", "f2"), 0), Tower("b", ("f3", "f4"), 1)]
+    check_towers(good, ebc, num_hosts=2)
+    for towers, message in (
+        ([Tower("a", ("f0", "f1", "f2"), 0), Tower("b", ("f3",), 1)], r"\['f4'\] are in no tower"),
+        ([*good, Tower("c", ("f4",), 1)], "feature f4 is in towers b and c"),
+        ([Tower("a", ("f0", "f2"), 0), Tower("b", ("f1", "f3", "f4"), 1)], "table t0 .* towers"),
+        ([good[0], Tower("b", ("f3", "f4"), 2)], "tower b: host 2 is not in 0..1"),
+        ([*good, Tower("c", ("f9",), 0)], r"towers \['c'\]: unknown features \['f9'\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_towers(towers, ebc, num_hosts=2)
