@@ -21,12 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.batch import KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection
-from raydlrm.sharding import ShardingConfig, plan_sharding
+from raydlrm.sharding import ShardingConfig
 from raydlrm.sharding.towers import (
     ShardedTowerCollection,
     Topology,
     Tower,
     check_towers,
+    plan_towers,
     topology_groups,
 )
 from tests._multiprocess import run_distributed
@@ -34,6 +35,7 @@ from tests.sharding._fixtures import (
     GLOBAL_BATCH,
     SPLITS,
     feature_rows,
+    gather_full_tables,
     global_batch,
     make_tables,
     reference_optimizer,
@@ -164,13 +166,7 @@ def _tower_worker(rank: int, world_size: int, scenarios: list[dict]) -> list[dic
         config = ShardingConfig(
             optimizer=sc["optimizer"], learning_rate=LR, eps=EPS, default_type=sc["type"]
         )
-        host_tables = [
-            t
-            for t in tables
-            if any(f in t.feature_names for tw in towers if tw.host == groups.host
-                   for f in tw.features)
-        ]  # fmt: skip
-        plan = plan_sharding(host_tables, world_size=topology.ranks_per_host, config=config)
+        plan = plan_towers(tables, towers, topology, config=config)
         modules = _tower_modules(sc)
         torch.manual_seed(0)
         collection = ShardedTowerCollection(
@@ -183,16 +179,14 @@ def _tower_worker(rank: int, world_size: int, scenarios: list[dict]) -> list[dic
             device="cpu",
             groups=groups,
         )
-        towers = getattr(collection.tower_modules, "module", collection.tower_modules)
+        mine = getattr(collection.tower_modules, "module", collection.tower_modules)
         head = DistributedDataParallel(_head(sc))
-        record = _train(collection, head, dict(towers.blocks.items()), sc=sc, rows=rows,
+        record = _train(collection, head, dict(mine.blocks.items()), sc=sc, rows=rows,
                         step_fn=None)  # fmt: skip
-        shards = collection.host_tables.local_shards()
-        record["pieces"] = {
-            k: (shards[k], w.detach().clone())
-            for k, w in collection.host_tables.local_tables().items()
-        }
-        record["keys"] = collection.output_keys
+        # A plan over every rank: checkpoints gather the shards as any collection's.
+        record["tables"] = gather_full_tables(collection, dst=0)
+        record["shards"] = collection.local_shards()
+        record["keys"] = collection.feature_names
         record["tower_ddp"] = type(collection.tower_modules).__name__
         record["comm"] = collection.comm_bytes()
         results.append(record)
@@ -230,14 +224,16 @@ def test_towers_on_hosts_equal_the_flat_model(index: int, tower_runs) -> None:
                     torch.testing.assert_close(g, r, **TOL)
         ddp = sc["compress"] and sc.get("hosts", 2) == 2  # data parallel over a host's 2 ranks
         assert got["tower_ddp"] == ("DistributedDataParallel" if ddp else "_HostTowers")
-    # The updated tables, assembled from every rank's shards, equal the reference's.
+    # Each rank's shards are of its host's tables, named by their global rank; the updated
+    # tables, gathered from every rank's shards, equal the reference's.
+    for rank, got in enumerate(r[index] for r in tower_runs):
+        host = rank // (4 // sc.get("hosts", 2))
+        mine = {f for t in _towers(sc) if t.host == host for f in t.features}
+        tables = {t.name: t for t in make_tables()}
+        assert all(s.rank == rank for s in got["shards"].values())
+        assert all(set(tables[n].feature_names) <= mine for n in got["shards"])
     for name, weight in ref["tables"].items():
-        full = torch.full_like(weight, float("nan"))
-        for got in (r[index] for r in tower_runs):
-            if name in got["pieces"]:
-                s, chunk = got["pieces"][name]
-                full[s.row_start : s.row_end, s.col_start : s.col_end] = chunk
-        torch.testing.assert_close(full, weight, **TOL)
+        torch.testing.assert_close(tower_runs[0][index]["tables"][name], weight, **TOL)
 
 
 def test_only_tower_outputs_cross_hosts(tower_runs) -> None:
@@ -253,15 +249,16 @@ def test_only_tower_outputs_cross_hosts(tower_runs) -> None:
 
 
 def test_bad_towers_name_the_tower_and_feature() -> None:
-    ebc = EmbeddingBagCollection(make_tables())
+    tables = make_tables()
     good = [Tower("a", ("f0", "f1", "f2"), 0), Tower("b", ("f3", "f4"), 1)]
-    check_towers(good, ebc, num_hosts=2)
+    check_towers(good, tables, num_hosts=2)
     for towers, message in (
         ([Tower("a", ("f0", "f1", "f2"), 0), Tower("b", ("f3",), 1)], r"\['f4'\] are in no tower"),
         ([*good, Tower("c", ("f4",), 1)], "feature f4 is in towers b and c"),
         ([Tower("a", ("f0", "f2"), 0), Tower("b", ("f1", "f3", "f4"), 1)], "table t0 .* towers"),
         ([good[0], Tower("b", ("f3", "f4"), 2)], "tower b: host 2 is not in 0..1"),
         ([*good, Tower("c", ("f9",), 0)], r"towers \['c'\]: unknown features \['f9'\]"),
+        ([Tower("a", ("f0", "f1", "f2", "f3", "f4"), 0)], r"hosts \[1\] have no tower"),
     ):
         with pytest.raises(ValueError, match=message):
-            check_towers(towers, ebc, num_hosts=2)
+            check_towers(towers, tables, num_hosts=2)

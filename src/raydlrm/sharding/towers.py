@@ -32,7 +32,8 @@ divides the tower outputs' gradient by ``H``, so both updates are those of the f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +43,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
-from raydlrm.models.embedding import EmbeddingBagCollection
+from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
-from raydlrm.sharding.plan import ShardingPlan
+from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.planner import plan_sharding
+from raydlrm.sharding.quantized import QuantizedRows
+from raydlrm.sharding.types import ShardedTables
 
 __all__ = [
     "ShardedTowerCollection",
@@ -55,6 +59,9 @@ __all__ = [
     "TopologyGroups",
     "Tower",
     "check_towers",
+    "host_plan",
+    "host_tables",
+    "plan_towers",
     "topology_groups",
 ]
 
@@ -141,9 +148,11 @@ class Tower:
     host: int
 
 
-def check_towers(towers: Sequence[Tower], ebc: EmbeddingBagCollection, num_hosts: int) -> None:
-    """Every feature of ``ebc`` in exactly one tower, every table's features in one tower, each
-    tower on one of the hosts.
+def check_towers(
+    towers: Sequence[Tower], tables: Sequence[EmbeddingBagConfig], num_hosts: int
+) -> None:
+    """Every feature of ``tables`` in exactly one tower, every table's features in one tower,
+    each tower on one of the hosts, every host with a tower.
 
     Raises:
         ValueError: naming the tower and the feature, table or host.
@@ -158,19 +167,91 @@ def check_towers(towers: Sequence[Tower], ebc: EmbeddingBagCollection, num_hosts
             if f in seen:
                 raise ValueError(f"feature {f} is in towers {seen[f]} and {tower.name}")
             seen[f] = tower.name
-    missing = [f for f in ebc.feature_names if f not in seen]
+    features = [f for t in tables for f in t.feature_names]
+    missing = [f for f in features if f not in seen]
     if missing:
         raise ValueError(f"features {missing} are in no tower")
-    unknown = [f for f in seen if f not in ebc.feature_names]
+    unknown = [f for f in seen if f not in features]
     if unknown:
         raise ValueError(f"towers {sorted({seen[f] for f in unknown})}: unknown features {unknown}")
-    for table in ebc.tables:
+    for table in tables:
         owners = sorted({seen[f] for f in table.feature_names})
         if len(owners) > 1:
             raise ValueError(
                 f"table {table.name} is looked up by features of towers {owners}: a table's "
                 "features must be in one tower"
             )
+    empty = [h for h in range(num_hosts) if not any(t.host == h for t in towers)]
+    if empty:
+        raise ValueError(f"hosts {empty} have no tower: every host needs one")
+
+
+def host_tables(
+    tables: Sequence[EmbeddingBagConfig], towers: Sequence[Tower], host: int
+) -> list[EmbeddingBagConfig]:
+    """The tables looked up by the towers of ``host``, in ``tables`` order."""
+    features = {f for t in towers if t.host == host for f in t.features}
+    return [t for t in tables if features & set(t.feature_names)]
+
+
+def plan_towers(
+    tables: Sequence[EmbeddingBagConfig],
+    towers: Sequence[Tower],
+    topology: Topology,
+    *,
+    config: ShardingConfig,
+    **planner: Any,
+) -> ShardingPlan:
+    """Plans each host's tables over the host's ranks (:func:`~raydlrm.sharding.plan_sharding`
+    with ``planner``'s arguments and a world of ``ranks_per_host``) and returns one plan over
+    every rank: host ``h``'s local rank ``i`` is rank ``h * ranks_per_host + i``.
+
+    Raises:
+        ValueError: bad towers (:func:`check_towers`).
+    """
+    check_towers(towers, tables, topology.num_hosts)
+    planned: dict[str, TablePlan] = {}
+    plans = []
+    for h in range(topology.num_hosts):
+        plan = plan_sharding(
+            host_tables(tables, towers, h),
+            world_size=topology.ranks_per_host,
+            config=config,
+            **planner,
+        )
+        offset = topology.host_ranks(h)[0]
+        for t in plan.tables:
+            shards = [dataclasses.replace(s, rank=s.rank + offset) for s in t.shards]
+            planned[t.name] = dataclasses.replace(t, shards=shards)
+        plans.append(plan)
+    return ShardingPlan(
+        world_size=topology.world_size,
+        tables=[planned[t.name] for t in tables],
+        memory_budget=plans[0].memory_budget,
+        page_cache_hit=plans[0].page_cache_hit,
+        cost_model=plans[0].cost_model,
+    )
+
+
+def host_plan(plan: ShardingPlan, topology: Topology, host: int) -> ShardingPlan:
+    """The part of a plan over every rank (:func:`plan_towers`) on ``host``'s ranks, numbered
+    from 0 inside the host.
+
+    Raises:
+        ValueError: naming a table whose shards are on more than one host.
+    """
+    ranks = topology.host_ranks(host)
+    tables = []
+    for t in plan.tables:
+        hosts = sorted({topology.host(s.rank) for s in t.shards})
+        if len(hosts) > 1:
+            raise ValueError(f"table {t.name} has shards on hosts {hosts}: towers need one host")
+        if hosts == [host]:
+            shards = [dataclasses.replace(s, rank=s.rank - ranks[0]) for s in t.shards]
+            tables.append(dataclasses.replace(t, shards=shards))
+    return dataclasses.replace(
+        plan, world_size=topology.ranks_per_host, tables=tables, predicted_seconds=None
+    )
 
 
 class _HostTowers(nn.Module):
@@ -270,14 +351,29 @@ def _cat_batches(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     )
 
 
-class ShardedTowerCollection(nn.Module):
+@dataclass
+class _TowerRouted:
+    """A batch's ids routed to the towers (a :class:`~raydlrm.sharding.types.Routed`): the
+    host collection's routing of every host's samples, and the batch size from each host."""
+
+    features: KeyedJaggedTensor
+    batches: list[int]
+    inner: Any
+
+    def tensors(self) -> Iterator[torch.Tensor | None]:
+        yield from self.inner.tensors()
+
+
+class ShardedTowerCollection(ShardedTables):
     """An :class:`EmbeddingBagCollection` split into towers pinned to hosts (see the module
-    docstring).
+    docstring), a :class:`~raydlrm.sharding.types.ShardedTables` whose plan covers every rank
+    (:func:`plan_towers`): checkpoints save and load its shards as any collection's.
 
     Input: a KJT of this rank's ``B`` samples (``B`` may differ across ranks) holding every
-    feature of every table. Output: a :class:`KeyedTensor` of shape ``B x sum(C_t)``, the towers
-    in ``towers`` order: an identity tower's keys are its features (their pooled embeddings), a
-    tower with a module is one key, its name, of the module's output width.
+    feature of every table (a batch's dedup groups are expanded into it). Output: a
+    :class:`KeyedTensor` of shape ``B x sum(C_t)``, the towers in ``towers`` order: an identity
+    tower's keys are its features (their pooled embeddings), a tower with a module is one key,
+    its name, of the module's output width (:attr:`feature_names`, :attr:`feature_dims`).
 
     Args:
         ebc: the unsharded collection (every rank builds it with the same seed); the tables of
@@ -287,8 +383,7 @@ class ShardedTowerCollection(nn.Module):
             every module with the same seed (the ranks of a tower's host keep it, under data
             parallelism over the host).
         output_widths: tower name -> its module's output width (a tower with a module).
-        plan: where the tables of this rank's host live among the host's ranks (world size
-            ``ranks_per_host``).
+        plan: where every table lives, over every rank (:func:`plan_towers`).
         config: as for :class:`ShardedEmbeddingBagCollection`.
         device: ``cpu`` or a CUDA device.
         groups: this rank's :class:`TopologyGroups`.
@@ -308,35 +403,25 @@ class ShardedTowerCollection(nn.Module):
     ):
         super().__init__()
         topology = groups.topology
-        check_towers(towers, ebc, topology.num_hosts)
-        self.towers = list(towers)
-        self.topology = topology
+        check_towers(towers, ebc.tables, topology.num_hosts)
+        self.towers, self.topology, self.plan = list(towers), topology, plan
+        self.tables = list(ebc.tables)
         self._groups = groups
         self._device = torch.device(device)
         self._cross_bytes = CommBytes()
-        dims = dict(zip(ebc.feature_names, ebc.feature_dims, strict=True))
-        widths = {
-            t.name: output_widths[t.name]
-            if modules.get(t.name) is not None
-            else sum(dims[f] for f in t.features)
-            for t in self.towers
-        }
-        by_host = [[t for t in self.towers if t.host == h] for h in range(topology.num_hosts)]
-        self._host_features = [[f for t in ts for f in t.features] for ts in by_host]
-        self._host_widths = [sum(widths[t.name] for t in ts) for ts in by_host]
-        mine = by_host[groups.host]
-        if not mine:
-            raise ValueError(f"host {groups.host} has no tower: every host needs one")
-        features = set(self._host_features[groups.host])
-        tables = [t for t in ebc.tables if set(t.feature_names) & features]
+        self._precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
+        self._offset = topology.host_ranks(groups.host)[0]
         self.host_tables = ShardedEmbeddingBagCollection(
-            _subcollection(ebc, tables),
-            plan=plan,
+            _subcollection(ebc, host_tables(ebc.tables, towers, groups.host)),
+            plan=host_plan(plan, topology, groups.host),
             config=config,
             device=self._device,
             pg=groups.intra,
         )
-        host_towers = _HostTowers(mine, modules).to(self._device)
+        self.kernel = self.host_tables.kernel
+        self._layout(ebc, modules, output_widths)
+        host_towers = _HostTowers([t for t in towers if t.host == groups.host], modules)
+        host_towers = host_towers.to(self._device)
         if topology.ranks_per_host > 1 and any(p.requires_grad for p in host_towers.parameters()):
             host_towers = DistributedDataParallel(
                 host_towers,
@@ -344,110 +429,163 @@ class ShardedTowerCollection(nn.Module):
                 process_group=groups.intra,
             )
         self.tower_modules = host_towers
-        # Output columns: host blocks side by side (host order) -> towers in `towers` order.
-        host_order = [t for ts in by_host for t in ts]
-        start = {}
-        col = 0
-        for t in host_order:
-            start[t.name] = col
-            col += widths[t.name]
-        self.register_buffer(
-            "_column_order",
-            torch.tensor(
-                [start[t.name] + c for t in self.towers for c in range(widths[t.name])],
-                dtype=torch.int64,
-                device=self._device,
-            ),
-            persistent=False,
-        )
-        self._identity_columns = bool(torch.equal(self._column_order.cpu(), torch.arange(col)))
-        self.output_keys: list[str] = []
-        self.output_dims: list[int] = []
-        for t in self.towers:
-            if modules.get(t.name) is None:
-                self.output_keys += list(t.features)
-                self.output_dims += [dims[f] for f in t.features]
-            else:
-                self.output_keys.append(t.name)
-                self.output_dims.append(widths[t.name])
 
-    def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
-        """Step 1: each host's features to the rank of this local index on that host; the
-        received KJTs concatenated in host order, and the batch size from each host."""
-        pg = self._groups.cross
-        sends = [features.select(names) for names in self._host_features]
-        num_hosts = len(sends)
-        mine = self._groups.host
-        if num_hosts == 1:
-            return sends[0], [features.batch_size]
-        device = features.values.device
-        counts = torch.tensor(
-            [n for k in sends for n in (k.batch_size, k.values.numel())], device=device
+    def _layout(
+        self,
+        ebc: EmbeddingBagCollection,
+        modules: Mapping[str, nn.Module | None],
+        output_widths: Mapping[str, int],
+    ) -> None:
+        """Each host's features and output width, the output's keys and dims, and the column
+        order from the received host blocks (host order) to the towers' order."""
+        dims = dict(zip(ebc.feature_names, ebc.feature_dims, strict=True))
+        identity = {t.name: modules.get(t.name) is None for t in self.towers}
+        widths = {
+            t.name: sum(dims[f] for f in t.features) if identity[t.name] else output_widths[t.name]
+            for t in self.towers
+        }
+        by_host = [[t for t in self.towers if t.host == h] for h in range(self.topology.num_hosts)]
+        self._host_features = [[f for t in ts for f in t.features] for ts in by_host]
+        self._host_widths = [sum(widths[t.name] for t in ts) for ts in by_host]
+        start, col = {}, 0
+        for t in (t for ts in by_host for t in ts):
+            start[t.name], col = col, col + widths[t.name]
+        order = [start[t.name] + c for t in self.towers for c in range(widths[t.name])]
+        self._column_order = (
+            None if order == list(range(col)) else torch.tensor(order, device=self._device)
         )
-        received = all_to_all(
-            counts, input_splits=[2] * num_hosts, output_splits=[2] * num_hosts, pg=pg
-        )
-        batches, numels = received.view(num_hosts, 2).t().tolist()
-        width = len(self._host_features[mine])
-        lengths = all_to_all(
-            torch.cat([k.lengths for k in sends]),
-            input_splits=[k.lengths.numel() for k in sends],
-            output_splits=[width * b for b in batches],
-            pg=pg,
-        )
-        values = all_to_all(
-            torch.cat([k.values for k in sends]),
-            input_splits=[k.values.numel() for k in sends],
-            output_splits=numels,
-            pg=pg,
-        )
-        weights = None
-        if features.weights is not None:
-            weights = all_to_all(
-                torch.cat([k.weights for k in sends]),
-                input_splits=[k.values.numel() for k in sends],
-                output_splits=numels,
-                pg=pg,
-            )
-        for h, k in enumerate(sends):
-            if h != mine:
-                ids = k.lengths.numel() * 8 + k.values.numel() * k.values.element_size()
-                self._cross_bytes.add("cross_input", "ids", ids)
-                if k.weights is not None:
-                    self._cross_bytes.add("cross_input", "weights", k.weights.numel() * 4)
-        keys = self._host_features[mine]
-        parts = []
-        for lens, vals, wts in zip(
-            torch.split(lengths, [width * b for b in batches]),
-            torch.split(values, numels),
-            torch.split(weights, numels) if weights is not None else [None] * num_hosts,
-            strict=True,
-        ):
-            parts.append(KeyedJaggedTensor.from_lengths(keys, vals, lens, weights=wts))
-        return _cat_batches(parts), batches
+        self.feature_names = [
+            k for t in self.towers for k in (t.features if identity[t.name] else (t.name,))
+        ]
+        self.feature_dims = [
+            d
+            for t in self.towers
+            for d in ([dims[f] for f in t.features] if identity[t.name] else [widths[t.name]])
+        ]
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    # -- the forward pass: ids across hosts, the host's lookups, tower modules, back --------
+
+    def input_dist(
+        self,
+        features: KeyedJaggedTensor,
+        dedup_groups: Sequence[DedupGroup] = (),
+        *,
+        pg: ProcessGroup | None = None,
+    ) -> _TowerRouted:
+        """Steps 1 and 2's routing: the ids of each host's towers to the rank of this local
+        index there, then the host collection's routing of them (see
+        :meth:`ShardedTables.input_dist <raydlrm.sharding.types.ShardedTables.input_dist>`;
+        towers route on their own groups, a pipeline's ``pg`` is refused)."""
+        if pg is not None:
+            raise ValueError("towers route on their own process groups: no pipeline's pg")
+        if dedup_groups:
+            features = KeyedJaggedTensor.concat([features, *(g.expand() for g in dedup_groups)])
         merged, batches = self._exchange_ids(features)
-        pooled = self.host_tables(merged).to_dict()
+        return _TowerRouted(features, batches, self.host_tables.input_dist(merged))
+
+    def compute_and_output_dist(self, routed: _TowerRouted) -> KeyedTensor:
+        """The host's lookups, its tower modules, the tower outputs back to their samples'
+        ranks, in tower order."""
+        pooled = self.host_tables.compute_and_output_dist(routed.inner).to_dict()
         outputs = self.tower_modules(pooled)
         if self.topology.num_hosts > 1:
             outputs = _CrossHostOutputs.apply(
                 outputs,
-                batches,
+                routed.batches,
                 self._host_widths,
-                features.batch_size,
+                routed.features.batch_size,
                 self._groups.cross,
                 self._cross_bytes,
             )
-        if not self._identity_columns:
+        if self._column_order is not None:
             outputs = outputs.index_select(1, self._column_order)
-        return KeyedTensor(keys=list(self.output_keys), dims=list(self.output_dims), values=outputs)
+        return KeyedTensor(
+            keys=list(self.feature_names), dims=list(self.feature_dims), values=outputs
+        )
+
+    def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
+        """Step 1: each host's features to the rank of this local index on that host; the
+        received KJTs concatenated in host order, and the batch size from each host."""
+        sends = [features.select(names) for names in self._host_features]
+        if len(sends) == 1:
+            return sends[0], [features.batch_size]
+        pg, mine = self._groups.cross, self._groups.host
+        counts = torch.tensor(
+            [n for k in sends for n in (k.batch_size, k.values.numel())],
+            device=features.values.device,
+        )
+        received = all_to_all(
+            counts, input_splits=[2] * len(sends), output_splits=[2] * len(sends), pg=pg
+        )
+        batches, numels = received.view(len(sends), 2).t().tolist()
+        width = len(self._host_features[mine])
+
+        def exchange(parts: list[torch.Tensor], output_splits: list[int]) -> list[torch.Tensor]:
+            out = all_to_all(
+                torch.cat(parts),
+                input_splits=[p.numel() for p in parts],
+                output_splits=output_splits,
+                pg=pg,
+            )
+            return list(torch.split(out, output_splits))
+
+        lengths = exchange([k.lengths for k in sends], [width * b for b in batches])
+        values = exchange([k.values for k in sends], numels)
+        weighted = features.weights is not None
+        weights = exchange([k.weights for k in sends], numels) if weighted else [None] * len(sends)
+        for h, k in enumerate(sends):
+            if h != mine:
+                ids = k.lengths.numel() * 8 + k.values.numel() * k.values.element_size()
+                self._cross_bytes.add("cross_input", "ids", ids)
+                if weighted:
+                    self._cross_bytes.add("cross_input", "weights", k.weights.numel() * 4)
+        keys = self._host_features[mine]
+        parts = [
+            KeyedJaggedTensor.from_lengths(keys, v, n, weights=w)
+            for n, v, w in zip(lengths, values, weights, strict=True)
+        ]
+        return _cat_batches(parts), batches
+
+    # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent to other ranks: inside its host (the host collection's
         directions) and to other hosts (``cross_input``, ``cross_forward``,
         ``cross_backward``)."""
         return {**self.host_tables.comm_bytes(), **self._cross_bytes.as_dict()}
+
+    def local_tables(self) -> dict[str, torch.Tensor | QuantizedRows]:
+        return self.host_tables.local_tables()
+
+    def local_shards(self) -> dict[str, Shard]:
+        return {
+            name: dataclasses.replace(s, rank=s.rank + self._offset)
+            for name, s in self.host_tables.local_shards().items()
+        }
+
+    def weight_precisions(self) -> dict[str, str]:
+        return dict(self._precisions)
+
+    def memory_bytes(self) -> int:
+        return self.host_tables.memory_bytes()
+
+    def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
+        return self.host_tables.cache_hit_rates()
+
+    def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
+        return self.host_tables.optimizer_states()
+
+    def track_modified_rows(self) -> None:
+        self.host_tables.track_modified_rows()
+
+    def modified_rows(self) -> dict[str, torch.Tensor]:
+        return self.host_tables.modified_rows()
+
+    def clear_modified_rows(self) -> None:
+        self.host_tables.clear_modified_rows()
+
+    def ssd_tables(self) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+        return self.host_tables.ssd_tables()
 
 
 def _subcollection(ebc: EmbeddingBagCollection, tables: list) -> EmbeddingBagCollection:
