@@ -13,6 +13,10 @@ bottom MLP's last width, which a search of one key cannot follow).
     .venv/bin/python benchmarks/quality.py --configs configs/adult.toml configs/movielens.toml \\
         --trials 12 --out /tmp/bench/quality.json
 
+``--search key=distribution`` adds a key to the space or replaces the key's range (e.g. a wider
+``sharding.learning_rate``, or ``model.embedding_dim`` for an architecture not tied to the bottom
+MLP); ``--set`` overrides go to every run (e.g. ``tune.grace_period=3``).
+
 ``--shipped`` trains the config as it is (no sweep; ``--set`` overrides, e.g. to compare a
 setting) with ``--seeds`` seeds on the whole training data, for each architecture:
 
@@ -49,11 +53,28 @@ def _overrides(values: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]
 
 
-def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int, tag: str):
+def space(arch: str, extra: list[str]) -> list[str]:
+    """The search space of ``arch``: the common keys and its own, ``extra`` expressions added or
+    replacing the expression of the same key."""
+    by_key = {e.partition("=")[0]: e for e in [*COMMON_SPACE, *ARCH_SPACE[arch], *extra]}
+    return list(by_key.values())
+
+
+def quality(
+    config: str,
+    arch: str,
+    *,
+    trials: int,
+    seeds: int,
+    eval_every: int,
+    tag: str,
+    search: list[str],
+    overrides: list[str],
+):
     data = raydlrm.load_config(config).data
     fit, valid = validation_split(data)
     name = f"quality-{tag}-{Path(config).stem}-{arch}"
-    base = _base(arch, name)
+    base = [*_base(arch, name), *overrides]
     start = time.perf_counter()
     sweep = raydlrm.tune(
         config,
@@ -64,7 +85,7 @@ def quality(config: str, arch: str, *, trials: int, seeds: int, eval_every: int,
             f"training.eval_every_steps={eval_every}",
             f"run.name={json.dumps(name)}",
         ],
-        search=[*COMMON_SPACE, *ARCH_SPACE[arch]],
+        search=space(arch, search),
         num_trials=trials,
     )
     sweep_s = time.perf_counter() - start
@@ -126,6 +147,7 @@ def main() -> None:
     parser.add_argument("--tag", default=time.strftime("%m%d%H%M"))
     parser.add_argument("--shipped", action="store_true", help="no sweep: the config as it is")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--search", action="append", default=[], help="key=distribution")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench/quality.json"))
     args = parser.parse_args()
     results = []
@@ -143,6 +165,8 @@ def main() -> None:
                     seeds=args.seeds,
                     eval_every=args.eval_every,
                     tag=args.tag,
+                    search=args.search,
+                    overrides=args.overrides,
                 )
             results.append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)
