@@ -137,3 +137,36 @@ def test_api_logging_follows_stderr_when_it_is_replaced(monkeypatch) -> None:
     assert "a line" in second.getvalue()
     configure_api()  # configured already: no second handler
     assert len(package.handlers) == 1
+
+
+def test_the_drivers_screen_drops_rays_transient_warnings_with_their_tracebacks() -> None:
+    """Ray Train's 'safe to ignore' resource-request warning and its traceback (chained or
+    not) are dropped from the workers' output the driver prints; the lines around stay."""
+    from raydlrm.platform.ray_init import kept_worker_lines
+
+    warning = "Failed to send resource request for train-1. If this only happens transiently..."
+    frames = [
+        "Traceback (most recent call last):",
+        '  File "client.py", line 58, in send_resource_request',
+        "    ray.get(",
+        "           ^^^^",
+        "ray.exceptions.GetTimeoutError: Get timed out",
+    ]
+    lines = [
+        "epoch 1 step 50",
+        warning,
+        *frames,
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        *frames,
+        "epoch 1 step 100",
+        warning,
+        "a line of its own after a warning without a traceback",
+        "Actor has constructor arguments in the object store and max_restarts > 0 ...",
+    ]
+    assert kept_worker_lines(lines) == [
+        "epoch 1 step 50",
+        "epoch 1 step 100",
+        "a line of its own after a warning without a traceback",
+    ]

@@ -65,9 +65,44 @@ def _local_num_cpus(job: JobConfig) -> int:
 # of the workers' output; Ray's log files keep it.
 _DROPPED_WORKER_LINES = ("has constructor arguments in the object store and max_restarts > 0",)
 
+# Ray Train's controller warns with a traceback when a resource request to its autoscaling
+# coordinator times out, which "if this only happens transiently during network partition or
+# CPU being overloaded" is "safe to ignore" (its own words): on a busy machine a run's screen
+# filled with them (20-30 lines each). The warning and its traceback are dropped from what
+# this driver prints; Ray's log files keep them.
+_DROPPED_WORKER_BLOCKS = ("Failed to send resource request for",)
+
+
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+def kept_worker_lines(lines: list[str]) -> list[str]:
+    """``lines`` of the workers' output without the dropped lines (:data:`_DROPPED_WORKER_LINES`)
+    and dropped warnings with the traceback that follows them (:data:`_DROPPED_WORKER_BLOCKS`:
+    its ``Traceback`` lines, indented lines and exception lines, chained ones included)."""
+    kept: list[str] = []
+    in_block = in_traceback = False
+    for line in lines:
+        if any(start in line for start in _DROPPED_WORKER_BLOCKS):
+            in_block, in_traceback = True, False
+            continue
+        if in_block:
+            if line.startswith("Traceback (most recent call last)"):
+                in_traceback = True
+                continue
+            if in_traceback:  # indented frames, then the exception's own line
+                in_traceback = line.startswith((" ", "\t"))
+                continue
+            if not line.strip() or line.startswith(_CHAINED):
+                continue
+            in_block = False
+        if not any(dropped in line for dropped in _DROPPED_WORKER_LINES):
+            kept.append(line)
+    return kept
+
 
 def filter_worker_output() -> None:
-    """Drops the lines of :data:`_DROPPED_WORKER_LINES` from the workers' output this
+    """Drops the lines :func:`kept_worker_lines` drops from the workers' output this
     process prints (Ray's own printer, wrapped; the rest passes unchanged). Idempotent; a Ray
     without that printer is left as it is."""
     try:
@@ -79,11 +114,7 @@ def filter_worker_output() -> None:
             continue
 
         def filtered(data: dict[str, Any], handle: Any = handle) -> None:
-            lines = [
-                line
-                for line in data.get("lines", [])
-                if not any(dropped in line for dropped in _DROPPED_WORKER_LINES)
-            ]
+            lines = kept_worker_lines(data.get("lines", []))
             if lines:
                 handle({**data, "lines": lines})
 
