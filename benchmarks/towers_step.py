@@ -229,6 +229,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.tables % HOSTS:
+        parser.error(f"--tables must be a multiple of {HOSTS} (a tower per host)")
     from raydlrm._netem import EmulatedHosts, available
 
     reason = available()

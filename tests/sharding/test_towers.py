@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raydlrm.batch import KeyedTensor
+from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection
 from raydlrm.sharding import ShardingConfig
 from raydlrm.sharding.towers import (
@@ -262,3 +262,49 @@ def test_bad_towers_name_the_tower_and_feature() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             check_towers(towers, tables, num_hosts=2)
+
+
+def test_one_process_prefetch_dedup_bad_ids_and_per_table_settings() -> None:
+    """Without a process group (one host of one rank): a prefetched batch with a dedup group
+    is found by its features and gives the same output; a bad id is named on the rank whose
+    batch it is; per-table settings and pinned ranks of a plan over hosts go to the host of
+    their table, pinned ranks numbered inside it."""
+    from raydlrm.batch import DedupGroup
+
+    tables = make_tables()
+    config = ShardingConfig()  # no backward here: the tables stay as they are
+    towers = [Tower("all", ("f0", "f1", "f2", "f3", "f4"), host=0)]
+    topology = Topology(1, 1)
+    collection = ShardedTowerCollection(
+        EmbeddingBagCollection(tables),
+        towers=towers,
+        modules={},
+        output_widths={},
+        plan=plan_towers(tables, towers, topology, config=config),
+        config=config,
+        device="cpu",
+        groups=topology_groups(topology),
+    )
+    batch = global_batch(0, weighted=False, rows=feature_rows(tables))
+    plain = batch.select(["f0", "f1", "f2", "f3"])
+    user = batch.select(["f4"]).index_rows(torch.arange(3))
+    group = DedupGroup(unique=user, inverse=torch.arange(GLOBAL_BATCH) % 3)
+    expected = collection(KeyedJaggedTensor.concat([plain, group.expand()])).values
+    for _ in range(2):
+        collection.prefetch(plain, [group])
+        torch.testing.assert_close(collection(plain, [group]).values, expected)
+        assert len(collection.prefetched) == 0
+    bad = global_batch(0, weighted=False, rows={**feature_rows(tables), "f3": 41})
+    with pytest.raises(ValueError, match=r"table 't2' \(feature 'f3'\): id 40 not in \[0, 40\)"):
+        collection(bad)
+
+    two = [Tower("a", ("f0", "f1", "f2"), host=0), Tower("b", ("f3", "f4"), host=1)]
+    config = ShardingConfig(
+        pinned_ranks={"t2": [3]},
+        weights_precision_per_table={"t2": "fp16"},
+        comm_precision_per_table={"t0": "fp16"},
+    )
+    plan = plan_towers(tables, two, Topology(2, 2), config=config, pooling_factors={"t0": 2.0})
+    assert [s.rank for s in plan.table("t2").shards] == [3]
+    with pytest.raises(ValueError, match=r"pinned_ranks.t0: ranks \[2\] are not on host 0"):
+        plan_towers(tables, two, Topology(2, 2), config=ShardingConfig(pinned_ranks={"t0": [2]}))

@@ -153,7 +153,9 @@ def delta_state_dict(
     out: dict[str, torch.Tensor] = {}
     for table in plan.tables:
         name = table.name
-        if name not in rows or (table.sharding_type == "data_parallel" and rank != 0):
+        if name not in rows or (
+            table.sharding_type == "data_parallel" and rank != table.shards[0].rank
+        ):
             continue
         weight = local[name]
         index = rows[name].to(weight.device)
@@ -168,9 +170,10 @@ def delta_state_dict(
 
 def saved_pieces(table: TablePlan) -> list[Shard]:
     """The pieces a delta holds of ``table`` in its saving plan: each rank's shard, or the whole
-    table from rank 0 for a data-parallel table."""
+    table from its first replica's rank for a data-parallel table (rank 0 but for towers, whose
+    replicas are on their host's ranks)."""
     if table.sharding_type == "data_parallel":
-        return [Shard(0, 0, table.num_embeddings, 0, table.embedding_dim)]
+        return [Shard(table.shards[0].rank, 0, table.num_embeddings, 0, table.embedding_dim)]
     return list(table.shards)
 
 

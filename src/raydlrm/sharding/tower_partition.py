@@ -43,7 +43,7 @@ def interaction_strength(
 
     Args:
         dense: the model's dense part, ``(dense B x num_dense, pooled B x sum D_f) -> (B,)``
-            logits.
+            logits (run in eval mode; its mode is restored after).
         dense_inputs: a batch's dense inputs.
         pooled: the batch's pooled embeddings, ``B x sum(dims)``, features side by side.
         dims: each feature's embedding width.
@@ -54,6 +54,10 @@ def interaction_strength(
     """
     num = len(dims)
     bounds = np.cumsum([0, *dims]).tolist()
+    # Dropout or batch statistics would make the four logits differ by chance: eval mode.
+    training = [m.training for m in _modules(dense)]
+    for m in _modules(dense):
+        m.eval()
     perm = torch.randperm(pooled.shape[0], generator=torch.Generator().manual_seed(seed))
     moved = pooled[perm]
 
@@ -70,7 +74,13 @@ def interaction_strength(
         for j in range(i + 1, num):
             contrast = base - single[i] - single[j] + logits((i, j))
             strength[i, j] = strength[j, i] = float(contrast.square().mean().sqrt())
+    for m, mode in zip(_modules(dense), training, strict=True):
+        m.train(mode)
     return strength
+
+
+def _modules(dense: Callable) -> list[torch.nn.Module]:
+    return list(dense.modules()) if isinstance(dense, torch.nn.Module) else []
 
 
 def inside_strength(strength: np.ndarray, towers: Sequence[Sequence[int]]) -> float:
@@ -177,8 +187,8 @@ def _balance(
 def _improve(
     strength: np.ndarray, loads: list[float], groups: list[list[int]], cap: float
 ) -> list[list[int]]:
-    """Moves single units to the tower they interact with most while it raises the strength
-    kept inside towers and keeps both towers within the cap (and none empty)."""
+    """Moves single units, each to the tower it interacts with most among those it fits in,
+    while that raises the strength kept inside towers (no tower is left empty)."""
     where = {u: g for g, members in enumerate(groups) for u in members}
     load = [sum(loads[u] for u in g) for g in groups]
     improved = True
@@ -188,10 +198,15 @@ def _improve(
             src = where[u]
             if len(groups[src]) == 1:
                 continue
-            ties = [_link(strength, u, g) for g in groups]
-            dst = int(np.argmax(ties))
-            if dst == src or ties[dst] <= ties[src] + 1e-12 or load[dst] + loads[u] > cap:
+            links = [_link(strength, u, g) for g in groups]
+            fits = [
+                g
+                for g in range(len(groups))
+                if g != src and links[g] > links[src] + 1e-12 and load[g] + loads[u] <= cap + 1e-9
+            ]
+            if not fits:
                 continue
+            dst = max(fits, key=lambda g: links[g])
             groups[src].remove(u)
             groups[dst].append(u)
             load[src] -= loads[u]

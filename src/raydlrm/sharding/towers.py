@@ -59,6 +59,7 @@ __all__ = [
     "TopologyGroups",
     "Tower",
     "check_towers",
+    "host_config",
     "host_plan",
     "host_tables",
     "plan_towers",
@@ -213,11 +214,13 @@ def plan_towers(
     planned: dict[str, TablePlan] = {}
     plans = []
     for h in range(topology.num_hosts):
+        mine = host_tables(tables, towers, h)
+        names = {t.name for t in mine}
         plan = plan_sharding(
-            host_tables(tables, towers, h),
+            mine,
             world_size=topology.ranks_per_host,
-            config=config,
-            **planner,
+            config=host_config(config, names, topology, h),
+            **{k: _only(v, names) for k, v in planner.items()},
         )
         offset = topology.host_ranks(h)[0]
         for t in plan.tables:
@@ -231,6 +234,42 @@ def plan_towers(
         page_cache_hit=plans[0].page_cache_hit,
         cost_model=plans[0].cost_model,
     )
+
+
+def _only(value: Any, names: set[str]) -> Any:
+    """A dict keyed by table names restricted to ``names``; anything else as it is."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k in names}
+    return value
+
+
+def host_config(
+    config: ShardingConfig, names: set[str], topology: Topology, host: int
+) -> ShardingConfig:
+    """``config`` for the collection of ``host``'s tables ``names``: its per-table settings
+    restricted to them, their pinned ranks numbered inside the host.
+
+    Raises:
+        ValueError: a pinned rank of one of them not on ``host``, naming the table.
+    """
+    ranks = topology.host_ranks(host)
+    pinned = {}
+    for name, pins in config.pinned_ranks.items():
+        if name not in names:
+            continue
+        outside = [r for r in pins if r not in ranks]
+        if outside:
+            raise ValueError(
+                f"sharding.pinned_ranks.{name}: ranks {outside} are not on host {host} "
+                f"(ranks {ranks[0]}..{ranks[-1]}), where its tower is"
+            )
+        pinned[name] = [r - ranks[0] for r in pins]
+    changes = {
+        f.name: _only(getattr(config, f.name), names)
+        for f in dataclasses.fields(config)
+        if f.name.endswith("_per_table") or f.name in ("pinned_types", "placement")
+    }
+    return dataclasses.replace(config, pinned_ranks=pinned, **changes)
 
 
 def host_plan(plan: ShardingPlan, topology: Topology, host: int) -> ShardingPlan:
@@ -411,21 +450,23 @@ class ShardedTowerCollection(ShardedTables):
         self._cross_bytes = CommBytes()
         self._precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
         self._offset = topology.host_ranks(groups.host)[0]
+        mine = host_tables(ebc.tables, towers, groups.host)
         self.host_tables = ShardedEmbeddingBagCollection(
-            _subcollection(ebc, host_tables(ebc.tables, towers, groups.host)),
+            _subcollection(ebc, mine),
             plan=host_plan(plan, topology, groups.host),
-            config=config,
+            config=host_config(config, {t.name for t in mine}, topology, groups.host),
             device=self._device,
             pg=groups.intra,
         )
         self.kernel = self.host_tables.kernel
+        self._rows = {f: t.num_embeddings for t in ebc.tables for f in t.feature_names}
         self._layout(ebc, modules, output_widths)
         host_towers = _HostTowers([t for t in towers if t.host == groups.host], modules)
         host_towers = host_towers.to(self._device)
         if topology.ranks_per_host > 1 and any(p.requires_grad for p in host_towers.parameters()):
             host_towers = DistributedDataParallel(
                 host_towers,
-                device_ids=[self._device.index] if self._device.type == "cuda" else None,
+                device_ids=None if self._device.index is None else [self._device.index],
                 process_group=groups.intra,
             )
         self.tower_modules = host_towers
@@ -478,9 +519,11 @@ class ShardedTowerCollection(ShardedTables):
         towers route on their own groups, a pipeline's ``pg`` is refused)."""
         if pg is not None:
             raise ValueError("towers route on their own process groups: no pipeline's pg")
+        expanded = features
         if dedup_groups:
-            features = KeyedJaggedTensor.concat([features, *(g.expand() for g in dedup_groups)])
-        merged, batches = self._exchange_ids(features)
+            expanded = KeyedJaggedTensor.concat([features, *(g.expand() for g in dedup_groups)])
+        merged, batches = self._exchange_ids(expanded)
+        # The routing names the features it was made for (a prefetched batch is found by them).
         return _TowerRouted(features, batches, self.host_tables.input_dist(merged))
 
     def compute_and_output_dist(self, routed: _TowerRouted) -> KeyedTensor:
@@ -488,6 +531,12 @@ class ShardedTowerCollection(ShardedTables):
         ranks, in tower order."""
         pooled = self.host_tables.compute_and_output_dist(routed.inner).to_dict()
         outputs = self.tower_modules(pooled)
+        width = self._host_widths[self._groups.host]
+        if outputs.shape[1] != width:
+            raise ValueError(
+                f"the tower modules of host {self._groups.host} output {outputs.shape[1]} "
+                f"columns, their output_widths say {width}"
+            )
         if self.topology.num_hosts > 1:
             outputs = _CrossHostOutputs.apply(
                 outputs,
@@ -506,18 +555,23 @@ class ShardedTowerCollection(ShardedTables):
     def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
         """Step 1: each host's features to the rank of this local index on that host; the
         received KJTs concatenated in host order, and the batch size from each host."""
+        self._check_ids(features)  # here, on the rank whose batch it is
         sends = [features.select(names) for names in self._host_features]
         if len(sends) == 1:
             return sends[0], [features.batch_size]
         pg, mine = self._groups.cross, self._groups.host
+        has_weights = int(features.weights is not None)
         counts = torch.tensor(
-            [n for k in sends for n in (k.batch_size, k.values.numel())],
+            [n for k in sends for n in (k.batch_size, k.values.numel(), has_weights)],
             device=features.values.device,
         )
         received = all_to_all(
-            counts, input_splits=[2] * len(sends), output_splits=[2] * len(sends), pg=pg
+            counts, input_splits=[3] * len(sends), output_splits=[3] * len(sends), pg=pg
         )
-        batches, numels = received.view(len(sends), 2).t().tolist()
+        batches, numels, flags = received.view(len(sends), 3).t().tolist()
+        # Every rank of the group receives every flag: all agree whether weights travel (a
+        # rank without them, e.g. an empty batch, sends weights of 1).
+        weighted = any(flags)
         width = len(self._host_features[mine])
 
         def exchange(parts: list[torch.Tensor], output_splits: list[int]) -> list[torch.Tensor]:
@@ -531,20 +585,44 @@ class ShardedTowerCollection(ShardedTables):
 
         lengths = exchange([k.lengths for k in sends], [width * b for b in batches])
         values = exchange([k.values for k in sends], numels)
-        weighted = features.weights is not None
-        weights = exchange([k.weights for k in sends], numels) if weighted else [None] * len(sends)
+        weights = [None] * len(sends)
+        if weighted:
+            weights = exchange(
+                [
+                    torch.ones(k.values.shape, device=k.values.device)
+                    if k.weights is None
+                    else k.weights
+                    for k in sends
+                ],
+                numels,
+            )
         for h, k in enumerate(sends):
             if h != mine:
-                ids = k.lengths.numel() * 8 + k.values.numel() * k.values.element_size()
+                self._cross_bytes.add("cross_input", "lengths", k.lengths.numel() * 8)
+                ids = k.values.numel() * k.values.element_size()
                 self._cross_bytes.add("cross_input", "ids", ids)
                 if weighted:
-                    self._cross_bytes.add("cross_input", "weights", k.weights.numel() * 4)
+                    self._cross_bytes.add("cross_input", "weights", k.values.numel() * 4)
         keys = self._host_features[mine]
         parts = [
             KeyedJaggedTensor.from_lengths(keys, v, n, weights=w)
             for n, v, w in zip(lengths, values, weights, strict=True)
         ]
         return _cat_batches(parts), batches
+
+    def _check_ids(self, features: KeyedJaggedTensor) -> None:
+        """Raises ValueError naming the table of the first id outside its table."""
+        spans = features.offset_per_key().tolist()
+        for i, key in enumerate(features.keys):
+            rows = self._rows.get(key)
+            ids = features.values[spans[i] : spans[i + 1]]
+            if rows is None or not ids.numel():
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= rows:
+                table = next(t.name for t in self.tables if key in t.feature_names)
+                bad = low if low < 0 else high
+                raise ValueError(f"table {table!r} (feature {key!r}): id {bad} not in [0, {rows})")
 
     # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
 

@@ -290,14 +290,16 @@ class Checkpointer:
 def _embedding_bytes(parts: TrainingParts, rows: dict[str, torch.Tensor]) -> dict[str, float]:
     """This rank's estimated embedding bytes of a ``full`` checkpoint and of a ``delta`` of
     ``rows`` (weights at the checkpoint's precision, fused optimizer state, a delta's row
-    ids): a data-parallel table counts on rank 0 only."""
+    ids): a data-parallel table counts on its first replica's rank only."""
     precisions = checkpoint_precisions(parts)
     optimizer = parts.spec.sharding.optimizer
     shards = parts.collection.local_shards()
     full = delta = 0.0
     for table in parts.plan.tables:
         s = shards.get(table.name)
-        if s is None or (table.sharding_type == "data_parallel" and parts.rank != 0):
+        if s is None or (
+            table.sharding_type == "data_parallel" and parts.rank != table.shards[0].rank
+        ):
             continue
         row = stored_row_bytes(
             s.col_end - s.col_start, precision=precisions[table.name], optimizer=optimizer
