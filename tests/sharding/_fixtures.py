@@ -18,6 +18,11 @@ GLOBAL_BATCH = 13
 SPLITS = {1: [13], 2: [8, 5], 3: [5, 2, 6], 4: [4, 3, 4, 2]}
 # Input feature order differs from the collection's, plus a feature no table uses.
 INPUT_KEYS = ["f3", "fx", "f0", "f4", "f2", "f1"]
+# The parity runs' steps, fused optimizer settings and tolerance (sharded against unsharded).
+NUM_STEPS = 2
+LR = 0.1
+EPS = 1e-8
+TOL = {"atol": 1e-6, "rtol": 1e-5}
 
 
 def make_tables(*, mean_pooling: bool = True) -> list[EmbeddingBagConfig]:

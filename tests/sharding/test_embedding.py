@@ -20,8 +20,12 @@ from raydlrm.sharding import (
 )
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
+    EPS,
     GLOBAL_BATCH,
+    LR,
+    NUM_STEPS,
     SPLITS,
+    TOL,
     TinyModel,
     assert_steps_match,
     feature_rows,
@@ -33,10 +37,6 @@ from tests.sharding._fixtures import (
     targets,
 )
 
-NUM_STEPS = 2
-LR = 0.1
-EPS = 1e-8
-TOL = {"atol": 1e-6, "rtol": 1e-5}
 SCENARIOS = [
     {"optimizer": "rowwise_adagrad", "weighted": False},
     {"optimizer": "rowwise_adagrad", "weighted": True},

@@ -32,8 +32,12 @@ from raydlrm.sharding.towers import (
 )
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
+    EPS,
     GLOBAL_BATCH,
+    LR,
+    NUM_STEPS,
     SPLITS,
+    TOL,
     feature_rows,
     gather_full_tables,
     global_batch,
@@ -42,10 +46,6 @@ from tests.sharding._fixtures import (
     targets,
 )
 
-NUM_STEPS = 2
-LR = 0.1
-EPS = 1e-8
-TOL = {"atol": 1e-6, "rtol": 1e-5}
 # The second tower is on host 0: the output columns are reordered from host order.
 TOWERS = [Tower("item", ("f2", "f3"), host=1), Tower("user", ("f0", "f1", "f4"), host=0)]
 # One rank per host (no intra-host communication), the towers not in host order either.
