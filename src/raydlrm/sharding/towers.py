@@ -611,18 +611,26 @@ class ShardedTowerCollection(ShardedTables):
         return _cat_batches(parts), batches
 
     def _check_ids(self, features: KeyedJaggedTensor) -> None:
-        """Raises ValueError naming the table of the first id outside its table."""
-        spans = features.offset_per_key().tolist()
-        for i, key in enumerate(features.keys):
-            rows = self._rows.get(key)
-            ids = features.values[spans[i] : spans[i + 1]]
-            if rows is None or not ids.numel():
-                continue
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= rows:
-                table = next(t.name for t in self.tables if key in t.feature_names)
-                bad = low if low < 0 else high
-                raise ValueError(f"table {table!r} (feature {key!r}): id {bad} not in [0, {rows})")
+        """Raises ValueError naming the table of the first id outside its table (one pass over
+        the ids, one host sync)."""
+        values = features.values
+        limits = torch.tensor(
+            [self._rows.get(k, torch.iinfo(torch.int64).max) for k in features.keys],
+            device=values.device,
+        )
+        per_id = torch.repeat_interleave(
+            limits, features.length_per_key(), output_size=values.numel()
+        )
+        bad = (values < 0) | (values >= per_id)
+        if not bool(bad.any()):
+            return
+        pos = int(torch.nonzero(bad)[0, 0])
+        key = features.keys[int(torch.searchsorted(features.offset_per_key(), pos, right=True)) - 1]
+        table = next(t.name for t in self.tables if key in t.feature_names)
+        rows = self._rows[key]
+        raise ValueError(
+            f"table {table!r} (feature {key!r}): id {int(values[pos])} not in [0, {rows})"
+        )
 
     # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
 
