@@ -43,6 +43,7 @@ GPU_TEST_FILES = [
     "tests/sharding/test_quantized.py",
     "tests/sharding/test_codecs.py",
     "tests/sharding/test_learned_cost.py",
+    "tests/sharding/test_towers.py",
 ]
 VARIANTS = "torch-none,torch-sparse_dist,reference"
 RATIOS = [

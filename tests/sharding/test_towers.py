@@ -308,3 +308,49 @@ def test_one_process_prefetch_dedup_bad_ids_and_per_table_settings() -> None:
     assert [s.rank for s in plan.table("t2").shards] == [3]
     with pytest.raises(ValueError, match=r"pinned_ranks.t0: ranks \[2\] are not on host 0"):
         plan_towers(tables, two, Topology(2, 2), config=ShardingConfig(pinned_ranks={"t0": [2]}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_towers_on_cuda_match_the_reference() -> None:
+    """One host of one rank on CUDA, compressing towers with row-wise Adagrad: the outputs, the
+    tower modules' gradients and the trained tables equal the CPU reference's; a bad id is
+    named on the GPU too (the vectorized check, one host sync)."""
+    sc = {"compress": True, "optimizer": "rowwise_adagrad", "weighted": False, "type": "table_wise"}
+    reference = _reference(sc)
+    # The GPU's kernels sum in other orders than the CPU's.
+    gpu_tol = {"atol": 1e-5, "rtol": 1e-4}
+    tables = make_tables(mean_pooling=True)
+    towers = [Tower(t.name, t.features, host=0) for t in TOWERS]
+    topology = Topology(1, 1)
+    config = ShardingConfig(optimizer="rowwise_adagrad", learning_rate=LR, eps=EPS)
+    torch.manual_seed(0)
+    collection = ShardedTowerCollection(
+        EmbeddingBagCollection(tables),
+        towers=towers,
+        modules=_tower_modules(sc),
+        output_widths={t.name: COMPRESSED for t in towers},
+        plan=plan_towers(tables, towers, topology, config=config),
+        config=config,
+        device="cuda",
+        groups=topology_groups(topology),
+    )
+    head = _head(sc).cuda()
+    blocks = dict(getattr(collection.tower_modules, "module", collection.tower_modules).blocks)
+    for step in range(NUM_STEPS):
+        batch = global_batch(step, weighted=False, rows=feature_rows(tables)).to("cuda")
+        out = collection(batch)
+        out = out.values if isinstance(out, KeyedTensor) else out
+        loss = ((head(out).squeeze(1) - targets(step).cuda()) ** 2).sum() / GLOBAL_BATCH
+        loss.backward()
+        torch.testing.assert_close(out.detach().cpu(), reference["out"][step], **gpu_tol)
+        for name, grads in reference["tower_grad"][step].items():
+            for p, g in zip(blocks[name].parameters(), grads, strict=True):
+                torch.testing.assert_close(p.grad.cpu(), g, **gpu_tol)
+        for p in [*head.parameters(), *(p for m in blocks.values() for p in m.parameters())]:
+            p.grad = None
+    for name, weight in collection.local_tables().items():
+        torch.testing.assert_close(weight.cpu(), reference["tables"][name], **gpu_tol)
+    bad = global_batch(0, weighted=False, rows={**feature_rows(tables), "f3": 41}).to("cuda")
+    with pytest.raises(ValueError, match=r"table 't2' \(feature 'f3'\): id 40 not in \[0, 40\)"):
+        collection(bad)
