@@ -20,6 +20,8 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
+from raydlrm.sharding.tower_spec import model_towers
+from raydlrm.sharding.towers import Topology, plan_towers
 from raydlrm.trainers.checkpoint import (
     CheckpointReader,
     load_training_state,
@@ -58,9 +60,11 @@ def _trainer(
     model: dict | None = None,
     checkpoint: dict | None = None,
     report: Any = None,
+    ranks_per_host: int | None = None,
 ):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
-    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier)."""
+    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier); with
+    ``model.towers`` and ``ranks_per_host``, the towers on hosts of that many ranks."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
     )
@@ -75,8 +79,21 @@ def _trainer(
     spec.sharding.default_type = types
     spec.sharding.weights_precision = precision or "fp32"
     spec.sharding.cache_load_factor = 0.5  # int8 / int4: half the rows in the fp32 cache
-    plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
-    trainer = Trainer(spec, plan=plan, rank=rank, device=torch.device("cpu"), report=report)
+    hosts = world_size // (ranks_per_host or world_size)
+    if spec.model.towers is not None and hosts > 1:
+        towers = model_towers(spec.model.towers, hosts)
+        topology = Topology(hosts, world_size // hosts)
+        plan = plan_towers(spec.tables(), towers, topology, config=spec.sharding)
+    else:
+        plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
+    trainer = Trainer(
+        spec,
+        plan=plan,
+        rank=rank,
+        device=torch.device("cpu"),
+        report=report,
+        ranks_per_host=ranks_per_host,
+    )
     assert trainer.model.embedding_bags.kernel == spec.sharding.kernel
     return trainer
 
@@ -104,8 +121,10 @@ def _snapshot(trainer: Trainer, data_dir: str, world_size: int) -> dict:
     }
 
 
-def _save(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
-    trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=7)
+def _save(rank, world_size, data_dir, ckpt, types, optimizer, model=None, hosts=None) -> dict:
+    trainer = _trainer(
+        rank, world_size, data_dir, types, optimizer, seed=7, model=model, ranks_per_host=hosts
+    )
     batches = _global_batches(data_dir, trainer.spec)
     _steps(trainer, batches[:STEPS_BEFORE], world_size)
     trainer.epoch = 1
@@ -121,9 +140,11 @@ def _save(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
     return {"before": before, "after": after}
 
 
-def _load(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
+def _load(rank, world_size, data_dir, ckpt, types, optimizer, model=None, hosts=None) -> dict:
     # Another seed: everything the run continues with must come from the checkpoint.
-    trainer = _trainer(rank, world_size, data_dir, types, optimizer, seed=99)
+    trainer = _trainer(
+        rank, world_size, data_dir, types, optimizer, seed=99, model=model, ranks_per_host=hosts
+    )
     state = load_training_state(ckpt, parts=trainer.parts())
     trainer.load_state_dict(state)
     assert (trainer.step, trainer.epoch) == (STEPS_BEFORE, 1)
@@ -136,6 +157,26 @@ def _load(rank, world_size, data_dir, ckpt, types, optimizer) -> dict:
 
 def _logits(results: list[dict], when: str) -> torch.Tensor:
     return torch.cat([r[when]["logits"] for r in results])
+
+
+def _check_continued(a: list[dict], b: list[dict], ckpt: str) -> None:
+    """The loaded run predicts as the saving run did at the checkpoint, holds its weights and
+    optimizer state exactly, and two more steps give the saving run's weights and logits."""
+    # Unsharded in one process, one tensor at a time: one tensor per table, the model as saved.
+    plain = dict(ModelWeights(ckpt).items())
+    assert plain.keys() == a[0]["before"]["state"].keys()
+    assert all(torch.equal(plain[k], v) for k, v in a[0]["before"]["state"].items())
+    for when in ("before", "after"):
+        sa, sb = a[0][when]["state"], b[0][when]["state"]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if when == "before":  # loading copies: exactly equal
+                assert torch.equal(sa[key], sb[key]), key
+            else:  # the next steps reduce over another number of ranks: equal to rounding
+                torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6, msg=key)
+        for table, states in a[0][when]["optimizer"].items():
+            torch.testing.assert_close(states[0], b[0][when]["optimizer"][table][0], msg=table)
+        torch.testing.assert_close(_logits(a, when), _logits(b, when), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.distributed
@@ -163,21 +204,44 @@ def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> 
             _load, world_size=loaded[0], args=(str(data_dir), ckpt, loaded[1], "rowwise_adagrad")
         )
     assert read_state_file(ckpt)["world_size"] == saved[0]
-    # Unsharded in one process, one tensor at a time: one tensor per table, the model as saved.
-    plain = dict(ModelWeights(ckpt).items())
-    assert plain.keys() == a[0]["before"]["state"].keys()
-    assert all(torch.equal(plain[k], v) for k, v in a[0]["before"]["state"].items())
-    for when in ("before", "after"):
-        sa, sb = a[0][when]["state"], b[0][when]["state"]
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            if when == "before":  # loading copies: exactly equal
-                assert torch.equal(sa[key], sb[key]), key
-            else:  # the next steps reduce over another number of ranks: equal to rounding
-                torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6, msg=key)
-        for table, states in a[0][when]["optimizer"].items():
-            torch.testing.assert_close(states[0], b[0][when]["optimizer"][table][0], msg=table)
-        torch.testing.assert_close(_logits(a, when), _logits(b, when), rtol=1e-5, atol=1e-6)
+    _check_continued(a, b, ckpt)
+
+
+# Towers over the synthetic data's 26 features: 3 towers, so 2 hosts hold 2 and 1.
+TOWERS = [
+    [f"C{i}" for i in range(1, 9)],
+    [f"C{i}" for i in range(9, 18)],
+    [f"C{i}" for i in range(18, 27)],
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("model", "types", "loaded"),
+    [
+        # Identity towers, 2 hosts x 2 ranks -> one host of 2 ranks (flat tables).
+        ({"towers": TOWERS}, ("table_wise", "row_wise"), (2, None)),
+        # Compressing towers on DCNv2, 2 hosts x 2 ranks -> 2 hosts x 1 rank.
+        ({"towers": TOWERS, "tower_dim": 16, "arch": "dcnv2"}, ("row_wise", "table_wise"), (2, 1)),
+    ],
+    ids=["identity-to-one-host", "dcnv2-compressed-to-hosts-of-one-rank"],
+)
+def test_towers_on_hosts_reshard_and_continue(
+    data_dir: Path, tmp_path: Path, model, types, loaded
+) -> None:
+    """Towers on 2 hosts x 2 ranks (each tower looked up on its host, the tower modules run
+    there, replicated in every rank's dense state): the checkpoint loads into another topology
+    (one host, or hosts of one rank), predicts as before, and two more steps there give the
+    tower run's weights and logits: the tower sharding trains as the flat model does."""
+    ckpt = str(tmp_path / "ckpt")
+    args = (str(data_dir), ckpt, types[0], "rowwise_adagrad", model, 2)
+    a = run_distributed(_save, world_size=4, args=args)
+    args = (str(data_dir), ckpt, types[1], "rowwise_adagrad", model, loaded[1])
+    b = run_distributed(_load, world_size=loaded[0], args=args)
+    assert any(k.startswith("dense.blocks.tower2") for k in a[0]["before"]["state"]) == bool(
+        model.get("tower_dim")
+    )
+    _check_continued(a, b, ckpt)
 
 
 @pytest.mark.distributed

@@ -21,6 +21,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "EmbeddingBagConfig",
     ),
     "layers": ("CrossNet",),
+    "towers": ("TowerDense", "TowerModule"),
     "wukong": ("WukongDense",),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -54,6 +54,16 @@ class ModelConfig:
     """How a DHEN layer combines its modules' outputs (``dhen``)."""
     dhen_attention_heads: int = 2
     """Heads of the ``attention`` modules; must divide ``embedding_dim`` (``dhen``)."""
+    towers: list[list[str]] | None = None
+    """Disaggregated Multi-Tower: the sparse features of each tower (every feature in exactly
+    one, a table's features together). Tower ``i`` is looked up on host ``i % H`` (``H`` hosts
+    of ``scaling.ranks_per_host`` workers): its tables are sharded over that host's workers,
+    its module runs there, and only its output crosses hosts. The towers' outputs replace the
+    features at the dense architecture's input. None: no towers (one flat all-to-all)."""
+    tower_dim: int = 0
+    """Each tower module's output width, a multiple of ``embedding_dim``: the tower's pooled
+    embeddings and their pairwise dot products projected to it (what crosses hosts). 0: identity
+    towers (the pooled embeddings themselves, regrouped)."""
 
     def __post_init__(self) -> None:
         if self.embedding_dim <= 0 or self.embedding_dim % 4:
@@ -88,8 +98,25 @@ class ModelConfig:
             raise ValueError(
                 f"model.dhen_layers must be non-empty lists of modules, got {self.dhen_layers}"
             )
+        self._check_towers()
         if self.dhen_attention_heads <= 0 or self.embedding_dim % self.dhen_attention_heads:
             raise ValueError(
                 f"model.dhen_attention_heads ({self.dhen_attention_heads}) must be positive and "
                 f"divide model.embedding_dim ({self.embedding_dim})"
             )
+
+    def _check_towers(self) -> None:
+        if self.tower_dim < 0 or self.tower_dim % self.embedding_dim:
+            raise ValueError(
+                f"model.tower_dim ({self.tower_dim}) must be 0 (identity towers) or a positive "
+                f"multiple of model.embedding_dim ({self.embedding_dim})"
+            )
+        if self.towers is None:
+            if self.tower_dim:
+                raise ValueError("model.tower_dim is set but model.towers is not")
+            return
+        if not self.towers:
+            raise ValueError("model.towers is empty: list each tower's features, or unset it")
+        for i, features in enumerate(self.towers):
+            if not features:
+                raise ValueError(f"model.towers[{i}] (tower{i}) has no features")

@@ -24,6 +24,7 @@ from raydlrm.models.config import ModelConfig
 from raydlrm.models.dhen import DHENDense
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.models.layers import CrossNet, mlp
+from raydlrm.models.towers import TowerDense, tower_vectors
 from raydlrm.models.wukong import WukongDense
 
 __all__ = ["DCNv2Dense", "DLRMDense", "RecModel", "build_model"]
@@ -161,15 +162,28 @@ def build_model(
     embedding_bags = EmbeddingBagCollection(
         tables, device=device if embedding_device is None else embedding_device, seed=seed
     )
+    num_sparse = len(embedding_bags.feature_names)
+    if config.towers is not None:
+        num_sparse = tower_vectors(
+            config.towers, embedding_dim=config.embedding_dim, tower_dim=config.tower_dim
+        )
     with torch.device(device):
         dense = _DENSE_CLASSES[config.arch](
             num_dense=num_dense,
-            num_sparse=len(embedding_bags.feature_names),
+            num_sparse=num_sparse,
             embedding_dim=config.embedding_dim,
             bottom_mlp=config.bottom_mlp,
             top_mlp=config.top_mlp,
             **_arch_knobs(config),
         )
+        if config.towers is not None:
+            dense = TowerDense(
+                towers=config.towers,
+                feature_names=embedding_bags.feature_names,
+                embedding_dim=config.embedding_dim,
+                tower_dim=config.tower_dim,
+                inner=dense,
+            )
     return RecModel(embedding_bags, dense)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import asdict, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +39,14 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class _TableFeatures:
+    """A table's name and features (what the towers' check reads of a table)."""
+
+    name: str
+    feature_names: tuple[str, ...]
+
+
 class ConfigError(ValueError):
     """A run config that cannot be used; the message names the dotted key."""
 
@@ -53,10 +61,26 @@ class ScalingSpec:
     """One GPU per worker (NCCL and CUDA kernels) instead of CPU (gloo)."""
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
     """Ray resources per worker; fractional CPUs leave room for Ray Data on small machines."""
+    ranks_per_host: int | None = None
+    """Workers per host, for towers (``model.towers``): workers ``h * ranks_per_host`` to
+    ``(h + 1) * ranks_per_host - 1`` are host ``h`` (Ray Train numbers a node's workers
+    together); set it to the workers (GPUs) per node, or lower to emulate hosts on one machine.
+    Default: every worker on one host."""
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
             raise ValueError(f"scaling.num_workers must be positive, got {self.num_workers}")
+        if self.ranks_per_host is not None and (
+            self.ranks_per_host <= 0 or self.num_workers % self.ranks_per_host
+        ):
+            raise ValueError(
+                f"scaling.ranks_per_host ({self.ranks_per_host}) must be positive and divide "
+                f"scaling.num_workers ({self.num_workers})"
+            )
+
+    def num_hosts(self) -> int:
+        """Hosts of ``ranks_per_host`` workers (1 without it)."""
+        return self.num_workers // (self.ranks_per_host or self.num_workers)
 
 
 @config_dataclass
@@ -231,6 +255,39 @@ class JobConfig(WorkerSpec):
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
     ray: RayInitConfig = field(default_factory=RayInitConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+
+    def __post_init__(self) -> None:
+        self._check_towers()
+
+    def _check_towers(self) -> None:
+        """``model.towers`` against the data's features and the hosts (before Ray starts)."""
+        towers = self.model.towers
+        if towers is None:
+            return
+        from raydlrm.sharding.tower_spec import check_towers, model_towers
+
+        hosts = self.scaling.num_hosts()
+        tables = [
+            _TableFeatures(name, tuple(columns))
+            for name, columns in self.data.table_columns().items()
+        ]
+        try:
+            check_towers(model_towers(towers, hosts), tables, hosts)
+        except ValueError as e:
+            where = f"{hosts} hosts of scaling.ranks_per_host = {self.scaling.ranks_per_host}"
+            raise ValueError(
+                f"model.towers: {e} ({where})" if hosts > 1 else f"model.towers: {e}"
+            ) from None
+        if self.training.embedding_l2:
+            raise ValueError(
+                "training.embedding_l2 with model.towers would regularize the towers' outputs, "
+                "not the embeddings: unset one of them"
+            )
+        if hosts > 1 and self.training.pipeline != "none":
+            raise ValueError(
+                "training.pipeline = 'sparse_dist' is not supported with towers on several hosts "
+                "(scaling.ranks_per_host): the towers' exchanges run on their own process groups"
+            )
 
     def global_batch_size(self) -> int:
         """Samples a training step over all workers, ``data.batch_size x scaling.num_workers``:

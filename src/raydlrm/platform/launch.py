@@ -260,6 +260,7 @@ def _worker_job(
         run_storage=job.run.storage_or(job.data.storage),
         warm_start=warm_start,
         run_directory=join(job.run.storage_path, run_name),
+        ranks_per_host=job.scaling.ranks_per_host,
     )
 
 

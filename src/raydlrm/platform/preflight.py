@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,21 +411,46 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
         )
     budget = worker_memory_budget(config)
     learned = learned_cost_model(config)
+    planner = {
+        "config": config.sharding,
+        "batch_size": config.global_batch_size(),  # what a rank's kernel looks up
+        "constants": constants,
+        "memory_budget": budget,
+        "pooling_factors": None if shape is None else shape.pooling_factors,
+        "dedup_ratios": None if shape is None else shape.dedup_ratios,
+        "learned": learned,
+        "table_stats": None if shape is None else shape.table_stats,
+    }
+    hosts = config.scaling.num_hosts()
     try:
-        return plan_sharding(
-            spec.tables(),
-            world_size=config.scaling.num_workers,
-            config=config.sharding,
-            batch_size=config.global_batch_size(),  # what a rank's kernel looks up
-            constants=constants,
-            memory_budget=budget,
-            pooling_factors=None if shape is None else shape.pooling_factors,
-            dedup_ratios=None if shape is None else shape.dedup_ratios,
-            learned=learned,
-            table_stats=None if shape is None else shape.table_stats,
-        )
+        if config.model.towers is not None and hosts > 1:
+            return _plan_towers(config, spec.tables(), hosts, planner)
+        return plan_sharding(spec.tables(), world_size=config.scaling.num_workers, **planner)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _plan_towers(
+    config: JobConfig, tables: list, hosts: int, planner: dict[str, Any]
+) -> ShardingPlan:
+    """Each host's towers planned over its workers (:func:`raydlrm.sharding.towers.plan_towers`);
+    a host whose tables do not fit names its towers."""
+    from raydlrm.sharding.tower_spec import model_towers
+    from raydlrm.sharding.towers import Topology, host_tables, plan_towers
+
+    towers = model_towers(config.model.towers, hosts)
+    topology = Topology(hosts, config.scaling.ranks_per_host)
+    try:
+        return plan_towers(tables, towers, topology, **planner)
+    except ValueError as e:
+        named = set(re.findall(r"[\w.-]+", str(e)))
+        failing = [
+            h for h in range(hosts) if named & {t.name for t in host_tables(tables, towers, h)}
+        ]
+        if not failing:
+            raise
+        names = [t.name for t in towers if t.host == failing[0]]
+        raise ValueError(f"model.towers: host {failing[0]} (towers {names}): {e}") from None
 
 
 def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:

@@ -351,6 +351,18 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def _replica_ranks(ranks: list[int], world_size: int) -> bool:
+    """Sorted ``ranks`` are every rank, or the ranks of one host of a topology with hosts of
+    ``len(ranks)`` ranks (``raydlrm.sharding.towers``: ``h * L`` to ``(h + 1) * L - 1``)."""
+    size = len(ranks)
+    return (
+        size > 0
+        and world_size % size == 0
+        and ranks[0] % size == 0
+        and ranks == list(range(ranks[0], ranks[0] + size))
+    )
+
+
 def _check_coverage(t: TablePlan, world_size: int) -> None:
     """Every cell of the table is owned by exactly one shard (or, for data-parallel, every rank
     holds a full replica), in the shape the sharding type implies."""
@@ -358,10 +370,11 @@ def _check_coverage(t: TablePlan, world_size: int) -> None:
     rects = [(s.row_start, s.row_end, s.col_start, s.col_end) for s in t.shards]
     ranks = [s.rank for s in t.shards]
     if t.sharding_type == "data_parallel":
-        if sorted(ranks) != list(range(world_size)) or any(r != full for r in rects):
+        if not _replica_ranks(sorted(ranks), world_size) or any(r != full for r in rects):
             raise ValueError(
                 f"table {t.name!r}: data_parallel needs one full-table shard on every rank "
-                f"0..{world_size - 1}, got shards {t.shards}"
+                f"0..{world_size - 1} (or on every rank of one host, for towers), got shards "
+                f"{t.shards}"
             )
         return
     if t.sharding_type == "table_wise" and len(t.shards) != 1:

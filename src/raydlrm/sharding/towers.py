@@ -51,6 +51,7 @@ from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.planner import plan_sharding
 from raydlrm.sharding.quantized import QuantizedRows
+from raydlrm.sharding.tower_spec import Tower, check_towers
 from raydlrm.sharding.types import ShardedTables
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "host_plan",
     "host_tables",
     "plan_towers",
+    "shard_tower_model",
     "topology_groups",
 ]
 
@@ -132,59 +134,6 @@ def topology_groups(topology: Topology) -> TopologyGroups:
         group = dist.new_group(topology.peer_ranks(i))
         cross = group if rank % topology.ranks_per_host == i else cross
     return TopologyGroups(topology, host=topology.host(rank), intra=intra, cross=cross)
-
-
-@dataclass(frozen=True)
-class Tower:
-    """Features looked up together on one host.
-
-    Attributes:
-        name: the tower's name (its output's key when it has a module).
-        features: the features it looks up (every feature of a table is in the same tower).
-        host: the host whose ranks hold its tables and run its module.
-    """
-
-    name: str
-    features: tuple[str, ...]
-    host: int
-
-
-def check_towers(
-    towers: Sequence[Tower], tables: Sequence[EmbeddingBagConfig], num_hosts: int
-) -> None:
-    """Every feature of ``tables`` in exactly one tower, every table's features in one tower,
-    each tower on one of the hosts, every host with a tower.
-
-    Raises:
-        ValueError: naming the tower and the feature, table or host.
-    """
-    seen: dict[str, str] = {}
-    for tower in towers:
-        if not 0 <= tower.host < num_hosts:
-            raise ValueError(f"tower {tower.name}: host {tower.host} is not in 0..{num_hosts - 1}")
-        if not tower.features:
-            raise ValueError(f"tower {tower.name}: no features")
-        for f in tower.features:
-            if f in seen:
-                raise ValueError(f"feature {f} is in towers {seen[f]} and {tower.name}")
-            seen[f] = tower.name
-    features = [f for t in tables for f in t.feature_names]
-    missing = [f for f in features if f not in seen]
-    if missing:
-        raise ValueError(f"features {missing} are in no tower")
-    unknown = [f for f in seen if f not in features]
-    if unknown:
-        raise ValueError(f"towers {sorted({seen[f] for f in unknown})}: unknown features {unknown}")
-    for table in tables:
-        owners = sorted({seen[f] for f in table.feature_names})
-        if len(owners) > 1:
-            raise ValueError(
-                f"table {table.name} is looked up by features of towers {owners}: a table's "
-                "features must be in one tower"
-            )
-    empty = [h for h in range(num_hosts) if not any(t.host == h for t in towers)]
-    if empty:
-        raise ValueError(f"hosts {empty} have no tower: every host needs one")
 
 
 def host_tables(
@@ -426,6 +375,9 @@ class ShardedTowerCollection(ShardedTables):
         config: as for :class:`ShardedEmbeddingBagCollection`.
         device: ``cpu`` or a CUDA device.
         groups: this rank's :class:`TopologyGroups`.
+        replicated: every rank holds every tower's module (the model's dense side does, for
+            checkpoints and exports): no data parallelism inside the host;
+            :meth:`finish_backward` sums their gradients over every rank instead.
     """
 
     def __init__(
@@ -439,6 +391,7 @@ class ShardedTowerCollection(ShardedTables):
         config: ShardingConfig,
         device: torch.device | str,
         groups: TopologyGroups,
+        replicated: bool = False,
     ):
         super().__init__()
         topology = groups.topology
@@ -463,7 +416,12 @@ class ShardedTowerCollection(ShardedTables):
         self._layout(ebc, modules, output_widths)
         host_towers = _HostTowers([t for t in towers if t.host == groups.host], modules)
         host_towers = host_towers.to(self._device)
-        if topology.ranks_per_host > 1 and any(p.requires_grad for p in host_towers.parameters()):
+        # Every tower's module, in tower order, when every rank holds them all.
+        self._replicated = [
+            modules[t.name] for t in towers if replicated and modules.get(t.name) is not None
+        ]
+        trained = any(p.requires_grad for p in host_towers.parameters())
+        if not replicated and topology.ranks_per_host > 1 and trained:
             host_towers = DistributedDataParallel(
                 host_towers,
                 device_ids=None if self._device.index is None else [self._device.index],
@@ -632,6 +590,23 @@ class ShardedTowerCollection(ShardedTables):
             f"table {table!r} (feature {key!r}): id {int(values[pos])} not in [0, {rows})"
         )
 
+    def finish_backward(self) -> None:
+        """With ``replicated`` modules: each tower module's gradient, summed over every rank
+        (zeros from the ranks of other hosts, which did not run it) and divided by the ranks of
+        a host, the average data parallelism inside the host would give; every rank then holds
+        it for every tower, and the same optimizer step keeps the replicas equal. One
+        all-reduce over every rank."""
+        params = [p for m in self._replicated for p in m.parameters() if p.requires_grad]
+        if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        flat = torch.cat(
+            [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
+        )
+        dist.all_reduce(flat)
+        flat /= self.topology.ranks_per_host
+        for p, g in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
+            p.grad = g.view_as(p)
+
     # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
@@ -683,3 +658,51 @@ def _subcollection(ebc: EmbeddingBagCollection, tables: list) -> EmbeddingBagCol
         if weight.device.type != "meta":
             sub.weights[t.name] = weight
     return sub
+
+
+def shard_tower_model(
+    model: nn.Module,
+    *,
+    plan: ShardingPlan,
+    config: ShardingConfig,
+    device: torch.device | str,
+    groups: TopologyGroups,
+) -> nn.Module:
+    """:func:`~raydlrm.sharding.shard_model` for a model with towers
+    (:class:`~raydlrm.models.towers.TowerDense`) on the hosts of ``groups``, in place: the
+    collection becomes a :class:`ShardedTowerCollection` that runs the tower modules (which
+    ``model.dense`` keeps, replicated on every rank), and the rest of ``model.dense`` is
+    data-parallel over every rank.
+
+    Raises:
+        TypeError: if ``model.dense`` has no towers.
+    """
+    from raydlrm.models.towers import TowerDense
+    from raydlrm.sharding.tower_spec import model_towers
+
+    dense = model.dense
+    if not isinstance(dense, TowerDense):
+        raise TypeError(f"{type(dense).__name__} has no towers (model.towers) to place on hosts")
+    device = torch.device(device)
+    towers = model_towers(dense.towers, groups.topology.num_hosts)
+    dense = dense.to(device)
+    model.embedding_bags = ShardedTowerCollection(
+        model.embedding_bags,
+        towers=towers,
+        modules=dict(dense.blocks.items()),
+        output_widths={name: b.proj.out_features for name, b in dense.blocks.items()},
+        plan=plan,
+        config=config,
+        device=device,
+        groups=groups,
+        replicated=True,
+    )
+    dense.upstream = True
+    if groups.topology.world_size > 1:
+        ignored = [f"blocks.{name}" for name, _ in dense.blocks.named_parameters()]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(dense, ignored)
+        dense = DistributedDataParallel(
+            dense, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    model.dense = dense
+    return model

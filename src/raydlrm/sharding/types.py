@@ -204,6 +204,11 @@ class ShardedTables(nn.Module, abc.ABC):
         distinct ids looked up) so far."""
         return {}
 
+    def finish_backward(self) -> None:
+        """After the backward pass, before the dense optimizer's step, on every rank: settles
+        the gradients of dense modules the collection runs outside the model's data
+        parallelism (the towers' modules, :mod:`raydlrm.sharding.towers`); nothing here."""
+
     @abc.abstractmethod
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
         """Table name -> the fused optimizer state of this rank's shard (views)."""

@@ -97,6 +97,9 @@ class Trainer:
         report: called as ``report(metrics, checkpoint_dir=...)`` on every rank (default: Ray
             Train's, through ``raydlrm.trainers._ray``).
         storage: where the run's checkpoints are stored (for messages).
+        ranks_per_host: ranks per host (``scaling.ranks_per_host``): with towers
+            (``model.towers``) on more than one host, each tower is looked up on its host
+            (:mod:`raydlrm.sharding.towers`); None: one host.
     """
 
     def __init__(
@@ -109,8 +112,10 @@ class Trainer:
         hooks: Sequence[TrainerHook] | None = None,
         report: ReportFn | None = None,
         storage: str | None = None,
+        ranks_per_host: int | None = None,
     ):
         self.spec, self.plan, self.rank = spec, plan, rank
+        self.ranks_per_host = ranks_per_host
         self.device = torch.device(device)
         torch.set_num_threads(spec.training.torch_threads)
         self.model = self._sharded_model()
@@ -154,6 +159,18 @@ class Trainer:
             embedding_device="meta",
             seed=spec.training.seed,
         )
+        hosts = self.plan.world_size // (self.ranks_per_host or self.plan.world_size)
+        if spec.model.towers is not None and hosts > 1:
+            from raydlrm.sharding.towers import Topology, shard_tower_model, topology_groups
+
+            topology = Topology(hosts, self.plan.world_size // hosts)
+            return shard_tower_model(
+                model,
+                plan=self.plan,
+                config=spec.sharding,
+                device=self.device,
+                groups=topology_groups(topology),
+            )
         return shard_model(
             model,
             plan=self.plan,
@@ -248,6 +265,7 @@ class Trainer:
             objective = loss + 0.5 * l2 * pooled.float().square().sum() / samples
         self.optimizer.zero_grad(set_to_none=True)
         objective.backward()  # also applies the fused embedding optimizer
+        self.model.embedding_bags.finish_backward()  # towers' modules: their gradients
         self.optimizer.step()
         self.step += 1
         loss = loss.detach()
@@ -448,6 +466,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device=ctx.device,
         hooks=hooks,
         storage=job.run_directory,
+        ranks_per_host=job.ranks_per_host,
     )
     with newest_intact(_ray.registered_checkpoint()) as (checkpoint_dir, stored):
         if checkpoint_dir is not None:

@@ -103,6 +103,7 @@ class WorkerJob:
         warm_start: another run's checkpoint to start from, or None.
         run_directory: the run's directory in ``run.storage_path`` (the progress file;
             messages).
+        ranks_per_host: ``scaling.ranks_per_host`` (the hosts of towers), or None.
     """
 
     spec: WorkerSpec
@@ -115,3 +116,4 @@ class WorkerJob:
     run_storage: StorageConfig | None = None
     warm_start: ray.train.Checkpoint | None = None
     run_directory: str | None = None
+    ranks_per_host: int | None = None
