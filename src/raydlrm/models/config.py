@@ -54,12 +54,19 @@ class ModelConfig:
     """How a DHEN layer combines its modules' outputs (``dhen``)."""
     dhen_attention_heads: int = 2
     """Heads of the ``attention`` modules; must divide ``embedding_dim`` (``dhen``)."""
-    towers: list[list[str]] | None = None
+    towers: list[list[str]] | Literal["auto"] | None = None
     """Disaggregated Multi-Tower: the sparse features of each tower (every feature in exactly
     one, a table's features together). Tower ``i`` is looked up on host ``i % H`` (``H`` hosts
     of ``scaling.ranks_per_host`` workers): its tables are sharded over that host's workers,
     its module runs there, and only its output crosses hosts. The towers' outputs replace the
-    features at the dense architecture's input. None: no towers (one flat all-to-all)."""
+    features at the dense architecture's input. ``"auto"``: the tower partitioner groups the
+    features by their interaction strength in a warm-up of the flat model, balanced by
+    lookups (``raydlrm.platform.auto_towers``). None: no towers (one flat all-to-all)."""
+    num_towers: int = 0
+    """Towers ``"auto"`` makes; 0: one per host."""
+    tower_warmup_steps: int = 100
+    """Steps of ``data.batch_size`` the flat model trains in the driver before ``"auto"``
+    measures the interactions (on the next batch)."""
     tower_dim: int = 0
     """Each tower module's output width, a multiple of ``embedding_dim``: the tower's pooled
     embeddings and their pairwise dot products projected to it (what crosses hosts). 0: identity
@@ -111,9 +118,16 @@ class ModelConfig:
                 f"model.tower_dim ({self.tower_dim}) must be 0 (identity towers) or a positive "
                 f"multiple of model.embedding_dim ({self.embedding_dim})"
             )
+        if self.num_towers < 0 or self.tower_warmup_steps <= 0:
+            raise ValueError(
+                f"model.num_towers ({self.num_towers}) must be >= 0 and "
+                f"model.tower_warmup_steps ({self.tower_warmup_steps}) positive"
+            )
         if self.towers is None:
             if self.tower_dim:
                 raise ValueError("model.tower_dim is set but model.towers is not")
+            return
+        if self.towers == "auto":
             return
         if not self.towers:
             raise ValueError("model.towers is empty: list each tower's features, or unset it")

@@ -163,6 +163,8 @@ def build_model(
         tables, device=device if embedding_device is None else embedding_device, seed=seed
     )
     num_sparse = len(embedding_bags.feature_names)
+    if config.towers == "auto":
+        raise ValueError("model.towers = 'auto' is resolved by the driver before a model is built")
     if config.towers is not None:
         num_sparse = tower_vectors(
             config.towers, embedding_dim=config.embedding_dim, tower_dim=config.tower_dim

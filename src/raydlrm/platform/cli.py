@@ -522,6 +522,7 @@ def _dry_plan(job: JobConfig) -> ShardingPlan:
         make_plan,
         resolve_dedup_groups,
         resolve_paths,
+        resolve_towers,
         validate_job_data,
     )
 
@@ -531,6 +532,11 @@ def _dry_plan(job: JobConfig) -> ShardingPlan:
         data = validate_job_data(job)
         job = resolve_dedup_groups(job, data)
         shape = data_shape(job, data)
+        auto = job.model.towers == "auto"
+        job = resolve_towers(job, data, shape, run_name=None)
+        if auto:
+            for i, features in enumerate(job.model.towers):
+                typer.echo(f"tower{i} (auto): {', '.join(features)}", err=True)
     else:
         typer.echo(
             f"no training data at {job.data.train_path} yet: every bag counted as one id",

@@ -267,12 +267,21 @@ class JobConfig(WorkerSpec):
         from raydlrm.sharding.tower_spec import check_towers, model_towers
 
         hosts = self.scaling.num_hosts()
+        if towers == "auto":
+            made = self.model.num_towers or hosts
+            if not hosts <= made <= len(self.data.table_columns()):
+                raise ValueError(
+                    f"model.num_towers ({made}) must be at least the hosts ({hosts}) and at most "
+                    f"the tables ({len(self.data.table_columns())})"
+                )
+            towers = None
         tables = [
             _TableFeatures(name, tuple(columns))
             for name, columns in self.data.table_columns().items()
         ]
         try:
-            check_towers(model_towers(towers, hosts), tables, hosts)
+            if towers is not None:
+                check_towers(model_towers(towers, hosts), tables, hosts)
         except ValueError as e:
             where = f"{hosts} hosts of scaling.ranks_per_host = {self.scaling.ranks_per_host}"
             raise ValueError(

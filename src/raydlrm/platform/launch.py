@@ -35,6 +35,7 @@ from raydlrm.platform.preflight import (
     preflight,
     resolve_dedup_groups,
     resolve_job,
+    resolve_towers,
     run_storage,
     validate_job_data,
 )
@@ -121,7 +122,9 @@ def train(
     quarantined_before = quarantine_counts(job.data)
     data = validate_job_data(job)
     job = resolve_dedup_groups(job, data)
-    plan = make_plan(job, shape=data_shape(job, data))
+    shape = data_shape(job, data)
+    job = resolve_towers(job, data, shape, run_name=run_name)
+    plan = make_plan(job, shape=shape)
     logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
     checked = preflight(job, plan, data=data, run_name=run_name)
     with run_lock(checked.job, run_name):  # one job per run, from here to the registered model

@@ -67,6 +67,7 @@ __all__ = [
     "resolve_dedup_groups",
     "resolve_job",
     "resolve_paths",
+    "resolve_towers",
     "run_storage",
     "validate_job_data",
     "worker_memory_budget",
@@ -422,6 +423,11 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
         "table_stats": None if shape is None else shape.table_stats,
     }
     hosts = config.scaling.num_hosts()
+    if config.model.towers == "auto":
+        raise ConfigError(
+            "model.towers = 'auto' is resolved from the training data before planning "
+            f"(resolve_towers), and there is none at {config.data.train_path}"
+        )
     try:
         if config.model.towers is not None and hosts > 1:
             return _plan_towers(config, spec.tables(), hosts, planner)
@@ -451,6 +457,22 @@ def _plan_towers(
             raise
         names = [t.name for t in towers if t.host == failing[0]]
         raise ValueError(f"model.towers: host {failing[0]} (towers {names}): {e}") from None
+
+
+def resolve_towers(
+    job: JobConfig, data: JobData, shape: DataShape, *, run_name: str | None
+) -> JobConfig:
+    """``model.towers = "auto"`` resolved (:mod:`raydlrm.platform.auto_towers`: the towers of
+    the checkpoint run ``run_name`` resumes from, else a warm-up on the training data, with
+    its dense statistics); any other job as it is. Call it after :func:`data_shape`, before
+    :func:`make_plan`."""
+    if job.model.towers != "auto":
+        return job
+    from raydlrm.platform.auto_towers import resolve_towers as resolve
+
+    resumed = None if run_name is None else _resumed_state(job, run_name)
+    job = _with_statistics(job, _training_statistics(job))
+    return resolve(job, data, shape, resumed=None if resumed is None else resumed[1])
 
 
 def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:

@@ -305,13 +305,16 @@ def _prepared(job: JobConfig, sweep: str, space: Mapping[str, Dimension]) -> Job
         preflight,
         resolve_dedup_groups,
         resolve_job,
+        resolve_towers,
         validate_job_data,
     )
 
     job = resolve_job(job, run_name=sweep)
     data = validate_job_data(job)
     job = resolve_dedup_groups(job, data)
-    checked = preflight(job, make_plan(job, shape=data_shape(job, data)), data=data, run_name=sweep)
+    shape = data_shape(job, data)
+    job = resolve_towers(job, data, shape, run_name=None)  # the trials share the towers
+    checked = preflight(job, make_plan(job, shape=shape), data=data, run_name=sweep)
     if job.tune.scheduler == "asha" and not job.training.eval_every_steps:
         logger.warning(
             "tune.scheduler = 'asha' stops trials on %s at each evaluation, and "

@@ -1,0 +1,143 @@
+"""``model.towers = "auto"``: the tower partitioner run by the driver before Ray starts.
+
+A short warm-up trains the flat model (no towers) in the driver process on the training data's
+first batches (the workers' own step: :class:`~raydlrm.trainers.loop.Trainer` on one rank), then
+measures the pairwise interaction strength of the features on the next batch
+(:func:`~raydlrm.sharding.tower_partition.interaction_strength`) and groups the tables into
+``model.num_towers`` towers (one per host by default) that keep the most strength inside, each
+within 10% of the mean lookups per step
+(:func:`~raydlrm.sharding.tower_partition.partition_towers`). The job continues with the towers
+written out, so the run's config, checkpoints and MLflow parameters name them. A run that
+resumes takes its checkpoint's towers and warms up nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from raydlrm.platform.config import ConfigError, JobConfig, replaced
+
+if TYPE_CHECKING:
+    from raydlrm.platform.preflight import DataShape, JobData
+
+__all__ = ["resolve_towers"]
+
+logger = logging.getLogger(__name__)
+
+SLACK = 0.1
+"""A tower's lookups may exceed the mean by this fraction."""
+DRIVER_MEMORY_SHARE = 0.5
+"""The warm-up's tables may take this share of the driver's available memory."""
+
+
+def resolve_towers(
+    job: JobConfig, data: JobData, shape: DataShape, *, resumed: dict[str, Any] | None
+) -> JobConfig:
+    """The job with ``model.towers = "auto"`` replaced by the partitioner's towers (or those of
+    ``resumed``, the state of the checkpoint the run continues); any other job as it is.
+
+    Raises:
+        ConfigError: the tables do not fit the driver's memory for the warm-up, or the data
+            has fewer rows than the warm-up needs (naming the key to change).
+    """
+    model = job.model
+    if model.towers != "auto":
+        return job
+    if resumed is not None and isinstance(resumed["spec"]["model"].get("towers"), list):
+        towers = resumed["spec"]["model"]["towers"]
+        logger.info("model.towers = 'auto': the checkpoint's towers %s", towers)
+        return replaced(job, model=replaced(model, towers=towers))
+    started = time.perf_counter()
+    strength, features, batches = _warm_up_strength(job, data)
+    tables = job.data.table_columns()
+    position = {f: i for i, f in enumerate(features)}
+    units = [[position[c] for c in columns] for columns in tables.values()]
+    loads = [shape.pooling_factors.get(name, 1.0) * len(cols) for name, cols in tables.items()]
+    from raydlrm.sharding.tower_partition import inside_strength, partition_towers
+
+    num_towers = model.num_towers or job.scaling.num_hosts()
+    groups = partition_towers(
+        strength, units=units, loads=loads, num_towers=num_towers, slack=SLACK
+    )
+    towers = [[features[i] for i in g] for g in groups]
+    kept = inside_strength(strength, groups) / max(float(strength.sum()) / 2, 1e-12)
+    tower_loads = [
+        sum(load for u, load in zip(units, loads, strict=True) if u[0] in g) for g in groups
+    ]
+    logger.info(
+        "model.towers = 'auto': %d towers from %d warm-up steps in %.1fs, %.0f%% of the "
+        "features' interaction strength inside towers, lookups per sample %s: %s",
+        num_towers,
+        batches,
+        time.perf_counter() - started,
+        100 * kept,
+        [round(x, 1) for x in tower_loads],
+        towers,
+    )
+    return replaced(job, model=replaced(model, towers=towers))
+
+
+def _warm_up_strength(job: JobConfig, data: JobData) -> tuple[Any, list[str], int]:
+    """Trains the flat model ``model.tower_warmup_steps`` steps on one rank in this process and
+    returns the features' interaction strength on the next batch, the features in the pooled
+    output's order, and the steps trained."""
+    import psutil
+    import torch
+
+    from raydlrm.ingestion import Preprocessor
+    from raydlrm.ingestion.clustered import read_rows
+    from raydlrm.ingestion.loader import arrow_to_batch
+    from raydlrm.sharding import plan_sharding
+    from raydlrm.sharding.parallelize import unwrap_dense
+    from raydlrm.sharding.tower_partition import interaction_strength
+    from raydlrm.trainers.loop import Trainer
+
+    spec = job.worker_spec()
+    spec = replaced(spec, model=replaced(spec.model, towers=None, tower_dim=0))
+    tables = spec.tables()
+    table_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
+    available = psutil.virtual_memory().available * DRIVER_MEMORY_SHARE
+    if table_bytes > available:
+        raise ConfigError(
+            f"model.towers = 'auto': the warm-up trains every table in the driver, "
+            f"{table_bytes / 2**30:.2f} GiB, over half the driver's available memory "
+            f"({available / 2**30:.2f} GiB): list the towers in model.towers"
+        )
+    steps, size = job.model.tower_warmup_steps, job.data.batch_size
+    raw = read_rows(
+        data.train.path, job.data, columns=job.data.input_columns(), max_rows=(steps + 1) * size
+    )
+    if raw.num_rows < 2 * size:
+        raise ConfigError(
+            f"model.towers = 'auto': the training data has {raw.num_rows} rows, fewer than two "
+            f"batches of data.batch_size = {size} for the warm-up and the measurement"
+        )
+    table = Preprocessor(spec.data)(raw)
+    batches = [
+        arrow_to_batch(table.slice(i, size), config=spec.data)
+        for i in range(0, table.num_rows - size + 1, size)
+    ]
+    torch.manual_seed(spec.training.seed)
+    plan = plan_sharding(tables, world_size=1, config=spec.sharding)
+    threads = torch.get_num_threads()
+    trainer = Trainer(
+        spec, plan=plan, rank=0, device=torch.device("cpu"), hooks=[], report=_no_report
+    )
+    torch.set_num_threads(threads)  # the trainer sets the workers' count
+    for batch in batches[:-1]:
+        trainer.train_step(batch)
+    held = batches[-1]
+    trainer.model.eval()
+    with torch.no_grad():
+        pooled = trainer.model.embedding_bags(held.sparse, held.dedup_groups)
+    dense = unwrap_dense(trainer.model)
+    strength = interaction_strength(
+        dense, held.dense, pooled.values, list(pooled.dims), seed=spec.training.seed
+    )
+    return strength, list(pooled.keys), len(batches) - 1
+
+
+def _no_report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> None:
+    """The warm-up reports nowhere."""
