@@ -159,3 +159,52 @@ def test_relative_paths_resolve_against_the_base_dir(
     assert resolved.run.storage_path == str(tmp_path / "base" / "runs")
     assert resolved.tracking.tracking_uri == f"sqlite:///{tmp_path / 'base' / 'mlflow.db'}"
     assert job.run.storage_path == "runs"  # the caller's config is not changed
+
+
+def test_towers_are_checked_before_ray_names_the_tower_and_key() -> None:
+    """A feature in two towers or in none, an unknown feature, a table split across towers,
+    fewer towers than hosts, hosts that do not divide the workers, a tower width that is not
+    a multiple of the embedding, and the settings towers cannot train with: each refused by
+    the config, naming the key and the tower or feature."""
+    half = [[f"C{i}" for i in range(1, 14)], [f"C{i}" for i in range(14, 27)]]
+    base = {"scaling": {"num_workers": 4, "ranks_per_host": 2}}
+
+    def load(model: dict, **sections: dict) -> JobConfig:
+        return load_config({**base, **sections, "model": model})
+
+    job = load({"towers": half, "tower_dim": 32})
+    assert job.scaling.num_hosts() == 2
+    for towers, message in (
+        ([half[0], [*half[1], "C1"]], r"model\.towers: feature C1 is in towers tower0 and tower1"),
+        ([half[0], half[1][1:]], r"model\.towers: features \['C14'\] are in no tower"),
+        ([half[0], [*half[1], "C99"]], r"model\.towers: towers \['tower1'\]: unknown features"),
+        ([[*half[0], *half[1]]], r"model\.towers: hosts \[1\] have no tower"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load({"towers": towers})
+    shared = {"data": {"sparse_specs": {"C1": {"table": "t_shared"}, "C2": {"table": "t_shared"}}}}
+    split = [["C1", *half[0][2:]], ["C2", *half[1]]]
+    with pytest.raises(ConfigError, match=r"table t_shared is looked up by features of towers"):
+        load({"towers": split}, **shared)
+    with pytest.raises(ConfigError, match=r"scaling\.ranks_per_host \(3\) must .* divide"):
+        load_config({"scaling": {"num_workers": 4, "ranks_per_host": 3}})
+    with pytest.raises(ConfigError, match=r"model\.tower_dim \(20\) must be"):
+        load({"towers": half, "tower_dim": 20})
+    with pytest.raises(ConfigError, match=r"model\.num_towers \(1\) must be at least the hosts"):
+        load({"towers": "auto", "num_towers": 1})
+    with pytest.raises(ConfigError, match=r"training\.embedding_l2 with model\.towers"):
+        load({"towers": half}, training={"embedding_l2": 1e-4})
+    with pytest.raises(ConfigError, match=r"training\.pipeline = 'sparse_dist' is not supported"):
+        load({"towers": half}, training={"pipeline": "sparse_dist"})
+
+
+def test_auto_towers_of_a_resumed_run_come_from_its_checkpoint() -> None:
+    """A run that resumes takes the towers its checkpoint was trained with: no warm-up (which
+    would need the data this call does not give)."""
+    from raydlrm.platform.auto_towers import resolve_towers
+
+    job = load_config({"model": {"towers": "auto"}, "scaling": {"ranks_per_host": 1}})
+    towers = [[f"C{i}" for i in range(1, 27, 2)], [f"C{i}" for i in range(2, 27, 2)]]
+    state = {"spec": {"model": {"towers": towers}}}
+    assert resolve_towers(job, None, None, resumed=state).model.towers == towers
+    assert load_config({"model": {"towers": "auto"}}).model.towers == "auto"  # not resolved yet
