@@ -196,6 +196,18 @@ def test_towers_are_checked_before_ray_names_the_tower_and_key() -> None:
         load({"towers": half}, training={"embedding_l2": 1e-4})
     with pytest.raises(ConfigError, match=r"training\.pipeline = 'sparse_dist' is not supported"):
         load({"towers": half}, training={"pipeline": "sparse_dist"})
+    # A tower's table beyond its host's workers' memory: the host and its towers named.
+    from raydlrm.platform.preflight import make_plan
+
+    big = load(
+        {"towers": half},
+        data={"table_sizes": {"C20": 14_000_000}},
+        sharding={"device_memory_bytes": 400_000_000, "worker_overhead_bytes": 0},
+    )
+    with pytest.raises(
+        ConfigError, match=r"model\.towers: host 1 \(towers \['tower1'\]\): table 't_C20'"
+    ):
+        make_plan(big)
 
 
 def test_auto_towers_of_a_resumed_run_come_from_its_checkpoint() -> None:
