@@ -62,7 +62,7 @@ def resolve_towers(
         strength, units=units, loads=loads, num_towers=num_towers, slack=SLACK
     )
     towers = [[features[i] for i in g] for g in groups]
-    kept = inside_strength(strength, groups) / max(float(strength.sum()) / 2, 1e-12)
+    kept = inside_strength(strength, groups)  # a share of the total
     tower_loads = [
         sum(load for u, load in zip(units, loads, strict=True) if u[0] in g) for g in groups
     ]
