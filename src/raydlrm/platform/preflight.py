@@ -428,6 +428,11 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
             "model.towers = 'auto' is resolved from the training data before planning "
             f"(resolve_towers), and there is none at {config.data.train_path}"
         )
+    if config.model.towers is not None and hosts == 1:
+        logger.warning(
+            "model.towers on one host (scaling.ranks_per_host unset or = scaling.num_workers): "
+            "the tower modules run, the tables are sharded over every worker as without towers"
+        )
     try:
         if config.model.towers is not None and hosts > 1:
             return _plan_towers(config, spec.tables(), hosts, planner)
