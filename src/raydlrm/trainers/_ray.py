@@ -20,6 +20,7 @@ import ray.train.torch
 __all__ = [
     "WorkerContext",
     "add_file",
+    "check_hosts",
     "configure_data_output",
     "registered_checkpoint",
     "report",
@@ -47,6 +48,29 @@ def worker_context() -> WorkerContext:
         local_rank=ctx.get_local_rank(),
         device=ray.train.torch.get_device(),
     )
+
+
+def check_hosts(ranks_per_host: int, rank: int) -> None:
+    """Warns (on rank 0) when the hosts of ``scaling.ranks_per_host`` (ranks ``h * L`` to
+    ``(h + 1) * L - 1``) are not the cluster's nodes: a tower's traffic then crosses nodes
+    inside its "host". Nothing on one node (hosts emulated on one machine). Every rank must
+    call it (one all-gather)."""
+    import torch.distributed as dist
+
+    nodes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    if rank != 0 or len(set(nodes)) == 1:
+        return
+    hosts = [nodes[h : h + ranks_per_host] for h in range(0, len(nodes), ranks_per_host)]
+    split = [h for h, ids in enumerate(hosts) if len(set(ids)) > 1]
+    if split or len({ids[0] for ids in hosts}) != len(hosts):
+        logger.warning(
+            "scaling.ranks_per_host = %d does not match the cluster's nodes (the workers of "
+            "hosts %s are on several nodes, or hosts share one): towers still train, but their "
+            "exchanges inside a host cross nodes; set it to the workers per node",
+            ranks_per_host,
+            split or "some",
+        )
 
 
 def configure_data_output(library_level: int) -> None:

@@ -452,6 +452,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"the sharding plan is for {job.plan.world_size} workers but the job has "
             f"{ctx.world_size}"
         )
+    if job.spec.model.towers is not None and job.ranks_per_host not in (None, ctx.world_size):
+        _ray.check_hosts(job.ranks_per_host, ctx.rank)
     hooks = default_hooks(
         job.spec,
         fault_marker=job.fault_marker,
