@@ -110,6 +110,7 @@ def run(dataset: str, args, work: Path) -> dict:
         f"run.storage_path={json.dumps(str(work / 'runs'))}",
         f"tracking.tracking_uri={json.dumps('sqlite:///' + str(work / 'mlflow.db'))}",
         "tracking.registered_model_name=null",
+        *([f"model.arch={json.dumps(args.arch)}"] if args.arch else []),
     ]
     if dataset != "adult":
         base += [
@@ -121,10 +122,9 @@ def run(dataset: str, args, work: Path) -> dict:
     lookups = None
     for seed in range(args.seeds):
         variants = {"flat": [], "auto": ['model.towers="auto"', *towers]}
-        variants["random"] = None  # after flat: the data exists
-        for variant in ("flat", "auto", "random"):
+        for variant in args.variants:
             overrides = [*base, f"training.seed={seed}"]
-            if variant == "random":
+            if variant == "random":  # after flat: the data exists
                 chosen = _random_towers(config, base, args.towers, seed)
                 overrides += [f"model.towers={json.dumps(chosen)}", *towers]
             else:
@@ -146,7 +146,7 @@ def run(dataset: str, args, work: Path) -> dict:
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
     summary = {}
-    for variant in ("flat", "auto", "random"):
+    for variant in args.variants:
         aucs = [r["eval_auc"] for r in out["runs"] if r["variant"] == variant]
         imb = [r["host_imbalance"] for r in out["runs"] if r["variant"] == variant]
         summary[variant] = {
@@ -154,7 +154,7 @@ def run(dataset: str, args, work: Path) -> dict:
             "stdev": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
             "host_imbalance": None if imb[0] is None else statistics.mean(imb),
         }
-    for variant in ("auto", "random"):
+    for variant in [v for v in args.variants if v != "flat"]:
         diffs = [
             a["eval_auc"] - f["eval_auc"]
             for a in out["runs"]
@@ -174,6 +174,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--towers", type=int, default=4)
     parser.add_argument("--tower-vectors", type=int, default=2)
+    parser.add_argument("--arch", default=None, help="model.arch (default: the config's)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["flat", "auto", "random"],
+        choices=["flat", "auto", "random"],
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="towers-quality-"))
