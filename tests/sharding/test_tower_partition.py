@@ -103,3 +103,24 @@ def test_loads_and_tables_bound_the_towers() -> None:
     assert any({0, 2} <= set(t) for t in together)
     with pytest.raises(ValueError, match="cannot make 5 towers of 4 tables"):
         partition_towers(strength, units=[[0], [1], [2], [3]], loads=[1.0] * 4, num_towers=5)
+
+
+def test_coarse_units_are_balanced_and_towers_ordered_for_the_hosts() -> None:
+    """Units too coarse for the load cap (14 tables of one lookup in 4 towers: cap 3.85) still
+    end balanced (4, 4, 3, 3, not 5, 3, 3, 3), and the towers are ordered so that the hosts of
+    ``model.towers``' placement (tower i on host i % H) carry equal loads where they can."""
+    from raydlrm.platform.auto_towers import host_order
+
+    towers = partition_towers(
+        np.zeros((14, 14)), units=[[i] for i in range(14)], loads=[1.0] * 14, num_towers=4
+    )
+    assert sorted(len(t) for t in towers) == [3, 3, 4, 4]
+
+    def host_loads(loads: list[float], hosts: int) -> list[float]:
+        order = host_order(loads, hosts)
+        assert sorted(order) == list(range(len(loads)))
+        return [sum(loads[t] for i, t in enumerate(order) if i % hosts == h) for h in range(hosts)]
+
+    assert host_loads([4, 4, 3, 3], 2) == [7, 7]  # in the given order: 8 and 6
+    assert host_loads([1, 2, 3], 2) == [3, 3]  # host 0 takes two towers
+    assert host_loads([7, 1, 1, 1, 1, 1], 3) == [8, 2, 2]

@@ -61,11 +61,13 @@ def resolve_towers(
     groups = partition_towers(
         strength, units=units, loads=loads, num_towers=num_towers, slack=SLACK
     )
-    towers = [[features[i] for i in g] for g in groups]
-    kept = inside_strength(strength, groups)  # a share of the total
     tower_loads = [
         sum(load for u, load in zip(units, loads, strict=True) if u[0] in g) for g in groups
     ]
+    order = host_order(tower_loads, job.scaling.num_hosts())
+    groups, tower_loads = [groups[i] for i in order], [tower_loads[i] for i in order]
+    towers = [[features[i] for i in g] for g in groups]
+    kept = inside_strength(strength, groups)  # a share of the total
     logger.info(
         "model.towers = 'auto': %d towers from %d warm-up steps in %.1fs, %.0f%% of the "
         "features' interaction strength inside towers, lookups per sample %s: %s",
@@ -77,6 +79,32 @@ def resolve_towers(
         towers,
     )
     return replaced(job, model=replaced(model, towers=towers))
+
+
+def host_order(loads: list[float], hosts: int) -> list[int]:
+    """An order of the towers (by index into ``loads``) whose position ``i`` goes to host
+    ``i % hosts`` (``model.towers``' placement) that balances the hosts' loads: the heaviest
+    tower first, each to the lightest host that has a position left, then swaps of two towers
+    between two hosts while a swap lowers the heavier one's load."""
+    slots = [len(range(h, len(loads), hosts)) for h in range(hosts)]
+    host_load, placed = [0.0] * hosts, [[] for _ in range(hosts)]
+    for t in sorted(range(len(loads)), key=lambda t: (-loads[t], t)):
+        h = min((h for h in range(hosts) if len(placed[h]) < slots[h]), key=lambda h: host_load[h])
+        placed[h].append(t)
+        host_load[h] += loads[t]
+    swapped = True
+    while swapped:
+        swapped = False
+        for a, b in ((a, b) for a in range(hosts) for b in range(hosts) if a != b):
+            for i, x in enumerate(placed[a]):
+                for j, y in enumerate(placed[b]):
+                    delta = loads[x] - loads[y]
+                    if delta > 1e-9 and host_load[b] + delta < host_load[a] - 1e-9:
+                        placed[a][i], placed[b][j] = y, x
+                        host_load[a] -= delta
+                        host_load[b] += delta
+                        swapped = True
+    return [placed[i % hosts][i // hosts] for i in range(len(loads))]
 
 
 def _warm_up_strength(job: JobConfig, data: JobData) -> tuple[Any, list[str], int]:

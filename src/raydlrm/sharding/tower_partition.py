@@ -176,6 +176,15 @@ def _balance(
             if dst != src and load[dst] + loads[u] <= cap + 1e-9
         ]
         if not moves:
+            # Units too coarse for the cap (e.g. loads of 1 against a cap of 3.85): a move
+            # that still lowers the heaviest tower (its unit lands below the source's load).
+            moves = [
+                (_link(strength, u, groups[dst]) - _link(strength, u, groups[src]), u, dst)
+                for u in groups[src]
+                for dst in range(len(groups))
+                if dst != src and load[dst] + loads[u] < load[src] - 1e-9
+            ]
+        if not moves:
             return groups
         _, u, dst = max(moves)
         groups[src].remove(u)
