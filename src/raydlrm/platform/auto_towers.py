@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raydlrm.platform.config import ConfigError, JobConfig, replaced
-
-if TYPE_CHECKING:
-    from raydlrm.platform.preflight import DataShape, JobData
 
 __all__ = ["resolve_towers"]
 
@@ -33,10 +30,12 @@ DRIVER_MEMORY_SHARE = 0.5
 
 
 def resolve_towers(
-    job: JobConfig, data: JobData, shape: DataShape, *, resumed: dict[str, Any] | None
+    job: JobConfig, data: Any, shape: Any, *, resumed: dict[str, Any] | None
 ) -> JobConfig:
     """The job with ``model.towers = "auto"`` replaced by the partitioner's towers (or those of
     ``resumed``, the state of the checkpoint the run continues); any other job as it is.
+    ``data`` and ``shape`` are the job's validated data sets and their shape (``JobData`` and
+    ``DataShape`` of :mod:`raydlrm.platform.preflight`, which calls this).
 
     Raises:
         ConfigError: the tables do not fit the driver's memory for the warm-up, or the data
@@ -107,7 +106,7 @@ def host_order(loads: list[float], hosts: int) -> list[int]:
     return [placed[i % hosts][i // hosts] for i in range(len(loads))]
 
 
-def _warm_up_strength(job: JobConfig, data: JobData) -> tuple[Any, list[str], int]:
+def _warm_up_strength(job: JobConfig, data: Any) -> tuple[Any, list[str], int]:
     """Trains the flat model ``model.tower_warmup_steps`` steps on one rank in this process and
     returns the features' interaction strength on the next batch, the features in the pooled
     output's order, and the steps trained."""
