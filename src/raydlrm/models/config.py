@@ -7,10 +7,15 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-__all__ = ["DhenModule", "ModelConfig"]
+__all__ = ["DhenModule", "ModelConfig", "tower_name"]
 
 DhenModule = Literal["dot", "cross", "attention", "linear", "conv"]
 """The interaction modules a DHEN layer can hold (:mod:`raydlrm.models.dhen`)."""
+
+
+def tower_name(index: int) -> str:
+    """The name of ``model.towers[index]``: ``tower<index>``."""
+    return f"tower{index}"
 
 
 @config_dataclass

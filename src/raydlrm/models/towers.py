@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from raydlrm.sharding.tower_spec import tower_name
+from raydlrm.models.config import tower_name
 
 __all__ = ["TowerDense", "TowerModule", "tower_vectors"]
 

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from raydlrm.models.config import tower_name
+
 __all__ = ["Tower", "check_towers", "model_towers", "tower_name"]
 
 
@@ -29,11 +31,6 @@ class Tower:
     name: str
     features: tuple[str, ...]
     host: int
-
-
-def tower_name(index: int) -> str:
-    """The name of ``model.towers[index]``: ``tower<index>``."""
-    return f"tower{index}"
 
 
 def model_towers(towers: Sequence[Sequence[str]], num_hosts: int) -> list[Tower]:
