@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 from rich.console import Console
 
 from raydlrm.platform.progress import TrainingProgress, progress_mode
@@ -25,8 +26,14 @@ def test_lines_follow_the_runs_metrics(tmp_path: Path) -> None:
 
     def report() -> None:  # what the controller's MLflow callback writes, step by step
         for step in range(1, 5):
-            client.log_metric(run_id, "samples_seen", 250 * step, step=step)
-            client.log_metric(run_id, "train/loss", 1.0 / step, step=step)
+            # One batch a step, as raydlrm's tracking logs a report (two calls would let a
+            # poll see a step's samples without its loss: a race of the test, not the product).
+            now = int(time.time() * 1000)
+            metrics = [
+                Metric("samples_seen", 250 * step, now, step),
+                Metric("train/loss", 1.0 / step, now, step),
+            ]
+            client.log_batch(run_id, metrics=metrics)
             time.sleep(0.3)
 
     progress = TrainingProgress(
