@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import raydlrm
@@ -59,27 +61,23 @@ DATASETS = {
 
 
 def _lookups(config: str, overrides: list[str]) -> dict[str, float]:
-    """Each table's ids per sample (its features' mean bag lengths; a bucket table: 1), from
-    the training data's first file."""
+    """Each table's ids per sample (its features' mean bag lengths; a single id or a bucket
+    table: 1), from the training data's first file."""
     job = load_config(config, overrides=overrides)
     files = sorted(Path(job.data.train_path).rglob("*.parquet"))
     table = pq.read_table(files[0]) if files else None
-    out = {}
-    for name, columns in job.data.table_columns().items():
-        total = 0.0
-        for c in columns:
-            if (
-                table is not None
-                and c in table.column_names
-                and "list" in str(table.schema.field(c).type)
-            ):
-                total += float(
-                    sum(len(v or []) for v in table.column(c).to_pylist()) / table.num_rows
-                )
-            else:
-                total += 1.0
-        out[name] = total
-    return out
+
+    def ids(column: str) -> float:
+        if table is None or column not in table.column_names:
+            return 1.0
+        values = table.column(column)
+        if not pa.types.is_list(values.type):
+            return 1.0
+        return pc.mean(pc.fill_null(pc.list_value_length(values), 0)).as_py()
+
+    return {
+        name: sum(ids(c) for c in columns) for name, columns in job.data.table_columns().items()
+    }
 
 
 def _random_towers(config: str, overrides: list[str], num: int, seed: int) -> list[list[str]]:

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -444,24 +443,18 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
 def _plan_towers(
     config: JobConfig, tables: list, hosts: int, planner: dict[str, Any]
 ) -> ShardingPlan:
-    """Each host's towers planned over its workers (:func:`raydlrm.sharding.towers.plan_towers`);
-    a host whose tables do not fit names its towers."""
+    """Each host's towers planned over its workers (:func:`raydlrm.sharding.towers.plan_towers`,
+    which names the host and its towers when they cannot be planned)."""
     from raydlrm.sharding.tower_spec import model_towers
-    from raydlrm.sharding.towers import Topology, host_tables, plan_towers
+    from raydlrm.sharding.towers import Topology, plan_towers
 
     towers = model_towers(config.model.towers, hosts)
-    topology = Topology(hosts, config.scaling.ranks_per_host)
     try:
-        return plan_towers(tables, towers, topology, **planner)
+        return plan_towers(
+            tables, towers, Topology(hosts, config.scaling.ranks_per_host), **planner
+        )
     except ValueError as e:
-        named = set(re.findall(r"[\w.-]+", str(e)))
-        failing = [
-            h for h in range(hosts) if named & {t.name for t in host_tables(tables, towers, h)}
-        ]
-        if not failing:
-            raise
-        names = [t.name for t in towers if t.host == failing[0]]
-        raise ValueError(f"model.towers: host {failing[0]} (towers {names}): {e}") from None
+        raise ValueError(f"model.towers: {e}") from None
 
 
 def resolve_towers(

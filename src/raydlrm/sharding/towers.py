@@ -157,7 +157,8 @@ def plan_towers(
     every rank: host ``h``'s local rank ``i`` is rank ``h * ranks_per_host + i``.
 
     Raises:
-        ValueError: bad towers (:func:`check_towers`).
+        ValueError: bad towers (:func:`check_towers`), or a host's tables that cannot be
+            planned (naming the host and its towers).
     """
     check_towers(towers, tables, topology.num_hosts)
     planned: dict[str, TablePlan] = {}
@@ -165,12 +166,16 @@ def plan_towers(
     for h in range(topology.num_hosts):
         mine = host_tables(tables, towers, h)
         names = {t.name for t in mine}
-        plan = plan_sharding(
-            mine,
-            world_size=topology.ranks_per_host,
-            config=host_config(config, names, topology, h),
-            **{k: _only(v, names) for k, v in planner.items()},
-        )
+        try:
+            plan = plan_sharding(
+                mine,
+                world_size=topology.ranks_per_host,
+                config=host_config(config, names, topology, h),
+                **{k: _only(v, names) for k, v in planner.items()},
+            )
+        except ValueError as e:  # e.g. a table beyond the host's workers' memory
+            here = [t.name for t in towers if t.host == h]
+            raise ValueError(f"host {h} (towers {here}): {e}") from None
         offset = topology.host_ranks(h)[0]
         for t in plan.tables:
             shards = [dataclasses.replace(s, rank=s.rank + offset) for s in t.shards]
