@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install demo test test-fast lint format clean bench-deps bench-sharded
+.PHONY: install demo test test-scenarios test-fast lint format clean bench-deps bench-sharded
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,11 +21,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m raydlrm train --config configs/quickstart.toml
 
+# Two tiers (README "Development"): `make test`, the default tier (15 minutes on a quiet 2-core
+# machine), and `make test-scenarios`, the long end-to-end scenarios; CI runs both (.ci/run).
+# Each ends with its 40 slowest tests; PYTEST_ARGS adds options (CI: every duration, JUnit XML).
+PYTEST := $(BIN)/python -m pytest -q --timeout=900 --durations=40
+PYTEST_ARGS ?=
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" --timeout=900 --durations=25 tests
+	$(PYTEST) -m "not gpu and not scenario" $(PYTEST_ARGS) tests
+
+test-scenarios: $(STAMP)
+	$(PYTEST) -m "scenario and not gpu" $(PYTEST_ARGS) tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not ray and not slow" tests
+	$(BIN)/python -m pytest -q -m "not gpu and not ray and not slow and not scenario" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

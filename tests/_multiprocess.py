@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_distributed"]
+__all__ = ["close_pools", "run_distributed"]
 
 
 def _free_port() -> int:
@@ -130,13 +130,28 @@ class _Pool:
         return values, errors, not errors
 
     def close(self) -> None:
+        """Asks idle processes to stop (they exit cleanly, removing their temporary files);
+        terminates those that do not within seconds (a rank stuck in a collective)."""
+        for tasks, p in zip(self.tasks, self.procs, strict=True):
+            if p.is_alive():
+                tasks.put(None)
         for p in self.procs:
+            p.join(timeout=5.0)
             if p.is_alive():
                 p.terminate()
-            p.join(timeout=5.0)
+                p.join(timeout=5.0)
+        for q in (*self.tasks, self.results):
+            q.close()
+            q.join_thread()
 
 
 _pools: dict[int, _Pool] = {}
+
+
+def close_pools() -> None:
+    """Stops every pool's processes (at the end of the session)."""
+    while _pools:
+        _pools.popitem()[1].close()
 
 
 def run_distributed(

@@ -1,21 +1,55 @@
-"""Shared fixtures: debug-mode batch validation, one local Ray cluster per test session."""
+"""Shared fixtures: debug-mode batch validation, one local Ray cluster per test session, S3 and
+MLflow servers on loopback, and a check that the session leaves nothing running behind it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests import _leftovers
 
 os.environ.setdefault("RAYDLRM_DEBUG", "1")
 # Ray Data / Train print progress bars to stderr; keep test logs readable.
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "0")
+# Every Ray instance the session starts (its own cluster, the notebook's, the CLI runs', the
+# `ray start` head, the simulated nodes) runs its workers at the driver's priority, as a local
+# instance of raydlrm does: at Ray's default niceness (15) they give the CPU to anything else
+# busy on the machine, and a Ray test took 11x as long next to two busy processes.
+os.environ.setdefault("RAY_worker_niceness", "0")
+# Every process this session starts inherits this mark (Ray's workers through its raylet, the
+# servers, the notebook's kernel, the CLI runs): what still runs with it at the end was left
+# behind (see ``session_leaves_nothing_behind``).
+os.environ[_leftovers.MARK] = uuid.uuid4().hex
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_leaves_nothing_behind() -> Iterator[None]:
+    """Fails the run (an error at the last test's teardown) when the session leaves a process,
+    a network namespace, a ``tc`` rule or a temporary file of its own behind it: a process
+    that inherited this session's mark, a namespace or qdisc of the emulated hosts, a
+    ``raydlrm-*`` or ``pymp-*`` entry in the temporary directory, anything new in
+    ``/dev/shm``. The leftovers are removed after they are named. Torn down after every other
+    session fixture (it is set up first), so the Ray cluster and the servers are gone by then."""
+    before = _leftovers.snapshot()
+    yield
+    from tests._multiprocess import close_pools
+
+    close_pools()
+    left = _leftovers.find(before)
+    if left:
+        _leftovers.remove(left)
+        pytest.fail("the test session left behind:\n" + "\n".join(f"  {x}" for x in left))
 
 
 @pytest.fixture(scope="session")
@@ -72,121 +106,145 @@ def free_port() -> int:
 S3_SECRET = "s3cr3t-do-not-log"
 """The loopback S3 server's secret key: tests check it never reaches a log."""
 
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """An S3-compatible server on loopback (moto's ``ThreadedMotoServer``); yields a function
-    that creates a bucket and returns the :class:`StorageConfig` that reaches it."""
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-
-    from raydlrm.storage import StorageConfig
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    server.start()
-    host, port = server.get_host_and_port()
-    storage = StorageConfig(
-        endpoint_url=f"http://{host}:{port}",
-        region="us-east-1",
-        access_key_id="testing",
-        secret_access_key=S3_SECRET,
-    )
-    client = boto3.client(
-        "s3",
-        endpoint_url=storage.endpoint_url,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key=S3_SECRET,
-    )
-
-    def bucket(name: str) -> StorageConfig:
-        client.create_bucket(Bucket=name)
-        return storage
-
-    yield bucket
-    server.stop()
+SERVER_START_S = 120.0
 
 
-MLFLOW_SERVER_START_S = 120.0
-
-
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
-    """A real ``mlflow server`` process on loopback, the way production tracks: runs and the
-    model registry in SQLite, artifacts proxied by the server (``mlflow-artifacts:/``) onto an
-    S3 bucket of a loopback moto server. Yields the tracking URI (``http://127.0.0.1:<port>``);
-    clients need no S3 credentials."""
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-
-    root = tmp_path_factory.mktemp("mlflow-server")
-    s3 = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    s3.start()
-    host, s3_port = s3.get_host_and_port()
-    endpoint = f"http://{host}:{s3_port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key=S3_SECRET,
-    ).create_bucket(Bucket="mlflow-artifacts")
-    port = free_port()
-    env = {
-        **os.environ,
-        "MLFLOW_S3_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    log = (root / "server.log").open("w")
-    mlflow_bin = Path(sys.executable).with_name("mlflow")
-    process = subprocess.Popen(
-        [
-            str(mlflow_bin),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            "s3://mlflow-artifacts/artifacts",
-            "--workers",
-            "1",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=root,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + MLFLOW_SERVER_START_S
+def _wait_until_up(process: subprocess.Popen, url: str, *, log: Path, what: str) -> None:
+    """Waits until ``url`` answers HTTP 200, failing with ``log``'s tail if ``process`` exits
+    or nothing answers within :data:`SERVER_START_S`."""
+    deadline = time.monotonic() + SERVER_START_S
     while True:
         if process.poll() is not None:
             raise RuntimeError(
-                f"mlflow server exited with {process.returncode}: "
-                f"{(root / 'server.log').read_text()[-3000:]}"
+                f"{what} exited with {process.returncode}: {log.read_text()[-3000:]}"
             )
         try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
-                    break
+                    return
         except OSError:
             pass
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"mlflow server did not answer on {uri} in {MLFLOW_SERVER_START_S}s")
-        time.sleep(0.5)
-    yield uri
+            raise RuntimeError(f"{what} did not answer on {url} in {SERVER_START_S}s")
+        time.sleep(0.25)
+
+
+def _stop(process: subprocess.Popen) -> None:
     process.terminate()
     try:
         process.wait(timeout=30)
     except subprocess.TimeoutExpired:
         process.kill()
-    log.close()
-    s3.stop()
+        process.wait()
+
+
+@contextlib.contextmanager
+def _moto_server(directory: Path) -> Iterator[str]:
+    """An S3-compatible server (moto) on loopback, in a process of its own: served from a
+    thread of this process (``ThreadedMotoServer``), every upload and download of a test
+    competed for this process's GIL with the driver it was testing. Yields its endpoint URL."""
+    port = free_port()
+    log = directory / "moto.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(process, f"{endpoint}/moto-api/", log=log, what="moto server")
+        yield endpoint
+    finally:
+        _stop(process)
+
+
+def _s3_client(endpoint: str):
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key=S3_SECRET,
+    )
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], object]]:
+    """An S3-compatible server on loopback (moto, in a process of its own), one per session;
+    yields a function that creates a bucket (each test its own name) and returns the
+    :class:`StorageConfig` that reaches it."""
+    pytest.importorskip("moto.server")
+    from raydlrm.storage import StorageConfig
+
+    with _moto_server(tmp_path_factory.mktemp("s3")) as endpoint:
+        storage = StorageConfig(
+            endpoint_url=endpoint,
+            region="us-east-1",
+            access_key_id="testing",
+            secret_access_key=S3_SECRET,
+        )
+        client = _s3_client(endpoint)
+
+        def bucket(name: str) -> StorageConfig:
+            client.create_bucket(Bucket=name)
+            return storage
+
+        yield bucket
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``mlflow server`` process on loopback, the way production tracks: runs and the
+    model registry in SQLite, artifacts proxied by the server (``mlflow-artifacts:/``) onto an
+    S3 bucket of a loopback moto server. Yields the tracking URI (``http://127.0.0.1:<port>``);
+    clients need no S3 credentials. The server's job runner (eight processes for MLflow's
+    GenAI jobs, which nothing here submits) is off: starting it took the CPU from the tests
+    for seconds, and it left its queue in ``/dev/shm``."""
+    pytest.importorskip("moto.server")
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with _moto_server(root) as endpoint:
+        _s3_client(endpoint).create_bucket(Bucket="mlflow-artifacts")
+        port = free_port()
+        env = {
+            **os.environ,
+            "MLFLOW_S3_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        }
+        log = root / "server.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [
+                    str(Path(sys.executable).with_name("mlflow")),
+                    "server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--backend-store-uri",
+                    f"sqlite:///{root / 'mlflow.db'}",
+                    "--artifacts-destination",
+                    "s3://mlflow-artifacts/artifacts",
+                    "--workers",
+                    "1",
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=root,
+            )
+        uri = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_up(process, f"{uri}/health", log=log, what="mlflow server")
+            yield uri
+        finally:
+            _stop(process)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

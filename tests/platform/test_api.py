@@ -128,7 +128,9 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     # The logged model, with its copy of the weights, scores alike.
     assert run.data.tags["raydlrm.model_weights"] == "copy"
     mlflow.set_tracking_uri(result.tracking_uri)
-    stored = Path(mlflow.artifacts.download_artifacts(result.model_uri))
+    stored = Path(
+        mlflow.artifacts.download_artifacts(result.model_uri, dst_path=str(tmp_path / "logged"))
+    )
     assert len(list(stored.rglob("model.safetensors"))) == 1
     assert not list(stored.rglob("weights_ref.json"))
     raydlrm.score(result.model_uri, str(flat), str(tmp_path / "p-m"))

@@ -184,7 +184,9 @@ def test_one_mlflow_run_with_params_metrics_and_model(finished_run) -> None:
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "sharding")}
     assert artifacts == {"sharding/plan.json", "sharding/plan.txt"}
     plan = json.loads(
-        Path(client.download_artifacts(run.info.run_id, "sharding/plan.json")).read_text()
+        Path(
+            client.download_artifacts(run.info.run_id, "sharding/plan.json", str(workdir))
+        ).read_text()
     )
     bucket_table = next(t for t in plan["tables"] if t["name"] == "t_I1_bucket")
     assert bucket_table["num_embeddings"] == 16
@@ -202,7 +204,12 @@ def test_registered_model_scores_raw_rows(finished_run) -> None:
     (version,) = client.search_model_versions("name='e2e-model'")
     run = client.get_run(version.run_id)
     assert run.data.tags["raydlrm.model_weights"] == "reference"
-    stored = Path(mlflow.artifacts.download_artifacts("models:/e2e-model/1"))
+    (workdir / "registered").mkdir()
+    stored = Path(
+        mlflow.artifacts.download_artifacts(
+            "models:/e2e-model/1", dst_path=str(workdir / "registered")
+        )
+    )
     files = {p.name for p in stored.rglob("*") if p.is_file()}
     assert "weights_ref.json" in files and "model.safetensors" not in files
     assert not any(n.endswith(".distcp") for n in files)
@@ -219,9 +226,13 @@ def test_registered_model_scores_raw_rows(finished_run) -> None:
     assert roc_auc_score(rows["label"], probs) > AUC_THRESHOLD
 
 
-def _cli(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+def _cli(workdir: Path, *args: str, ray_address: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m raydlrm <args>`` in ``workdir``; on the Ray cluster at ``ray_address`` (the
+    session's: a local instance for each of these runs cost seconds to start), else none."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     env["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     return subprocess.run(
         [sys.executable, "-m", "raydlrm", *args],
         cwd=workdir,
@@ -232,11 +243,13 @@ def _cli(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_batch_scoring_and_evaluation(finished_run) -> None:
+def test_batch_scoring_and_evaluation(finished_run, ray_cluster) -> None:
     """``raydlrm score`` writes one prediction per row, equal to the registered model's;
-    ``raydlrm evaluate`` gives the AUC of those predictions; a bad row stops scoring, named."""
+    ``raydlrm evaluate`` gives the AUC of those predictions; a bad row stops scoring, named
+    (on the session's Ray cluster, as on a cluster the job names)."""
     workdir, _ = finished_run
-    proc = _cli(workdir, "score", "models:/e2e-model/1", "data/eval", "preds")
+    cluster = ray_cluster.get_runtime_context().gcs_address
+    proc = _cli(workdir, "score", "models:/e2e-model/1", "data/eval", "preds", ray_address=cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scored 8000 rows" in proc.stdout
     preds = pd.read_parquet(workdir / "preds")
@@ -252,7 +265,7 @@ def test_batch_scoring_and_evaluation(finished_run) -> None:
 
     from sklearn.metrics import roc_auc_score
 
-    proc = _cli(workdir, "evaluate", "models:/e2e-model/1", "data/eval")
+    proc = _cli(workdir, "evaluate", "models:/e2e-model/1", "data/eval", ray_address=cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     assert metrics["rows"] == 8000 and metrics["auc"] > AUC_THRESHOLD
@@ -265,13 +278,13 @@ def test_batch_scoring_and_evaluation(finished_run) -> None:
     column[7] = None
     table = table.set_column(table.schema.get_field_index("C3"), "C3", pa.array(column))
     pq.write_table(table, bad / "broken.parquet")
-    proc = _cli(workdir, "score", "models:/e2e-model/1", "bad", "bad-preds")
+    proc = _cli(workdir, "score", "models:/e2e-model/1", "bad", "bad-preds", ray_address=cluster)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "broken.parquet" in proc.stderr and "C3" in proc.stderr
     assert "row group 0, row 7:" in proc.stderr and "quarantine" not in proc.stderr
 
 
-def test_ids_of_another_kind_are_refused_naming_the_column(finished_run) -> None:
+def test_ids_of_another_kind_are_refused_naming_the_column(finished_run, ray_cluster) -> None:
     """The model records each sparse column's id kind; the same ids as strings would hash to
     other rows: ``score`` (exit 2) and the MLflow model refuse them, naming column and kinds."""
     workdir, _ = finished_run
@@ -286,7 +299,10 @@ def test_ids_of_another_kind_are_refused_naming_the_column(finished_run) -> None
     index = table.schema.get_field_index("C1")
     table = table.set_column(index, "C1", table.column("C1").cast(pa.string()))
     pq.write_table(table, strings / "part-0.parquet")
-    proc = _cli(workdir, "score", "models:/e2e-model/1", "strings", "string-preds")
+    cluster = ray_cluster.get_runtime_context().gcs_address
+    proc = _cli(
+        workdir, "score", "models:/e2e-model/1", "strings", "string-preds", ray_address=cluster
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert "sparse column 'C1' holds string ids" in line and "trained on integer ids" in line

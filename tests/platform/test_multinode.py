@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.platform._multinode import ROWS
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.scenario]
 
 REPO = Path(__file__).resolve().parents[2]
 

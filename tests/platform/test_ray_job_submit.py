@@ -230,6 +230,7 @@ def _uploaded_packages(head: Head) -> list[Path]:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.scenario
 @pytest.mark.timeout(1500)
 def test_ray_job_submit_trains_registers_and_stops_cleanly(
     ray_head: Head, mlflow_server: str, ray_cluster, tmp_path: Path

@@ -164,6 +164,7 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     assert max(steps) == clean.metrics["step"]  # the metric steps went on
 
 
+@pytest.mark.scenario
 def test_checkpoints_on_s3_resume_exactly(
     uninterrupted, s3_server, mlflow_server, monkeypatch
 ) -> None:
@@ -210,7 +211,7 @@ def test_checkpoints_on_s3_resume_exactly(
     assert run.data.tags["raydlrm.checkpoint"] == result.checkpoint_path
     assert run.data.tags["raydlrm.model_weights"] == "reference"
     stored = mlflow.artifacts.download_artifacts(
-        "models:/on-s3-model/1", tracking_uri=mlflow_server
+        "models:/on-s3-model/1", tracking_uri=mlflow_server, dst_path=str(root / "on-s3-model")
     )
     files = {p.name for p in Path(stored).rglob("*") if p.is_file()}
     assert "weights_ref.json" in files and "model.safetensors" not in files

@@ -6,9 +6,11 @@ non-finite weights is rejected and the champion stays. Plus the decision rule an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from mlflow import MlflowClient
 from typer.testing import CliRunner
 
 import raydlrm
+from raydlrm.platform import retrain as retrain_module
 from raydlrm.platform.cli import app
 from raydlrm.platform.config import ConfigError, RetrainConfig
 from raydlrm.platform.retrain import (
@@ -82,7 +85,7 @@ def _cli(*args: str):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_retraining_slots_against_mlflow_server(
-    tmp_path: Path, ray_cluster, mlflow_server: str, caplog, capfd
+    tmp_path: Path, ray_cluster, mlflow_server: str, caplog, capfd, monkeypatch
 ) -> None:
     config = _config(tmp_path, mlflow_server)
     client = MlflowClient(mlflow_server)
@@ -141,18 +144,46 @@ def test_retraining_slots_against_mlflow_server(
     )
     assert trained["train/auc"] == pytest.approx(first.train.metrics["eval/auc"], abs=1e-6)
 
-    # 4. A model that blows up (an infinite embedding learning rate: one step leaves infinite
-    # rows): rejected, not registered, the champion untouched, exit 1 with one error line.
+    # 4. A model that blows up: rejected, not registered, the champion untouched, exit 1 with
+    # one error line. The slot's training job is stood in for by the champion's model with an
+    # infinite row, as a step with an infinite embedding learning rate leaves it (training a
+    # whole job for that cost about 30 s; the guard is what is tested here).
     config["scaling"] = {"num_workers": 2}
-    failed = _cli(
-        "retrain", "--slot", DAYS[3], *_sets(config), "--set", "sharding.learning_rate=inf"
-    )
+    monkeypatch.setattr(retrain_module, "run_training", _blown_up(first.train, tmp_path))
+    failed = _cli("retrain", "--slot", DAYS[3], *_sets(config))
     assert failed.exit_code == 1, failed.output
     errors = [ln for ln in failed.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "champion unchanged" in errors[0]
     assert "non-finite" in errors[0]
     assert len(client.search_model_versions(f"name='{MODEL}'")) == 2
     assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+    (rejected,) = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`{TAG_DECISION}` = 'rejected'"
+    )
+    assert (
+        rejected.data.tags[TAG_SLOT] == DAYS[3] and "non-finite" in rejected.data.tags[TAG_REASON]
+    )
+
+
+def _blown_up(trained: raydlrm.TrainResult, root: Path):
+    """A stand-in for the slot's training job: returns the run of ``trained`` as a new MLflow
+    run whose model is ``trained``'s with an infinite row."""
+
+    def run_training(job) -> raydlrm.TrainResult:
+        model = root / "blown-up"
+        with model_files(trained.model_uri) as files:
+            shutil.copytree(files.directory, model)
+        weights = safetensors.torch.load_file(model / "model.safetensors")
+        name = next(k for k in weights if k.startswith("embedding_bags.weights."))
+        weights[name][3] = math.inf
+        safetensors.torch.save_file(weights, model / "model.safetensors")
+        client = MlflowClient(trained.tracking_uri)
+        experiment = client.get_experiment_by_name(job.tracking.experiment_name)
+        run = client.create_run(experiment.experiment_id)
+        client.set_terminated(run.info.run_id)
+        return dataclasses.replace(trained, run_id=run.info.run_id, model_uri=str(model))
+
+    return run_training
 
 
 def _sets(config: dict) -> list[str]:

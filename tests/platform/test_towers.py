@@ -1,9 +1,13 @@
 """Disaggregated Multi-Tower end to end on the local Ray cluster: ``model.towers = "auto"``
 (the driver's warm-up and partitioner), compressing tower modules on DCNv2, 2 workers as 2
-hosts of one rank (``scaling.ranks_per_host``). A worker killed mid-epoch resumes from the
-latest checkpoint, with the same towers, and ends with the uninterrupted run's weights bit for
-bit; the final checkpoint scores in one process, without Ray, as the run evaluated it. The
-config's refusals (before Ray starts) are in ``tests/platform/test_config.py``."""
+hosts of one rank (``scaling.ranks_per_host``): each tower's tables on its host, the cross-host
+bytes counted, and the final checkpoint scoring in one process, without Ray, as the run
+evaluated it. The config's refusals (before Ray starts) and a resumed run taking its
+checkpoint's towers are in ``tests/platform/test_config.py``; that a tower run's checkpoint
+continues exactly (weights, optimizer state, logits two steps later), also on another
+topology, is ``tests/trainers/test_checkpoint.py::test_towers_on_hosts_reshard_and_continue``
+(gloo), and that a killed worker resumes exactly through Ray is ``test_resume.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROWS = 1536  # 2 workers x 128: 6 steps an epoch
 
 
-def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
+def _config(root: Path, name: str) -> dict:
     return {
         "data": {
             "train_path": str(root / "data" / "train"),
@@ -55,7 +59,7 @@ def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
         "training": {"num_epochs": 2, "log_every_steps": 2},
         "checkpoint": {"every_steps": 3},
         "scaling": {"num_workers": 2, "ranks_per_host": 1},
-        "run": {"storage_path": str(root / "runs"), "name": name, "max_failures": max_failures},
+        "run": {"storage_path": str(root / "runs"), "name": name},
         "tracking": {
             "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
             "experiment_name": "towers",
@@ -74,8 +78,8 @@ def _towers(result: raydlrm.TrainResult) -> list[list[str]]:
     return read_state_file(result.checkpoint_path)["spec"]["model"]["towers"]
 
 
-def test_auto_towers_killed_worker_resumes_exactly(uninterrupted, monkeypatch) -> None:
-    root, clean = uninterrupted
+def test_auto_towers_put_each_towers_tables_on_its_host(uninterrupted) -> None:
+    _, clean = uninterrupted
     towers = _towers(clean)
     features = [f"C{i}" for i in range(1, 27)]
     assert len(towers) == 3 and sorted(f for t in towers for f in t) == sorted(features)
@@ -86,23 +90,9 @@ def test_auto_towers_killed_worker_resumes_exactly(uninterrupted, monkeypatch) -
             i % 2
         }, tower
     assert ranks == {0, 1}
-
-    # Step 8 is in the second epoch, two steps after the checkpoint of step 6.
-    monkeypatch.setenv("RAYDLRM_FAULT", "rank=1,step=8")
-    killed = raydlrm.train(_config(root, "killed", max_failures=1))
-    assert Path(root, "runs", "killed", "fault-injected.rank1.step8.step").is_file()
-    assert _towers(killed) == towers
-    a, b = (
-        dict(ModelWeights(clean.checkpoint_path).items()),
-        dict(ModelWeights(killed.checkpoint_path).items()),
+    assert any(
+        k.startswith("dense.blocks.tower2.") for k, _ in ModelWeights(clean.checkpoint_path).items()
     )
-    assert a.keys() == b.keys() and any(k.startswith("dense.blocks.tower2.") for k in a)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    history = MlflowClient(killed.tracking_uri).get_metric_history(
-        killed.run_id, "restore/from_step"
-    )
-    assert {m.value for m in history} == {6}
     # Cross-host bytes are counted and named apart from the host's own all-to-all.
     metrics = MlflowClient(clean.tracking_uri).get_run(clean.run_id).data.metrics
     assert any(k.startswith("comm/cross_forward") for k in metrics), sorted(metrics)

@@ -165,6 +165,7 @@ def _killed_after_a_trial(config: dict, search: list[str], ray_cluster) -> float
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.scenario
 def test_a_sweep_killed_with_its_driver_continues_and_registers_the_best(
     tmp_path: Path, ray_cluster
 ) -> None:

@@ -42,6 +42,12 @@ LOCAL_RAY_ENV = {
     # the start of a run, every report (a barrier it releases) and the end; 0.5 s takes about
     # 2 s off a small run (benchmarks/train_overhead.py).
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # Ray starts its worker processes at niceness 15 (below its own raylet and GCS): they then
+    # yield the CPU to every other program at the default priority, the driver included. On a
+    # workstation or a small machine shared with anything busy, a run slowed down 11x with two
+    # busy programs beside it; at 0 it took its fair share (1.9x), and it runs as fast alone
+    # (benchmarks/RESULTS.md, "The suite's time"). The training workers are the job here.
+    "RAY_worker_niceness": "0",
 }
 # CPUs a local instance keeps beyond the training workers: a preprocessing actor, read tasks.
 _LOCAL_DATA_CPUS = 3

@@ -1,0 +1,168 @@
+"""What a test session leaves behind on the machine, and removing it.
+
+A session that leaves processes running (a Ray instance, a server, a kernel), network namespaces
+or ``tc`` rules of the emulated hosts, or temporary files of its own slows every later run on
+the machine, or fills its disk. ``tests/conftest.py`` marks every process of the session
+through an environment variable that they all inherit (:data:`MARK`), takes a
+:func:`snapshot` at the start, and at the end fails the run on what :func:`find` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+__all__ = ["MARK", "Leftover", "Snapshot", "find", "remove", "snapshot"]
+
+MARK = "RAYDLRM_TEST_SESSION"
+"""The environment variable, set to a value of its own by each session, that its processes
+inherit."""
+
+# Temporary entries of this project's code and tests (the SSD tier's default directory stays,
+# empty: it is shared by the runs of the machine).
+_TMP_PREFIXES = ("raydlrm-", "pymp-", "rj-")
+_SHARED_TMP = "raydlrm-ssd"
+_SHM = Path("/dev/shm")
+_NAMESPACE_PREFIX = "rd"  # raydlrm._netem's namespaces
+# Processes that exit with the test process itself, not before it.
+_EXITS_WITH_PYTEST = ("multiprocessing.resource_tracker",)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the machine had before the session."""
+
+    namespaces: frozenset[str]
+    qdiscs: frozenset[str]
+    tmp: frozenset[str]
+    shm: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One thing the session left behind."""
+
+    kind: str
+    """``process``, ``namespace``, ``qdisc`` or ``file``."""
+    name: str
+    pid: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}" + (f" (pid {self.pid})" if self.pid else "")
+
+
+def _run(*argv: str) -> str:
+    if shutil.which(argv[0]) is None:
+        return ""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else ""
+
+
+def _namespaces() -> frozenset[str]:
+    return frozenset(
+        line.split()[0]
+        for line in _run("ip", "netns", "list").splitlines()
+        if line.startswith(_NAMESPACE_PREFIX)
+    )
+
+
+def _qdiscs() -> frozenset[str]:
+    """The machine's own queueing disciplines, without their reference counts."""
+    return frozenset(
+        line.split(" refcnt")[0].strip() for line in _run("tc", "qdisc", "show").splitlines()
+    )
+
+
+def _tmp() -> frozenset[str]:
+    return frozenset(p.name for p in Path(tempfile.gettempdir()).iterdir())
+
+
+def _shm() -> frozenset[str]:
+    if not _SHM.is_dir():
+        return frozenset()
+    # Semaphores of live multiprocessing queues go with the test process.
+    return frozenset(p.name for p in _SHM.iterdir() if not p.name.startswith("sem."))
+
+
+def snapshot() -> Snapshot:
+    """The namespaces, qdiscs and temporary entries the machine has now."""
+    return Snapshot(namespaces=_namespaces(), qdiscs=_qdiscs(), tmp=_tmp(), shm=_shm())
+
+
+def _marked_processes() -> list[psutil.Process]:
+    """Running processes that inherited this session's mark, but the test process, its
+    ancestors and what exits with it."""
+    mark = os.environ[MARK]
+    me = psutil.Process()
+    skip = {me.pid, *(p.pid for p in me.parents())}
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if p.pid in skip or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if p.environ().get(MARK) != mark:
+                continue
+        except (psutil.Error, OSError):
+            continue
+        if any(part in " ".join(p.info["cmdline"] or []) for part in _EXITS_WITH_PYTEST):
+            continue
+        found.append(p)
+    return found
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:160] or p.name()
+    except psutil.Error:
+        return "(exited)"
+
+
+def find(before: Snapshot, *, wait_s: float = 30.0) -> list[Leftover]:
+    """What the session left behind since ``before``; processes get ``wait_s`` seconds to
+    exit (Ray's take a few after its shutdown)."""
+    deadline = time.monotonic() + wait_s
+    while (processes := _marked_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [Leftover("process", _describe(p), p.pid) for p in processes]
+    left += [Leftover("namespace", n) for n in sorted(_namespaces() - before.namespaces)]
+    left += [Leftover("qdisc", q) for q in sorted(_qdiscs() - before.qdiscs)]
+    tmp = Path(tempfile.gettempdir())
+    # This process's own multiprocessing directory goes when it exits (where
+    # multiprocessing.util.get_temp_dir keeps it).
+    own = multiprocessing.current_process()._config.get("tempdir")
+    for name in sorted(_tmp() - before.tmp):
+        path = tmp / name
+        if name == _SHARED_TMP and path.is_dir() and not any(path.iterdir()):
+            continue
+        if own and path == Path(own):
+            continue
+        if name.startswith(_TMP_PREFIXES):
+            left.append(Leftover("file", str(path)))
+    left += [Leftover("file", str(_SHM / n)) for n in sorted(_shm() - before.shm)]
+    return left
+
+
+def remove(left: list[Leftover]) -> None:
+    """Kills the processes and deletes the namespaces and files of ``left`` (a qdisc of the
+    machine's own interfaces is reported, not removed: which rule to restore is unknown)."""
+    for item in left:
+        if item.kind == "process" and item.pid:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(item.pid).kill()
+        elif item.kind == "namespace":
+            _run("ip", "netns", "del", item.name)
+        elif item.kind == "file":
+            path = Path(item.name)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
