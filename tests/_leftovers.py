@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["MARK", "Leftover", "Snapshot", "find", "remove", "snapshot"]
+__all__ = ["MARK", "Leftover", "Snapshot", "find", "multiprocessing_dirs", "remove", "snapshot"]
 
 MARK = "RAYDLRM_TEST_SESSION"
 """The environment variable, set to a value of its own by each session, that its processes
@@ -29,7 +29,11 @@ inherit."""
 
 # Temporary entries of this project's code and tests (the SSD tier's default directory stays,
 # empty: it is shared by the runs of the machine).
-_TMP_PREFIXES = ("raydlrm-", "pymp-", "rj-")
+_TMP_PREFIXES = ("raydlrm-", "rj-")
+# multiprocessing's directories. Ray 2.60's dashboard serves its modules from a multiprocessing
+# forkserver, which Ray kills when it stops, leaving its directory (a listening socket) behind:
+# one per Ray instance with a dashboard. Removed, not counted against the session.
+_MULTIPROCESSING_PREFIX = "pymp-"
 _SHARED_TMP = "raydlrm-ssd"
 _SHM = Path("/dev/shm")
 _NAMESPACE_PREFIX = "rd"  # raydlrm._netem's namespaces
@@ -136,19 +140,26 @@ def find(before: Snapshot, *, wait_s: float = 30.0) -> list[Leftover]:
     left += [Leftover("namespace", n) for n in sorted(_namespaces() - before.namespaces)]
     left += [Leftover("qdisc", q) for q in sorted(_qdiscs() - before.qdiscs)]
     tmp = Path(tempfile.gettempdir())
-    # This process's own multiprocessing directory goes when it exits (where
-    # multiprocessing.util.get_temp_dir keeps it).
-    own = multiprocessing.current_process()._config.get("tempdir")
     for name in sorted(_tmp() - before.tmp):
         path = tmp / name
         if name == _SHARED_TMP and path.is_dir() and not any(path.iterdir()):
-            continue
-        if own and path == Path(own):
             continue
         if name.startswith(_TMP_PREFIXES):
             left.append(Leftover("file", str(path)))
     left += [Leftover("file", str(_SHM / n)) for n in sorted(_shm() - before.shm)]
     return left
+
+
+def multiprocessing_dirs(before: Snapshot) -> list[Path]:
+    """multiprocessing's temporary directories made since ``before`` whose process is gone
+    (see :data:`_MULTIPROCESSING_PREFIX`); this process's own goes when it exits."""
+    tmp = Path(tempfile.gettempdir())
+    own = multiprocessing.current_process()._config.get("tempdir")
+    return [
+        tmp / name
+        for name in sorted(_tmp() - before.tmp)
+        if name.startswith(_MULTIPROCESSING_PREFIX) and not (own and tmp / name == Path(own))
+    ]
 
 
 def remove(left: list[Leftover]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,8 +39,9 @@ def session_leaves_nothing_behind() -> Iterator[None]:
     """Fails the run (an error at the last test's teardown) when the session leaves a process,
     a network namespace, a ``tc`` rule or a temporary file of its own behind it: a process
     that inherited this session's mark, a namespace or qdisc of the emulated hosts, a
-    ``raydlrm-*`` or ``pymp-*`` entry in the temporary directory, anything new in
-    ``/dev/shm``. The leftovers are removed after they are named. Torn down after every other
+    ``raydlrm-*`` entry in the temporary directory, anything new in ``/dev/shm``. The
+    leftovers are removed after they are named, and so are the ``pymp-*`` directories that
+    Ray's dashboards leave (see ``tests/_leftovers.py``). Torn down after every other
     session fixture (it is set up first), so the Ray cluster and the servers are gone by then."""
     before = _leftovers.snapshot()
     yield
@@ -47,6 +49,8 @@ def session_leaves_nothing_behind() -> Iterator[None]:
 
     close_pools()
     left = _leftovers.find(before)
+    for stale in _leftovers.multiprocessing_dirs(before):
+        shutil.rmtree(stale, ignore_errors=True)
     if left:
         _leftovers.remove(left)
         pytest.fail("the test session left behind:\n" + "\n".join(f"  {x}" for x in left))

@@ -103,7 +103,12 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, A
         startup_timeout=180,
         resources={"metadata": {"path": str(workdir)}},  # the kernel's working directory
     )
-    client.execute(env=env)  # raises CellExecutionError on the first cell that fails
+    try:
+        client.execute(env=env)  # raises CellExecutionError on the first cell that fails
+    finally:
+        if km.has_kernel:  # the client leaves a kernel it was given running
+            km.shutdown_kernel()
+        km.cleanup_resources()
     summary_lines = _text(_cell(nb, "summary")).strip().splitlines()
     return nb, json.loads(summary_lines[-1]), run_dir
 
