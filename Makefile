@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The quickstart's synthetic data set (kept when it is there), then the training job.
 demo: $(STAMP)
+	$(BIN)/python -m raydlrm data generate --config configs/quickstart.toml
 	$(BIN)/python -m raydlrm train --config configs/quickstart.toml
 
 # Two tiers (README "Development"): `make test`, the default tier (15 minutes on a quiet 2-core

@@ -50,6 +50,7 @@ def _config(
             "batch_size": BATCH_SIZE,
             "table_size": rows,
             "synthetic": {
+                "generate": "if_missing",
                 "num_train_rows": steps * BATCH_SIZE * NUM_WORKERS,
                 "num_eval_rows": 0,
                 "rows_per_file": 8192,

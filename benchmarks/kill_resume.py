@@ -34,6 +34,10 @@ Prints a Markdown table and a summary line; writes ``results.json`` under ``--ou
     .venv/bin/python benchmarks/kill_resume.py --out /tmp/raydlrm-kill-resume
     .venv/bin/python benchmarks/kill_resume.py --out /tmp/kr2 \
         --trials rank=1,step=11 rank=0,step=12,during=checkpoint
+    .venv/bin/python benchmarks/kill_resume.py --set checkpoint.differential=true \
+        --set checkpoint.num_to_keep=1 --set checkpoint.baseline_every=2 \
+        --set checkpoint.baseline_fraction=1.0 --trials rank=1,step=8 rank=1,step=11 \
+        rank=0,step=12,during=checkpoint
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def _config(root: Path, name: str, rows: int, *, max_failures: int) -> dict[str,
             "batch_size": BATCH_SIZE,
             "table_size": 500,
             "synthetic": {
+                "generate": "if_missing",
                 "num_train_rows": rows,
                 "num_eval_rows": 0,
                 "rows_per_file": 512,
@@ -180,7 +185,9 @@ def _restart_timing(client: Any, run_id: str, restored: int | None, kill: float)
     }
 
 
-def _trial(root: Path, name: str, spec: str, rows: int, reference: dict) -> dict[str, Any]:
+def _trial(
+    root: Path, name: str, spec: str, rows: int, reference: dict, overrides: list[str]
+) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
     import raydlrm
@@ -189,7 +196,7 @@ def _trial(root: Path, name: str, spec: str, rows: int, reference: dict) -> dict
     os.environ["RAYDLRM_FAULT"] = spec
     started = time.time()
     try:
-        result = raydlrm.train(_config(root, name, rows, max_failures=1))
+        result = raydlrm.train(_config(root, name, rows, max_failures=1), overrides=overrides)
     except Exception as exc:  # a failed trial is a finding, not the end of the benchmark
         return {"name": name, "spec": spec, **fault, "error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -258,6 +265,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2048, help="synthetic training rows")
     parser.add_argument("--out", type=Path, default=None, help="working dir (default: a temp)")
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of local Ray")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="a config override for every job, e.g. checkpoint.differential=true (repeatable)",
+    )
     args = parser.parse_args()
     specs = [(s, _parse(s)) for s in args.trials]  # bad specs fail before anything runs
 
@@ -292,7 +305,7 @@ def main() -> None:
             prepare_data(load_config(_config(root, "data", args.rows, max_failures=0)))
         name = f"reference-{tag}"
         started = time.time()
-        clean = raydlrm.train(_config(root, name, args.rows, max_failures=0))
+        clean = raydlrm.train(_config(root, name, args.rows, max_failures=0), overrides=args.set)
         reference = {
             "weights": _weights(clean.checkpoint_path),
             "samples": _sample_log(root, name),
@@ -309,7 +322,7 @@ def main() -> None:
         for i, (spec, fault) in enumerate(specs, 1):
             if fault["step"] > reference["step"]:
                 print(f"trial {i} ({spec}): step past the run's {reference['step']:.0f} steps")
-            trial = _trial(root, f"t{i}-{tag}", spec, args.rows, reference)
+            trial = _trial(root, f"t{i}-{tag}", spec, args.rows, reference, args.set)
             trial["samples_seen_equal"] = trial.get("samples_seen") == reference["samples_seen"]
             trials.append(trial)
             print(json.dumps({k: v for k, v in trial.items() if k != "checkpoint"}), flush=True)

@@ -52,6 +52,7 @@ SYNTHETIC_HO = {
     "train_path": "data/synthetic-ho/train",
     "eval_path": "data/synthetic-ho/eval",
     "synthetic": {
+        "generate": "if_missing",
         "num_train_rows": 1_000_000,
         "rows_per_file": 100_000,
         "interaction_orders": [2, 3, 4],

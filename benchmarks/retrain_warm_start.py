@@ -66,6 +66,7 @@ def _config(base: dict[str, Any], root: Path, work: Path, args: argparse.Namespa
         eval_path=None,
         synthetic={
             **config["data"].get("synthetic", {}),
+            "generate": "if_missing",
             "num_train_rows": args.rows_per_day * args.days,
             "num_eval_rows": 0,
             "rows_per_file": args.rows_per_file,

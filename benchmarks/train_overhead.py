@@ -39,7 +39,8 @@ def config(name):
     return {
         "data": {"train_path": str(root / "data" / "train"), "eval_path": None,
                  "batch_size": 128, "table_size": 500,
-                 "synthetic": {"num_train_rows": 2048, "num_eval_rows": 0,
+                 "synthetic": {"generate": "if_missing", "num_train_rows": 2048,
+                               "num_eval_rows": 0,
                                "rows_per_file": 1024, "max_cardinality": 400}},
         "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
         "training": {"max_steps": 4, "log_every_steps": 2},

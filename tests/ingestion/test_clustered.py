@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass
@@ -235,17 +237,47 @@ def test_a_user_column_varying_within_a_session_stops_or_is_set_aside(
     message = str(error.value)
     assert f"'C2' is not constant within session {ids[first]}" in message
     assert "part-00002.parquet" in message and f"rows {first - 1} and {first}" in message
-    assert not (tmp_path / "out" / "_clustered.json").exists()
+    # Nothing of the failed conversion is left (it was left, and refused the rerun into the
+    # same directory): the rerun below writes there.
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     # Quarantine: both sessions' samples are set aside, counted and written with the reason.
     quarantine = tmp_path / "quarantine"
     config = _config(source, bad_input="quarantine", quarantine_path=str(quarantine))
-    result = cluster_data(str(source), config, out=str(tmp_path / "kept"), session_columns=USERS)
+    result = cluster_data(str(source), config, out=str(tmp_path / "out"), session_columns=USERS)
     sizes = [int((ids == ids[row]).sum()) for row in (first, later)]
     assert result.quarantined_sessions == 2 and result.quarantined_samples == sum(sizes)
     assert result.num_samples == 3000 - sum(sizes)
     assert quarantine_counts(config)["bad_rows"] == sum(sizes)
-    kept = read_rows(str(tmp_path / "kept"), config, columns=["session_id"], max_rows=10_000)
+    kept = read_rows(str(tmp_path / "out"), config, columns=["session_id"], max_rows=10_000)
     assert not set(kept.column("session_id").to_pylist()) & {ids[first], ids[later]}
+
+
+def test_inferred_columns_name_a_nearly_constant_one_and_out_stays_out_of_the_source(
+    recd: Recd, tmp_path: Path, caplog
+) -> None:
+    """Inferring the per-session columns, a column that differs within one session is left
+    out, as before, but named with that session (it was dropped without a word); an output
+    directory inside the source data set (whose files it would join) is refused, as is the
+    source inside the output; the partial output of an unfinished run is taken over."""
+    last = recd.samples / "date=d2" / "part-00002.parquet"
+    (row,) = _inside_sessions(last, 1)
+    source = _tampered(recd.samples, tmp_path, column="C2", rows=[row])
+    session = pq.read_table(last, columns=["session_id"]).column("session_id")[row].as_py()
+    with caplog.at_level(logging.WARNING, logger="raydlrm.ingestion.sessions"):
+        result = cluster_data(str(source), _config(source), out=str(tmp_path / "out"))
+    assert "C2" not in result.session_columns and "C3" in result.session_columns
+    assert "sparse column 'C2' is constant within the sessions" in caplog.text
+    # The changed row and the next one of its session differ from the row before them.
+    assert re.search(rf"at [12] samples \(the first: session {session}, ", caplog.text)
+    for out in (source / "clustered", tmp_path):
+        with pytest.raises(ValueError, match="inside one another"):
+            cluster_data(str(source), _config(source), out=str(out))
+    assert not (source / "clustered").exists()
+    partial = tmp_path / "again"
+    (partial / "samples" / "date=d1").mkdir(parents=True)
+    (partial / "samples" / "date=d1" / "part-00000.parquet").write_bytes(b"cut")
+    again = cluster_data(str(source), _config(source), out=str(partial))
+    assert again.num_samples == result.num_samples
 
 
 def test_sessions_must_be_contiguous(recd: Recd, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -176,6 +177,7 @@ def test_towers_are_checked_before_ray_names_the_tower_and_key() -> None:
     assert job.scaling.num_hosts() == 2
     for towers, message in (
         ([half[0], [*half[1], "C1"]], r"model\.towers: feature C1 is in towers tower0 and tower1"),
+        ([[*half[0], "C1"], half[1]], r"model\.towers: tower tower0: feature C1 is listed twice"),
         ([half[0], half[1][1:]], r"model\.towers: features \['C14'\] are in no tower"),
         ([half[0], [*half[1], "C99"]], r"model\.towers: towers \['tower1'\]: unknown features"),
         ([[*half[0], *half[1]]], r"model\.towers: hosts \[1\] have no tower"),
@@ -218,5 +220,40 @@ def test_auto_towers_of_a_resumed_run_come_from_its_checkpoint() -> None:
     job = load_config({"model": {"towers": "auto"}, "scaling": {"ranks_per_host": 1}})
     towers = [[f"C{i}" for i in range(1, 27, 2)], [f"C{i}" for i in range(2, 27, 2)]]
     state = {"spec": {"model": {"towers": towers}}}
-    assert resolve_towers(job, None, None, resumed=state).model.towers == towers
+    assert resolve_towers(job, None, None, recorded=state).model.towers == towers
     assert load_config({"model": {"towers": "auto"}}).model.towers == "auto"  # not resolved yet
+
+
+def test_auto_towers_of_a_warm_start_keep_its_towers_and_its_statistics(tmp_path: Path) -> None:
+    """``model.towers = "auto"`` warm-started (every retrain slot after the first): the towers
+    and the dense statistics are the warm start's, not a new partition of, and statistics of,
+    the new data (the warm start's tower weights belong to its towers' features, and its
+    model to its standardization). They were once partitioned anew, and the new data's
+    statistics were written first and kept."""
+    from raydlrm.ingestion import SyntheticConfig, generate_synthetic
+    from raydlrm.platform.preflight import resolve_towers
+
+    generate_synthetic(
+        SyntheticConfig(num_train_rows=400, num_eval_rows=0, rows_per_file=400),
+        out_dir=tmp_path / "data",
+    )
+    towers = [[f"C{i}" for i in range(1, 27, 2)], [f"C{i}" for i in range(2, 27, 2)]]
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    state = {"spec": {"model": {"towers": towers}, "data": {"dense_stats": {"I1": [5.0, 2.0]}}}}
+    (warm / "trainer_state.json").write_text(json.dumps(state))
+    job = load_config(
+        {
+            "data": {
+                "train_path": str(tmp_path / "data" / "train"),
+                "dense_specs": {"I1": {"transform": "standardize"}},
+            },
+            "model": {"towers": "auto"},
+            "scaling": {"ranks_per_host": 1},
+            "run": {"warm_start": str(warm)},
+        }
+    )
+    # No data and no shape: a warm-up would need them.
+    resolved = resolve_towers(job, None, None, run_name=None)
+    assert resolved.model.towers == towers
+    assert resolved.data.dense_stats == {"I1": (5.0, 2.0)}

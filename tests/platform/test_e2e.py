@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tomllib
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
@@ -38,6 +40,7 @@ batch_size = 500
 table_size = 2000
 
 [data.synthetic]
+generate = "if_missing"
 num_train_rows = 40000
 num_eval_rows = 8000
 rows_per_file = 10000
@@ -402,3 +405,36 @@ def test_warm_start_names_a_registered_model(finished_run) -> None:
         registered_checkpoint("models:/e2e-model/7", uri)
     job = load_config({"run": {"warm_start": "models:/e2e-model@champion"}})
     assert resolve_paths(job).run.warm_start == "models:/e2e-model@champion"
+
+
+def test_a_warm_start_from_another_model_is_refused_naming_the_keys(finished_run) -> None:
+    """A warm start checks the model its checkpoint was trained with, not only its tables
+    and optimizer: another top MLP, or towers the checkpoint's model has not, would load its
+    weights into other layers (towers of equal sizes over other features loaded silently).
+    Refused before Ray starts, naming each key with both values."""
+    import raydlrm
+    from raydlrm.platform.config import ConfigError
+
+    workdir, _ = finished_run
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (version,) = client.search_model_versions("name='e2e-model'")
+    checkpoint = client.get_run(version.run_id).data.tags["raydlrm.checkpoint"]
+    halves = [
+        [f"C{i}" for i in range(1, 27, 2)],
+        [f"C{i}" for i in range(2, 27, 2)] + ["I1_bucket"],
+    ]
+    for overrides, named in (
+        ({"top_mlp": [16]}, "model.top_mlp: [32] in the checkpoint, [16] in the config"),
+        ({"towers": halves}, "model.towers: None in the checkpoint"),
+    ):
+        config = tomllib.loads(CONFIG)
+        config["data"].update(
+            train_path=str(workdir / "data" / "train"),
+            eval_path=str(workdir / "data" / "eval"),
+            dense_specs={"I1": {"buckets": 16}},  # as the run was trained
+        )
+        config["model"].update(overrides)
+        config["run"] = {"warm_start": checkpoint, "storage_path": str(workdir / "runs")}
+        config["tracking"]["tracking_uri"] = f"sqlite:///{workdir / 'mlflow.db'}"
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            raydlrm.train(config, overrides=["run.name=warm-start-refused"])

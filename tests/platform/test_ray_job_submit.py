@@ -312,6 +312,7 @@ def test_ray_job_submit_trains_registers_and_stops_cleanly(
     overrides = {
         "data.train_path": "data/train",
         "data.eval_path": "data/eval",
+        "data.synthetic.generate": "if_missing",
         "data.synthetic.num_train_rows": 4000,
         "data.synthetic.num_eval_rows": 1000,
         "data.synthetic.rows_per_file": 1000,
@@ -387,6 +388,7 @@ batch_size = 100
 table_size = 500
 
 [data.synthetic]
+generate = "if_missing"
 num_train_rows = 400
 num_eval_rows = 100
 rows_per_file = 200

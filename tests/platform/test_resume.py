@@ -39,6 +39,7 @@ def _config(root: Path, name: str, *, max_failures: int = 0) -> dict:
             "batch_size": 128,
             "table_size": 500,
             "synthetic": {
+                "generate": "if_missing",
                 "num_train_rows": ROWS,
                 "num_eval_rows": 0,
                 "rows_per_file": 512,
@@ -134,15 +135,33 @@ def test_worker_killed_mid_epoch_resumes_exactly(uninterrupted, monkeypatch) -> 
     assert failure["checkpoint"] and failure["checkpoint"] != result.checkpoint_path
 
 
+def _differential(config: dict) -> dict:
+    """Differential checkpoints every 3 steps: baselines at steps 3, 9, 15, deltas between
+    (these tables are small and batches touch most rows: deltas up to a whole baseline's
+    bytes), only the newest checkpoint and its chain kept: step 9's baseline deletes steps 3
+    and 6."""
+    config["checkpoint"].update(
+        differential=True, baseline_every=2, baseline_fraction=1.0, num_to_keep=1
+    )
+    return config
+
+
 def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> None:
+    """A differential run whose retention deleted checkpoints behind Ray Train (which still
+    lists them in its run snapshot) fails and is submitted again: it resumes from its newest
+    intact checkpoint, ends with the uninterrupted run's weights, and continues the same MLflow
+    run; finished, it is given a third epoch and goes on from its final checkpoint."""
     root, clean = uninterrupted
     monkeypatch.setenv("RAYDLRM_FAULT", "rank=0,step=12,during=checkpoint")
     with pytest.raises(Exception, match=r"(?i)fail|error|died|exit"):
-        raydlrm.train(_config(root, "resubmitted"))
-    # The checkpoint being written at step 12 never became the latest: step 9's is.
+        raydlrm.train(_differential(_config(root, "resubmitted")))
+    # The checkpoint being written at step 12 never became the latest: step 9's is, and
+    # retention deleted steps 3 and 6 (Ray Train's snapshot still names them).
     run_dir = Path(root, "runs", "resubmitted")
     complete = [p for p in run_dir.glob("checkpoint_*") if Path(p, "trainer_state.json").is_file()]
-    assert max(read_state_file(p)["step"] for p in complete) == 9
+    assert [read_state_file(p)["step"] for p in complete] == [9]
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    assert len(snapshot["checkpoint_results"]) == 3
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("resume")
     first = client.search_runs(
@@ -151,7 +170,7 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     assert len(first) == 1 and first[0].info.status == "FAILED"
 
     monkeypatch.delenv("RAYDLRM_FAULT")
-    result = raydlrm.train(_config(root, "resubmitted"))
+    result = raydlrm.train(_differential(_config(root, "resubmitted")))
     _assert_same_run(root, clean, result, "resubmitted")
     runs = client.search_runs(
         [experiment.experiment_id], filter_string="tags.`raydlrm.run_name` = 'resubmitted'"
@@ -162,6 +181,21 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     _assert_restored_from(result, 9)
     steps = [m.step for m in client.get_metric_history(result.run_id, "train/loss")]
     assert max(steps) == clean.metrics["step"]  # the metric steps went on
+
+    # Finished, with retention's deletions in Ray's snapshot again: a third epoch, its model
+    # registered; submitted again as it is (a scheduler's retry), it trains nothing and
+    # registers no second version of the same model.
+    config = _differential(_config(root, "resubmitted"))
+    config["training"].update(num_epochs=EPOCHS + 1, sample_log_dir=None)
+    config["tracking"]["registered_model_name"] = "resubmitted"
+    more = raydlrm.train(config)
+    assert more.metrics["step"] == clean.metrics["step"] * (EPOCHS + 1) // EPOCHS
+    assert more.metrics["samples_seen"] == ROWS * (EPOCHS + 1)
+    assert more.run_id == result.run_id and more.registered_model_version == "1"
+    again = raydlrm.train(config)
+    assert again.metrics["step"] == more.metrics["step"]
+    assert (again.registered_model_version, again.checkpoint_path) == ("1", more.checkpoint_path)
+    assert len(client.search_model_versions("name='resubmitted'")) == 1
 
 
 @pytest.mark.scenario

@@ -49,6 +49,7 @@ def _config(root: Path, tracking_uri: str) -> dict:
             "batch_size": 1024,
             "table_size": 2000,
             "synthetic": {
+                "generate": "if_missing",
                 "num_train_rows": ROWS_PER_DAY * len(DAYS),
                 "num_eval_rows": 0,
                 "rows_per_file": 1000,

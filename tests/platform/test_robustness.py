@@ -140,7 +140,7 @@ def test_the_lock_works_on_an_object_store(s3_server) -> None:
 
 
 def test_an_unreachable_tracking_server_stops_the_job_in_seconds(
-    tiny_data: Path, tmp_path: Path, no_ray: None
+    tiny_data: Path, tmp_path: Path, no_ray: None, monkeypatch
 ) -> None:
     started = time.monotonic()
     result = runner.invoke(
@@ -150,6 +150,15 @@ def test_an_unreachable_tracking_server_stops_the_job_in_seconds(
     line = _error_line(result)
     assert "tracking.tracking_uri" in line and "http://127.0.0.1:9/" in line
     assert time.monotonic() - started < 30
+    # From $MLFLOW_TRACKING_URI (the config sets none): the variable is named, not a key the
+    # user did not set.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9/")
+    args = _train_args(tiny_data, tmp_path)
+    at = args.index(f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    result = runner.invoke(app, args[: at - 1] + args[at + 1 :])  # without that --set
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert "$MLFLOW_TRACKING_URI" in line and "tracking.tracking_uri" not in line
 
 
 def test_resuming_with_another_model_or_features_is_refused_before_ray_starts(

@@ -38,6 +38,7 @@ def _config(root: Path, name: str) -> dict:
             "batch_size": 128,
             "table_size": 500,
             "synthetic": {
+                "generate": "if_missing",
                 "num_train_rows": ROWS,
                 "num_eval_rows": 512,
                 "rows_per_file": 512,

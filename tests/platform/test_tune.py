@@ -46,6 +46,8 @@ def test_the_parser_reads_every_distribution() -> None:
         ("training.learning_rate=uniform(1)", "needs two numbers"),
         ("training.learning_rate=uniform(2, 1)", "is empty"),
         ("training.learning_rate=loguniform(0, 1)", "needs lo > 0"),
+        # It passed the checks and failed inside Ray Tune, leaving a FAILED parent run.
+        ("training.learning_rate=loguniform(1e-4, inf)", r"needs finite ends"),
         ("training.seed=randint(0.5, 3)", "needs integers"),
         ("model.arch=choice()", "at least one value"),
         ("no distribution", "not of the form key=distribution"),
@@ -92,6 +94,43 @@ def test_a_trial_that_cannot_fit_the_cluster_is_refused_before_any_starts(caplog
         check_trial_fits(gpu, {}, cluster={"CPU": 8.0}, local=True)
     check_trial_fits(gpu, {}, cluster={"CPU": 8.0}, local=False)
     assert "waiting for an autoscaler" in caplog.text
+    # randint's high end is excluded: randint(1, 3) is 1 or 2 workers, which fit (3 were
+    # counted, and the sweep refused).
+    check_trial_fits(
+        job, parse_search(["scaling.num_workers=randint(1, 3)"]), cluster={"CPU": 3.0}, local=True
+    )
+
+
+def test_a_grid_runs_each_point_once_unless_asked_and_evaluations_reach_asha(
+    caplog, monkeypatch
+) -> None:
+    """``grid`` alone: each point one trial (8 identical copies of each ran, silently); asked
+    for more, a warning says they repeat. ASHA gets every evaluation, also one whose metric
+    repeats the last exactly (a collapsed model's AUC): keyed by the evaluation's step, not
+    by its value, which left such a trial at its first rung, never stopped."""
+    from raydlrm.platform.tune import _evaluation_reports, num_samples
+
+    grid = parse_search(["model.top_mlp=grid([16], [32])", "model.arch=grid(dlrm, dcnv2)"])
+    mixed = {**grid, **parse_search(["training.learning_rate=loguniform(1e-4, 1e-2)"])}
+    assert num_samples(None, grid) == 1 and num_samples(None, mixed) == 8
+    assert num_samples(3, mixed) == 3 and "runs each point" not in caplog.text
+    assert num_samples(3, grid) == 3
+    assert "every searched key is a grid (4 points): tune.num_trials = 3 runs each" in caplog.text
+
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    passed = []  # Tune's side of the callback (it needs a Tune session), standing in
+    monkeypatch.setattr(TuneReportCallback, "__init__", lambda self: None)
+    monkeypatch.setattr(
+        TuneReportCallback, "after_report", lambda self, c, m, k: passed.append(m[0]["step"])
+    )
+    callback = _evaluation_reports("eval/auc")
+    for step, evaluated in ((1, None), (2, 2), (3, 2), (4, 4), (5, 4), (6, 6)):
+        report = {"step": step, "train/loss": 0.6}
+        if evaluated is not None:  # reports after an evaluation carry its metrics
+            report |= {"eval/auc": 0.5, "eval/step": evaluated}
+        callback.after_report(None, [report], None)
+    assert passed == [2, 4, 6]
 
 
 def _sweep_config(tmp_path: Path) -> dict:
@@ -102,6 +141,7 @@ def _sweep_config(tmp_path: Path) -> dict:
             "batch_size": 128,
             "table_size": 500,
             "synthetic": {
+                "generate": "if_missing",
                 "num_train_rows": 2048,
                 "num_eval_rows": 512,
                 "rows_per_file": 1024,

@@ -114,7 +114,13 @@ def _batches(steps: int, *, batch: int = 32, seed: int = 0) -> list[KeyedJaggedT
 
 
 def _collection(
-    precision: str, *, factor: float = 0.25, kernel: str = "torch", device: str = "cpu", **kw
+    precision: str,
+    *,
+    factor: float = 0.25,
+    kernel: str = "torch",
+    device: str = "cpu",
+    planned: dict | None = None,
+    **kw,
 ):
     config = ShardingConfig(
         weights_precision=precision,
@@ -124,7 +130,7 @@ def _collection(
         learning_rate=0.05,
         **kw,
     )
-    plan = plan_sharding(TABLES, world_size=1, config=config)
+    plan = plan_sharding(TABLES, world_size=1, config=config, **(planned or {}))
     return ShardedEmbeddingBagCollection(
         EmbeddingBagCollection(TABLES, device="meta", seed=11),
         plan=plan,
@@ -200,10 +206,25 @@ def test_a_step_beyond_the_cache_names_the_table_and_the_setting() -> None:
     )
     with pytest.raises(
         TierError,
-        match=r"table 'big': a step looks up 11 distinct rows .* "
-        r"holds 4; raise sharding\.cache_load_factor",
+        match=r"table 'big': a step looks up 11 distinct rows .* holds 4 .*"
+        r"data\.sparse_specs\.<column>\.max_length, or raise sharding\.cache_load_factor",
     ):
         collection(kjt)
+
+
+def test_a_cache_planned_for_the_steps_ids_holds_every_step() -> None:
+    """The planner sizes a quantized table's cache for the most rows a step can look up (the
+    global batch times the most ids a sample looks up in it: ``step_rows``), however small
+    ``cache_load_factor`` is: the quickstart's int8 tables once stopped mid-run with a step of
+    2,593 distinct rows against 2,500 slots. Steps of up to that many ids train."""
+    planned = {"batch_size": 32, "max_bag_sizes": {"big": 4, "small": 2}}
+    collection = _collection("int8", factor=0.01, planned=planned)  # 4 slots by the factor
+    assert collection.plan.table("big").step_rows == 32 * 4
+    batches = _batches(10)  # each feature's list: up to 2 ids; 'a' and 'b' share 'big'
+    outputs = _train(collection, batches)
+    assert all(bool(torch.isfinite(o).all()) for o in outputs)
+    _, lookups = collection.cache_hit_rates()["big"]
+    assert lookups > 4 * 10  # more distinct rows a step than the factor's 4 slots
 
 
 def test_planner_counts_quantized_rows_and_warns_of_a_small_cache(caplog) -> None:

@@ -26,6 +26,7 @@ from raydlrm.trainers.checkpoint import (
     newest_intact,
     open_chain,
     read_state_file,
+    resume_blocker,
     verify_checkpoint,
 )
 from raydlrm.trainers.model_dir import ModelWeights
@@ -244,6 +245,12 @@ def test_retention_damage_export_and_precision(data_dir: Path, tmp_path: Path, c
     assert any(
         "checkpoint_008 is damaged or missing" in p for p in verify_checkpoint(_ckpt(root, 10))
     )
+    # No checkpoint left intact: what a resume says before Ray starts names each broken link
+    # once (it listed every dependent checkpoint's problems, after Ray had started).
+    blocker = resume_blocker(str(root), pafs.LocalFileSystem())
+    assert blocker.startswith("none of its 2 checkpoints is intact: ")
+    assert "checkpoint_008 is missing, which the chain of 1 later checkpoint needs;" in blocker
+    assert "checkpoint_009 is damaged (" in blocker and blocker.count("checkpoint_009") == 1
     shutil.copytree(foreign, _ckpt(root, 8))
     assert any("belongs to another chain" in p for p in verify_checkpoint(_ckpt(root, 10)))
     alone = tmp_path / "alone" / "checkpoint_010"

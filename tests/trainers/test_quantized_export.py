@@ -171,6 +171,12 @@ def test_exported_lookup_pools_the_dequantized_rows(trained: dict) -> None:
         assert torch.equal(rows, trained["tables"][table]), table
         bags = torch.nn.functional.embedding_bag(ids, rows, offsets, mode="sum")
         assert torch.equal(pooled[features[table]], bags), table
+        # On the codes' device: an exported model moved to a GPU looks its rows up there
+        # (they were made on the CPU whatever the device; "meta" stands in for a GPU here).
+        on = dequantize_blocks(
+            held.codes.to("meta"), held.qparams.to("meta"), blocks=blocks, precision=precision
+        )
+        assert on.device.type == "meta" and on.shape == rows.shape
 
 
 @pytest.mark.distributed

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -185,16 +186,23 @@ def cluster_data(
     filesystem, out_root = filesystem_for(out, config.storage)
     source_fs, source_root = filesystem_for(source, config.storage)
     written = _Written()
-    for file in dict.fromkeys(g.file for g in summary.row_groups):
-        relative = relative_path(file, source_root)
-        _cluster_file(
-            file,
-            filesystems=(source_fs, filesystem),
-            paths=(f"{out_root}/{SAMPLES_DIR}/{relative}", f"{out_root}/{SESSIONS_DIR}/{relative}"),
-            columns=(session, columns),
-            config=config,
-            written=written,
-        )
+    try:
+        for file in dict.fromkeys(g.file for g in summary.row_groups):
+            relative = relative_path(file, source_root)
+            _cluster_file(
+                file,
+                filesystems=(source_fs, filesystem),
+                paths=(
+                    f"{out_root}/{SAMPLES_DIR}/{relative}",
+                    f"{out_root}/{SESSIONS_DIR}/{relative}",
+                ),
+                columns=(session, columns),
+                config=config,
+                written=written,
+            )
+    except BaseException:
+        _remove_partial(filesystem, out_root)  # a rerun into ``out`` starts from nothing
+        raise
     write_layout(ClusteredLayout(session, columns), filesystem=filesystem, root=out_root)
     result = written.result(
         out, columns, sizes=(data_bytes(source, config), data_bytes(out, config))
@@ -215,6 +223,14 @@ def _checked_source(
     if session is None:
         raise ValueError("data.session_column must name the session column to cluster by")
     filesystem, out_root = filesystem_for(out, config.storage)
+    _, source_root = filesystem_for(source, config.storage)
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    if _within(out_root, source_root, local=local) or _within(source_root, out_root, local=local):
+        raise ValueError(
+            f"the clustered data set {out} and the data set {source} are inside one another: "
+            "its files would become part of the data they are made from; give --out a "
+            "directory outside it"
+        )
     _check_empty(filesystem, out_root, out=out)
     config = dataclasses.replace(config, partitions={}, eval_partitions=None)
     if config.bad_input == "quarantine" and config.quarantine_path is None:
@@ -267,11 +283,37 @@ def _session_columns(
     return [*named, *(w for w in weights if w is not None)]
 
 
+def _within(path: str, parent: str, *, local: bool) -> bool:
+    """Whether ``path`` is ``parent`` or inside it (as a filesystem names them: resolved on the
+    local disk, ``bucket/key`` as they are on an object store)."""
+    if local:
+        path, parent = os.path.realpath(path), os.path.realpath(parent)
+    path, parent = path.rstrip("/"), parent.rstrip("/")
+    return path == parent or path.startswith(f"{parent}/")
+
+
+# What an unfinished conversion leaves in ``out``: the marker is written last.
+_PARTIAL = {SAMPLES_DIR, SESSIONS_DIR, "_quarantine"}
+
+
+def _remove_partial(filesystem: pafs.FileSystem, root: str) -> None:
+    """Removes what a conversion wrote under ``root`` before it stopped (its directories)."""
+    for name in _PARTIAL:
+        if filesystem.get_file_info(f"{root}/{name}").type == pafs.FileType.Directory:
+            filesystem.delete_dir(f"{root}/{name}")
+
+
 def _check_empty(filesystem: pafs.FileSystem, root: str, *, out: str) -> None:
+    """``out`` must hold no files; the partial output of a conversion that did not finish (no
+    marker yet, only its directories) is removed first, so that it can be run again."""
     info = filesystem.get_file_info(root)
     if info.type == pafs.FileType.File:
         raise FileExistsError(f"{out} is a file, not a directory for the clustered data set")
     if info.type == pafs.FileType.Directory:
+        top = filesystem.get_file_info(pafs.FileSelector(root))
+        if top and all(i.base_name in _PARTIAL for i in top):
+            logger.info("%s holds the partial output of an unfinished conversion: removed", out)
+            _remove_partial(filesystem, root)
         inside = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
         if any(i.type == pafs.FileType.File for i in inside):
             raise FileExistsError(f"{out} already holds files; give an empty or new directory")

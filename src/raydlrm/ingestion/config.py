@@ -21,9 +21,15 @@ BUCKET_SUFFIX = "_bucket"
 class SyntheticConfig:
     """A Criteo-shaped synthetic data set with a planted model.
 
-    See ``raydlrm.ingestion.synthetic`` for the columns and the planted model.
+    See ``raydlrm.ingestion.synthetic`` for the columns and the planted model. ``raydlrm data
+    generate`` writes it; training writes it only when ``generate = "if_missing"`` says so.
     """
 
+    generate: Literal["never", "if_missing"] = "never"
+    """Whether training writes this data set where ``data.train_path`` points when nothing is
+    there: ``never`` (the default: a missing data path is an error naming the key and the
+    path, so that a wrong path never trains on fake data; ``raydlrm data generate`` writes it),
+    or ``if_missing``."""
     num_train_rows: int = 200_000
     """Rows in the training split."""
     num_eval_rows: int = 50_000

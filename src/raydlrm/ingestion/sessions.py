@@ -11,6 +11,8 @@ sessions (a hash lookup).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,7 +28,13 @@ __all__ = [
     "session_starts",
 ]
 
+logger = logging.getLogger(__name__)
+
 MIN_REPEATS = 100
+NEARLY_CONSTANT = 0.01
+"""A column that changes within sessions at no more than this share of the samples repeating a
+session (at least at one) is named in a warning: a per-session column with a few bad values
+is more likely than one that changes so rarely."""
 """Rows that repeat their session (a session's second sample on) a sample needs before columns
 are called constant within sessions: with fewer, constancy is not evidence."""
 
@@ -100,10 +108,30 @@ def constant_columns(
             "tell which columns are constant within sessions"
         )
     out = []
+    sessions = table.column(session_column)
     for column in columns:
         parts = [column, config.weight_column_of(column)]
-        if not any((changed_rows(table.column(c)) & repeats).any() for c in parts if c):
+        changed = np.zeros(table.num_rows, dtype=bool)
+        for c in (c for c in parts if c):
+            changed |= changed_rows(table.column(c)) & repeats
+        count = int(changed.sum())
+        if not count:
             out.append(column)
+        elif count <= max(1, NEARLY_CONSTANT * repeats.sum()):
+            first = int(np.flatnonzero(changed)[0])
+            logger.warning(
+                "sparse column %r is constant within the sessions of the %d rows read but at %d "
+                "samples (the first: session %s, row %d): it is not taken as a per-session "
+                "column; "
+                "if it is one with bad values, name it (data.dedup_groups, or --column of "
+                "raydlrm data cluster) and those sessions are stopped at or set aside "
+                "(data.bad_input)",
+                column,
+                table.num_rows,
+                count,
+                sessions[first].as_py(),
+                first,
+            )
     return out
 
 

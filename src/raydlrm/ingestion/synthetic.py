@@ -46,6 +46,7 @@ import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -528,8 +529,8 @@ def _existing(config: SyntheticConfig, *, out_dir: Path) -> SyntheticInfo | None
     """
     stored = _read_info(out_dir)
     # Keys added to SyntheticConfig later take their defaults in older metadata.
-    defaults = dataclasses.asdict(SyntheticConfig())
-    if stored is not None and {**defaults, **stored.config} == dataclasses.asdict(config):
+    defaults = _data_fields(SyntheticConfig())
+    if stored is not None and {**defaults, **stored.config} == _data_fields(config):
         return dataclasses.replace(stored.info, kept=True)
     if stored is not None or (out_dir / "train").exists() or (out_dir / "eval").exists():
         raise SyntheticDataExistsError(out_dir, different=stored is not None)
@@ -627,11 +628,18 @@ def _write_split(
     logger.info("wrote %d %s rows in %d files to %s", total, split, num_files, split_dir)
 
 
+def _data_fields(config: SyntheticConfig) -> dict[str, Any]:
+    """What of ``config`` makes the data set (not ``generate``, which says who writes it)."""
+    fields = dataclasses.asdict(config)
+    del fields["generate"]
+    return fields
+
+
 def _write_metadata(info: SyntheticInfo, *, config: SyntheticConfig) -> None:
     """Writes ``metadata.json``, atomically: its presence marks the data set complete."""
     meta = {
         "format_version": _FORMAT_VERSION,
-        "config": dataclasses.asdict(config),
+        "config": _data_fields(config),
         "num_train_rows": info.num_train_rows,
         "num_eval_rows": info.num_eval_rows,
         "train_files": [str(p.relative_to(info.out_dir)) for p in info.train_files],

@@ -135,8 +135,9 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """fp32 rows of a checkpoint's quantized table (see :mod:`raydlrm.sharding.state`): the
     column blocks ``blocks`` (the saving plan's column shards) each quantized with their own
-    scale and bias, ``params[:, 2k : 2k + 2]`` for block ``k``, their codes side by side."""
-    out = torch.empty(codes.shape[0], blocks[-1][1] if blocks else 0)
+    scale and bias, ``params[:, 2k : 2k + 2]`` for block ``k``, their codes side by side; on
+    the codes' device (an exported model moved to a GPU looks up its rows there)."""
+    out = torch.empty(codes.shape[0], blocks[-1][1] if blocks else 0, device=codes.device)
     for k, (start, end) in enumerate(blocks):
         lo, hi = block_code_columns(start, end, precision)
         out[:, start:end] = dequantize_rows(

@@ -8,7 +8,8 @@ measures the pairwise interaction strength of the features on the next batch
 within 10% of the mean lookups per step
 (:func:`~raydlrm.sharding.tower_partition.partition_towers`). The job continues with the towers
 written out, so the run's config, checkpoints and MLflow parameters name them. A run that
-resumes takes its checkpoint's towers and warms up nothing.
+resumes, or warm-starts (every ``raydlrm retrain`` slot after the first), takes its checkpoint's
+towers and warms up nothing: its model's tower weights belong to those features.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ DRIVER_MEMORY_SHARE = 0.5
 
 
 def resolve_towers(
-    job: JobConfig, data: Any, shape: Any, *, resumed: dict[str, Any] | None
+    job: JobConfig, data: Any, shape: Any, *, recorded: dict[str, Any] | None
 ) -> JobConfig:
     """The job with ``model.towers = "auto"`` replaced by the partitioner's towers (or those of
-    ``resumed``, the state of the checkpoint the run continues); any other job as it is.
+    ``recorded``, the state of the checkpoint the run resumes or warm-starts from); any other
+    job as it is.
     ``data`` and ``shape`` are the job's validated data sets and their shape (``JobData`` and
     ``DataShape`` of :mod:`raydlrm.platform.preflight`, which calls this).
 
@@ -44,8 +46,8 @@ def resolve_towers(
     model = job.model
     if model.towers != "auto":
         return job
-    if resumed is not None and isinstance(resumed["spec"]["model"].get("towers"), list):
-        towers = resumed["spec"]["model"]["towers"]
+    if recorded is not None and isinstance(recorded["spec"]["model"].get("towers"), list):
+        towers = recorded["spec"]["model"]["towers"]
         logger.info("model.towers = 'auto': the checkpoint's towers %s", towers)
         return replaced(job, model=replaced(model, towers=towers))
     started = time.perf_counter()

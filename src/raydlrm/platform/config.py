@@ -189,8 +189,9 @@ class TuneConfig:
     """Dotted config key -> its distribution: ``choice(a, b, ...)``, ``grid(a, b, ...)``
     (every value, each with ``num_trials`` samples of the rest), ``uniform(lo, hi)``,
     ``loguniform(lo, hi)``, ``randint(lo, hi)`` (``hi`` excluded); values as in ``--set``."""
-    num_trials: int = 8
-    """Trials to sample (with ``grid``: per grid point)."""
+    num_trials: int | None = None
+    """Trials to sample (with ``grid``: per grid point). Default: 8, or 1 when every key is a
+    ``grid`` (each point once; more would repeat the same trials, with a warning)."""
     metric: str = "eval/auc"
     """The metric trials are ranked and stopped early on (reported at each evaluation,
     ``training.eval_every_steps``, and at the end)."""
@@ -210,7 +211,7 @@ class TuneConfig:
     """Seed of the sampler (None: random)."""
 
     def __post_init__(self) -> None:
-        if self.num_trials < 1:
+        if self.num_trials is not None and self.num_trials < 1:
             raise ValueError(f"tune.num_trials must be >= 1, got {self.num_trials}")
         if self.grace_period < 1:
             raise ValueError(f"tune.grace_period must be >= 1, got {self.grace_period}")

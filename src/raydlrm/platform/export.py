@@ -296,6 +296,7 @@ def log_model(
     model_dir: Path,
     example: pd.DataFrame,
     registered_model_name: str | None,
+    tags: dict[str, str] | None = None,
 ) -> mlflow.models.model.ModelInfo:
     """Logs a model directory (:func:`run_model_dir`) as a pyfunc model on run ``run_id`` and
     registers it if a name is given.
@@ -305,12 +306,13 @@ def log_model(
         model_dir: a model directory (``raydlrm.trainers.model_dir``).
         example: a few raw input rows, used for the model signature and input example.
         registered_model_name: registry name, or None to log without registering.
+        tags: the registered version's tags.
     """
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pyfunc.log_model(name=MODEL_ARTIFACT, **_pyfunc_kwargs(model_dir, example))
     if registered_model_name:
         info.registered_model_version = register_version(
-            info.model_uri, registered_model_name, run_id=run_id
+            info.model_uri, registered_model_name, run_id=run_id, tags=tags
         )
     logger.debug(
         "logged model %s%s",
@@ -349,6 +351,23 @@ def register_version(
         model_id=model_uri.removeprefix("models:/"),
     )
     return int(version.version)
+
+
+def tagged_version(
+    name: str, *, run_id: str, tags: dict[str, str], client: mlflow.MlflowClient
+) -> Any | None:
+    """The version of ``name`` registered from run ``run_id`` with ``tags`` (None: none, or
+    no such registered model)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    except MlflowException:
+        return None
+    for version in versions:
+        if all(version.tags.get(k) == v for k, v in tags.items()):
+            return version
+    return None
 
 
 def set_experiment(name: str, *, tracking_uri: str | None = None) -> Any:

@@ -26,7 +26,13 @@ from raydlrm._logs import configure_api, library_level, quiet_libraries, worker_
 from raydlrm.ingestion import DataSummary, default_num_actors
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
 from raydlrm.platform.config import JobConfig, load_config
-from raydlrm.platform.export import example_rows, log_model, run_model_dir, weights_by_reference
+from raydlrm.platform.export import (
+    example_rows,
+    log_model,
+    run_model_dir,
+    tagged_version,
+    weights_by_reference,
+)
 from raydlrm.platform.preflight import (
     JobData,
     Preflight,
@@ -42,6 +48,7 @@ from raydlrm.platform.preflight import (
 from raydlrm.platform.progress import TrainingProgress, progress_mode
 from raydlrm.platform.ray_init import init_ray
 from raydlrm.platform.run_lock import run_lock
+from raydlrm.platform.run_snapshot import drop_deleted_checkpoints
 from raydlrm.platform.tracking import TAG_CHECKPOINT, TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
@@ -154,6 +161,8 @@ def _tracked_run(
     """Ray, the job's MLflow run, Ray Train's run, the final model and the row accounting;
     a failure marks the MLflow run failed."""
     job = checked.job
+    root, filesystem = run_storage(job)
+    drop_deleted_checkpoints(f"{root}/{run_name}", filesystem or pafs.LocalFileSystem())
     init_ray(job)
     tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
     try:
@@ -330,31 +339,46 @@ def _log_final_model(
             "raydlrm.model_weights": "reference" if by_reference else "copy",
         }
     )
+    name = job.tracking.registered_model_name
+    # A finished run submitted again (a scheduler's retry) ends at the checkpoint it ended at:
+    # the version registered from it stands, and no second one is made.
+    tags = {TAG_CHECKPOINT: checkpoint_uri}
+    done = name and tagged_version(name, run_id=tracked.run_id, tags=tags, client=tracked.client)
     with run_model_dir(checkpoint, checkpoint_uri, by_reference=by_reference) as model_dir:
         # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
         final = {**result.metrics, **model_metrics(model_dir)}
         eval_error = final.get("eval/error")
-        info = log_model(
-            run_id=tracked.run_id,
-            model_dir=model_dir,
-            example=example,
-            # A model whose final evaluation failed is kept (logged), not registered.
-            registered_model_name=None if eval_error else job.tracking.registered_model_name,
-        )
+        if done:
+            logger.info(
+                "%s version %s holds this run's final checkpoint %s already: registered once",
+                name,
+                done.version,
+                checkpoint_uri,
+            )
+            model_uri, version = done.source, done.version
+        else:
+            info = log_model(
+                run_id=tracked.run_id,
+                model_dir=model_dir,
+                example=example,
+                # A model whose final evaluation failed is kept (logged), not registered.
+                registered_model_name=None if eval_error else name,
+                tags=tags,
+            )
+            model_uri, version = info.model_uri, info.registered_model_version
     if eval_error:
         tracked.set_tags({"raydlrm.eval_error": eval_error[:5000]})
         raise EvaluationError(
             f"final evaluation failed: {eval_error}; the trained model is kept: logged as "
-            f"{info.model_uri}, checkpoint {checkpoint_uri} (raydlrm export {checkpoint_uri} "
+            f"{model_uri}, checkpoint {checkpoint_uri} (raydlrm export {checkpoint_uri} "
             "--register <name> registers it)"
         )
-    version = info.registered_model_version
     return TrainResult(
         metrics={k: v for k, v in final.items() if isinstance(v, int | float)},
         checkpoint_path=checkpoint_uri,
         run_id=tracked.run_id,
         tracking_uri=tracked.tracking_uri,
-        model_uri=info.model_uri,
+        model_uri=model_uri,
         registered_model_name=job.tracking.registered_model_name,
         registered_model_version=None if version is None else str(version),
         plan=plan,

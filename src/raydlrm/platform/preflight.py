@@ -32,6 +32,7 @@ from ray.train import ScalingConfig
 
 from raydlrm.ingestion import (
     DataSummary,
+    DataValidationError,
     check_id_kinds,
     generate_synthetic,
     id_kinds_of,
@@ -53,7 +54,12 @@ from raydlrm.sharding.plan import format_bytes
 from raydlrm.sharding.planner import plan_sharding
 from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join
-from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, check_state_matches
+from raydlrm.trainers.checkpoint import (
+    STATE_FILE,
+    check_intact,
+    check_state_matches,
+    resume_blocker,
+)
 
 __all__ = [
     "DataShape",
@@ -172,13 +178,46 @@ def _relative_tracking(job: JobConfig) -> str | None:
 
 
 def prepare_data(config: JobConfig) -> None:
-    """Generates the configured synthetic data set if ``data.train_path`` does not exist."""
+    """Generates the configured synthetic data set if ``data.synthetic.generate =
+    "if_missing"`` and ``data.train_path`` does not exist (locally: never on an object store).
+
+    Raises:
+        DataValidationError: ``data.train_path`` is a local path that does not exist (and is
+            not to be generated), naming the key, the resolved path and how to make the
+            synthetic data set the config describes, if it describes one.
+    """
     data = config.data
-    if data.synthetic is None or is_remote(data.train_path) or Path(data.train_path).exists():
-        return  # synthetic data is generated locally only
-    root = Path(data.train_path).parent
-    logger.info("generating synthetic data into %s", root)
-    generate_synthetic(data.synthetic, out_dir=root)
+    synthetic = data.synthetic
+    if (
+        synthetic is not None
+        and synthetic.generate == "if_missing"
+        and not is_remote(data.train_path)
+        and not Path(data.train_path).exists()
+    ):
+        root = Path(data.train_path).parent
+        logger.info("generating synthetic data into %s (data.synthetic.generate)", root)
+        generate_synthetic(synthetic, out_dir=root)
+    _check_exists(config, "data.train_path", data.train_path)
+
+
+def _check_exists(config: JobConfig, key: str, path: str | None) -> None:
+    if path and not is_remote(path) and not Path(path).exists():
+        raise DataValidationError(f"{key}: {path} does not exist{_missing_hint(config)}")
+
+
+def _missing_hint(config: JobConfig) -> str:
+    """What a missing data path's error adds: where relative paths went, and how to write the
+    synthetic data set the config describes."""
+    hint = ""
+    if BASE_DIR_ENV in os.environ:
+        hint += f" (relative paths are under {BASE_DIR_ENV}={os.environ[BASE_DIR_ENV]})"
+    if config.data.synthetic is not None:
+        hint += (
+            "; the config's [data.synthetic] describes a synthetic data set: `raydlrm data "
+            "generate` with the same config writes it there (or set data.synthetic.generate "
+            '= "if_missing")'
+        )
+    return hint
 
 
 @dataclass(frozen=True)
@@ -197,6 +236,7 @@ def validate_job_data(job: JobConfig) -> JobData:
         DataValidationError: missing or malformed data, named.
     """
     prepare_data(job)
+    _check_exists(job, "data.eval_path", job.data.eval_path)
     data = job.data
     return JobData(
         train=validate_data(data.train_path, data, role="train"),
@@ -241,6 +281,11 @@ class DataShape:
     table_stats: dict[str, TableStats] = dataclasses.field(default_factory=dict)
     """Table name -> the ids per sample and access histogram of the first batch, for the
     learned cost model (``sharding.cost_model`` other than ``analytic`` only)."""
+    max_bag_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Table name -> the most ids one sample looks up in it: one per single-id feature, per
+    id-list feature its ``data.sparse_specs.<c>.max_length`` (a longer list is bad input),
+    else the longest list of the rows read. The planner sizes row caches by it, so that a
+    step's rows fit a cache."""
 
 
 def data_shape(job: JobConfig, data: JobData) -> DataShape:
@@ -278,8 +323,22 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
     stats = {}
     if job.sharding.cost_model != "analytic":
         stats = table_stats(job, table.slice(0, job.global_batch_size()))
+    longest = {
+        c: _max_length(table.column(c)) for c in config.sparse_columns if c in table.column_names
+    }
+    for c, spec in config.sparse_specs.items():
+        if spec.max_length is not None:
+            longest[c] = spec.max_length
+    bags = {
+        name: sum(longest.get(c, 1) for c in columns)
+        for name, columns in config.table_columns().items()
+    }
     return DataShape(
-        rows=table.num_rows, pooling_factors=pooling, dedup_ratios=ratios, table_stats=stats
+        rows=table.num_rows,
+        pooling_factors=pooling,
+        dedup_ratios=ratios,
+        table_stats=stats,
+        max_bag_sizes=bags,
     )
 
 
@@ -317,6 +376,14 @@ def _flat_ids(column: pa.ChunkedArray) -> pa.Array:
     if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
         return array.flatten()
     return array
+
+
+def _max_length(column: pa.ChunkedArray) -> int:
+    """Most ids in one row of a sparse column: its longest list, 1 for single ids."""
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return 1
+    longest = pc.max(pc.list_value_length(column)).as_py()
+    return max(1, longest or 0)
 
 
 def _mean_length(column: pa.ChunkedArray) -> float:
@@ -420,6 +487,7 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
         "dedup_ratios": None if shape is None else shape.dedup_ratios,
         "learned": learned,
         "table_stats": None if shape is None else shape.table_stats,
+        "max_bag_sizes": None if shape is None else shape.max_bag_sizes,
     }
     hosts = config.scaling.num_hosts()
     if config.model.towers == "auto":
@@ -469,8 +537,14 @@ def resolve_towers(
     from raydlrm.platform.auto_towers import resolve_towers as resolve
 
     resumed = None if run_name is None else _resumed_state(job, run_name)
-    job = _with_statistics(job, _training_statistics(job))
-    return resolve(job, data, shape, resumed=None if resumed is None else resumed[1])
+    warm = _warm_start_state(job) if job.run.warm_start else None
+    job = _with_recorded_statistics(
+        job,
+        resumed=None if resumed is None else resumed[1],
+        warm=None if warm is None else warm.state,
+    )
+    recorded = resumed[1] if resumed is not None else None if warm is None else warm.state
+    return resolve(job, data, shape, recorded=recorded)
 
 
 def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:
@@ -529,17 +603,18 @@ def preflight(job: JobConfig, plan: ShardingPlan, *, data: JobData, run_name: st
         DataValidationError: a sparse column holds ids of another kind than the model's.
     """
     _check_ssd_space(job, plan)
-    warm_start = None
-    if job.run.warm_start:
-        warm_start = _warm_start_checkpoint(job, plan)
-        job = _with_statistics(job, warm_start.data)
+    _check_run_storage(job, run_name)
+    _check_resumable(job, run_name)
+    resumed = _resumed_state(job, run_name)
+    warm_start = _warm_start_checkpoint(job, plan) if job.run.warm_start else None
+    job = _with_recorded_statistics(
+        job,
+        resumed=None if resumed is None else resumed[1],
+        warm=None if warm_start is None else warm_start.state,
+    )
+    if warm_start is not None:
         job = _with_id_kinds(job, warm_start.data.get("id_kinds") or {})
     job = _with_id_kinds(job, _data_id_kinds(job, data))
-    _check_run_storage(job, run_name)
-    resumed = _resumed_state(job, run_name)
-    if resumed is not None:  # a resumed run keeps the statistics it was trained with
-        job = _with_statistics(job, resumed[1]["spec"]["data"])
-    job = _with_statistics(job, _training_statistics(job))
     if resumed is not None:
         _check_resume(job, plan, run_name, resumed)
     check_tracking_of(job)
@@ -564,6 +639,19 @@ def _with_id_kinds(job: JobConfig, kinds: dict[str, str]) -> JobConfig:
         return job
     merged = {**job.data.id_kinds, **new}
     return dataclasses.replace(job, data=dataclasses.replace(job.data, id_kinds=merged))
+
+
+def _with_recorded_statistics(
+    job: JobConfig, *, resumed: dict[str, Any] | None, warm: dict[str, Any] | None
+) -> JobConfig:
+    """``job`` with the dense statistics and bucket boundaries its model means, in one order:
+    the checkpoint the run resumes (``resumed``, its state) was trained with them, then the
+    warm start's (``warm``), then the training data's for the columns still without (a
+    model's features keep their meaning; the first that holds a column's wins)."""
+    for state in (resumed, warm):
+        if state is not None:
+            job = _with_statistics(job, state["spec"]["data"])
+    return _with_statistics(job, _training_statistics(job))
 
 
 def _with_statistics(job: JobConfig, recorded: dict[str, Any]) -> JobConfig:
@@ -627,6 +715,22 @@ def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
         return str(Path(path.removeprefix("file://")).resolve()), None
     filesystem, resolved = filesystem_for(path, job.run.storage_or(job.data.storage))
     return resolved, filesystem
+
+
+def _check_resumable(job: JobConfig, run_name: str) -> None:
+    """A run that has checkpoints must have an intact one to resume from.
+
+    Raises:
+        ConfigError: naming the run and each damaged or missing checkpoint once (how many
+            chains need it), before Ray starts rather than after, checkpoint by checkpoint.
+    """
+    root, filesystem = run_storage(job)
+    blocker = resume_blocker(f"{root.rstrip('/')}/{run_name}", filesystem or pafs.LocalFileSystem())
+    if blocker is not None:
+        raise ConfigError(
+            f"run {run_name} cannot resume: {blocker} (restore it, or start a new run with "
+            "another run.name)"
+        )
 
 
 def _check_run_storage(job: JobConfig, run_name: str) -> None:
@@ -702,11 +806,7 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
     a standardized value and a bucket mean), the fused optimizer, the tables (names and
     shapes; tables that differ alike are named together); one phrase each, with both values."""
     spec = state["spec"]
-    settings = {
-        f"model.{k}": (v, getattr(job.model, k))
-        for k, v in spec["model"].items()
-        if hasattr(job.model, k)  # a knob of an older release is not compared
-    }
+    settings = _model_settings(spec, job=job)
     for key in ("dense_columns", "sparse_columns"):
         settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
     for key in ("dense_stats", "bucket_boundaries"):  # an older checkpoint may lack them
@@ -736,6 +836,29 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
     return out
 
 
+def _model_settings(
+    spec: dict[str, Any], *, job: JobConfig, skip: tuple[str, ...] = ()
+) -> dict[str, tuple[Any, Any]]:
+    """``model.<key>``: (the checkpoint's value, the job's) for the model keys both know."""
+    return {
+        f"model.{k}": (v, getattr(job.model, k))
+        for k, v in spec["model"].items()
+        if hasattr(job.model, k) and k not in skip  # a knob of an older release: not compared
+    }
+
+
+def model_differences(
+    state: dict[str, Any], *, job: JobConfig, skip: tuple[str, ...] = ()
+) -> list[str]:
+    """The model settings (but ``skip``) that a checkpoint's state and the job disagree on,
+    one phrase each with both values."""
+    return [
+        f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
+        for key, (theirs, mine) in _model_settings(state["spec"], job=job, skip=skip).items()
+        if _plain(theirs) != _plain(mine)
+    ]
+
+
 def _names(names: list[str], most: int = 4) -> str:
     shown = ", ".join(names[:most])
     return shown if len(names) <= most else f"{shown} and {len(names) - most} more tables"
@@ -752,18 +875,30 @@ def _plain(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class _WarmStart:
-    checkpoint: ray.train.Checkpoint
-    data: dict[str, Any]
-    """The data config its model was trained with, as stored (dense statistics, id kinds)."""
+    uri: str
+    """The checkpoint (a registered model's run's, for ``models:/``)."""
+    filesystem: pafs.FileSystem
+    path: str
+    state: dict[str, Any]
+    """Its ``trainer_state.json``."""
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The data config its model was trained with, as stored (statistics, id kinds)."""
+        return self.state["spec"]["data"]
+
+    @property
+    def checkpoint(self) -> ray.train.Checkpoint:
+        if isinstance(self.filesystem, pafs.LocalFileSystem):
+            return ray.train.Checkpoint(self.path)
+        return ray.train.Checkpoint(self.path, filesystem=self.filesystem)
 
 
-def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> _WarmStart:
-    """The ``run.warm_start`` checkpoint for the workers, checked against the job first (it
-    must exist, be intact and hold the job's tables, names and shapes, and fused optimizer),
-    with the data config its model was trained with.
+def _warm_start_state(job: JobConfig) -> _WarmStart:
+    """The ``run.warm_start`` checkpoint and its state, read (not yet checked).
 
     Raises:
-        ConfigError: naming the checkpoint and what does not match.
+        ConfigError: naming the checkpoint when it cannot be read.
     """
     uri = job.run.warm_start
     assert uri is not None
@@ -780,17 +915,39 @@ def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> _WarmStart:
         raise ConfigError(
             f"run.warm_start: {uri} is not a readable training checkpoint ({exc})"
         ) from None
+    return _WarmStart(uri=uri, filesystem=filesystem, path=path, state=state)
+
+
+# Settings of the tower partitioner, not of the model: the towers it made are compared.
+_PARTITIONER_KEYS = ("num_towers", "tower_warmup_steps")
+
+
+def _warm_start_checkpoint(job: JobConfig, plan: ShardingPlan) -> _WarmStart:
+    """The ``run.warm_start`` checkpoint for the workers, checked against the job first (it
+    must exist, be intact, hold the job's tables, names and shapes, and fused optimizer, and
+    have been trained with the job's model: its architecture, layers and towers).
+
+    Raises:
+        ConfigError: naming the checkpoint and what does not match.
+    """
+    warm = _warm_start_state(job)
     try:
-        check_state_matches(state, plan, job.sharding.optimizer, source=uri)
-        check_intact(path, filesystem=filesystem)
+        check_state_matches(warm.state, plan, job.sharding.optimizer, source=warm.uri)
+        check_intact(warm.path, filesystem=warm.filesystem)
     except ValueError as exc:  # CheckpointDamagedError too
         raise ConfigError(f"run.warm_start: {exc}") from None
-    logger.info("warm start from %s (step %d, %d workers)", uri, state["step"], state["world_size"])
-    if isinstance(filesystem, pafs.LocalFileSystem):
-        checkpoint = ray.train.Checkpoint(path)
-    else:
-        checkpoint = ray.train.Checkpoint(path, filesystem=filesystem)
-    return _WarmStart(checkpoint=checkpoint, data=state["spec"]["data"])
+    differences = model_differences(warm.state, job=job, skip=_PARTITIONER_KEYS)
+    if differences:
+        raise ConfigError(
+            f"run.warm_start: {warm.uri} was trained with another model: "
+            f"{'; '.join(differences)} (its weights would load into other layers: warm-start "
+            "from a checkpoint of this model, or train from scratch)"
+        )
+    state = warm.state
+    logger.info(
+        "warm start from %s (step %d, %d workers)", warm.uri, state["step"], state["world_size"]
+    )
+    return warm
 
 
 def _check_ssd_space(job: JobConfig, plan: ShardingPlan) -> None:

@@ -219,6 +219,14 @@ class _Scorer:
         return out.append_column(PREDICTION_COLUMN, pa.array(probs, pa.float32()))
 
 
+def _check_sizes(*, batch_size: int, num_actors: int) -> None:
+    """Raises ``ValueError`` naming the argument (and its command-line option) below 1."""
+    for name, value in (("batch_size", batch_size), ("num_actors", num_actors)):
+        if value < 1:
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{name} ({option}) must be at least 1, got {value}")
+
+
 def score(
     model: str,
     data: str,
@@ -245,11 +253,12 @@ def score(
 
     Raises:
         FileNotFoundError: the model or the data is missing.
-        ValueError: ``output`` holds files already (checked first), or the data lacks a
-            column the model needs (named).
+        ValueError: ``batch_size`` or ``num_actors`` below 1, ``output`` holds files already
+            (checked first), or the data lacks a column the model needs (named).
         DataValidationError: a sparse column holds ids of another kind (integer or string)
             than the model was trained on (named, with both kinds).
     """
+    _check_sizes(batch_size=batch_size, num_actors=num_actors)
     _check_output(output, storage or StorageConfig())
     with model_files(model) as files:
         return _score(
@@ -511,6 +520,7 @@ def evaluate(
     Raises:
         ValueError: the data set has no label column, or ``output`` holds files already.
     """
+    _check_sizes(batch_size=batch_size, num_actors=num_actors)
     if output is not None:
         _check_output(output, storage or StorageConfig())
     if not isinstance(model, ModelFiles):

@@ -28,7 +28,13 @@ from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
 from raydlrm._errors import cause_line
-from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri, flatten
+from raydlrm.platform.config import (
+    ConfigError,
+    JobConfig,
+    TrackingConfig,
+    default_tracking_uri,
+    flatten,
+)
 from raydlrm.platform.export import set_experiment
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import redact, with_scheme
@@ -89,9 +95,14 @@ def registered_checkpoint(model_uri: str, tracking_uri: str) -> str:
 
 
 def check_tracking_of(job: JobConfig) -> None:
-    """:func:`check_tracking` of the job's tracking URI, named by where it came from."""
-    key = "tracking.tracking_uri" if job.tracking.tracking_uri else "$MLFLOW_TRACKING_URI"
-    check_tracking(default_tracking_uri(job.tracking), key=key)
+    """:func:`check_tracking` of the job's tracking URI, named by where it came from: the
+    config's key, or ``$MLFLOW_TRACKING_URI`` when it is that variable's (also once the job's
+    paths are resolved, which writes the URI into the job)."""
+    uri = default_tracking_uri(job.tracking)
+    from_env = "MLFLOW_TRACKING_URI" in os.environ and (
+        not job.tracking.tracking_uri or uri == default_tracking_uri(TrackingConfig())
+    )
+    check_tracking(uri, key="$MLFLOW_TRACKING_URI" if from_env else "tracking.tracking_uri")
 
 
 def check_tracking(tracking_uri: str, *, key: str = "tracking.tracking_uri") -> None:

@@ -34,8 +34,17 @@ import tomllib
 
 from raydlrm._text import text_table
 from raydlrm.platform.config import ConfigError, JobConfig, load_config, parse_value, replaced
+from raydlrm.trainers.evaluation import EVAL_STEP
 
-__all__ = ["Dimension", "TuneResult", "check_space", "check_trial_fits", "parse_search", "tune"]
+__all__ = [
+    "Dimension",
+    "TuneResult",
+    "check_space",
+    "check_trial_fits",
+    "num_samples",
+    "parse_search",
+    "tune",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +131,8 @@ def _dimension(key: str, text: str) -> Dimension:
     if len(values) != 2 or not numbers:
         raise ConfigError(f"tune.search.{key}: {kind}(lo, hi) needs two numbers, got {values}")
     low, high = values
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ConfigError(f"tune.search.{key}: {kind}({low}, {high}) needs finite ends")
     if not low < high:
         raise ConfigError(f"tune.search.{key}: {kind}({low}, {high}) is empty (lo >= hi)")
     if kind == "loguniform" and low <= 0:
@@ -262,8 +273,8 @@ def check_trial_fits(
     """
     workers = job.scaling.num_workers
     searched = space.get("scaling.num_workers")
-    if searched is not None:
-        workers = max(workers, *(int(v) for v in searched.values))
+    if searched is not None:  # its largest value (randint's upper end is excluded)
+        workers = max(workers, *(int(v) for v in searched.corners()))
     need = {k: workers * float(v) for k, v in job.scaling.resources_per_worker.items()}
     if job.scaling.use_gpu:
         need["GPU"] = need.get("GPU", 0.0) + workers
@@ -381,7 +392,7 @@ def _fit(job: JobConfig, space: Mapping[str, Dimension], *, sweep: str, parent_r
         tune_config=tune.TuneConfig(
             metric=cfg.metric,
             mode=cfg.mode,
-            num_samples=cfg.num_trials,
+            num_samples=num_samples(cfg.num_trials, space),
             scheduler=scheduler,
             # The limit goes to the search algorithm: Tune ignores max_concurrent_trials (with a
             # warning) when given a BasicVariantGenerator, and every trial would start at once.
@@ -400,6 +411,30 @@ def _fit(job: JobConfig, space: Mapping[str, Dimension], *, sweep: str, parent_r
     return tuner.fit()
 
 
+DEFAULT_TRIALS = 8
+"""Trials sampled when ``tune.num_trials`` is unset and a key is not a grid."""
+
+
+def num_samples(num_trials: int | None, space: Mapping[str, Dimension]) -> int:
+    """Tune's samples of ``space``: ``num_trials``, else :data:`DEFAULT_TRIALS`, or one when
+    every key is a ``grid`` (its points are the trials: more samples repeat them, with a
+    warning when asked for)."""
+    all_grid = all(d.kind == "grid" for d in space.values())
+    if num_trials is None:
+        return 1 if all_grid else DEFAULT_TRIALS
+    if all_grid and num_trials > 1:
+        points = math.prod(len(d.values) for d in space.values())
+        logger.warning(
+            "every searched key is a grid (%d points): tune.num_trials = %d runs each point "
+            "%d times with the same settings (%d trials); leave it unset to run each once",
+            points,
+            num_trials,
+            num_trials,
+            points * num_trials,
+        )
+    return num_trials
+
+
 def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: str) -> None:
     """One trial: the sweep's job with ``params``, trained as a child run; its evaluations
     reported to Tune as they come, its final metrics and model at the end."""
@@ -416,20 +451,23 @@ def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: 
 
 
 def _evaluation_reports(metric: str) -> Any:
-    """A Ray Train callback that passes a trial's reports to Tune when ``metric`` has a new
-    value (an evaluation: the reports in between carry the last one)."""
+    """A Ray Train callback that passes a trial's reports to Tune at each evaluation: a report
+    whose ``metric`` comes from an evaluation not passed yet (by its step, ``eval/step``; the
+    reports in between carry the last one). Keyed by the step, not the value: a trial whose
+    metric repeats exactly (a collapsed model's AUC of 0.5) still reaches ASHA's rungs."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class EvaluationReports(TuneReportCallback):
         def __init__(self) -> None:
             super().__init__()
-            self.last: float | None = None
+            self.last: Any = None
 
         def after_report(self, run_context, metrics, checkpoint) -> None:
-            value = metrics[0].get(metric)
-            if value is None or value == self.last:
+            report = metrics[0]
+            step = report.get(EVAL_STEP)
+            if report.get(metric) is None or step is None or step == self.last:
                 return
-            self.last = value
+            self.last = step
             super().after_report(run_context, metrics, None)
 
     return EvaluationReports()

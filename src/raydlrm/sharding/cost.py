@@ -150,19 +150,21 @@ def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
     return math.ceil(dim * per_value) + per_row + per_block * -(-dim // _WIRE_BLOCK)
 
 
-def cache_rows(rows: int, *, load_factor: float, min_rows: int) -> int:
+def cache_rows(rows: int, *, load_factor: float, min_rows: int, step_rows: int = 0) -> int:
     """Rows of the DRAM cache of an ``ssd`` table (shard) of ``rows`` rows: ``load_factor``
-    of them, at least ``min_rows``, at most all; 0 when ``load_factor`` is 0 (no cache)
-    (``sharding.ssd_cache_load_factor``, ``ssd_cache_min_rows``)."""
+    of them, at least ``min_rows`` and the most rows a step can look up (``step_rows``,
+    :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`), at most all; 0 when ``load_factor``
+    is 0 (no cache) (``sharding.ssd_cache_load_factor``, ``ssd_cache_min_rows``)."""
     if load_factor <= 0:
         return 0
-    return min(rows, max(math.ceil(load_factor * rows), min_rows))
+    return min(rows, max(math.ceil(load_factor * rows), min_rows, step_rows))
 
 
-def quantized_cache_rows(rows: int, *, load_factor: float) -> int:
+def quantized_cache_rows(rows: int, *, load_factor: float, step_rows: int = 0) -> int:
     """Rows of the fp32 cache of an ``int8`` / ``int4`` table (shard) of ``rows`` rows:
-    ``load_factor`` of them (``sharding.cache_load_factor``), at least one."""
-    return max(1, math.ceil(load_factor * rows))
+    ``load_factor`` of them (``sharding.cache_load_factor``), at least one, and at least the
+    most rows a step can look up (``step_rows``, at most all: every step fits)."""
+    return max(1, math.ceil(load_factor * rows), min(rows, step_rows))
 
 
 def quantized_row_bytes(dim: int, precision: str) -> int:

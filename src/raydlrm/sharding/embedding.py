@@ -341,10 +341,11 @@ class ShardedEmbeddingBagCollection(ShardedTables):
                 s.row_end - s.row_start,
                 load_factor=config.ssd_cache_load_factor,
                 min_rows=config.ssd_cache_min_rows,
+                step_rows=self._step_rows(t.name),
             )
             if cached
             else s.row_end - s.row_start
-            for _, s in group.shards
+            for t, s in group.shards
         ]
         tbe = self._build_tbe(
             group, config, rows=rows, precision=group.precision, buffers=None if cached else buffers
@@ -453,6 +454,11 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             too_small=too_small,
         )
 
+    def _step_rows(self, table: str) -> int:
+        """The most rows of ``table`` a step can look up, as planned (0: unknown); see
+        :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`."""
+        return self.plan.table(table).step_rows
+
     def _quantized_group(
         self, group: TbeGroup, config: ShardingConfig, *, seed: int
     ) -> tuple[nn.Module, RowCache]:
@@ -461,7 +467,9 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._check_tier_device(group)
         slots = [
             quantized_cache_rows(
-                s.row_end - s.row_start, load_factor=config.cache_load_factor_of(t.name)
+                s.row_end - s.row_start,
+                load_factor=config.cache_load_factor_of(t.name),
+                step_rows=self._step_rows(t.name),
             )
             for t, s in group.shards
         ]

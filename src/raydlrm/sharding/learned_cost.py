@@ -509,6 +509,7 @@ class LearnedCostModel:
             CostModelError: missing or malformed files, or (``kernel`` / ``device`` given) a
                 model trained for another kernel or device, naming the file.
         """
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = Path(path).expanduser()
@@ -532,7 +533,11 @@ class LearnedCostModel:
                 )
                 comm = CommCostModel(net=comm_net.eval(), **comm_meta)
             model = cls(net=net.eval(), comm=comm, **meta)
-        except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+        except SafetensorError as exc:
+            raise CostModelError(
+                f"learned cost model {path}: its weights {_weights(path)} are damaged ({exc})"
+            ) from None
+        except (ValueError, TypeError, RuntimeError, KeyError, OSError) as exc:
             raise CostModelError(f"learned cost model {path} is malformed: {exc}") from None
         if kernel is not None and model.kernel != kernel:
             raise CostModelError(
@@ -629,7 +634,9 @@ def _check_trainable(samples: pa.Table) -> None:
             f"{samples.num_rows} cost samples are too few to train on: collect at least 10 "
             "(hundreds for a useful model)"
         )
-    for column in ("kernel", "batch_size", "device"):
+    # A model records one of each, and is refused where it does not match (a machine's
+    # samples mixed with another's would be predicted as this one's).
+    for column in ("kernel", "batch_size", "device", "machine"):
         values = set(samples.column(column).to_pylist())
         if len(values) > 1:
             raise CostModelError(
@@ -652,8 +659,8 @@ def train_cost_model(
     all-to-all model (:func:`~raydlrm.sharding.comm_samples.train_comm_model`).
 
     Raises:
-        CostModelError: fewer than 10 samples, or samples of more than one kernel, batch size
-            or device.
+        CostModelError: fewer than 10 samples, or samples of more than one kernel, batch size,
+            device or machine.
     """
     samples = _with_device(samples)
     _check_trainable(samples)

@@ -54,6 +54,10 @@ class TablePlan:
             local disk, through the page cache; see :mod:`raydlrm.sharding.tiers`).
         disk_bytes: bytes of local disk an ``ssd`` table takes (its weights, and Adagrad's
             per-weight state); 0 in DRAM.
+        step_rows: the most rows of the table a step can look up (the global batch times
+            the most ids one sample looks up in it); a row cache (quantized or ``ssd``
+            tables) holds at least that many of a shard's rows, so every step fits it. 0:
+            unknown (a plan made without the data).
     """
 
     name: str
@@ -65,6 +69,7 @@ class TablePlan:
     memory_bytes: int = 0
     placement: Placement = "dram"
     disk_bytes: int = 0
+    step_rows: int = 0
 
     @property
     def ranks(self) -> list[int]:

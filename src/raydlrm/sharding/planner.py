@@ -153,6 +153,7 @@ def plan_sharding(
     dedup_ratios: dict[str, float] | None = None,
     learned: LearnedCostModel | None = None,
     table_stats: dict[str, TableStats] | None = None,
+    max_bag_sizes: dict[str, int] | None = None,
 ) -> ShardingPlan:
     """Places every table on ranks, balancing the per-rank cost within the memory budget.
 
@@ -171,6 +172,9 @@ def plan_sharding(
             are placed by NeuroShard's search (:mod:`.neural_search`), not steps 1-3.
         table_stats: table name -> its :class:`~.learned_cost.TableStats` for ``learned``
             (default: its ids looked up uniformly, ``pooling_factors`` a bag).
+        max_bag_sizes: table name -> the most ids one sample looks up in it (its features'
+            longest id lists): each table's :attr:`~.plan.TablePlan.step_rows` is
+            ``batch_size`` times it, and its row cache holds at least that (unknown: 0).
 
     Returns:
         A validated plan for ``tables`` on ``world_size`` ranks, recording the budget.
@@ -194,24 +198,29 @@ def plan_sharding(
         dedup_ratios=dedup_ratios or {},
         learned=learned,
         table_stats=table_stats or {},
+        max_bag_sizes=max_bag_sizes or {},
     )
     _check_arguments(request)
     plan = _plan_spilling(request)
+    for table in plan.tables:
+        table.step_rows = request.step_rows(table.name)
     _warn_whole_table_caches(plan, config)
     _warn_small_quantized_caches(plan, request)
     return plan
 
 
 def _warn_small_quantized_caches(plan: ShardingPlan, request: _Request) -> None:
-    """Warns, in one line, of the quantized tables whose fp32 cache is smaller than the distinct
-    rows a step would look up in a shard were its ids uniform (the most it can touch; skewed
-    ids touch fewer): a step that does need more slots stops with an error naming the table."""
+    """Warns, in one line, of the quantized tables planned without the most rows a step can
+    look up (:attr:`~.plan.TablePlan.step_rows`, from the data) whose fp32 cache is smaller
+    than the distinct rows a step would look up in a shard were its ids uniform (the most it
+    can touch; skewed ids touch fewer): a step that does need more slots stops with an error
+    naming the table."""
     config = request.config
     configs = {t.name: t for t in request.tables}
     short = []  # (shortfall, table, distinct rows, shard rows, slots)
     for table in plan.tables:
-        if config.weights_precision_of(table.name) not in QUANTIZED:
-            continue
+        if config.weights_precision_of(table.name) not in QUANTIZED or table.step_rows:
+            continue  # a cache of the most rows a step looks up holds every step
         t = configs[table.name]
         ids = request.rows(t.name) * request.pooling_factors.get(t.name, 1.0)
         ids *= len(t.feature_names)
@@ -276,10 +285,15 @@ class _Request:
     dedup_ratios: dict[str, float]
     learned: LearnedCostModel | None = None
     table_stats: dict[str, TableStats] = dataclasses.field(default_factory=dict)
+    max_bag_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def rows(self, table: str) -> float:
         """Rows a step looks ``table`` up for: samples, or unique rows of a dedup group."""
         return self.batch_size / self.dedup_ratios.get(table, 1.0)
+
+    def step_rows(self, table: str) -> int:
+        """The most rows of ``table`` a step can look up (0: unknown)."""
+        return self.batch_size * self.max_bag_sizes.get(table, 0)
 
 
 def _check_arguments(request: _Request) -> None:
@@ -340,7 +354,10 @@ def _spill_order(
     config = request.config
     keyed = []
     for t in tables:
-        freed = _memory_bytes(t, config, "dram") - _memory_bytes(t, config, "ssd")
+        step_rows = request.step_rows(t.name)
+        freed = _memory_bytes(t, config, "dram", step_rows) - _memory_bytes(
+            t, config, "ssd", step_rows
+        )
         if freed <= 0:  # smaller than its row cache: it would take more memory on SSD
             continue
         disk_rows = estimate_table_cost(
@@ -351,35 +368,43 @@ def _spill_order(
             batch_size=request.rows(t.name),
             pooling_factor=request.pooling_factors.get(t.name, 1.0),
             placement="ssd",
-            cache_rows=table_cache_rows(t, config),
+            cache_rows=table_cache_rows(t, config, step_rows=step_rows),
         ).disk_rows
         keyed.append(((disk_rows / freed, t.name), t))
     return [t for _, t in sorted(keyed, key=lambda pair: pair[0])]
 
 
-def table_cache_rows(table: EmbeddingBagConfig, config: ShardingConfig) -> int:
+def table_cache_rows(
+    table: EmbeddingBagConfig, config: ShardingConfig, *, step_rows: int = 0
+) -> int:
     """Rows of ``table``'s cache (counted on the whole table): the fp32 cache of a quantized
     table (``cache_load_factor``), else the DRAM row cache it would have on the ``ssd`` tier
-    (each shard's has at least ``ssd_cache_min_rows``)."""
+    (each shard's has at least ``ssd_cache_min_rows``); either at least ``step_rows``, the
+    most rows a step can look up."""
     if config.weights_precision_of(table.name) in QUANTIZED:
         return quantized_cache_rows(
-            table.num_embeddings, load_factor=config.cache_load_factor_of(table.name)
+            table.num_embeddings,
+            load_factor=config.cache_load_factor_of(table.name),
+            step_rows=step_rows,
         )
     return cache_rows(
         table.num_embeddings,
         load_factor=config.ssd_cache_load_factor,
         min_rows=config.ssd_cache_min_rows,
+        step_rows=step_rows,
     )
 
 
-def _memory_bytes(t: EmbeddingBagConfig, config: ShardingConfig, placement: str) -> int:
+def _memory_bytes(
+    t: EmbeddingBagConfig, config: ShardingConfig, placement: str, step_rows: int = 0
+) -> int:
     """Worker memory of ``t`` placed ``placement`` (with its row cache on ``ssd``)."""
     return table_memory_bytes(
         t,
         optimizer=config.optimizer,
         weights_precision=config.weights_precision_of(t.name),
         placement=placement,
-        cache_rows=table_cache_rows(t, config),
+        cache_rows=table_cache_rows(t, config, step_rows=step_rows),
     )
 
 
@@ -482,7 +507,9 @@ class _Planner:
                 num_embeddings=t.num_embeddings,
                 embedding_dim=t.embedding_dim,
                 shards=[],
-                memory_bytes=_memory_bytes(t, config, config.placement_of(t.name)),
+                memory_bytes=_memory_bytes(
+                    t, config, config.placement_of(t.name), request.step_rows(t.name)
+                ),
                 placement=config.placement_of(t.name),
                 disk_bytes=_disk_bytes(t, config),
             )
@@ -517,7 +544,9 @@ class _Planner:
             constants=self.request.constants,
             placement=p.placement,
             page_cache_hit=self.page_cache_hit,
-            cache_rows=table_cache_rows(self.configs[p.name], self.config),
+            cache_rows=table_cache_rows(
+                self.configs[p.name], self.config, step_rows=self.request.step_rows(p.name)
+            ),
         ).seconds
 
     def _room(self) -> np.ndarray:

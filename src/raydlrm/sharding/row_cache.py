@@ -1,4 +1,5 @@
-"""A DRAM cache of an ``ssd`` TBE group's rows, in front of their mapped files.
+"""A row cache of a TBE group's ``ssd`` or quantized tables: fp32 slots the kernel trains, in
+front of the tables' mapped files or quantized rows.
 
 Without it, fbgemm's kernels update an ``ssd`` table's rows in place in the mapped file: every
 updated row dirties its 4 KiB page, and once the dirty pages reach the kernel's dirty limits
@@ -203,7 +204,10 @@ class RowCache:
             if unique.numel() > t.row_of.numel():
                 raise TierError(
                     f"table {t.name!r}: a step looks up {unique.numel()} distinct rows of "
-                    f"its shard but its cache holds {t.row_of.numel()}; raise {self._too_small}"
+                    f"its shard but its cache holds {t.row_of.numel()} (the planner sizes it for "
+                    "the longest id lists of the data's first rows: a longer list came, or "
+                    "the plan was made without the data); set "
+                    f"data.sparse_specs.<column>.max_length, or raise {self._too_small}"
                 )
             held = t.find(unique)
             hit = held >= 0

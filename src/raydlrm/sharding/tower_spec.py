@@ -56,6 +56,8 @@ def check_towers(towers: Sequence[Tower], tables: Sequence[_Table], num_hosts: i
         if not tower.features:
             raise ValueError(f"tower {tower.name}: no features")
         for f in tower.features:
+            if seen.get(f) == tower.name:
+                raise ValueError(f"tower {tower.name}: feature {f} is listed twice")
             if f in seen:
                 raise ValueError(f"feature {f} is in towers {seen[f]} and {tower.name}")
             seen[f] = tower.name

@@ -94,6 +94,7 @@ __all__ = [
     "TrainingParts",
     "check_intact",
     "check_state_matches",
+    "checkpoint_names",
     "checkpoint_precisions",
     "load_model_tensor",
     "load_training_state",
@@ -104,6 +105,7 @@ __all__ = [
     "open_chain",
     "prune_checkpoints",
     "read_state_file",
+    "resume_blocker",
     "save_training_state",
     "verify_checkpoint",
     "write_manifest",
@@ -518,7 +520,7 @@ def prune_checkpoints(latest: Any, *, keep: int) -> list[str]:
     newest, and needs nothing."""
     filesystem = latest.filesystem
     parent = latest.path.rstrip("/").rsplit("/", 1)[0]
-    names = _checkpoint_names(filesystem, parent)
+    names = checkpoint_names(filesystem, parent)
     kept = set(names[-keep:])
     for name in names[-keep:]:
         try:
@@ -583,6 +585,41 @@ def newest_intact_stored(latest: Any) -> Any | None:
         damaged.append(f"{checkpoint.path}: {'; '.join(problems[:3])}")
         logger.warning("checkpoint %s is damaged, passed over: %s", checkpoint.path, damaged[-1])
     raise RuntimeError("no intact checkpoint to resume from: " + " | ".join(damaged))
+
+
+def resume_blocker(run_directory: str, filesystem: pafs.FileSystem) -> str | None:
+    """Why a run with checkpoints in ``run_directory`` cannot resume, or None (it has an intact
+    checkpoint, or none at all): the checkpoints damaged or missing themselves, each named
+    once with how many checkpoints' chains need it (a damaged baseline of a differential run
+    breaks every delta after it). The driver says it before Ray starts; the workers would
+    find the same (:func:`newest_intact_stored`), checkpoint by checkpoint."""
+    root = run_directory.rstrip("/")
+    names = checkpoint_names(filesystem, root)
+    own = {
+        n: verify_checkpoint(f"{root}/{n}", checksums=False, filesystem=filesystem, chain=False)
+        for n in names
+    }
+    needed: dict[str, int] = {}  # a damaged or missing checkpoint -> the chains that need it
+    for name in reversed(names):
+        if own[name]:
+            continue
+        if not verify_checkpoint(f"{root}/{name}", checksums=False, filesystem=filesystem):
+            return None  # intact, its chain too
+        state = _read_json(filesystem, f"{root}/{name}", STATE_FILE, present=True)
+        link = state.get("differential")
+        for member in (link or {}).get("chain", []):
+            if member not in own or own[member]:
+                needed[member] = needed.get(member, 0) + 1
+    if not names:
+        return None
+    causes = []
+    for name in sorted({*needed, *(n for n in names if own[n])}):
+        what = f"{name} is missing" if name not in own else f"{name} is damaged ({own[name][0]})"
+        count = needed.get(name, 0)
+        if count:
+            what += f", which the chain of {count} later checkpoint{'s' * (count != 1)} needs"
+        causes.append(what)
+    return f"none of its {len(names)} checkpoints is intact: {'; '.join(causes)}"
 
 
 @contextmanager
@@ -651,13 +688,13 @@ def _newest_first(latest: Any) -> list[Any]:
     names), as checkpoints of ``latest``'s type."""
     filesystem = latest.filesystem
     parent = latest.path.rstrip("/").rsplit("/", 1)[0]
-    paths = [f"{parent}/{n}" for n in reversed(_checkpoint_names(filesystem, parent))]
+    paths = [f"{parent}/{n}" for n in reversed(checkpoint_names(filesystem, parent))]
     if latest.path.rstrip("/") not in paths:
         paths.insert(0, latest.path)
     return [type(latest)(path=p, filesystem=filesystem) for p in paths]
 
 
-def _checkpoint_names(filesystem: pafs.FileSystem, parent: str) -> list[str]:
+def checkpoint_names(filesystem: pafs.FileSystem, parent: str) -> list[str]:
     """The ``checkpoint_*`` directories of a run directory, oldest first (by Ray's
     time-stamped names)."""
     return sorted(

@@ -23,7 +23,11 @@ from raydlrm.trainers.pipeline import Lockstep
 from raydlrm.trainers.sources import BatchSource, empty_batch_of
 from raydlrm.trainers.spec import WorkerSpec
 
-__all__ = ["Evaluator"]
+__all__ = ["EVAL_STEP", "Evaluator"]
+
+EVAL_STEP = "eval/step"
+"""Reported with the ``eval/*`` metrics of a periodic evaluation: its step (every later
+report carries the last evaluation's metrics; this says which one they come from)."""
 
 
 class Evaluator:

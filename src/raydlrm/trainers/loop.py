@@ -50,7 +50,7 @@ from raydlrm.trainers._dist import all_reduce_scalar, sum_over_ranks, world_size
 from raydlrm.trainers.checkpoint import TrainingParts, newest_intact
 from raydlrm.trainers.checkpointer import Checkpointer
 from raydlrm.trainers.config import TrainingConfig
-from raydlrm.trainers.evaluation import Evaluator
+from raydlrm.trainers.evaluation import EVAL_STEP, Evaluator
 from raydlrm.trainers.hooks import TrainerHook, default_hooks
 from raydlrm.trainers.metrics import MetricsWindow, StepClock, check_finite
 from raydlrm.trainers.model_dir import FINAL_METRICS_FILE
@@ -304,7 +304,8 @@ class Trainer:
             log_step = self.window.should_log(self.step)
             metrics = self.window.compute(step=self.step) if log_step else {}
             if evaluator.should_evaluate(self.step):
-                metrics.update(evaluator.run())
+                # eval/step: which evaluation the eval/* metrics of later reports come from.
+                metrics.update({**evaluator.run(), EVAL_STEP: self.step})
             if log_step:
                 metrics.update(self._tier_metrics())  # the evaluation's lookups included
             if self.checkpointer.should_save(self.step, log_step=log_step):
