@@ -194,3 +194,23 @@ def test_local_directory_downloads_a_remote_directory(s3, tmp_path) -> None:
         local_directory("gs://data/train", storage),
     ):
         pass
+
+
+def test_resume_check_of_a_run_on_s3(s3) -> None:
+    """Before Ray starts, a run whose storage is on S3 is checked for an intact checkpoint: a new
+    run has no directory there yet and passes; a run whose only checkpoint is damaged is refused,
+    naming it."""
+    import s3fs
+
+    from raydlrm.platform.config import ConfigError
+    from raydlrm.platform.preflight import _check_resumable
+
+    storage, _ = s3
+    from dataclasses import asdict
+
+    job = load_config({"run": {"storage_path": "s3://data/runs", "storage": asdict(storage)}})
+    _check_resumable(job, "new-run")  # nothing there: a new run
+    fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
+    fs.pipe("data/runs/broken/checkpoint_2026-11-27_10-00-00.000000/model/rank_0.bin", b"x")
+    with pytest.raises(ConfigError, match="run broken cannot resume: .*checkpoint_2026-11-27_10"):
+        _check_resumable(job, "broken")

@@ -696,10 +696,10 @@ def _newest_first(latest: Any) -> list[Any]:
 
 def checkpoint_names(filesystem: pafs.FileSystem, parent: str) -> list[str]:
     """The ``checkpoint_*`` directories of a run directory, oldest first (by Ray's
-    time-stamped names)."""
+    time-stamped names); none where the directory does not exist yet (a new run)."""
     return sorted(
         i.base_name
-        for i in filesystem.get_file_info(pafs.FileSelector(parent))
+        for i in filesystem.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
         if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
     )
 
