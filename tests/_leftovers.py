@@ -21,7 +21,16 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["MARK", "Leftover", "Snapshot", "find", "multiprocessing_dirs", "remove", "snapshot"]
+__all__ = [
+    "MARK",
+    "Leftover",
+    "Snapshot",
+    "find",
+    "multiprocessing_dirs",
+    "other_sessions",
+    "remove",
+    "snapshot",
+]
 
 MARK = "RAYDLRM_TEST_SESSION"
 """The environment variable, set to a value of its own by each session, that its processes
@@ -130,13 +139,34 @@ def _describe(p: psutil.Process) -> str:
         return "(exited)"
 
 
-def find(before: Snapshot, *, wait_s: float = 30.0) -> list[Leftover]:
+def other_sessions() -> list[int]:
+    """The test processes (pytest) of other sessions running on the machine, marked with
+    another value (a process an earlier session left behind is not one): while one runs, what appears in the temporary directory, the namespaces or the
+    qdiscs may be its own, so only this session's processes can be told apart."""
+    mark = os.environ[MARK]
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if "pytest" not in " ".join(p.info["cmdline"] or []):
+            continue
+        try:
+            other = p.environ().get(MARK)
+        except (psutil.Error, OSError):
+            continue
+        if other is not None and other != mark:
+            found.append(p.pid)
+    return found
+
+
+def find(before: Snapshot, *, wait_s: float = 30.0, alone: bool = True) -> list[Leftover]:
     """What the session left behind since ``before``; processes get ``wait_s`` seconds to
-    exit (Ray's take a few after its shutdown)."""
+    exit (Ray's take a few after its shutdown). Not ``alone`` (another session ran beside
+    it): its processes only."""
     deadline = time.monotonic() + wait_s
     while (processes := _marked_processes()) and time.monotonic() < deadline:
         time.sleep(0.5)
     left = [Leftover("process", _describe(p), p.pid) for p in processes]
+    if not alone:
+        return left
     left += [Leftover("namespace", n) for n in sorted(_namespaces() - before.namespaces)]
     left += [Leftover("qdisc", q) for q in sorted(_qdiscs() - before.qdiscs)]
     tmp = Path(tempfile.gettempdir())

@@ -42,15 +42,20 @@ def session_leaves_nothing_behind() -> Iterator[None]:
     ``raydlrm-*`` entry in the temporary directory, anything new in ``/dev/shm``. The
     leftovers are removed after they are named, and so are the ``pymp-*`` directories that
     Ray's dashboards leave (see ``tests/_leftovers.py``). Torn down after every other
-    session fixture (it is set up first), so the Ray cluster and the servers are gone by then."""
+    session fixture (it is set up first), so the Ray cluster and the servers are gone by then.
+    Beside another test session (``make test`` and ``make test-scenarios`` at once), only
+    this session's processes are checked: the rest may be the other session's."""
     before = _leftovers.snapshot()
+    alone = not _leftovers.other_sessions()
     yield
     from tests._multiprocess import close_pools
 
     close_pools()
-    left = _leftovers.find(before)
-    for stale in _leftovers.multiprocessing_dirs(before):
-        shutil.rmtree(stale, ignore_errors=True)
+    alone = alone and not _leftovers.other_sessions()
+    left = _leftovers.find(before, alone=alone)
+    if alone:
+        for stale in _leftovers.multiprocessing_dirs(before):
+            shutil.rmtree(stale, ignore_errors=True)
     if left:
         _leftovers.remove(left)
         pytest.fail("the test session left behind:\n" + "\n".join(f"  {x}" for x in left))

@@ -212,5 +212,5 @@ def test_resume_check_of_a_run_on_s3(s3) -> None:
     _check_resumable(job, "new-run")  # nothing there: a new run
     fs = s3fs.S3FileSystem(**storage.s3fs_kwargs())
     fs.pipe("data/runs/broken/checkpoint_2026-11-27_10-00-00.000000/model/rank_0.bin", b"x")
-    with pytest.raises(ConfigError, match="run broken cannot resume: .*checkpoint_2026-11-27_10"):
+    with pytest.raises(ConfigError, match=r"run broken cannot resume: .*checkpoint_2026-11-27_10"):
         _check_resumable(job, "broken")

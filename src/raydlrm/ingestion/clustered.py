@@ -184,22 +184,16 @@ def cluster_data(
     session = config.session_column
     columns = _session_columns(session_columns, summary=summary, config=config)
     filesystem, out_root = filesystem_for(out, config.storage)
-    source_fs, source_root = filesystem_for(source, config.storage)
     written = _Written()
     try:
-        for file in dict.fromkeys(g.file for g in summary.row_groups):
-            relative = relative_path(file, source_root)
-            _cluster_file(
-                file,
-                filesystems=(source_fs, filesystem),
-                paths=(
-                    f"{out_root}/{SAMPLES_DIR}/{relative}",
-                    f"{out_root}/{SESSIONS_DIR}/{relative}",
-                ),
-                columns=(session, columns),
-                config=config,
-                written=written,
-            )
+        _cluster_files(
+            source,
+            summary,
+            config,
+            out=(filesystem, out_root),
+            columns=(session, columns),
+            written=written,
+        )
     except BaseException:
         _remove_partial(filesystem, out_root)  # a rerun into ``out`` starts from nothing
         raise
@@ -209,6 +203,34 @@ def cluster_data(
     )
     logger.debug("clustered %s into %s: %s", source, out, result)
     return result
+
+
+def _cluster_files(
+    source: str,
+    summary: DataSummary,
+    config: DataConfig,
+    *,
+    out: tuple[pafs.FileSystem, str],
+    columns: tuple[str, list[str]],
+    written: _Written,
+) -> None:
+    """Clusters each file of ``source`` into the samples and sessions files of the same
+    relative path under ``out`` (filesystem, root)."""
+    filesystem, out_root = out
+    source_fs, source_root = filesystem_for(source, config.storage)
+    for file in dict.fromkeys(g.file for g in summary.row_groups):
+        relative = relative_path(file, source_root)
+        _cluster_file(
+            file,
+            filesystems=(source_fs, filesystem),
+            paths=(
+                f"{out_root}/{SAMPLES_DIR}/{relative}",
+                f"{out_root}/{SESSIONS_DIR}/{relative}",
+            ),
+            columns=columns,
+            config=config,
+            written=written,
+        )
 
 
 def _checked_source(

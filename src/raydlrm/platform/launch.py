@@ -323,11 +323,6 @@ def _log_final_model(
     Raises:
         EvaluationError: the final evaluation failed; the model is logged, not registered.
     """
-    data = job.data
-    if data.eval_path:
-        example = example_rows(data.eval_path, data, role="eval")
-    else:
-        example = example_rows(data.train_path, data)
     checkpoint = newest_intact_stored(result.checkpoint)
     checkpoint_uri = with_scheme(checkpoint.path, scheme_of(job.run.storage_path))
     by_reference = weights_by_reference(
@@ -339,33 +334,18 @@ def _log_final_model(
             "raydlrm.model_weights": "reference" if by_reference else "copy",
         }
     )
-    name = job.tracking.registered_model_name
-    # A finished run submitted again (a scheduler's retry) ends at the checkpoint it ended at:
-    # the version registered from it stands, and no second one is made.
-    tags = {TAG_CHECKPOINT: checkpoint_uri}
-    done = name and tagged_version(name, run_id=tracked.run_id, tags=tags, client=tracked.client)
     with run_model_dir(checkpoint, checkpoint_uri, by_reference=by_reference) as model_dir:
         # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
         final = {**result.metrics, **model_metrics(model_dir)}
         eval_error = final.get("eval/error")
-        if done:
-            logger.info(
-                "%s version %s holds this run's final checkpoint %s already: registered once",
-                name,
-                done.version,
-                checkpoint_uri,
-            )
-            model_uri, version = done.source, done.version
-        else:
-            info = log_model(
-                run_id=tracked.run_id,
-                model_dir=model_dir,
-                example=example,
-                # A model whose final evaluation failed is kept (logged), not registered.
-                registered_model_name=None if eval_error else name,
-                tags=tags,
-            )
-            model_uri, version = info.model_uri, info.registered_model_version
+        model_uri, version = _logged_model(
+            job,
+            tracked,
+            model_dir=model_dir,
+            checkpoint_uri=checkpoint_uri,
+            # A model whose final evaluation failed is kept (logged), not registered.
+            register=not eval_error,
+        )
     if eval_error:
         tracked.set_tags({"raydlrm.eval_error": eval_error[:5000]})
         raise EvaluationError(
@@ -383,6 +363,38 @@ def _log_final_model(
         registered_model_version=None if version is None else str(version),
         plan=plan,
     )
+
+
+def _logged_model(
+    job: JobConfig, tracked: TrackedRun, *, model_dir: Path, checkpoint_uri: str, register: bool
+) -> tuple[str, str | int | None]:
+    """The model URI and registered version of the run's final checkpoint: the version that a
+    previous submission of this finished run registered from it (a scheduler's retry ends at
+    the checkpoint it ended at, and no second version is made), else the model logged now."""
+    name = job.tracking.registered_model_name
+    tags = {TAG_CHECKPOINT: checkpoint_uri}
+    done = name and tagged_version(name, run_id=tracked.run_id, tags=tags, client=tracked.client)
+    if done:
+        logger.info(
+            "%s version %s holds this run's final checkpoint %s already: registered once",
+            name,
+            done.version,
+            checkpoint_uri,
+        )
+        return done.source, done.version
+    data = job.data
+    if data.eval_path:
+        example = example_rows(data.eval_path, data, role="eval")
+    else:
+        example = example_rows(data.train_path, data)
+    info = log_model(
+        run_id=tracked.run_id,
+        model_dir=model_dir,
+        example=example,
+        registered_model_name=name if register else None,
+        tags=tags,
+    )
+    return info.model_uri, info.registered_model_version
 
 
 def _account_rows(

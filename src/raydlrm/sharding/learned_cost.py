@@ -539,28 +539,36 @@ class LearnedCostModel:
             ) from None
         except (ValueError, TypeError, RuntimeError, KeyError, OSError) as exc:
             raise CostModelError(f"learned cost model {path} is malformed: {exc}") from None
-        if kernel is not None and model.kernel != kernel:
-            raise CostModelError(
-                f"learned cost model {path} was trained for the {model.kernel} kernel, the job "
-                f"uses {kernel}: collect samples and train again"
-            )
-        if device is not None and model.device != device:
-            raise CostModelError(
-                f"learned cost model {path} was measured on {model.device}, the job's tables "
-                f"are on {device} (scaling.use_gpu): collect samples there and train again"
-            )
-        if model.device == "cuda" and not torch.cuda.is_available():
-            return model  # a GPU job planned where there is no GPU: nothing here to compare
-        here = machine_description(model.device)
-        if model.machine != here:
-            logger.warning(
-                "learned cost model %s was measured on another machine (%s; this one: %s): "
-                "its costs may not hold here",
-                path,
-                model.machine,
-                here,
-            )
+        _check_fits(model, path, kernel=kernel, device=device)
         return model
+
+
+def _check_fits(
+    model: LearnedCostModel, path: Path, *, kernel: str | None, device: str | None
+) -> None:
+    """Refuses a model of another kernel or device than the job's (given), naming ``path``;
+    warns of one measured on another machine."""
+    if kernel is not None and model.kernel != kernel:
+        raise CostModelError(
+            f"learned cost model {path} was trained for the {model.kernel} kernel, the job "
+            f"uses {kernel}: collect samples and train again"
+        )
+    if device is not None and model.device != device:
+        raise CostModelError(
+            f"learned cost model {path} was measured on {model.device}, the job's tables "
+            f"are on {device} (scaling.use_gpu): collect samples there and train again"
+        )
+    if model.device == "cuda" and not torch.cuda.is_available():
+        return  # a GPU job planned where there is no GPU: nothing here to compare
+    here = machine_description(model.device)
+    if model.machine != here:
+        logger.warning(
+            "learned cost model %s was measured on another machine (%s; this one: %s): "
+            "its costs may not hold here",
+            path,
+            model.machine,
+            here,
+        )
 
 
 def _weights(path: Path) -> Path:

@@ -172,9 +172,7 @@ def plan_sharding(
             are placed by NeuroShard's search (:mod:`.neural_search`), not steps 1-3.
         table_stats: table name -> its :class:`~.learned_cost.TableStats` for ``learned``
             (default: its ids looked up uniformly, ``pooling_factors`` a bag).
-        max_bag_sizes: table name -> the most ids one sample looks up in it (its features'
-            longest id lists): each table's :attr:`~.plan.TablePlan.step_rows` is
-            ``batch_size`` times it, and its row cache holds at least that (unknown: 0).
+        max_bag_sizes: table name -> the most ids a sample looks up in it (``step_rows``).
 
     Returns:
         A validated plan for ``tables`` on ``world_size`` ranks, recording the budget.
@@ -201,10 +199,15 @@ def plan_sharding(
         max_bag_sizes=max_bag_sizes or {},
     )
     _check_arguments(request)
-    plan = _plan_spilling(request)
+    return _placed(_plan_spilling(request), request)
+
+
+def _placed(plan: ShardingPlan, request: _Request) -> ShardingPlan:
+    """``plan`` with the most rows a step looks each table up for, once warned of the caches
+    that hold whole tables or may be short of a step's rows."""
     for table in plan.tables:
         table.step_rows = request.step_rows(table.name)
-    _warn_whole_table_caches(plan, config)
+    _warn_whole_table_caches(plan, request.config)
     _warn_small_quantized_caches(plan, request)
     return plan
 

@@ -1,0 +1,44 @@
+"""The session's leftover check (``tests/_leftovers.py``) finds what a session leaves behind, and
+only its own while another session runs beside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests import _leftovers
+
+
+def test_finds_and_removes_a_marked_process_and_a_temporary_file() -> None:
+    before = _leftovers.snapshot()
+    sleeper = subprocess.Popen(["sleep", "60"])  # inherits the session's mark
+    stale = Path(tempfile.mkdtemp(prefix="raydlrm-leftover-"))
+    try:
+        left = _leftovers.find(before, wait_s=0.2)
+        assert ("process", sleeper.pid) in {(x.kind, x.pid) for x in left}
+        assert ("file", str(stale)) in {(x.kind, x.name) for x in left}
+        beside = _leftovers.find(before, wait_s=0.2, alone=False)
+        assert {x.kind for x in beside} == {"process"}  # the file may be another session's
+        _leftovers.remove(left)
+        assert sleeper.wait(timeout=10) != 0 and not stale.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_another_session_is_its_pytest_process_with_another_mark() -> None:
+    code = "import time; time.sleep(60)"
+    env = {**os.environ, _leftovers.MARK: "another"}
+    other = subprocess.Popen([sys.executable, "-c", code, "pytest"], env=env)
+    ours = subprocess.Popen([sys.executable, "-c", code, "pytest"])  # this session's mark
+    orphan = subprocess.Popen(["sleep", "60"], env=env)  # an earlier session's leftover
+    try:
+        found = _leftovers.other_sessions()
+        assert other.pid in found and ours.pid not in found and orphan.pid not in found
+    finally:
+        for p in (other, ours, orphan):
+            p.kill()
+            p.wait()
