@@ -141,8 +141,9 @@ def _describe(p: psutil.Process) -> str:
 
 def other_sessions() -> list[int]:
     """The test processes (pytest) of other sessions running on the machine, marked with
-    another value (a process an earlier session left behind is not one): while one runs, what appears in the temporary directory, the namespaces or the
-    qdiscs may be its own, so only this session's processes can be told apart."""
+    another value (a process an earlier session left behind is not one): while one runs,
+    what appears in the temporary directory, the namespaces or the qdiscs may be its own, so
+    only this session's processes can be told apart."""
     mark = os.environ[MARK]
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):

@@ -118,34 +118,53 @@ S3_SECRET = "s3cr3t-do-not-log"
 SERVER_START_S = 120.0
 
 
-def _wait_until_up(process: subprocess.Popen, url: str, *, log: Path, what: str) -> None:
-    """Waits until ``url`` answers HTTP 200, failing with ``log``'s tail if ``process`` exits
-    or nothing answers within :data:`SERVER_START_S`."""
-    deadline = time.monotonic() + SERVER_START_S
+def wait_until_up(
+    process: subprocess.Popen,
+    request: str | urllib.request.Request,
+    *,
+    log: Path,
+    what: str,
+    timeout_s: float = SERVER_START_S,
+) -> None:
+    """Waits until ``request`` (a URL) answers HTTP 200, failing with ``log``'s tail if
+    ``process`` exits or nothing answers within ``timeout_s`` (then ``process`` is killed)."""
+    url = request.full_url if isinstance(request, urllib.request.Request) else request
+    deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
             raise RuntimeError(
                 f"{what} exited with {process.returncode}: {log.read_text()[-3000:]}"
             )
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(request, timeout=5) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"{what} did not answer on {url} in {SERVER_START_S}s")
+            raise RuntimeError(
+                f"{what} did not answer on {url} in {timeout_s}s: {log.read_text()[-3000:]}"
+            )
         time.sleep(0.25)
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
+@contextlib.contextmanager
+def _served(argv: list[str], health: str, *, log: Path, what: str, **popen) -> Iterator[None]:
+    """A server process of ``argv`` (its output in ``log``), up once ``health`` answers,
+    stopped at the end."""
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **popen)
     try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        wait_until_up(process, health, log=log, what=what)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextlib.contextmanager
@@ -154,19 +173,10 @@ def _moto_server(directory: Path) -> Iterator[str]:
     thread of this process (``ThreadedMotoServer``), every upload and download of a test
     competed for this process's GIL with the driver it was testing. Yields its endpoint URL."""
     port = free_port()
-    log = directory / "moto.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     endpoint = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_up(process, f"{endpoint}/moto-api/", log=log, what="moto server")
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with _served(argv, f"{endpoint}/moto-api/", log=directory / "moto.log", what="moto server"):
         yield endpoint
-    finally:
-        _stop(process)
 
 
 def _s3_client(endpoint: str):
@@ -226,34 +236,24 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "AWS_DEFAULT_REGION": "us-east-1",
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         }
-        log = root / "server.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(
-                [
-                    str(Path(sys.executable).with_name("mlflow")),
-                    "server",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--backend-store-uri",
-                    f"sqlite:///{root / 'mlflow.db'}",
-                    "--artifacts-destination",
-                    "s3://mlflow-artifacts/artifacts",
-                    "--workers",
-                    "1",
-                ],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=root,
-            )
+        argv = [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            "s3://mlflow-artifacts/artifacts",
+            "--workers",
+            "1",
+        ]
         uri = f"http://127.0.0.1:{port}"
-        try:
-            _wait_until_up(process, f"{uri}/health", log=log, what="mlflow server")
+        log = root / "server.log"
+        with _served(argv, f"{uri}/health", log=log, what="mlflow server", env=env, cwd=root):
             yield uri
-        finally:
-            _stop(process)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

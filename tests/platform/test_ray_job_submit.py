@@ -32,7 +32,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until_up
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -208,19 +208,7 @@ def _wait_ready(head: Head) -> None:
     request = urllib.request.Request(
         f"{head.address}/api/version", headers={"Authorization": f"Bearer {head.token}"}
     )
-    deadline = time.monotonic() + HEAD_START_S
-    while True:
-        if head.process.poll() is not None:
-            raise RuntimeError(f"ray start exited: {head.log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no Ray head in {HEAD_START_S}s: {head.log.read_text()[-3000:]}")
-        time.sleep(1)
+    wait_until_up(head.process, request, log=head.log, what="ray start", timeout_s=HEAD_START_S)
 
 
 def _uploaded_packages(head: Head) -> list[Path]:
