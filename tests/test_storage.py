@@ -4,6 +4,7 @@ Ray Data), hive partitions with selection, errors naming the path or key, creden
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -214,3 +215,28 @@ def test_resume_check_of_a_run_on_s3(s3) -> None:
     fs.pipe("data/runs/broken/checkpoint_2026-11-27_10-00-00.000000/model/rank_0.bin", b"x")
     with pytest.raises(ConfigError, match=r"run broken cannot resume: .*checkpoint_2026-11-27_10"):
         _check_resumable(job, "broken")
+
+
+def test_scratch_of_a_killed_process_is_removed_by_the_next(tmp_path) -> None:
+    """A process killed inside a scratch block (a worker lost while it checkpoints, a driver
+    stopped while it logs a model) leaves its directory: the next scratch directory made on the
+    machine removes those whose process is gone, and nothing else."""
+    import os
+    import subprocess
+
+    from raydlrm.storage import remove_orphaned_scratch, scratch_directory
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"raydlrm-export-{gone.pid}-abcd_123"
+    live = tmp_path / f"raydlrm-export-{os.getpid()}-abcd_123"
+    staging = tmp_path / "raydlrm-ckpt-0123456789012345-rank0"  # named per run: not scratch
+    for path in (dead, live, staging):
+        (path / "checkpoint").mkdir(parents=True)
+    assert remove_orphaned_scratch(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and staging.exists()
+    with scratch_directory("export") as tmp:
+        assert Path(tmp).name.startswith(f"raydlrm-export-{os.getpid()}-")
+    assert not Path(tmp).exists()
+    with pytest.raises(ValueError, match="lower-case letters only"), scratch_directory("a-b"):
+        pass

@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import field
@@ -60,7 +62,9 @@ __all__ = [
     "local_directory",
     "partition_values",
     "redact",
+    "remove_orphaned_scratch",
     "scheme_of",
+    "scratch_directory",
     "with_scheme",
 ]
 
@@ -213,11 +217,52 @@ def local_directory(uri: str, storage: StorageConfig) -> Iterator[Path]:
         raise StorageError(f"{uri} cannot be read: {exc}") from exc
     if kind != pafs.FileType.Directory:
         raise FileNotFoundError(f"{uri} does not exist")
-    with tempfile.TemporaryDirectory(prefix="raydlrm-download-") as tmp:
+    with scratch_directory("download") as tmp:
         pafs.copy_files(
             path, tmp, source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem()
         )
         yield Path(tmp)
+
+
+# ``raydlrm-<kind>-<pid>-<tempfile's 8 characters>``
+_SCRATCH = re.compile(r"raydlrm-[a-z]+-(\d{1,9})-[a-z0-9_]{8}")
+
+
+@contextlib.contextmanager
+def scratch_directory(kind: str) -> Iterator[str]:
+    """A temporary directory for the block (``raydlrm-<kind>-<pid>-*`` in the temporary
+    directory), removed after it. A process killed inside such a block (a worker lost while it
+    checkpoints, a driver stopped by its scheduler while it logs a model) cannot remove its own:
+    the next one made on the machine removes those whose process is gone
+    (:func:`remove_orphaned_scratch`)."""
+    if not kind.isalpha() or not kind.islower():
+        raise ValueError(f"scratch kind {kind!r}: lower-case letters only")
+    remove_orphaned_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"raydlrm-{kind}-{os.getpid()}-") as tmp:
+        yield tmp
+
+
+def remove_orphaned_scratch(directory: str | Path | None = None) -> list[Path]:
+    """Removes the scratch directories (:func:`scratch_directory`) in ``directory`` (default:
+    the temporary directory) whose process is no longer running; returns them."""
+    removed = []
+    for path in Path(directory or tempfile.gettempdir()).glob("raydlrm-*"):
+        match = _SCRATCH.fullmatch(path.name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's, or not a process id: left alone
+    return True
 
 
 def filesystem_for(path: str, storage: StorageConfig) -> tuple[pafs.FileSystem, str]:

@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import re
-import tempfile
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -48,7 +47,7 @@ from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.schema import check_id_kinds
-from raydlrm.storage import is_remote
+from raydlrm.storage import is_remote, scratch_directory
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
 from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, local_checkpoint
 from raydlrm.trainers.model_dir import (
@@ -213,7 +212,7 @@ def _checked_export(
 def _model_dir(checkpoint_dir: str | Path) -> Iterator[Path]:
     """The checkpoint's model directory (weights assembled from the shards one table at a
     time), in a temporary directory for the duration of the block."""
-    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
+    with scratch_directory("export") as tmp:
         yield write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
 
 
@@ -274,7 +273,7 @@ def run_model_dir(checkpoint: Any, uri: str, *, by_reference: bool) -> Iterator[
         ):
             yield model_dir
         return
-    with tempfile.TemporaryDirectory(prefix="raydlrm-export-") as tmp:
+    with scratch_directory("export") as tmp:
         target = Path(tmp, "checkpoint")
         target.mkdir()
         for name in (SPEC_FILE, PLAN_FILE, METRICS_FILE, FINAL_METRICS_FILE):

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -51,6 +50,7 @@ from raydlrm.storage import (
     filesystem_for,
     is_remote,
     list_files,
+    scratch_directory,
 )
 from raydlrm.trainers.checkpoint import local_checkpoint
 from raydlrm.trainers.metrics import binary_metrics
@@ -118,7 +118,7 @@ def model_files(model: str) -> ModelFiles:
     copies = contextlib.ExitStack()
 
     def scratch() -> str:
-        return copies.enter_context(tempfile.TemporaryDirectory(prefix="raydlrm-model-"))
+        return copies.enter_context(scratch_directory("model"))
 
     try:
         if is_remote(model):
@@ -193,7 +193,7 @@ class _Scorer:
             if model["files_ref"] is None:
                 raise FileNotFoundError(f"scoring actor: no model at {weights}")
             files: dict[str, bytes] = ray.get(model["files_ref"][0])
-            with tempfile.TemporaryDirectory(prefix="raydlrm-scorer-") as tmp:
+            with scratch_directory("scorer") as tmp:
                 for name, blob in files.items():
                     Path(tmp, name).write_bytes(blob)
                 loaded = load_model_checkpoint(tmp)  # mapped; the mapping outlives the file
@@ -537,7 +537,7 @@ def evaluate(
     files = model
     label = _data_config(files).label_column
     storage = storage or StorageConfig()
-    with tempfile.TemporaryDirectory(prefix="raydlrm-eval-") as tmp:
+    with scratch_directory("eval") as tmp:
         target = output or str(Path(tmp, "predictions"))
         result = _score(
             files,

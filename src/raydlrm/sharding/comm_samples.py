@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from raydlrm.sharding.measure import machine_description, mape
+from raydlrm.storage import scratch_directory
 
 __all__ = [
     "CommCostModel",
@@ -105,7 +105,7 @@ def time_all_to_all(
     import torch.multiprocessing as mp
 
     world_size = np.shape(dim_sums)[1]
-    with tempfile.TemporaryDirectory(prefix="raydlrm-comm-") as tmp:
+    with scratch_directory("comm") as tmp:
         job = {
             "dims": np.asarray(dim_sums).tolist(),
             "delays": np.asarray(delays).tolist(),

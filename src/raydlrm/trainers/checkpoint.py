@@ -40,7 +40,6 @@ import json
 import logging
 import pathlib
 import pickle
-import tempfile
 import uuid
 import warnings
 import zlib
@@ -83,6 +82,7 @@ from raydlrm.storage import (
     is_remote,
     local_directory,
     redact,
+    scratch_directory,
 )
 from raydlrm.trainers.spec import WorkerSpec
 
@@ -671,7 +671,7 @@ def local_checkpoint(
     if state_file == pafs.FileType.File:
         state = _read_json(filesystem, path, STATE_FILE, present=True)
         names = [*(state.get("differential") or {}).get("chain", []), *names]
-    with tempfile.TemporaryDirectory(prefix="raydlrm-download-") as tmp:
+    with scratch_directory("download") as tmp:
         for name in names:
             Path(tmp, name).mkdir()  # copy_files writes into an existing directory only
             pafs.copy_files(

@@ -39,6 +39,7 @@ import torch
 
 from raydlrm.ingestion.reader import EpochProgress
 from raydlrm.sharding.cost import stored_row_bytes
+from raydlrm.storage import scratch_directory
 from raydlrm.trainers._dist import all_gather_object, all_reduce_scalar, sum_over_ranks
 from raydlrm.trainers.checkpoint import (
     ChainLink,
@@ -247,7 +248,7 @@ class Checkpointer:
         after the run and the rank, and emptied first: the files of a worker killed while it
         wrote (a part of a large model) go when its restarted successor writes, not never."""
         if self.storage is None:
-            with tempfile.TemporaryDirectory(prefix="raydlrm-ckpt-") as tmp:
+            with scratch_directory("ckpt") as tmp:
                 yield tmp
             return
         run = hashlib.sha256(self.storage.encode()).hexdigest()[:16]

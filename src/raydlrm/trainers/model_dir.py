@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
-from raydlrm.storage import StorageConfig, StorageError, redact
+from raydlrm.storage import StorageConfig, StorageError, redact, scratch_directory
 from raydlrm.trainers.checkpoint import (
     STATE_FILE,
     check_intact,
@@ -332,7 +331,7 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
         if weights_file.is_file():
             state = _mapped(weights_file)
         else:
-            with tempfile.TemporaryDirectory(prefix="raydlrm-weights-") as tmp:
+            with scratch_directory("weights") as tmp:
                 state = _mapped(write_model_weights(source, Path(tmp, WEIGHTS_FILE)))
     # assign=True: the meta tables become the mapped tensors themselves (no copy); a table
     # whose codes the file holds is held quantized (EmbeddingBagCollection's load).
