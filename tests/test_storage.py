@@ -230,11 +230,11 @@ def test_scratch_of_a_killed_process_is_removed_by_the_next(tmp_path) -> None:
     gone.wait()
     dead = tmp_path / f"raydlrm-export-{gone.pid}-abcd_123"
     live = tmp_path / f"raydlrm-export-{os.getpid()}-abcd_123"
-    staging = tmp_path / "raydlrm-ckpt-0123456789012345-rank0"  # named per run: not scratch
-    for path in (dead, live, staging):
+    other = tmp_path / "raydlrm-kill-resume-2x3lfs81"  # a benchmark's working dir: not scratch
+    for path in (dead, live, other):
         (path / "checkpoint").mkdir(parents=True)
     assert remove_orphaned_scratch(tmp_path) == [dead]
-    assert not dead.exists() and live.exists() and staging.exists()
+    assert not dead.exists() and live.exists() and other.exists()
     with scratch_directory("export") as tmp:
         assert Path(tmp).name.startswith(f"raydlrm-export-{os.getpid()}-")
     assert not Path(tmp).exists()

@@ -31,12 +31,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MIN_REPEATS = 100
+"""Rows that repeat their session (a session's second sample on) a sample needs before columns
+are called constant within sessions: with fewer, constancy is not evidence."""
 NEARLY_CONSTANT = 0.01
 """A column that changes within sessions at no more than this share of the samples repeating a
 session (at least at one) is named in a warning: a per-session column with a few bad values
 is more likely than one that changes so rarely."""
-"""Rows that repeat their session (a session's second sample on) a sample needs before columns
-are called constant within sessions: with fewer, constancy is not evidence."""
 
 
 def session_starts(sessions: np.ndarray) -> np.ndarray:

@@ -323,12 +323,12 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
     stats = {}
     if job.sharding.cost_model != "analytic":
         stats = table_stats(job, table.slice(0, job.global_batch_size()))
+    declared = {c: s.max_length for c, s in config.sparse_specs.items() if s.max_length}
     longest = {
-        c: _max_length(table.column(c)) for c in config.sparse_columns if c in table.column_names
+        c: declared[c] if c in declared else _max_length(table.column(c))
+        for c in config.sparse_columns
+        if c in declared or c in table.column_names
     }
-    for c, spec in config.sparse_specs.items():
-        if spec.max_length is not None:
-            longest[c] = spec.max_length
     bags = {
         name: sum(longest.get(c, 1) for c in columns)
         for name, columns in config.table_columns().items()

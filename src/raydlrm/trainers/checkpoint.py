@@ -595,26 +595,31 @@ def resume_blocker(run_directory: str, filesystem: pafs.FileSystem) -> str | Non
     find the same (:func:`newest_intact_stored`), checkpoint by checkpoint."""
     root = run_directory.rstrip("/")
     names = checkpoint_names(filesystem, root)
-    own = {
-        n: verify_checkpoint(f"{root}/{n}", checksums=False, filesystem=filesystem, chain=False)
-        for n in names
-    }
+    own: dict[str, list[str]] = {}  # a checkpoint -> its own damage, read when first needed
+
+    def damage(name: str) -> list[str]:
+        if name not in own:
+            own[name] = verify_checkpoint(
+                f"{root}/{name}", checksums=False, filesystem=filesystem, chain=False
+            )
+        return own[name]
+
     needed: dict[str, int] = {}  # a damaged or missing checkpoint -> the chains that need it
-    for name in reversed(names):
-        if own[name]:
+    for name in reversed(names):  # the newest is intact in a run that can resume: one check
+        if damage(name):
             continue
         if not verify_checkpoint(f"{root}/{name}", checksums=False, filesystem=filesystem):
             return None  # intact, its chain too
         state = _read_json(filesystem, f"{root}/{name}", STATE_FILE, present=True)
         link = state.get("differential")
         for member in (link or {}).get("chain", []):
-            if member not in own or own[member]:
+            if member not in names or damage(member):
                 needed[member] = needed.get(member, 0) + 1
     if not names:
         return None
     causes = []
     for name in sorted({*needed, *(n for n in names if own[n])}):
-        what = f"{name} is missing" if name not in own else f"{name} is damaged ({own[name][0]})"
+        what = f"{name} is missing" if name not in names else f"{name} is damaged ({own[name][0]})"
         count = needed.get(name, 0)
         if count:
             what += f", which the chain of {count} later checkpoint{'s' * (count != 1)} needs"

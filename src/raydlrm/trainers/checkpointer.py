@@ -21,16 +21,14 @@ precisions goes on with the chain it loaded. Rank 0 deletes what retention
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
 import json
 import logging
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,7 +219,9 @@ class Checkpointer:
         final: bool,
         link: ChainLink | None,
     ) -> Any:
-        with self._staging() as tmp:
+        # A worker killed while it writes leaves its part here: the next scratch directory
+        # made on the machine (its restarted successor's next checkpoint) removes it.
+        with scratch_directory("ckpt") as tmp:
             if final and self.parts.rank == 0:
                 save_model_metadata(
                     tmp,
@@ -241,24 +241,6 @@ class Checkpointer:
             return self.reporter.report(
                 metrics, loop_state=loop_state, checkpoint_dir=tmp, final=final
             )
-
-    @contextlib.contextmanager
-    def _staging(self) -> Iterator[str]:
-        """A local directory for this rank's part of a checkpoint until it is stored. Named
-        after the run and the rank, and emptied first: the files of a worker killed while it
-        wrote (a part of a large model) go when its restarted successor writes, not never."""
-        if self.storage is None:
-            with scratch_directory("ckpt") as tmp:
-                yield tmp
-            return
-        run = hashlib.sha256(self.storage.encode()).hexdigest()[:16]
-        path = Path(tempfile.gettempdir(), f"raydlrm-ckpt-{run}-rank{self.parts.rank}")
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        try:
-            yield str(path)
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
 
     def load(self, directory: str, *, stored: Any = None) -> Restored:
         """Restores the parts from a training checkpoint (any world size or plan; a delta with
