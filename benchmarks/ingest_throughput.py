@@ -14,10 +14,15 @@ one after the other in one run on the same machine:
   (0.5 CPU) iterating :class:`raydlrm.ingestion.reader.WorkerSource` over all row groups into
   :class:`raydlrm.batch.Batch` es, as the training loop does (actor pool sized as for a job).
 
-Reported: rows/s at steady state (after the first batch) and time to the first batch. Usage::
+Reported: rows/s at steady state (after the first batch), time to the first batch, and rows/s
+over the whole pass (first batch included). Usage::
 
     python benchmarks/ingest_throughput.py [--rows 2000000] [--batch-size 4096]
         [--variants limit,ray-default,raydlrm] [--data DIR] [--num-cpus 4]
+
+``--windows 0 262144 --repeats 3`` runs the ``raydlrm`` path once per shuffle window
+(``data.shuffle_window_rows``; 0: off) in each of 3 rounds, alternating, and reports the median
+of each and their ratio (issue 46: the window's cost).
 """
 
 from __future__ import annotations
@@ -43,11 +48,16 @@ def _data(root: Path, rows: int) -> Path:
     return root / "train"
 
 
-def _config(path: Path, batch_size: int):
+def _config(path: Path, batch_size: int, window: int | None = None):
     from raydlrm.ingestion import DataConfig
 
+    window_key = {} if window is None else {"shuffle_window_rows": window}
     return DataConfig(
-        train_path=str(path), eval_path=None, table_size=TABLE_SIZE, batch_size=batch_size
+        train_path=str(path),
+        eval_path=None,
+        table_size=TABLE_SIZE,
+        batch_size=batch_size,
+        **window_key,
     )
 
 
@@ -61,7 +71,12 @@ def _timed(batches) -> dict[str, float]:
             first, first_rows = time.perf_counter(), rows
     end = time.perf_counter()
     steady = (rows - first_rows) / max(end - first, 1e-9) if first is not None else 0.0
-    return {"rows": rows, "rows_per_s": steady, "first_batch_s": (first or end) - start}
+    return {
+        "rows": rows,
+        "rows_per_s": steady,
+        "first_batch_s": (first or end) - start,
+        "overall_rows_per_s": rows / max(end - start, 1e-9),
+    }
 
 
 def _limit(path: Path, batch_size: int) -> dict[str, float]:
@@ -134,13 +149,13 @@ def _raydlrm_worker(config: dict) -> None:
         ray.train.report(result, checkpoint=ray.train.Checkpoint.from_directory(checkpoint))
 
 
-def _raydlrm(path: Path, batch_size: int) -> dict[str, float]:
+def _raydlrm(path: Path, batch_size: int, window: int | None = None) -> dict[str, float]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from raydlrm.ingestion import default_num_actors, validate_data
 
-    config = _config(path, batch_size)
+    config = _config(path, batch_size, window)
     summary = validate_data(str(path), config)
     trainer = TorchTrainer(
         _raydlrm_worker,
@@ -155,7 +170,36 @@ def _raydlrm(path: Path, batch_size: int) -> dict[str, float]:
         run_config=RunConfig(name="ingest-throughput", storage_path=tempfile.mkdtemp()),
     )
     metrics = trainer.fit().metrics
-    return {k: metrics[k] for k in ("rows", "rows_per_s", "first_batch_s")}
+    return {k: metrics[k] for k in ("rows", "rows_per_s", "first_batch_s", "overall_rows_per_s")}
+
+
+def _windows(path: Path, args: argparse.Namespace) -> None:
+    """The ``raydlrm`` path once per window in each round, alternating; medians and ratios."""
+    import statistics
+
+    runs: dict[int, list[dict[str, float]]] = {w: [] for w in args.windows}
+    for round_ in range(args.repeats):
+        for window in args.windows:
+            result = _raydlrm(path, args.batch_size, window)
+            runs[window].append(result)
+            print(f"[round {round_} window {window}] {result}", flush=True)
+    keys = ("rows_per_s", "first_batch_s", "overall_rows_per_s")
+    medians = {w: {k: statistics.median(r[k] for r in rs) for k in keys} for w, rs in runs.items()}
+    print(f"\n{args.rows:,} rows, batch {args.batch_size}, medians of {args.repeats} rounds")
+    print("| shuffle_window_rows | rows/s (steady) | first batch | rows/s (whole pass) |")
+    print("|---|---|---|---|")
+    for window, m in medians.items():
+        print(
+            f"| {window} | {m['rows_per_s']:,.0f} | {m['first_batch_s']:.1f} s "
+            f"| {m['overall_rows_per_s']:,.0f} |"
+        )
+    base = medians[args.windows[0]]
+    for window in args.windows[1:]:
+        ratio = {k: medians[window][k] / base[k] for k in ("rows_per_s", "overall_rows_per_s")}
+        print(
+            f"window {window} / {args.windows[0]}: steady {ratio['rows_per_s']:.3f}, "
+            f"whole pass {ratio['overall_rows_per_s']:.3f}"
+        )
 
 
 def main() -> None:
@@ -165,6 +209,8 @@ def main() -> None:
     parser.add_argument("--variants", default="limit,ray-default,raydlrm")
     parser.add_argument("--data", default=None, help="data directory (generated if missing)")
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the Ray cluster")
+    parser.add_argument("--windows", type=int, nargs="+", default=None, help="shuffle windows")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of --windows")
     args = parser.parse_args()
 
     import os
@@ -178,6 +224,9 @@ def main() -> None:
     for name, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(name, value)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
+    if args.windows:
+        _windows(path, args)
+        return
     runners = {"limit": _limit, "ray-default": _ray_default, "raydlrm": _raydlrm}
     results = {}
     for variant in args.variants.split(","):

@@ -125,7 +125,7 @@ def _parameters(config: dict) -> tuple[int, int]:
     model = build_model(
         spec.model,
         tables=spec.tables(),
-        num_dense=len(spec.data.dense_columns),
+        num_dense=spec.data.num_dense_inputs(),
         device="meta",
     )
     dense = sum(p.numel() for p in model.dense.parameters())

@@ -107,7 +107,7 @@ class _Reference(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         model = build_model(
-            spec.model, tables=spec.tables(), num_dense=len(spec.data.dense_columns)
+            spec.model, tables=spec.tables(), num_dense=spec.data.num_dense_inputs()
         )
         self.dense = model.dense.to(device)
         self.tables = spec.tables()

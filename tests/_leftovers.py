@@ -140,20 +140,26 @@ def _describe(p: psutil.Process) -> str:
 
 
 def other_sessions() -> list[int]:
-    """The test processes (pytest) of other sessions running on the machine, marked with
-    another value (a process an earlier session left behind is not one): while one runs,
-    what appears in the temporary directory, the namespaces or the qdiscs may be its own, so
-    only this session's processes can be told apart."""
+    """The test processes (pytest) of other sessions running on the machine: those without
+    this session's mark, other than this process and its parents. While one runs, what appears
+    in the temporary directory, the namespaces or the qdiscs may be its own, so only this
+    session's processes can be told apart.
+
+    A session's main process shows no mark: its conftest sets it after the process started,
+    and ``/proc/<pid>/environ`` keeps the environment a process started with. (Counting only
+    marked ones missed every session started from a shell, and one session's end then deleted
+    the checkpoint staging of another's running workers.)"""
     mark = os.environ[MARK]
+    own = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
-        if "pytest" not in " ".join(p.info["cmdline"] or []):
+        if p.pid in own or "pytest" not in " ".join(p.info["cmdline"] or []):
             continue
         try:
             other = p.environ().get(MARK)
         except (psutil.Error, OSError):
             continue
-        if other is not None and other != mark:
+        if other != mark:
             found.append(p.pid)
     return found
 

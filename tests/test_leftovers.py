@@ -32,16 +32,20 @@ def test_finds_and_removes_a_marked_process_and_a_temporary_file() -> None:
         sleeper.wait()
 
 
-def test_another_session_is_its_pytest_process_with_another_mark() -> None:
+def test_another_session_is_a_pytest_process_without_this_sessions_mark() -> None:
     code = "import time; time.sleep(60)"
     env = {**os.environ, _leftovers.MARK: "another"}
+    unmarked = {k: v for k, v in os.environ.items() if k != _leftovers.MARK}
     other = subprocess.Popen([sys.executable, "-c", code, "pytest"], env=env)
+    # A session started from a shell: its mark is set after it started, so it shows none.
+    shell = subprocess.Popen([sys.executable, "-c", code, "pytest"], env=unmarked)
     ours = subprocess.Popen([sys.executable, "-c", code, "pytest"])  # this session's mark
     orphan = subprocess.Popen(["sleep", "60"], env=env)  # an earlier session's leftover
     try:
         found = _leftovers.other_sessions()
-        assert other.pid in found and ours.pid not in found and orphan.pid not in found
+        assert other.pid in found and shell.pid in found
+        assert ours.pid not in found and orphan.pid not in found and os.getpid() not in found
     finally:
-        for p in (other, ours, orphan):
+        for p in (other, shell, ours, orphan):
             p.kill()
             p.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -37,6 +38,7 @@ from raydlrm.ingestion.dedup import batch_dedup_factor, infer_dedup_groups
 from raydlrm.ingestion.inspect import inspect_data
 from raydlrm.ingestion.layout import layout_of
 from raydlrm.ingestion.reader import (
+    RG_ID_COLUMN,
     EpochProgress,
     SessionGroupReader,
     WorkerSource,
@@ -310,7 +312,10 @@ def _read(path: Path, config: DataConfig, *, shuffle: bool = False) -> list[pa.T
         shuffle=shuffle,
     )
     refs = pa.Table.from_pylist(
-        [{"group": g.to_dict(), "id": i, "skip": 0} for i, g in enumerate(summary.row_groups)]
+        [
+            {"window": [{"group": g.to_dict(), "id": i, "skip": 0}]}
+            for i, g in enumerate(summary.row_groups)
+        ]
     )
     out = reader(refs)
     return [out] if isinstance(out, pa.Table) else list(out)
@@ -451,6 +456,55 @@ def test_user_columns_are_preprocessed_once_per_session(recd: Recd) -> None:
     np.testing.assert_array_equal(firsts[column.indices.to_numpy()], used)
 
 
+def test_a_window_of_clustered_row_groups_mixes_whole_sessions_and_resumes(recd: Recd) -> None:
+    """A shuffle window over clustered data: batches of several row groups' sessions (each
+    session whole, its user features once per batch), every sample once; resumed after some
+    batches, the same remaining batches."""
+    config = _config(recd.converted, dedup_groups=[USERS])
+    summary = validate_data(str(recd.converted), config)
+
+    def read(skips: dict[int, int]) -> list[pa.Table]:
+        reader = SessionGroupReader(
+            config,
+            source_path=str(recd.converted),
+            columns=read_columns(config, summary.schema),
+            schema=summary.schema,
+            seed=2,
+            epoch=0,
+            shuffle=True,
+            window_rows=10**6,
+        )
+        refs = [
+            {"group": g.to_dict(), "id": i, "skip": skips.get(i, 0)}
+            for i, g in enumerate(summary.row_groups)
+        ]
+        return list(reader(pa.Table.from_pylist([{"window": refs}])))
+
+    batches = read({})
+    assert sorted(_sample_ids(batches)) == list(range(3000))
+    assert all(b.num_rows == BATCH for b in batches[:-1])  # cut across row groups
+    assert len(set(batches[0].column(RG_ID_COLUMN).to_pylist())) >= 4
+    session_of = dict(
+        zip(
+            *pq.read_table(recd.samples, columns=["sample_id", "session_id"]).to_pydict().values(),
+            strict=True,
+        )
+    )
+    sessions = [session_of[i] for i in _sample_ids(batches)]
+    pieces = Counter([sessions[0]] + [b for a, b in itertools.pairwise(sessions) if a != b])
+    assert sum(n > 1 for n in pieces.values()) <= len(summary.row_groups)  # whole, unless cut
+    for batch in batches[:3]:  # the dictionary: the batch's sessions, once each
+        ids = [session_of[i] for i in batch.column("sample_id").to_pylist()]
+        assert len(batch.column("C1").chunk(0).dictionary) == _runs(np.array(ids))
+    for done in (1, 7):
+        trained = EpochProgress()
+        for batch in batches[:done]:
+            trained.add(EpochProgress.rows_of(batch))
+        rest = read(trained.consumed)
+        assert len(rest) == len(batches) - done
+        assert all(a.equals(b) for a, b in zip(rest, batches[done:], strict=True))
+
+
 # The worker sources, through Ray Data.
 
 
@@ -519,7 +573,7 @@ def test_resume_mid_epoch_on_clustered_data_reads_every_sample_once(
         for b in iter_train_batches(_source(recd.converted, config), config=config)
     ]
     first = _source(recd.converted, config)
-    progress = EpochProgress(epoch=0)
+    progress = EpochProgress(epoch=0, window_rows=config.shuffle_window_rows)
     trained = []
     for batch in iter_train_batches(first, config=config, track_rows=True):
         progress.add(batch.row_groups)

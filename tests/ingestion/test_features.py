@@ -19,8 +19,10 @@ from raydlrm.ingestion.preprocess import hash_strings, mix64
 from raydlrm.ingestion.stats import (
     bucket_boundaries_of,
     compute_bucket_boundaries,
+    compute_dense_fill_values,
     compute_dense_stats,
     dense_stats_of,
+    training_statistics,
 )
 from raydlrm.models import ModelConfig
 from raydlrm.trainers.spec import WorkerSpec
@@ -353,3 +355,219 @@ def test_dedup_key_collision_falls_back_to_no_dedup() -> None:
         group.expand().values,
         arrow_to_batch(out, config=config).all_sparse().select(["user"]).values,
     )
+
+
+def _with_missing(num_rows: int = 500, share: float = 0.16) -> pa.Table:
+    """``_table()``-like rows whose I1 (around 1000, deviation 10) is missing in ``share`` of
+    them and whose I2 has no missing value."""
+    rng = np.random.default_rng(1)
+    missing = np.arange(num_rows) < int(share * num_rows)
+    rng.shuffle(missing)
+    return pa.table(
+        {
+            "label": pa.array(rng.integers(0, 2, num_rows)),
+            "I1": pa.array(rng.normal(1000.0, 10.0, num_rows), mask=missing),
+            "I2": pa.array(rng.integers(0, 100, num_rows)),
+            "user": pa.array([f"u{i % 7}" for i in range(num_rows)]),
+            "item": pa.array(np.arange(num_rows, dtype=np.int64)),
+            "tags": pa.array([["t"]] * num_rows, pa.list_(pa.string())),
+        }
+    )
+
+
+def _dense(out: pa.Table, width: int) -> np.ndarray:
+    return out.column("dense").combine_chunks().flatten().to_numpy().reshape(-1, width)
+
+
+@pytest.mark.parametrize("policy", ["zero", "mean", "median"])
+def test_missing_dense_values_are_filled_and_statistics_use_present_values(policy) -> None:
+    """Whatever the fill, the standardization uses the present values' mean and deviation (a
+    16%-missing column keeps its spread); ``mean`` and ``median`` fill with that statistic of
+    the present, clipped values in raw units, which is then clipped and standardized."""
+    clip = {"clip": [0.0, 1010.0]}
+    config = _config(dense_fill=policy, dense_specs={"I1": {"transform": "standardize", **clip}})
+    raw = _with_missing()
+    i1 = raw.column("I1").to_numpy(zero_copy_only=False)
+    missing = np.isnan(i1)
+    present = np.clip(i1[~missing].astype(np.float32), 0.0, 1010.0).astype(np.float64)
+    batches = [raw.slice(0, 123), raw.slice(123)]
+    stats = compute_dense_stats(batches, config)
+    assert stats["I1"] == pytest.approx((present.mean(), present.std()))
+    fills = compute_dense_fill_values(batches, config)
+    expected_fill = {"zero": 0.0, "mean": present.mean(), "median": np.median(present)}[policy]
+    if policy == "zero":
+        assert fills == {} and config.fill_value_of("I1") == 0.0
+    else:
+        assert set(fills) == {"I1", "I2"} and fills["I1"] == pytest.approx(expected_fill)
+    with_stats = _config(
+        dense_fill=policy,
+        dense_specs={"I1": {"transform": "standardize", **clip}},
+        dense_stats=stats,
+        dense_fill_values=fills,
+    )
+    dense = _dense(Preprocessor(with_stats)(raw), 2)
+    mean, std = stats["I1"]
+    np.testing.assert_allclose(dense[~missing, 0], (present - mean) / std, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dense[missing, 0], (expected_fill - mean) / std, rtol=1e-4)
+    assert dense[~missing, 0].std() == pytest.approx(1.0, rel=1e-3)  # no collapse
+    if policy == "mean":
+        np.testing.assert_allclose(dense[missing, 0], 0.0, atol=1e-4)
+
+
+def test_zero_fill_transforms_exactly_as_before_with_given_statistics() -> None:
+    """``zero`` (the default) fills with 0 before clipping and the transform, bit for bit."""
+    raw = _with_missing(num_rows=64)
+    config = _config(dense_specs={"I1": {"transform": "standardize"}}, dense_stats={"I1": (3, 2)})
+    assert config.dense_fill == "zero" and config.num_dense_inputs() == 2
+    x = np.nan_to_num(raw.column("I1").to_numpy(zero_copy_only=False), nan=0.0)
+    expected = (x.astype(np.float32) - np.float32(3.0)) / np.float32(2.0)
+    np.testing.assert_array_equal(_dense(Preprocessor(config)(raw), 2)[:, 0], expected)
+
+
+def test_missing_indicators_widen_the_dense_input_and_the_model_follows() -> None:
+    config = _config(
+        dense_missing_indicator=True,
+        dense_fill="median",
+        dense_specs={"I2": {"missing_indicator": False, "fill": "zero"}},
+    )
+    assert config.missing_indicator_columns() == ["I1"] and config.num_dense_inputs() == 3
+    raw = _with_missing(num_rows=50)
+    with pytest.raises(ValueError, match=r"\['I1'\] filled with their mean or median"):
+        Preprocessor(config)
+    fills = compute_dense_fill_values([raw], config)
+    assert set(fills) == {"I1"}
+    config = _config(
+        dense_missing_indicator=True,
+        dense_fill="median",
+        dense_specs={"I2": {"missing_indicator": False, "fill": "zero"}},
+        dense_fill_values=fills,
+    )
+    out = Preprocessor(config)(raw)
+    assert out.schema.field("dense").type == pa.list_(pa.float32(), 3)
+    dense = _dense(out, 3)
+    missing = raw.column("I1").is_null().to_numpy(zero_copy_only=False)
+    np.testing.assert_array_equal(dense[:, 2], missing.astype(np.float32))
+    np.testing.assert_allclose(dense[missing, 0], np.log1p(fills["I1"]), rtol=1e-6)
+    # Per column: an indicator on I2 alone, the global switch off.
+    only = _config(dense_specs={"I2": {"missing_indicator": True}})
+    assert only.missing_indicator_columns() == ["I2"] and only.num_dense_inputs() == 3
+    batch = arrow_to_batch(out, config=config)
+    assert tuple(batch.dense.shape) == (50, 3)
+    from raydlrm.models.dlrm import build_model
+
+    spec = WorkerSpec(data=config, model=ModelConfig(embedding_dim=8, bottom_mlp=[16, 8]))
+    model = build_model(spec.model, tables=spec.tables(), num_dense=config.num_dense_inputs())
+    assert model(batch).shape == (50,)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"dense_fill": "median"}, "data.dense_fill = 'median'"),
+        ({"dense_fill": "mean"}, "data.dense_fill = 'mean'"),
+        ({"dense_specs": {"I1": {"fill": "median"}}}, r"data.dense_specs.I1.fill = 'median'"),
+    ],
+)
+def test_a_fill_statistic_of_an_entirely_missing_column_names_it(overrides, key) -> None:
+    raw = _with_missing(num_rows=20, share=1.0)
+    assert raw.column("I1").null_count == 20
+    with pytest.raises(ValueError, match=rf"{key}: dense column 'I1' has no present"):
+        compute_dense_fill_values([raw], _config(**overrides))
+    # A fill policy on a column without missing values changes nothing.
+    raw = _with_missing(num_rows=20, share=0.0)
+    plain = Preprocessor(_config())(raw)
+    config = _config(**overrides)
+    config = _config(**overrides, dense_fill_values=compute_dense_fill_values([raw], config))
+    assert Preprocessor(config)(raw).equals(plain)
+
+
+def test_bad_fill_settings_name_the_key() -> None:
+    with pytest.raises(ValueError, match="dense_fill"):
+        _config(dense_fill="mode")
+    with pytest.raises(ValueError, match=r"dense_specs\.I1\.fill"):
+        _config(dense_specs={"I1": {"fill": "mode"}})
+    with pytest.raises(ValueError, match=r"data\.dense_fill_values\.I1: not a dense column"):
+        _config(dense_fill_values={"I1": 1.0})
+    with pytest.raises(ValueError, match=r"data\.dense_fill_values\.I1: must be finite"):
+        _config(dense_fill="mean", dense_fill_values={"I1": float("nan")})
+
+
+def test_medians_are_exact_weighted_and_sampled_medians_stay_close(monkeypatch) -> None:
+    """A median counts every occurrence of a value (from each value's count) and is exact up
+    to MAX_DISTINCT distinct values; beyond, the value-hash sample's median is close."""
+    from raydlrm.ingestion import stats
+
+    config = _config(dense_fill="median")
+    skewed = np.r_[np.zeros(60), np.arange(1.0, 41.0), [1e6]]  # 101 values: median 0
+    table = pa.table({"I1": skewed, "I2": np.r_[skewed[:-1], 7.0, 8.0][:101]})
+    fills = compute_dense_fill_values(table.to_batches(max_chunksize=17), config)
+    assert fills["I1"] == np.median(skewed) == 0.0
+    assert fills["I2"] == pytest.approx(np.median(table.column("I2").to_numpy()))
+    values = np.random.default_rng(0).normal(size=2000)
+    table = pa.table({"I1": values, "I2": values})
+    exact = compute_dense_fill_values([table], config)["I1"]
+    assert exact == pytest.approx(np.median(values.astype(np.float32)))
+    monkeypatch.setattr(stats, "MAX_DISTINCT", 200)
+    sampled = compute_dense_fill_values(table.to_batches(max_chunksize=64), config)["I1"]
+    assert sampled != exact and abs(sampled - exact) < 0.2
+
+
+def test_bucket_boundaries_count_the_fill_as_a_value() -> None:
+    """A column with missing values buckets its fill (as the bucketizer sees it): 0 for
+    ``zero`` (as before), the mean for ``mean``; the present values alone otherwise."""
+    table = pa.table({"I1": pa.array([10.0, None, 20.0, 30.0, 20.0]), "I2": [1.0, 2, 3, 4, 5]})
+    zero = _config(dense_specs={"I1": {"buckets": 8}})
+    assert compute_bucket_boundaries([table], zero)["I1"] == [5.0, 15.0, 25.0]
+    mean = _config(dense_specs={"I1": {"buckets": 8, "fill": "mean", "clip": [0.0, 18.0]}})
+    # Present values clipped: 10, 18, 18, 18 (mean 16); the fill is one more distinct value.
+    assert compute_bucket_boundaries([table], mean)["I1"] == [13.0, 17.0]
+    recorded = _config(
+        dense_specs={"I1": {"buckets": 8, "fill": "mean"}}, dense_fill_values={"I1": 25.0}
+    )
+    assert compute_bucket_boundaries([table], recorded)["I1"] == [15.0, 22.5, 27.5]
+    full = table.set_column(0, "I1", pa.array([10.0, 15.0, 20.0, 30.0, 20.0]))
+    assert compute_bucket_boundaries([full], zero)["I1"] == [12.5, 17.5, 25.0]
+
+
+def test_training_statistics_compute_the_missing_fill_values_of_a_directory(tmp_path) -> None:
+    pq.write_table(_with_missing(num_rows=100), tmp_path / "a.parquet")
+    pq.write_table(_with_missing(num_rows=60, share=0.5), tmp_path / "b.parquet")
+    both = pa.concat_tables([_with_missing(num_rows=100), _with_missing(num_rows=60, share=0.5)])
+    present = both.column("I1").drop_null().to_numpy().astype(np.float32)
+    config = _config(dense_fill="median", dense_specs={"I2": {"fill": "mean"}})
+    computed = training_statistics(str(tmp_path), config)
+    assert computed.dense_fill_values == {
+        "I1": pytest.approx(np.median(present)),
+        "I2": pytest.approx(both.column("I2").to_numpy().mean()),
+    }
+    recorded = _config(dense_fill="median", dense_fill_values={"I1": 5.0})
+    assert training_statistics(str(tmp_path), recorded).dense_fill_values == {
+        "I2": np.median(both.column("I2").to_numpy())  # only the one it lacks
+    }
+
+
+def test_inspect_reports_missing_shares_and_flags_a_fill_that_dominates(tmp_path) -> None:
+    """A column 16% missing around 1000 and filled with 0: its present values spread over a
+    sliver of the column as the model sees it (log1p or standardized alike), which inspect
+    flags naming the column and the settings; a median fill does not collapse it."""
+    from raydlrm.ingestion.inspect import COLLAPSED_SPREAD, inspect_data
+
+    pq.write_table(_with_missing(), tmp_path / "part-0.parquet")
+    for transform in ("log1p", "standardize"):
+        report = inspect_data(str(tmp_path), _config(dense_transform=transform))["dense"]
+        i1 = report["I1"]
+        assert i1["nulls"] == 80 and i1["missing_share"] == pytest.approx(0.16)
+        assert i1["present_spread"] < COLLAPSED_SPREAD
+        assert i1["flag"].startswith(
+            "dense column 'I1' is 16.0% missing, filled with zero (data.dense_fill)"
+        )
+        assert 'data.dense_fill = "median"' in i1["flag"]
+        assert "data.dense_missing_indicator = true" in i1["flag"]
+        assert report["I2"]["missing_share"] == 0.0 and report["I2"]["flag"] is None
+    x = _with_missing().column("I1").to_numpy(zero_copy_only=False)
+    inputs = np.nan_to_num(x, nan=0.0)  # standardized: an affine map of the filled values
+    expected = inputs[~np.isnan(x)].std() / inputs.std()
+    assert i1["present_spread"] == pytest.approx(expected, rel=1e-3)
+    median = inspect_data(str(tmp_path), _config(dense_specs={"I1": {"fill": "median"}}))
+    assert median["dense"]["I1"]["flag"] is None
+    assert median["dense"]["I1"]["present_spread"] > 1.0

@@ -22,10 +22,14 @@ from raydlrm.ingestion import (
     validate_data,
 )
 from raydlrm.ingestion.reader import (
+    RG_ID_COLUMN,
     EpochProgress,
+    RowGroupReader,
     WorkerSource,
     _session_order,
     assign_row_groups,
+    assign_windows,
+    read_columns,
 )
 from raydlrm.ingestion.schema import DataSummary, RowGroup
 
@@ -97,6 +101,69 @@ def test_resume_covers_the_untrained_rows_once(saved: int, resumed: int) -> None
         resume_world_size=saved,
     )
     assert other == assign_row_groups(groups, world_size=resumed, seed=5, epoch=2, shuffle=True)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_windows_are_consecutive_dealt_row_groups_up_to_the_window(world_size: int) -> None:
+    groups = _groups([100, 250, 80, 80, 300, 120, 90, 60, 200, 110, 70])
+    deal = {"world_size": world_size, "seed": 5, "epoch": 2, "shuffle": True}
+    windows = assign_windows(groups, **deal, window_rows=400)
+    for worker, dealt in zip(windows, assign_row_groups(groups, **deal), strict=True):
+        assert [item for window in worker for item in window] == dealt
+        for window in worker:
+            assert len(window) == 1 or sum(groups[i].num_rows for i, _ in window) <= 400
+    assert any(len(window) > 1 for worker in windows for window in worker)
+    # Off, or not shuffling: one row group per window.
+    for off in ({**deal, "window_rows": 0}, {**deal, "shuffle": False, "window_rows": 400}):
+        off_deal = {k: v for k, v in off.items() if k != "window_rows"}
+        assert assign_windows(groups, **off) == [
+            [[item] for item in worker] for worker in assign_row_groups(groups, **off_deal)
+        ]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 2), (2, 3), (3, 1)])
+def test_resumed_windows_cover_the_untrained_rows_once(saved: int, resumed: int) -> None:
+    """With the checkpoint's world size each worker keeps its windows, less the finished row
+    groups, each started one skipping its trained rows; otherwise the rest is dealt anew."""
+    groups = _groups([100, 250, 80, 80, 300, 120, 90, 60, 200, 110, 70])
+    deal = {"seed": 5, "epoch": 1, "shuffle": True, "window_rows": 400}
+    before = assign_windows(groups, world_size=saved, **deal)
+    progress = EpochProgress(epoch=1, window_rows=400)
+    for worker in before:  # its first window done; every row group of its second 10 rows in
+        for i, _ in worker[0]:
+            progress.consumed[i] = progress.totals[i] = groups[i].num_rows
+        for i, _ in worker[1] if len(worker) > 1 else []:
+            progress.consumed[i], progress.totals[i] = 10, groups[i].num_rows
+    after = assign_windows(
+        groups, world_size=resumed, **deal, resume=progress, resume_world_size=saved
+    )
+    remaining = Counter()
+    for worker in after:
+        for window in worker:
+            for i, skip in window:
+                assert skip == progress.consumed.get(i, 0)
+                remaining[i] += groups[i].num_rows - skip
+    assert all(
+        progress.consumed.get(i, 0) + remaining[i] == g.num_rows for i, g in enumerate(groups)
+    )
+    if saved == resumed:
+        assert after == [
+            [[(i, progress.consumed.get(i, 0)) for i, _ in w] for w in worker[1:]]
+            for worker in before
+        ]
+
+
+def test_a_resumed_epoch_keeps_the_window_it_began_with(data: Path) -> None:
+    config = DataConfig(train_path=str(data), eval_path=None, table_size=1000)
+    summary = validate_data(str(data), config)
+    source = _source(summary, config=config, rank=0, world_size=1, seed=0, shuffle=True)
+    source.start(3, resume=EpochProgress(3, window_rows=77), world_size=1)
+    assert source.window_rows(3) == 77 and source.window_rows(4) == config.shuffle_window_rows
+    # A checkpoint made before shuffle windows read its epoch without one.
+    assert EpochProgress.from_dict({"epoch": 3}).window_rows == 0
+    assert EpochProgress.merged([EpochProgress(3, window_rows=77)]).window_rows == 77
+    unshuffled = _source(summary, config=config, rank=0, world_size=1, seed=0, shuffle=False)
+    assert unshuffled.window_rows(0) == 0
 
 
 def test_session_order_permutes_whole_sessions() -> None:
@@ -246,8 +313,6 @@ def test_session_shuffle_depends_on_the_data_not_its_location(data: Path, tmp_pa
     shuffle was seeded by the file's full path, so a copy trained to a different model)."""
     import shutil
 
-    from raydlrm.ingestion.reader import RowGroupReader, read_columns
-
     copy = tmp_path / "elsewhere" / "train"
     shutil.copytree(data, copy)
     config = DataConfig(train_path=str(data), eval_path=None, table_size=1000, batch_size=100)
@@ -263,10 +328,105 @@ def test_session_shuffle_depends_on_the_data_not_its_location(data: Path, tmp_pa
             epoch=1,
             shuffle=True,
         )
-        refs = pa.Table.from_pylist(
-            [{"group": g.to_dict(), "id": i, "skip": 0} for i, g in enumerate(summary.row_groups)]
-        )
-        orders.append(reader(refs).column("sample_id").to_pylist())
+        orders.append(reader(_one_window_each(summary)).column("sample_id").to_pylist())
     assert orders[0] == orders[1]
     unshuffled = pq.read_table(data, columns=["sample_id"]).column("sample_id").to_pylist()
     assert sorted(orders[0]) == sorted(unshuffled) and orders[0] != unshuffled
+
+
+def _one_window_each(summary: DataSummary) -> pa.Table:
+    """A reader's input: every row group of ``summary`` as a window of its own."""
+    return pa.Table.from_pylist(
+        [
+            {"window": [{"group": g.to_dict(), "id": i, "skip": 0}]}
+            for i, g in enumerate(summary.row_groups)
+        ]
+    )
+
+
+def _one_window(summary: DataSummary, skips: dict[int, int] | None = None) -> pa.Table:
+    """A reader's input: every row group of ``summary`` in one window, skipping ``skips``."""
+    refs = [
+        {"group": g.to_dict(), "id": i, "skip": (skips or {}).get(i, 0)}
+        for i, g in enumerate(summary.row_groups)
+    ]
+    return pa.Table.from_pylist([{"window": refs}])
+
+
+@pytest.mark.parametrize("session_column", ["session_id", None])
+def test_a_window_mixes_its_row_groups_and_resumes_where_it_stopped(
+    data: Path, session_column: str | None
+) -> None:
+    """The rows of a window come in a random order across its row groups (sessions whole),
+    every row once, the same on every run; a window resumed after some of its rows (their
+    counts per row group, as a checkpoint holds them) continues with exactly the rest."""
+    config = DataConfig(
+        train_path=str(data), eval_path=None, table_size=1000, session_column=session_column
+    )
+    summary = validate_data(str(data), config)
+
+    def read(skips: dict[int, int] | None = None, seed: int = 3) -> pa.Table:
+        reader = RowGroupReader(
+            config,
+            source_path=str(data),
+            columns=read_columns(config, summary.schema),
+            schema=summary.schema,
+            seed=seed,
+            epoch=1,
+            shuffle=True,
+            window_rows=10**6,
+        )
+        return reader(_one_window(summary, skips))
+
+    out = read()
+    ids = out.column("sample_id").to_numpy()
+    np.testing.assert_array_equal(np.sort(ids), np.arange(summary.num_rows))
+    groups = out.column(RG_ID_COLUMN).to_numpy()
+    assert len(set(groups[:100].tolist())) >= 6  # 9 row groups, mixed from the start
+    assert read().equals(out) and not read(seed=4).equals(out)
+    table = pq.read_table(data, columns=["sample_id", "session_id"]).sort_by("sample_id")
+    sessions = table.column("session_id").to_numpy()[ids]
+    runs = Counter([sessions[0]] + [b for a, b in itertools.pairwise(sessions) if a != b])
+    whole = sum(n > 1 for n in runs.values())  # sessions in more than one piece
+    if session_column is None:
+        assert whole > 50  # rows are the units: sessions scattered
+    else:
+        assert whole <= len(summary.row_groups)  # only those cut by a row-group boundary
+    for head in (1, 300, summary.num_rows - 5):
+        trained = EpochProgress()
+        trained.add(EpochProgress.rows_of(out.slice(0, head)))
+        rest = read(trained.consumed)
+        np.testing.assert_array_equal(rest.column("sample_id").to_numpy(), ids[head:])
+
+
+def test_a_window_over_half_a_workers_memory_is_refused_before_ray_starts(data: Path) -> None:
+    from raydlrm.ingestion.reader import WINDOW_COPIES, window_bytes
+    from raydlrm.platform.config import ConfigError, load_config
+    from raydlrm.platform.preflight import check_shuffle_window
+
+    def job(*overrides: str):
+        return load_config(
+            overrides=[
+                f"data.train_path={data}",
+                "data.eval_path=null",
+                "data.num_preprocess_actors=2",
+                *overrides,
+            ]
+        )
+
+    summary = validate_data(str(data), job().data)
+    first = pq.ParquetFile(data / "part-00000.parquet").metadata.row_group(0)
+    per_row = first.total_byte_size / first.num_rows
+    # The window is at most the data set: 1200 rows.
+    assert window_bytes(summary, job().data) == int(WINDOW_COPIES * 1200 * per_row)
+    assert window_bytes(summary, job("data.shuffle_window_rows=0").data) == 0
+    need = 2 * window_bytes(summary, job().data)  # two actors
+    check_shuffle_window(job(f"scaling.resources_per_worker={{ memory = {2 * need} }}"), summary)
+    small = job(f"scaling.resources_per_worker={{ memory = {need} }}")
+    with pytest.raises(ConfigError, match=r"data\.shuffle_window_rows = 262144: 2 preprocessing"):
+        check_shuffle_window(small, summary)
+    with pytest.raises(ConfigError, match=r"at most 600 \(0: off\)"):
+        check_shuffle_window(small, summary)
+    check_shuffle_window(
+        job("data.shuffle_window_rows=0", "scaling.resources_per_worker={ memory = 1 }"), summary
+    )

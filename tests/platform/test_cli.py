@@ -324,6 +324,26 @@ def test_data_inspect(tmp_path: Path, tiny_data: Path) -> None:
     assert missing.exit_code == 2 and "nothing" in missing.output
 
 
+def test_data_inspect_warns_of_a_fill_that_dominates_a_dense_column(tmp_path: Path) -> None:
+    values = [None if i % 5 == 0 else 1000.0 + i % 7 for i in range(100)]  # 20% missing
+    table = {"label": [i % 2 for i in range(100)], "I1": values, "C1": list(range(100))}
+    pq.write_table(pa.table(table), tmp_path / "part-0.parquet")
+    sets = [
+        f"--set=data.train_path={tmp_path}",
+        '--set=data.dense_columns=["I1"]',
+        '--set=data.sparse_columns=["C1"]',
+    ]
+    result = _invoke("data", "inspect", *sets)
+    assert result.exit_code == 0, result.output
+    assert "I1           nulls 20 (20.0% missing)" in result.output
+    (warning,) = [ln for ln in result.output.splitlines() if ln.startswith("  warning:")]
+    assert "dense column 'I1' is 20.0% missing, filled with zero (data.dense_fill)" in warning
+    assert 'data.dense_fill = "median"' in warning
+    median = _invoke("data", "inspect", *sets, "--set=data.dense_fill=median")
+    assert median.exit_code == 0, median.output
+    assert "warning:" not in median.output
+
+
 def test_failed_run_is_one_line_naming_the_workers_error() -> None:
     from raydlrm._errors import cause_line as _cause
 

@@ -65,6 +65,22 @@ def test_invalid_values_are_named() -> None:
         load_config(overrides=["training.num_epochs=many"])
 
 
+def test_missing_dense_value_settings_from_toml_and_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('[data]\ndense_fill = "mean"\n[data.dense_specs.I2]\nmissing_indicator = true\n')
+    job = load_config(f, overrides=["data.dense_fill=median", "data.dense_specs.I1.fill=zero"])
+    assert job.data.dense_fill == "median" and job.data.dense_fill_of("I1") == "zero"
+    assert job.data.fill_key_of("I1") == "data.dense_specs.I1.fill"
+    assert job.data.missing_indicator_columns() == ["I2"]
+    assert job.data.num_dense_inputs() == len(job.data.dense_columns) + 1
+    with pytest.raises(ConfigError, match=r"data\.dense_fill: .*got 'mode'"):
+        load_config(overrides=["data.dense_fill=mode"])
+    with pytest.raises(ConfigError, match=r"data\.dense_specs\.I1\.fill: .*got 'avg'"):
+        load_config(overrides=["data.dense_specs.I1.fill=avg"])
+    with pytest.raises(ConfigError, match=r"data\.dense_fill_values\.I1: not a dense column"):
+        load_config(overrides=["data.dense_fill_values.I1=1.5"])
+
+
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

@@ -219,6 +219,58 @@ def test_a_resumed_or_warm_started_run_keeps_the_statistics_its_model_was_traine
     )
 
 
+def test_fill_values_and_missing_indicators_travel_with_the_model() -> None:
+    """A model's dense fill values are stored in its spec (checkpoint, model directory, logged
+    model: a JSON round trip; a spec of an earlier release loads without them), win over the
+    training data's when resumed or warm-started (only where the model filled the column with
+    the same statistic), and a resume with other fill values or missing indicators, or a warm
+    start with other indicators, is refused naming them."""
+    import dataclasses
+
+    from raydlrm.platform.preflight import _with_statistics, model_differences, resume_differences
+    from raydlrm.trainers.spec import WorkerSpec
+
+    overrides = [
+        "data.dense_fill=median",
+        "data.dense_specs.I2.fill=mean",
+        "data.dense_missing_indicator=true",
+        "data.dense_specs.I3.missing_indicator=false",
+    ]
+    job = load_config(overrides=overrides)
+    assert job.data.dense_fill_of("I2") == "mean" and job.data.num_dense_inputs() == 13 + 12
+    recorded = {**dataclasses.asdict(job.data), "dense_fill_values": {"I1": 4.0, "I2": 7.0}}
+    data = {"dense_fill_values": {"I1": 9.0, "I3": 3.0}}
+    kept = _with_statistics(_with_statistics(job, recorded), data)
+    assert kept.data.dense_fill_values == {"I1": 4.0, "I2": 7.0, "I3": 3.0}
+    as_mean = {**recorded, "dense_fill": "mean"}  # I1 was filled with its mean: not a median
+    assert _with_statistics(job, as_mean).data.dense_fill_values == {"I2": 7.0}
+    spec = kept.worker_spec()
+    stored = json.loads(json.dumps(spec.to_dict()))
+    assert WorkerSpec(**stored).data == kept.data
+    earlier = {k: v for k, v in stored["data"].items() if not k.startswith("dense_fill")}
+    earlier.pop("dense_missing_indicator")
+    assert WorkerSpec(**{**stored, "data": earlier}).data.num_dense_inputs() == 13
+    plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+    state = {"spec": stored, "plan": json.loads(plan.to_json())}
+    assert resume_differences(state, job=kept, plan=plan) == []
+    other = _with_statistics(job, {**recorded, "dense_fill_values": {"I1": 5.0, "I2": 7.0}})
+    other = _with_statistics(other, data)
+    (line,) = resume_differences(state, job=other, plan=plan)
+    assert line == (
+        f"data.dense_fill_values: {kept.data.dense_fill_values!r} in the checkpoint, "
+        f"{other.data.dense_fill_values!r} in the config"
+    )
+    assert other.data.dense_fill_values["I1"] == 5.0
+    plain = load_config(overrides=[*overrides[:2], "data.dense_fill_values={ I1 = 4.0 }"])
+    indicators = [c for c in kept.data.dense_columns if c != "I3"]
+    expected = (
+        f"data.dense_missing_indicator (columns): {indicators!r} in the checkpoint, [] in the "
+        "config"
+    )
+    assert expected in resume_differences(state, job=plain, plan=plan)
+    assert model_differences(state, job=plain) == [expected]
+
+
 def _small_model(dim: int) -> list[str]:
     return [f"model.embedding_dim={dim}", f"model.bottom_mlp=[16, {dim}]", "data.table_size=500"]
 

@@ -89,8 +89,11 @@ def _run(
     max_steps: int | None = None,
     eval_every: int = 0,
     embedding_l2: float = 0.0,
+    data: dict | None = None,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
+    for key, value in (data or {}).items():
+        setattr(spec.data, key, value)
     spec.training.embedding_l2 = embedding_l2
     spec.training.eval_every_steps = eval_every
     spec.sharding.kernel = kernel
@@ -300,6 +303,24 @@ MIXED_TYPES = {
     "t_C3": "data_parallel",
     "t_C4": "table_row_wise",
 }
+
+
+def test_missing_indicators_widen_the_dense_input_that_trains(data_dir: Path) -> None:
+    """``data.dense_fill = "median"`` with missing indicators: the dense arch takes one input
+    per dense column and one per indicator (the synthetic columns all have missing values),
+    and trains on them."""
+    from raydlrm.ingestion import compute_dense_fill_values
+
+    config = _spec(data_dir, batch_size=64, optimizer="sgd").data
+    config.dense_fill, config.dense_missing_indicator = "median", True
+    fills = compute_dense_fill_values([pq.read_table(data_dir / "train")], config)
+    assert sorted(fills) == sorted(config.dense_columns)
+    data = {"dense_fill": "median", "dense_missing_indicator": True, "dense_fill_values": fills}
+    run = _run(0, 1, str(data_dir), "sgd", max_steps=3, data=data)
+    first = next(v for k, v in run["state"].items() if k.startswith("dense.bottom"))
+    assert first.shape[1] == 2 * len(config.dense_columns)
+    plain = _run(0, 1, str(data_dir), "sgd", max_steps=3)
+    assert run["losses"][0] != plain["losses"][0]  # filled otherwise, and wider
 
 
 @pytest.mark.distributed

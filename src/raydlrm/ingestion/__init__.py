@@ -49,6 +49,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "stats": (
         "compute_bucket_boundaries",
+        "compute_dense_fill_values",
         "compute_dense_stats",
         "training_statistics",
     ),

@@ -185,13 +185,14 @@ class SyntheticConfig:
 
 
 DenseTransform = Literal["log1p", "standardize", "none"]
+DenseFill = Literal["zero", "mean", "median"]
 
 
 @config_dataclass
 class DenseSpec:
     """How one dense column becomes a model input (``[data.dense_specs.<column>]``).
 
-    Missing values are filled with 0, then clipped, then transformed.
+    Missing (null) values are filled (``fill``), then clipped, then transformed.
     """
 
     transform: DenseTransform | None = None
@@ -201,9 +202,15 @@ class DenseSpec:
     clip: tuple[float, float] | None = None
     """``[lo, hi]``: values are clipped into this range before the transform."""
     buckets: int | None = None
-    """Also a sparse feature of the column, ``<column>_bucket``: the bucket of its (null-filled,
+    """Also a sparse feature of the column, ``<column>_bucket``: the bucket of its (filled,
     clipped) value among at most ``buckets`` (see :attr:`DataConfig.bucket_boundaries`), looked
     up in a table of its own. 0: none; default: ``data.dense_buckets``."""
+    fill: DenseFill | None = None
+    """What a missing value of the column becomes (see :attr:`DataConfig.dense_fill`); default:
+    ``data.dense_fill``."""
+    missing_indicator: bool | None = None
+    """Whether the column also gets a 0/1 "was missing" dense input (see
+    :attr:`DataConfig.dense_missing_indicator`); default: ``data.dense_missing_indicator``."""
 
     def __post_init__(self) -> None:
         if self.clip is not None and not self.clip[0] <= self.clip[1]:
@@ -273,13 +280,35 @@ class DataConfig:
     """Table sizes by table name or by sparse column (the column's table), overriding
     ``table_size``."""
     dense_transform: DenseTransform = "log1p"
-    """Transform of dense values after missing values are filled with 0 (see
-    :class:`DenseSpec`), unless ``dense_specs`` names the column."""
+    """Transform of dense values after missing values are filled (``dense_fill``) and values
+    clipped (see :class:`DenseSpec`), unless ``dense_specs`` names the column."""
+    dense_fill: DenseFill = "zero"
+    """What a missing (null) dense value becomes, unless ``dense_specs`` names the column's
+    ``fill``: ``zero`` (0, as in earlier releases), ``mean`` or ``median`` (of the column's
+    present training values, :attr:`dense_fill_values`). The fill is a raw value: it is
+    clipped and transformed like a present one, and a bucketized column buckets it too. A
+    policy on a column with no missing value changes nothing."""
+    dense_missing_indicator: bool = False
+    """Give each dense column (unless ``dense_specs`` says otherwise per column) a second dense
+    input: 1.0 where its value was missing, 0.0 elsewhere. The model's dense input is the
+    dense columns' values, then these indicators in dense column order
+    (:meth:`num_dense_inputs` wide)."""
     dense_specs: dict[str, DenseSpec] = field(default_factory=dict)
-    """Per dense column: transform and clipping."""
+    """Per dense column: transform, clipping, buckets, missing-value fill and indicator."""
     dense_stats: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """``(mean, std)`` of each standardized dense column (after null fill and clipping). Computed
-    once over the training data before training when missing, then stored with the model."""
+    """``(mean, std)`` of each standardized dense column over its present (non-null, finite)
+    training values, clipped. Missing values do not count, whatever the fill (``zero``
+    included): a column with many missing values would otherwise have its present values
+    squeezed into a sliver of the standardized range; a fill then standardizes to
+    ``(fill - mean) / std`` (0 for ``mean``). Computed once over the training data before
+    training when missing, then stored with the model, so a model trained with statistics
+    over zero-filled values (earlier releases) keeps them: resumed, warm-started, scored."""
+    dense_fill_values: dict[str, float] = field(default_factory=dict)
+    """The fill of each dense column filled with its ``mean`` or ``median``: that statistic of
+    the column's present (non-null, finite) training values, clipped, in raw units (before
+    the transform). A median is exact for a column of at most 2^20 distinct values, beyond
+    that the weighted median of a value-hash sample of them. Computed once over the training
+    data before training when missing, then stored with the model like ``dense_stats``."""
     dense_buckets: int = 0
     """Bucketize every dense column into at most this many buckets (see :class:`DenseSpec`
     ``buckets``, which overrides it per column); 0: none. The value stays a dense input too."""
@@ -288,8 +317,9 @@ class DataConfig:
     of boundaries at or below it. A column of at most ``buckets`` distinct training values gets
     one bucket per value (boundaries halfway between them); otherwise the boundaries are
     quantiles of its distinct values, so that rare values (a long tail) get buckets of their
-    own. Computed once over the training data before training when missing (from at most 2^20
-    of the distinct values: beyond, an evenly thinned subset), then stored with the model."""
+    own; a column with missing values counts its fill as one of its values. Computed once over
+    the training data before training when missing (from at most 2^20 of the distinct values:
+    beyond, an evenly thinned subset), then stored with the model."""
     id_kinds: dict[str, Literal["integer", "string"]] = field(default_factory=dict)
     """The kind of each sparse column's ids (``integer`` or ``string``): read off the training
     data when missing, then stored with the model. Integers and strings hash to different rows,
@@ -309,6 +339,18 @@ class DataConfig:
     """Column whose equal, adjacent values form a session (e.g. a user's visit); shuffling moves
     whole sessions, so a session's samples stay in one batch (deduplication pays inside a
     batch). Ignored when the data has no such column."""
+    shuffle_window_rows: int = 262_144
+    """Rows each worker mixes at once when training (0: off). Every epoch the row groups are
+    shuffled and dealt to the workers; each worker then takes its row groups in that order in
+    windows of consecutive row groups holding at most this many rows (at least one row group
+    each) and reads every window in a uniformly random order of its rows, drawn from
+    ``training.seed`` and the epoch: rows of several row groups share a batch, so data written
+    sorted (by user, by time) trains like shuffled data. A session (``session_column``) moves
+    as one unit, so its samples stay together. Every row is still read exactly once per epoch,
+    and a resumed run continues with exactly the batches it would have had. Off: only the row
+    groups and the sessions inside each row group are shuffled, and the rows of a data set
+    without a session column keep their file order inside a row group. A window must fit a
+    worker's memory (checked before Ray starts)."""
     bad_input: Literal["fail", "quarantine"] = "fail"
     """What a bad row (null or negative id, NaN dense value, ...) or an unreadable file does:
     ``fail`` stops the job naming file, row group, row and column; ``quarantine`` sets it aside
@@ -361,6 +403,10 @@ class DataConfig:
             raise ValueError(
                 f"data.num_preprocess_actors must be >= 0, got {self.num_preprocess_actors}"
             )
+        if self.shuffle_window_rows < 0:
+            raise ValueError(
+                f"data.shuffle_window_rows must be >= 0 (0: off), got {self.shuffle_window_rows}"
+            )
 
     def _check_specs(self) -> None:
         for col in self.dense_specs:
@@ -389,6 +435,15 @@ class DataConfig:
                 raise ValueError(f"data.dense_stats.{col}: not a standardized dense column")
             if not stats[1] > 0:
                 raise ValueError(f"data.dense_stats.{col}: std must be positive, got {stats[1]}")
+        filled = set(self.computed_fill_columns())
+        for col, value in self.dense_fill_values.items():
+            if col not in filled:
+                raise ValueError(
+                    f"data.dense_fill_values.{col}: not a dense column filled with its mean or "
+                    "median"
+                )
+            if not math.isfinite(value):
+                raise ValueError(f"data.dense_fill_values.{col}: must be finite, got {value}")
 
     def _check_buckets(self) -> None:
         if self.dense_buckets != 0 and self.dense_buckets < 2:
@@ -514,6 +569,44 @@ class DataConfig:
     def standardized_columns(self) -> list[str]:
         """Dense columns whose transform is ``standardize``."""
         return [c for c in self.dense_columns if self.dense_transform_of(c) == "standardize"]
+
+    def dense_fill_of(self, column: str) -> DenseFill:
+        """The missing-value fill policy of dense ``column``."""
+        spec = self.dense_specs.get(column)
+        return spec.fill if spec is not None and spec.fill else self.dense_fill
+
+    def fill_key_of(self, column: str) -> str:
+        """The config key that sets the fill policy of dense ``column`` (for messages)."""
+        spec = self.dense_specs.get(column)
+        return f"data.dense_specs.{column}.fill" if spec and spec.fill else "data.dense_fill"
+
+    def computed_fill_columns(self) -> list[str]:
+        """Dense columns filled with a statistic of the data (``mean``, ``median``)."""
+        return [c for c in self.dense_columns if self.dense_fill_of(c) != "zero"]
+
+    def fill_value_of(self, column: str) -> float:
+        """The raw value a missing value of dense ``column`` becomes (0 for ``zero``).
+
+        Raises:
+            KeyError: a ``mean`` or ``median`` column without ``dense_fill_values``.
+        """
+        if self.dense_fill_of(column) == "zero":
+            return 0.0
+        return self.dense_fill_values[column]
+
+    def missing_indicator_columns(self) -> list[str]:
+        """Dense columns with a "was missing" input, in dense column order."""
+        out = []
+        for column in self.dense_columns:
+            spec = self.dense_specs.get(column)
+            own = spec.missing_indicator if spec is not None else None
+            if own if own is not None else self.dense_missing_indicator:
+                out.append(column)
+        return out
+
+    def num_dense_inputs(self) -> int:
+        """Width of the model's dense input: one per dense column, one per missing indicator."""
+        return len(self.dense_columns) + len(self.missing_indicator_columns())
 
     def weight_column_of(self, column: str) -> str | None:
         """The per-id weight column of sparse ``column``, if any."""

@@ -5,11 +5,13 @@ rows, row groups, schema) and reads a sample of rows (the first ``max_rows``, in
 session-clustered data set, each sample joined with its session's columns) to report the rows
 training would reject (bad input); per sparse column the null count, the distinct raw ids, the
 table rows those ids hash to and the mean id-list length; per dense column the null and
-non-finite counts; the label rate; per dedup group the dedup ratio inside batches of
-``data.batch_size`` consecutive rows (the data is read session by session, as training reads
-it); and what RecD would gain: the sparse columns constant within sessions
+non-finite counts, the missing share and whether the fill dominates the column's spread (a
+flag, see :data:`COLLAPSED_SPREAD`); the label rate; per dedup group the dedup ratio inside
+batches of ``data.batch_size`` consecutive rows (the data is read session by session, as
+training reads it); and what RecD would gain: the sparse columns constant within sessions
 (``data.session_column``), the dedup factor over all sparse features (id lookups per distinct
-``(feature, id)`` pair in a batch) and the user features' share of the lookups.
+``(feature, id)`` pair in a batch) and the user features' share of the lookups; and what the
+file order is correlated with (:mod:`raydlrm.ingestion.order`: runs of ids, label drift, time).
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.dedup import batch_dedup_factor, id_occurrences
 from raydlrm.ingestion.layout import layout_of
+from raydlrm.ingestion.order import order_findings
 from raydlrm.ingestion.preprocess import DEDUP_PREFIX, Preprocessor
 from raydlrm.ingestion.schema import DataSummary, validate_data
 from raydlrm.ingestion.sessions import constant_columns
+from raydlrm.ingestion.stats import compute_dense_fill_values
 
-__all__ = ["inspect_data"]
+__all__ = ["COLLAPSED_SPREAD", "inspect_data"]
+
+COLLAPSED_SPREAD = 0.25
+"""A dense column with missing values is flagged when its present values' standard deviation,
+as the model sees them (filled, clipped, transformed), is below this share of the whole
+column's: the fill sits so far from them that it dominates the column's spread (and a
+standardization over filled values would squeeze the present ones together)."""
 
 
 def _flat(column: pa.ChunkedArray) -> pa.Array:
@@ -52,7 +62,8 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
         ``bad_rows_in_sample``, ``schema``, ``label_rate``, ``sparse`` and ``dense`` (per
         column), ``dedup`` (per group) and ``recd`` (``layout``, ``session_column``,
         ``session_constant_columns``, ``user_columns`` and where they come from,
-        ``dedup_factor``, ``user_lookup_share``).
+        ``dedup_factor``, ``user_lookup_share``) and ``file_order`` (what the file order is
+        correlated with, :func:`~raydlrm.ingestion.order.order_findings`).
 
     Raises:
         DataValidationError: the data set is missing or does not match the config.
@@ -64,6 +75,7 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
     sample = read_rows(path, config, columns=columns, max_rows=max_rows, role="inspected")
     bad, _ = find_bad_rows(sample, data)
     good = sample.filter(pa.array(~bad))
+    config = _with_sample_fills(config, good)
     processed = Preprocessor(config)(good)
     return {
         "path": path,
@@ -78,9 +90,10 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
             column: _sparse_report(column, data=data, sample=sample, processed=processed)
             for column in data.sparse_columns
         },
-        "dense": {column: _dense_report(sample.column(column)) for column in data.dense_columns},
+        "dense": _dense_reports(config, sample=sample, good=good, processed=processed),
         "dedup": _dedup_report(processed, data=data),
         "recd": _recd_report(summary, data=data, sample=good, processed=processed, session=session),
+        "file_order": [f.to_dict() for f in order_findings(summary, data)],
     }
 
 
@@ -177,6 +190,51 @@ def _sparse_report(
         "table_size": data.table_size_of(column),
         "mean_length": float(pc.mean(lengths).as_py() or 0.0) if lengths is not None else 1.0,
     }
+
+
+def _with_sample_fills(config: DataConfig, good: pa.Table) -> DataConfig:
+    """``config`` with the sample's mean or median for the columns filled with one that it has
+    no fill value for (0 for a column with no present value in the sample: reported, not an
+    error)."""
+    lacking = [c for c in config.computed_fill_columns() if c not in config.dense_fill_values]
+    if not lacking:
+        return config
+    empty = {c: 0.0 for c in lacking if good.column(c).null_count == good.num_rows}
+    config = dataclasses.replace(config, dense_fill_values={**config.dense_fill_values, **empty})
+    fills = compute_dense_fill_values([good], config)
+    return dataclasses.replace(config, dense_fill_values={**config.dense_fill_values, **fills})
+
+
+def _dense_reports(
+    config: DataConfig, *, sample: pa.Table, good: pa.Table, processed: pa.Table
+) -> dict[str, dict[str, Any]]:
+    """Per dense column: its nulls and non-finite values in ``sample``, its missing share, the
+    spread of its present values in ``processed`` (the preprocessed ``good`` rows) relative to
+    the whole column's (None without both present and missing values, or when the present
+    values are constant) and, when that spread is below :data:`COLLAPSED_SPREAD`, a flag."""
+    dense = processed.column("dense").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    dense = dense.reshape(processed.num_rows, config.num_dense_inputs())
+    reports = {}
+    for j, column in enumerate(config.dense_columns):
+        report: dict[str, Any] = _dense_report(sample.column(column))
+        share = report["nulls"] / sample.num_rows if sample.num_rows else 0.0
+        missing = good.column(column).is_null().to_numpy(zero_copy_only=False)
+        spread = None
+        if missing.any() and not missing.all():
+            present, whole = np.std(dense[~missing, j]), np.std(dense[:, j])
+            spread = float(present / whole) if present > 0 else None
+        flag = None
+        if spread is not None and spread < COLLAPSED_SPREAD:
+            flag = (
+                f"dense column {column!r} is {share:.1%} missing, filled with "
+                f"{config.dense_fill_of(column)} ({config.fill_key_of(column)}): its present "
+                f"values spread over {spread:.2f} of the column's standard deviation, the fill "
+                'dominates it; set data.dense_fill = "median" (or '
+                f"data.dense_specs.{column}.fill) and data.dense_missing_indicator = true"
+            )
+        reports[column] = {**report, "missing_share": share, "present_spread": spread}
+        reports[column]["flag"] = flag
+    return reports
 
 
 def _dense_report(column: pa.ChunkedArray) -> dict[str, int]:

@@ -4,12 +4,15 @@
 It turns a table of raw columns into
 
 - ``label``: float32, shape ``(B,)``;
-- ``dense``: ``FixedSizeList<float32>[num_dense]``: missing values filled with 0, clipped
-  (``DenseSpec.clip``), then transformed: ``log1p(max(x, 0))``, ``(x - mean) / std`` with the
-  stored statistics (``DataConfig.dense_stats``), or unchanged;
+- ``dense``: ``FixedSizeList<float32>[DataConfig.num_dense_inputs()]``: each dense column's
+  missing values filled (``DataConfig.dense_fill``: 0, or the stored mean or median,
+  ``DataConfig.dense_fill_values``), clipped (``DenseSpec.clip``), then transformed:
+  ``log1p(max(x, 0))``, ``(x - mean) / std`` with the stored statistics
+  (``DataConfig.dense_stats``), or unchanged; then a 1.0/0.0 "was missing" input per column
+  with a missing indicator (``DataConfig.missing_indicator_columns()``, in that order);
 - one column per sparse feature: int64 (single-valued) or ``list<int64>`` (id lists), every raw id
   (integer or string) hashed into ``[0, table_size_of(column))``;
-- ``<column>_bucket`` for a bucketized dense column: int64, the bucket of its null-filled,
+- ``<column>_bucket`` for a bucketized dense column: int64, the bucket of its filled,
   clipped value (the number of ``DataConfig.bucket_boundaries`` at or below it);
 - ``weight:<column>`` for a sparse column with a weight column: float32 (or ``list<float32>``
   aligned with the id list);
@@ -61,6 +64,7 @@ __all__ = [
     "dense_values",
     "hash_ids",
     "hash_strings",
+    "missing_values",
     "mix64",
     "transform_dense",
 ]
@@ -266,7 +270,9 @@ class Preprocessor:
             (``<run>.<role>-e<epoch>``; None: each batch's record is kept apart).
 
     Raises:
-        ValueError: a standardized dense column without statistics in ``config.dense_stats``.
+        ValueError: a standardized dense column without statistics in ``config.dense_stats``,
+            a mean- or median-filled one without ``config.dense_fill_values``, a bucketized
+            one without ``config.bucket_boundaries``.
     """
 
     def __init__(self, config: DataConfig, *, quarantine_tag: str | None = None) -> None:
@@ -277,6 +283,13 @@ class Preprocessor:
             raise ValueError(
                 f"standardized dense columns {missing} have no data.dense_stats (mean, std); "
                 "compute them with raydlrm.ingestion.stats.compute_dense_stats"
+            )
+        missing = [c for c in config.computed_fill_columns() if c not in config.dense_fill_values]
+        if missing:
+            raise ValueError(
+                f"dense columns {missing} filled with their mean or median have no "
+                "data.dense_fill_values; compute them with "
+                "raydlrm.ingestion.stats.compute_dense_fill_values"
             )
         missing = [c for c in config.bucketized_columns() if c not in config.bucket_boundaries]
         if missing:
@@ -305,9 +318,16 @@ class Preprocessor:
             ValueError: naming a weight column misaligned with its ids.
             KeyError: naming a configured column that the table lacks.
         """
-        table = decode_dictionaries(table)
-        table = drop_tagging_columns(apply_policy(table, self.config, tag=self.quarantine_tag))
-        return self._per_sample(table).outputs.table()
+        return self.process(self.clean(table))
+
+    def clean(self, table: pa.Table) -> pa.Table:
+        """The good rows of a raw batch (dictionaries decoded; ``data.bad_input`` applied to
+        the rest), still raw and tagged: what :meth:`process` takes."""
+        return apply_policy(decode_dictionaries(table), self.config, tag=self.quarantine_tag)
+
+    def process(self, table: pa.Table) -> pa.Table:
+        """Preprocesses the good rows of a raw batch (:meth:`clean`'s output), in order."""
+        return self._per_sample(drop_tagging_columns(table)).outputs.table()
 
     def sessions(
         self,
@@ -405,7 +425,8 @@ class Preprocessor:
             names += [column, *weight]
         for column in cfg.bucketized_columns():
             feature = cfg.bucket_feature(column)
-            outputs.add(feature, pa.array(bucket_of(dense_values(table, column), column, cfg)))
+            values = dense_values(table, column, fill=cfg.fill_value_of(column))
+            outputs.add(feature, pa.array(bucket_of(values, column, cfg)))
             names.append(feature)
         for i, group in enumerate(cfg.dedup_groups):
             if per_session is not None and all(c in per_session.names for c in group):
@@ -434,12 +455,15 @@ class Preprocessor:
         return labels.cast(pa.float32())
 
     def _dense(self, table: pa.Table) -> pa.Array:
-        columns = self.config.dense_columns
-        out = np.empty((table.num_rows, len(columns)), dtype=np.float32)
+        cfg = self.config
+        columns = cfg.dense_columns
+        out = np.empty((table.num_rows, cfg.num_dense_inputs()), dtype=np.float32)
         for j, column in enumerate(columns):
-            out[:, j] = dense_values(table, column)
-            transform_dense(out[:, j], column, self.config)
-        return pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), len(columns))
+            out[:, j] = dense_values(table, column, fill=cfg.fill_value_of(column))
+            transform_dense(out[:, j], column, cfg)
+        for j, column in enumerate(cfg.missing_indicator_columns(), start=len(columns)):
+            out[:, j] = missing_values(table, column)
+        return pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), out.shape[1])
 
     def _sparse(
         self, table: pa.Table, column: str, *, key: bool
@@ -495,14 +519,19 @@ class Preprocessor:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), floats)
 
 
-def dense_values(table: pa.Table | pa.RecordBatch, column: str) -> np.ndarray:
-    """The float32 values of dense ``column``, nulls filled with 0 (a writable copy)."""
-    values = pc.fill_null(_single_array(table.column(column)).cast(pa.float32()), 0.0)
+def dense_values(table: pa.Table | pa.RecordBatch, column: str, *, fill: float = 0.0) -> np.ndarray:
+    """The float32 values of dense ``column``, nulls filled with ``fill`` (a writable copy)."""
+    values = pc.fill_null(_single_array(table.column(column)).cast(pa.float32()), fill)
     return values.to_numpy(zero_copy_only=False).copy()
 
 
+def missing_values(table: pa.Table | pa.RecordBatch, column: str) -> np.ndarray:
+    """Whether each value of dense ``column`` is missing (null): bool, shape ``(B,)``."""
+    return _single_array(table.column(column)).is_null().to_numpy(zero_copy_only=False)
+
+
 def bucket_of(values: np.ndarray, column: str, config: DataConfig) -> np.ndarray:
-    """The bucket (int64) of each null-filled value of bucketized dense ``column``: clipped,
+    """The bucket (int64) of each filled value of bucketized dense ``column``: clipped,
     then the number of its boundaries at or below it (compared in float64, as computed)."""
     values = values.copy()
     clip_dense(values, column, config)
@@ -511,7 +540,7 @@ def bucket_of(values: np.ndarray, column: str, config: DataConfig) -> np.ndarray
 
 
 def transform_dense(values: np.ndarray, column: str, config: DataConfig) -> None:
-    """Clips and transforms the (null-filled) float32 values of dense ``column`` in place."""
+    """Clips and transforms the (filled) float32 values of dense ``column`` in place."""
     clip_dense(values, column, config)
     transform = config.dense_transform_of(column)
     if transform == "log1p":

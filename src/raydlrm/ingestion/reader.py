@@ -7,12 +7,16 @@ so far: every row group, hence every row, goes to exactly one worker per epoch, 
 as even as row groups allow, and the same seed gives the same assignment and order on every run.
 
 Each worker then streams its row groups through its own Ray Data pipeline
-(:class:`WorkerSource`): a dataset of row-group references mapped by :class:`RowGroupReader` on an
-actor pool, which reads one row group (only the needed columns), tags the rows with their file,
-row group and position (for bad-input messages), shuffles the row group's *sessions* (samples of
-one session stay together, so deduplication inside a batch keeps paying; the order of sessions
-changes every epoch), applies the bad-input policy and preprocesses. Output order is preserved,
-so a worker's batches are reproducible too.
+(:class:`WorkerSource`): a dataset of *shuffle windows* (:func:`assign_windows`: consecutive row
+groups of the worker's, at most ``data.shuffle_window_rows`` rows each) mapped by
+:class:`RowGroupReader` on an actor pool. The reader reads each row group (only the needed
+columns), tags the rows with their file, row group and position (for bad-input messages),
+applies the bad-input policy, shuffles its units (sessions of ``data.session_column``, so
+deduplication inside a batch keeps paying; else rows), preprocesses, and merges the window's row
+groups by random keys (:func:`_unit_keys`): a uniformly random order of the window's rows, so
+that data written sorted (by user, by time) is mixed across row groups. Without a window (0),
+each row group is a window of its own and only its sessions are shuffled. Output order is
+preserved, so a worker's batches are reproducible too.
 
 A worker that runs out of rows before the others keeps stepping with empty batches (see
 ``raydlrm.trainers.loop``) instead of the others dropping their last rows.
@@ -32,16 +36,19 @@ two, each still whole in itself.
 Data position (exactly-once resume): every output row carries the id of its row group (its
 index in the data set's list) and the row group's row count after preprocessing. The trainer
 counts, per row group, the rows it has trained on (:class:`EpochProgress`); a checkpoint holds
-those counts of every worker. On resume, :func:`assign_row_groups` leaves out the finished row
+those counts of every worker. On resume, :func:`assign_windows` leaves out the finished row
 groups and tells each reader how many leading rows of a started one to skip (its rows come in
-the same order every time: the session shuffle is seeded by the row group, not the worker). With
-the world size of the checkpoint each worker keeps its own remaining row groups, so the run
-continues with exactly the batches it would have had; with another world size the remaining
-row groups are dealt anew, still each row once.
+the same order every time: the shuffle and the merge keys are seeded by the row group, not the
+worker, and a window's trained rows are a head of each of its row groups). With the world size
+of the checkpoint each worker keeps its own windows, so the run continues with exactly the
+batches it would have had; with another world size the remaining rows are dealt and cut into
+windows anew, still each row once. A resumed epoch is read with the window it began with
+(:attr:`EpochProgress.window_rows`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from typing import TYPE_CHECKING, Any
@@ -60,7 +67,7 @@ from raydlrm.ingestion.badinput import (
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.layout import layout_of, relative_path
 from raydlrm.ingestion.preprocess import Preprocessor, SessionRows
-from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, RowGroup
+from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, DataSummary, RowGroup
 from raydlrm.storage import filesystem_for
 
 if TYPE_CHECKING:
@@ -70,16 +77,19 @@ __all__ = [
     "PREPROCESS_ACTOR_CPUS",
     "RG_ID_COLUMN",
     "RG_ROWS_COLUMN",
+    "WINDOW_COPIES",
     "EpochProgress",
     "RowGroupReader",
     "SessionGroupReader",
     "WorkerSource",
     "assign_row_groups",
+    "assign_windows",
     "default_num_actors",
     "empty_raw_table",
     "epoch_rng",
     "read_columns",
     "reader_class",
+    "window_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,11 +124,21 @@ class EpochProgress:
 
     ``consumed[id]`` counts the rows of row group ``id`` trained on so far (including rows
     skipped because an earlier run trained on them); ``totals[id]`` is its row count after
-    preprocessing, known once one of its rows was seen.
+    preprocessing, known once one of its rows was seen; ``window_rows`` is the shuffle window
+    the epoch is read with (``data.shuffle_window_rows`` when it started: a resumed epoch
+    keeps it, so that its rows keep their order).
     """
 
-    def __init__(self, epoch: int = 0, consumed: dict | None = None, totals: dict | None = None):
+    def __init__(
+        self,
+        epoch: int = 0,
+        consumed: dict | None = None,
+        totals: dict | None = None,
+        *,
+        window_rows: int = 0,
+    ):
         self.epoch = epoch
+        self.window_rows = window_rows
         self.consumed: dict[int, int] = {int(k): int(v) for k, v in (consumed or {}).items()}
         self.totals: dict[int, int] = {int(k): int(v) for k, v in (totals or {}).items()}
 
@@ -148,20 +168,24 @@ class EpochProgress:
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
+            "window_rows": self.window_rows,
             "consumed": {str(k): v for k, v in sorted(self.consumed.items())},
             "totals": {str(k): v for k, v in sorted(self.totals.items())},
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpochProgress:
-        return cls(d["epoch"], d.get("consumed"), d.get("totals"))
+        # A checkpoint made before shuffle windows read its epoch without one.
+        return cls(
+            d["epoch"], d.get("consumed"), d.get("totals"), window_rows=d.get("window_rows", 0)
+        )
 
     @classmethod
     def merged(cls, parts: list[EpochProgress]) -> EpochProgress:
         """The progress of all workers (each row group is read by one worker per epoch; a
         worker may also hold an older count of another's row group, from the checkpoint it
         resumed: the largest count wins)."""
-        out = cls(parts[0].epoch if parts else 0)
+        out = cls(parts[0].epoch if parts else 0, window_rows=parts[0].window_rows if parts else 0)
         for p in parts:
             for i, n in p.consumed.items():
                 out.consumed[i] = max(out.consumed.get(i, 0), n)
@@ -228,11 +252,93 @@ def assign_row_groups(
     return _deal(groups, [i for i in order if i not in finished], world_size, skip)
 
 
-def _session_order(table: pa.Table, column: str, rng: np.random.Generator) -> np.ndarray:
-    """Row order with the sessions (runs of equal ``column`` values) permuted, each kept whole."""
+def _in_windows(
+    groups: list[RowGroup], items: list[tuple[int, int]], window_rows: int
+) -> list[list[tuple[int, int]]]:
+    """``items`` (row group, rows to skip) cut into windows of consecutive items holding at
+    most ``window_rows`` rows to read (at least one item each)."""
+    windows: list[list[tuple[int, int]]] = []
+    held = 0
+    for i, skip in items:
+        rows = max(groups[i].num_rows - skip, 0)
+        if not windows or held + rows > window_rows:
+            windows.append([])
+            held = 0
+        windows[-1].append((i, skip))
+        held += rows
+    return windows
+
+
+def assign_windows(
+    groups: list[RowGroup],
+    *,
+    world_size: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    window_rows: int,
+    resume: EpochProgress | None = None,
+    resume_world_size: int | None = None,
+) -> list[list[list[tuple[int, int]]]]:
+    """The row groups of one epoch dealt to the workers (:func:`assign_row_groups`), each
+    worker's cut into shuffle windows of at most ``window_rows`` rows; one row group per window
+    when not shuffling or ``window_rows`` is 0.
+
+    Resuming with the checkpoint's world size, the windows are those of the epoch as it began,
+    less the finished row groups, each started one skipping its trained rows: a window's rows
+    then come in the order they had, less the trained ones (see :class:`RowGroupReader`). With
+    another world size, the remaining rows are dealt and cut into windows anew.
+    """
+    resumed = resume is not None and resume.epoch == epoch
+    deal = {"world_size": world_size, "seed": seed, "epoch": epoch, "shuffle": shuffle}
+    off = not shuffle or window_rows == 0
+    if off or (resumed and resume_world_size != world_size):
+        dealt = assign_row_groups(
+            groups, **deal, resume=resume, resume_world_size=resume_world_size
+        )
+        if off:
+            return [[[item] for item in worker] for worker in dealt]
+        return [_in_windows(groups, worker, window_rows) for worker in dealt]
+    whole = [_in_windows(groups, w, window_rows) for w in assign_row_groups(groups, **deal)]
+    if not resumed:
+        return whole
+    assert resume is not None
+    finished = resume.finished()
+    out: list[list[list[tuple[int, int]]]] = []
+    for worker in whole:
+        left = [[(i, resume.consumed.get(i, 0)) for i, _ in w if i not in finished] for w in worker]
+        out.append([window for window in left if window])
+    return out
+
+
+WINDOW_COPIES = 4
+"""Copies of a shuffle window's rows a preprocessing actor holds at its peak: the raw rows,
+the preprocessed ones, their concatenation and the reordered window."""
+
+
+def window_bytes(summary: DataSummary, config: DataConfig) -> int:
+    """The memory one preprocessing actor needs for a shuffle window of ``summary``'s rows:
+    :data:`WINDOW_COPIES` times the window's rows (at most the data set's) at the bytes per row
+    of the first file's first row group, uncompressed (one footer read); 0 when off."""
+    rows = min(config.shuffle_window_rows, summary.num_rows)
+    if not rows or not summary.row_groups:
+        return 0
+    first = summary.row_groups[0]
+    filesystem, _ = filesystem_for(summary.path, config.storage)
+    with filesystem.open_input_file(first.file) as f:
+        metadata = pq.ParquetFile(f).metadata.row_group(first.index)
+    per_row = metadata.total_byte_size / max(1, metadata.num_rows)
+    return int(WINDOW_COPIES * rows * per_row)
+
+
+def _session_units(
+    table: pa.Table, column: str, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row order with the sessions (runs of equal ``column`` values) permuted, each kept whole,
+    and the sessions' lengths in that order."""
     sessions = table.column(column).to_numpy()
     if sessions.size == 0:
-        return np.arange(0)
+        return np.arange(0), np.arange(0)
     starts = np.flatnonzero(np.concatenate([[True], sessions[1:] != sessions[:-1]]))
     ends = np.append(starts[1:], sessions.size)
     perm = rng.permutation(starts.size)
@@ -241,7 +347,26 @@ def _session_order(table: pa.Table, column: str, rng: np.random.Generator) -> np
     # length, plus the position inside the session.
     first = np.repeat(starts[perm], lengths)
     offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return first + (np.arange(lengths.sum()) - offsets)
+    return first + (np.arange(lengths.sum()) - offsets), lengths
+
+
+def _session_order(table: pa.Table, column: str, rng: np.random.Generator) -> np.ndarray:
+    """Row order with the sessions (runs of equal ``column`` values) permuted, each kept whole."""
+    return _session_units(table, column, rng)[0]
+
+
+def _unit_keys(lengths: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Each row's key in a window's merge: one key per unit (a session, or a row), ascending
+    over the units in their order, repeated over the unit's rows.
+
+    Merging the row groups of a window by these keys (ties: the row group read first) gives a
+    uniformly random interleaving of their units; with each row group's units in a uniformly
+    random order, the window's order is uniformly random. A unit's rows share its key, so a
+    session stays whole; and the rows a run has trained on are a head of each row group's order
+    (those below the last trained key), so a resumed window skips them and merges the rest as
+    it did.
+    """
+    return np.repeat(np.sort(rng.random(lengths.size)), lengths)
 
 
 class _RowGroupFiles:
@@ -287,16 +412,41 @@ class _RowGroupFiles:
         table = table.append_column(ROW_GROUP_COLUMN, pa.array(np.full(n, group.index)))
         return table.append_column(ROW_COLUMN, pa.array(np.arange(n)))
 
+    def rng(self, group: RowGroup, *salt: int) -> np.random.Generator:
+        """The random stream of a row group in this epoch."""
+        # Seeded by the file's path inside the data set, not where the data set lies: the
+        # same data copied elsewhere trains to the same model.
+        path = zlib.crc32(relative_path(group.file, self.root).encode())
+        return epoch_rng(self.seed, self.epoch, path, group.index, *salt)
+
     def shuffled(self, table: pa.Table, *, group: RowGroup, column: str | None) -> pa.Table:
         """``table`` with its sessions (runs of ``column``) in this epoch's order, when
         shuffling and the data has the column."""
         if not self.shuffle or column is None or column not in table.column_names:
             return table
-        # Seeded by the file's path inside the data set, not where the data set lies: the
-        # same data copied elsewhere trains to the same model.
-        salt = zlib.crc32(relative_path(group.file, self.root).encode())
-        rng = epoch_rng(self.seed, self.epoch, salt, group.index)
-        return table.take(pa.array(_session_order(table, column, rng)))
+        return table.take(pa.array(_session_order(table, column, self.rng(group))))
+
+    def units(
+        self, table: pa.Table, *, group: RowGroup, column: str | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For a shuffle window: the row order of ``table`` with its units (sessions of
+        ``column`` when the data has it, else rows) permuted, and each row's merge key
+        (:func:`_unit_keys`)."""
+        rng = self.rng(group)
+        if column is not None and column in table.column_names:
+            order, lengths = _session_units(table, column, rng)
+        else:
+            order, lengths = rng.permutation(table.num_rows), np.ones(table.num_rows, np.int64)
+        return order, _unit_keys(lengths, self.rng(group, _KEYS))
+
+
+_KEYS = 1
+"""Salt of a row group's stream of merge keys (apart from its shuffle's)."""
+
+
+def _merge_order(keys: list[np.ndarray]) -> np.ndarray:
+    """The order of a window's rows (its row groups' rows concatenated) by their keys."""
+    return np.argsort(np.concatenate(keys), kind="stable")
 
 
 class RowGroupReader:
@@ -312,6 +462,13 @@ class RowGroupReader:
         shuffle: shuffle each row group's sessions.
         tag: the pass, ``<run>.<role>-e<epoch>``, that names its quarantine records (a row
             group read again after a restart overwrites its record; None: records kept apart).
+        window_rows: the shuffle window (``data.shuffle_window_rows``; 0: off).
+
+    Each call reads a table of windows (column ``window``: a list of ``{group, id, skip}``
+    refs, :func:`assign_windows`). Without a shuffle window, each row group's rows are
+    preprocessed in its order of sessions and the head of ``skip`` rows left out. With one, the
+    rows of a window's row groups are merged in a uniformly random order, drawn from the seed,
+    the epoch and each row group (:func:`_unit_keys`).
     """
 
     def __init__(
@@ -325,10 +482,12 @@ class RowGroupReader:
         epoch: int,
         shuffle: bool,
         tag: str | None = None,
+        window_rows: int = 0,
     ) -> None:
         self.config = config
         self.columns = columns
         self.schema = schema
+        self.window_rows = window_rows if shuffle else 0
         self.files = _RowGroupFiles(
             config, source_path=source_path, seed=seed, epoch=epoch, shuffle=shuffle, tag=tag
         )
@@ -336,18 +495,48 @@ class RowGroupReader:
 
     def __call__(self, refs: pa.Table) -> pa.Table:
         tables = []
-        for ref in refs.to_pylist():
-            group = RowGroup(**ref["group"])
-            table = self.files.read(group, file=group.file, columns=self.columns)
-            if table is not None and table.num_rows:
-                table = self.files.shuffled(table, group=group, column=self.config.session_column)
-                out = self.preprocess(table)
-                total = out.num_rows
-                out = out.slice(min(ref["skip"], total))
-                tables.append(_with_position(out, ref["id"], total))
+        for window in refs.column("window").to_pylist():
+            if self.window_rows:
+                tables.extend(self._mixed(window))
+                continue
+            for ref in window:
+                group = RowGroup(**ref["group"])
+                table = self.files.read(group, file=group.file, columns=self.columns)
+                if table is not None and table.num_rows:
+                    table = self.files.shuffled(
+                        table, group=group, column=self.config.session_column
+                    )
+                    out = self.preprocess(table)
+                    total = out.num_rows
+                    out = out.slice(min(ref["skip"], total))
+                    tables.append(_with_position(out, ref["id"], total))
         if not tables:
             return self.empty_table()
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+    def _mixed(self, window: list[dict[str, Any]]) -> list[pa.Table]:
+        """A window's rows, merged in their random order (none, or one table)."""
+        parts = [part for ref in window if (part := self._part(ref)) is not None]
+        if not parts:
+            return []
+        table = pa.concat_tables([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
+        return [table.take(pa.array(_merge_order([k for _, k in parts])))]
+
+    def _part(self, ref: dict[str, Any]) -> tuple[pa.Table, np.ndarray] | None:
+        """One row group of a window: its good rows preprocessed, in this epoch's order of its
+        units and tagged with their position, less the skipped head, and their merge keys;
+        None when it is unreadable or empty."""
+        group = RowGroup(**ref["group"])
+        table = self.files.read(group, file=group.file, columns=self.columns)
+        if table is None or not table.num_rows:
+            return None
+        # Bad rows first: the keys are drawn for the rows that are trained on.
+        table = self.preprocess.clean(table)
+        order, keys = self.files.units(table, group=group, column=self.config.session_column)
+        out = self.preprocess.process(table.take(pa.array(order)))
+        total = out.num_rows
+        skip = min(ref["skip"], total)
+        return _with_position(out, ref["id"], total).slice(skip), keys[skip:]
 
     def empty_table(self) -> pa.Table:
         """A preprocessed table of 0 rows (the structure of this data's batches)."""
@@ -381,17 +570,36 @@ class SessionGroupReader(RowGroupReader):
 
     def __call__(self, refs: pa.Table) -> Iterator[pa.Table]:
         empty = True
-        for ref in refs.to_pylist():
-            rows = self._rows(RowGroup(**ref["group"]))
-            if rows is None:
-                continue
-            total = rows.num_rows
-            for start in range(min(ref["skip"], total), total, self.config.batch_size):
-                stop = min(start + self.config.batch_size, total)
-                yield _with_position(rows.batch(start, stop), ref["id"], total)
-                empty = False
+        size = self.config.batch_size
+        for window in refs.column("window").to_pylist():
+            for rows, start in self._window_rows(window):
+                for first in range(start, rows.num_rows, size):
+                    yield rows.batch(first, min(first + size, rows.num_rows))
+                    empty = False
         if empty:
             yield self.empty_table()
+
+    def _window_rows(self, window: list[dict[str, Any]]) -> list[tuple[SessionRows, int]]:
+        """A window's rows, tagged with their position, each with the row its batches start
+        at: without a shuffle window, each row group's rows after its skipped head; with one,
+        the window's rows merged in their random order, sessions whole."""
+        parts = []
+        for ref in window:
+            group = RowGroup(**ref["group"])
+            rows = self._rows(group)
+            if rows is None or not rows.num_rows:
+                continue
+            total = rows.num_rows
+            parts.append((_positioned(rows, ref["id"], total), min(ref["skip"], total), group))
+        if not self.window_rows:
+            return [(rows, skip) for rows, skip, _ in parts]
+        if not parts:
+            return []
+        keys = [
+            _unit_keys(_run_lengths(rows.session_of), self.files.rng(group, _KEYS))[skip:]
+            for rows, skip, group in parts
+        ]
+        return [(_merged_sessions([(rows, skip) for rows, skip, _ in parts], keys), 0)]
 
     def _rows(self, group: RowGroup) -> SessionRows | None:
         """The row group's samples and sessions, preprocessed; None when unreadable."""
@@ -422,6 +630,40 @@ class SessionGroupReader(RowGroupReader):
         samples = empty_raw_table(self.schema, self.sample_columns)
         sessions = empty_raw_table(self.schema, [self.layout.session_column, *self.session_columns])
         return _with_position(self._preprocess(samples, sessions).batch(0, 0), -1, 0)
+
+
+def _run_lengths(values: np.ndarray) -> np.ndarray:
+    """The lengths of the runs of equal adjacent ``values``, in order."""
+    if not values.size:
+        return np.arange(0)
+    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    return np.diff(np.append(starts, values.size))
+
+
+def _positioned(rows: SessionRows, group_id: int, total: int) -> SessionRows:
+    """``rows`` whose batches carry the row-group columns (:func:`_with_position`)."""
+    return dataclasses.replace(
+        rows,
+        samples=_with_position(rows.samples, group_id, total),
+        names=[*rows.names, RG_ID_COLUMN, RG_ROWS_COLUMN],
+    )
+
+
+def _merged_sessions(parts: list[tuple[SessionRows, int]], keys: list[np.ndarray]) -> SessionRows:
+    """The rows of a window's row groups (each less its skipped head) in the order of their
+    merge ``keys``, as one :class:`SessionRows` (its sessions: all of theirs)."""
+    offsets = np.cumsum([0, *(rows.sessions.num_rows for rows, _ in parts[:-1])])
+    session_of = np.concatenate(
+        [rows.session_of[skip:] + o for (rows, skip), o in zip(parts, offsets, strict=True)]
+    )
+    order = _merge_order(keys)
+    samples = pa.concat_tables([rows.samples.slice(skip) for rows, skip in parts])
+    return SessionRows(
+        samples=samples.take(pa.array(order)).combine_chunks(),
+        sessions=pa.concat_tables([rows.sessions for rows, _ in parts]).combine_chunks(),
+        session_of=session_of[order],
+        names=parts[0][0].names,
+    )
 
 
 def reader_class(schema: pa.Schema) -> type[RowGroupReader]:
@@ -501,14 +743,25 @@ class WorkerSource:
         in it (made by ``world_size`` workers) when given."""
         self.epoch, self.resume, self.resume_world_size = epoch, resume, world_size
 
-    def row_groups(self, epoch: int) -> list[tuple[int, int]]:
-        """This worker's ``(row group id, rows to skip)`` in ``epoch``, in reading order."""
-        return assign_row_groups(
+    def window_rows(self, epoch: int) -> int:
+        """The shuffle window ``epoch`` is read with: ``data.shuffle_window_rows``, or the
+        window of the checkpoint's progress when resuming in it (0 when not shuffling)."""
+        if not self.shuffle:
+            return 0
+        if self.resume is not None and self.resume.epoch == epoch:
+            return self.resume.window_rows
+        return self.config.shuffle_window_rows
+
+    def windows(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """This worker's shuffle windows of ``epoch``, each its ``(row group id, rows to
+        skip)``, in reading order (:func:`assign_windows`)."""
+        return assign_windows(
             self.groups,
             world_size=self.world_size,
             seed=self.seed,
             epoch=epoch,
             shuffle=self.shuffle,
+            window_rows=self.window_rows(epoch),
             resume=self.resume,
             resume_world_size=self.resume_world_size,
         )[self.rank]
@@ -526,6 +779,7 @@ class WorkerSource:
             "epoch": epoch,
             "shuffle": self.shuffle,
             "tag": None if self.quarantine_tag is None else f"{self.quarantine_tag}-e{epoch}",
+            "window_rows": self.window_rows(epoch),
         }
 
     def dataset(self, epoch: int) -> Any:
@@ -533,13 +787,21 @@ class WorkerSource:
         worker has no row groups in it)."""
         import ray.data
 
-        mine = self.row_groups(epoch)
+        mine = self.windows(epoch)
         if not mine:
             return None
-        # Row groups come out in the order they were dealt, so a run is reproducible.
+        # Windows come out in the order they were dealt, so a run is reproducible.
         ray.data.DataContext.get_current().execution_options.preserve_order = True
         refs = ray.data.from_items(
-            [{"group": self.groups[i].to_dict(), "id": i, "skip": skip} for i, skip in mine],
+            [
+                {
+                    "window": [
+                        {"group": self.groups[i].to_dict(), "id": i, "skip": skip}
+                        for i, skip in window
+                    ]
+                }
+                for window in mine
+            ],
             override_num_blocks=len(mine),
         )
         return refs.map_batches(

@@ -596,7 +596,8 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Inspect a data set through the config: files, rows, schema, bad rows, id cardinalities
-    and table use per sparse column, dedup ratio per dedup group."""
+    and table use per sparse column, dedup ratio per dedup group, what the file order is
+    correlated with (runs of ids, label drift, time)."""
     from raydlrm.ingestion.inspect import inspect_data
 
     try:
@@ -620,7 +621,13 @@ def data_inspect(
         )
     for column, c in report["dense"].items():
         if c["nulls"] or c["non_finite"]:
-            typer.echo(f"  {column:<12} nulls {c['nulls']}  non-finite {c['non_finite']}")
+            typer.echo(
+                f"  {column:<12} nulls {c['nulls']} ({c['missing_share']:.1%} missing)  "
+                f"non-finite {c['non_finite']}"
+            )
+    for c in report["dense"].values():
+        if c["flag"]:
+            typer.echo(f"  warning: {c['flag']}")
     for group in report["dedup"]:
         typer.echo(f"  dedup {'+'.join(group['columns'])}: ratio {group['ratio']:.2f}")
     r = report["recd"]
@@ -629,6 +636,9 @@ def data_inspect(
         f"features; user features {'+'.join(r['user_columns']) or 'none'} "
         f"({r['user_columns_from']}) {r['user_lookup_share']:.1%} of lookups"
     )
+    typer.echo("  file order:" + ("" if report["file_order"] else " no order found"))
+    for finding in report["file_order"]:
+        typer.echo(f"    {finding['kind']} {finding['message']}")
 
 
 @config_app.command("show")

@@ -6,7 +6,8 @@ line naming the key, before Ray starts or an MLflow run opens:
 1. :func:`resolve_job`: the job config once, with a caller's Ray ``ScalingConfig`` and the
    run's quarantine path applied (never edited afterwards: each later step returns a new one);
 2. :func:`validate_job_data`: the synthetic data generated if asked for, the training and
-   held-out data checked (paths, rows, columns);
+   held-out data checked (paths, rows, columns), a warning per order of the training data's
+   files that the reader does not mix (:mod:`raydlrm.ingestion.order`);
 3. :func:`make_plan`: the sharding plan within each worker's memory budget;
 4. :func:`preflight`: the SSD tier's disk space, the warm start's checkpoint (and its dense
    statistics), the dense statistics of the training data, a write to the run storage.
@@ -31,6 +32,7 @@ import ray.train
 from ray.train import ScalingConfig
 
 from raydlrm.ingestion import (
+    DataConfig,
     DataSummary,
     DataValidationError,
     check_id_kinds,
@@ -38,6 +40,8 @@ from raydlrm.ingestion import (
     id_kinds_of,
     validate_data,
 )
+from raydlrm.ingestion.order import order_findings
+from raydlrm.ingestion.reader import WINDOW_COPIES, default_num_actors, window_bytes
 from raydlrm.ingestion.stats import training_statistics
 from raydlrm.platform.config import (
     BASE_DIR_ENV,
@@ -75,6 +79,7 @@ __all__ = [
     "resolve_towers",
     "run_storage",
     "validate_job_data",
+    "worker_memory",
     "worker_memory_budget",
 ]
 
@@ -230,7 +235,8 @@ class JobData:
 
 def validate_job_data(job: JobConfig) -> JobData:
     """The training and held-out data, generated if synthetic and checked (paths, rows,
-    columns) before anything starts.
+    columns) before anything starts; the training data's file order is sampled for what it is
+    correlated with (a warning each, never an error).
 
     Raises:
         DataValidationError: missing or malformed data, named.
@@ -238,10 +244,23 @@ def validate_job_data(job: JobConfig) -> JobData:
     prepare_data(job)
     _check_exists(job, "data.eval_path", job.data.eval_path)
     data = job.data
+    train = validate_data(data.train_path, data, role="train")
+    check_shuffle_window(job, train)
+    _warn_file_order(train, config=data)
     return JobData(
-        train=validate_data(data.train_path, data, role="train"),
+        train=train,
         evaluation=validate_data(data.eval_path, data, role="eval") if data.eval_path else None,
     )
+
+
+def _warn_file_order(summary: DataSummary, *, config: DataConfig) -> None:
+    """A warning per way the training data's file order is correlated with its content (runs
+    of ids, label drift, time) that the reader, as configured, does not mix away, naming the
+    column and the setting; one that it mixes is logged as information. A bounded sample: it
+    reads at most a few tens of row groups' first rows."""
+    for finding in order_findings(summary, config):
+        log = logger.info if finding.mixed else logger.warning
+        log("training data order: %s", finding.message)
 
 
 def resolve_dedup_groups(job: JobConfig, data: JobData) -> JobConfig:
@@ -423,18 +442,13 @@ def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
             "the tables live in the workers' GPU memory, which the driver does not know: set "
             "sharding.device_memory_bytes"
         )
-    if "memory" in scaling.resources_per_worker:
-        memory = int(scaling.resources_per_worker["memory"])
-        source = f"{format_bytes(memory)} scaling.resources_per_worker.memory"
-    elif ray_address(job) != "local":
+    known = worker_memory(job)
+    if known is None:
         return _no_budget(
             f"the workers run on the Ray cluster at {ray_address(job)}, whose memory the driver "
             "does not know: set sharding.device_memory_bytes or scaling.resources_per_worker.memory"
         )
-    else:
-        node = psutil.virtual_memory().total
-        memory = node // scaling.num_workers
-        source = f"{format_bytes(node)} node memory / {scaling.num_workers} workers"
+    memory, source = known
     overhead = sharding.worker_overhead_bytes
     source = f"{source} - {format_bytes(overhead)} overhead"
     if memory - overhead <= 0:
@@ -445,6 +459,49 @@ def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
             "machines"
         )
     return MemoryBudget(memory - overhead, source)
+
+
+def worker_memory(job: JobConfig) -> tuple[int, str] | None:
+    """A worker's memory as the driver knows it, and how it was derived: its Ray ``memory``
+    resource (``scaling.resources_per_worker``), else this machine's memory shared by all
+    ``scaling.num_workers`` workers (a local Ray cluster runs them all here); None on a remote
+    cluster, whose nodes' memory is unknown here."""
+    scaling = job.scaling
+    if "memory" in scaling.resources_per_worker:
+        memory = int(scaling.resources_per_worker["memory"])
+        return memory, f"{format_bytes(memory)} scaling.resources_per_worker.memory"
+    if ray_address(job) != "local":
+        return None
+    node = psutil.virtual_memory().total
+    return node // scaling.num_workers, (
+        f"{format_bytes(node)} node memory / {scaling.num_workers} workers"
+    )
+
+
+def check_shuffle_window(job: JobConfig, train: DataSummary) -> None:
+    """Refuses a shuffle window (``data.shuffle_window_rows``) whose preprocessing actors
+    would hold over half a worker's memory (:func:`worker_memory`): each actor of a worker's
+    pool reads one window at a time (:func:`~raydlrm.ingestion.reader.window_bytes`).
+
+    Raises:
+        ConfigError: naming the key, the memory it needs and the largest window that fits.
+    """
+    memory = worker_memory(job)
+    need = window_bytes(train, job.data)
+    if memory is None or not need:
+        return
+    actors = job.data.num_preprocess_actors or default_num_actors()
+    budget, source = memory
+    if need * actors <= budget // 2:
+        return
+    rows = job.data.shuffle_window_rows
+    fits = int(min(rows, train.num_rows) * (budget // 2) / (need * actors))
+    raise ConfigError(
+        f"data.shuffle_window_rows = {rows}: {actors} preprocessing actor(s) per worker would "
+        f"each hold about {format_bytes(need)} of window rows ({WINDOW_COPIES} copies of the "
+        f"rows of {train.path} it mixes), over half a worker's memory ({source}); set it to "
+        f"at most {fits} (0: off), or lower data.num_preprocess_actors"
+    )
 
 
 def _no_budget(why: str) -> None:
@@ -644,7 +701,8 @@ def _with_id_kinds(job: JobConfig, kinds: dict[str, str]) -> JobConfig:
 def _with_recorded_statistics(
     job: JobConfig, *, resumed: dict[str, Any] | None, warm: dict[str, Any] | None
 ) -> JobConfig:
-    """``job`` with the dense statistics and bucket boundaries its model means, in one order:
+    """``job`` with the dense statistics, fill values and bucket boundaries its model means, in
+    one order:
     the checkpoint the run resumes (``resumed``, its state) was trained with them, then the
     warm start's (``warm``), then the training data's for the columns still without (a
     model's features keep their meaning; the first that holds a column's wins)."""
@@ -655,55 +713,78 @@ def _with_recorded_statistics(
 
 
 def _with_statistics(job: JobConfig, recorded: dict[str, Any]) -> JobConfig:
-    """``job`` with the dense statistics and bucket boundaries of ``recorded`` (a data config
-    as a dict: a warm start's, a resumed run's, the training data's) for the columns it holds
-    none for: those the job already has win, so a model's features keep their meaning."""
+    """``job`` with the dense statistics, fill values and bucket boundaries of ``recorded`` (a
+    data config as a dict: a warm start's, a resumed run's, the training data's) for the
+    columns it holds none for: those the job already has win, so a model's features keep
+    their meaning. A recorded fill value counts only where ``recorded`` fills the column with
+    the same statistic (a mean is no median)."""
     data = job.data
     stats = recorded.get("dense_stats") or {}
+    fills = recorded.get("dense_fill_values") or {}
     bounds = recorded.get("bucket_boundaries") or {}
     new_stats = {
         c: tuple(stats[c])
         for c in data.standardized_columns()
         if c not in data.dense_stats and c in stats
     }
+    new_fills = {
+        c: float(fills[c])
+        for c in data.computed_fill_columns()
+        if c not in data.dense_fill_values
+        and c in fills
+        and _recorded_fill(recorded, c) in (None, data.dense_fill_of(c))
+    }
     new_bounds = {
         c: list(bounds[c])
         for c in data.bucketized_columns()
         if c not in data.bucket_boundaries and c in bounds
     }
-    if not new_stats and not new_bounds:
+    if not new_stats and not new_fills and not new_bounds:
         return job
     return dataclasses.replace(
         job,
         data=dataclasses.replace(
             data,
             dense_stats={**new_stats, **data.dense_stats},
+            dense_fill_values={**new_fills, **data.dense_fill_values},
             bucket_boundaries={**new_bounds, **data.bucket_boundaries},
         ),
     )
 
 
+def _recorded_fill(recorded: dict[str, Any], column: str) -> str | None:
+    """The fill policy of dense ``column`` in a recorded data config (a dict); None when it
+    does not say (the training data's statistics: computed for the job's own policy)."""
+    if "dense_fill" not in recorded:
+        return None
+    spec = (recorded.get("dense_specs") or {}).get(column) or {}
+    return spec.get("fill") or recorded["dense_fill"]
+
+
 def _training_statistics(job: JobConfig) -> dict[str, Any]:
-    """The dense statistics and bucket boundaries over the training data that the config does
-    not hold yet, computed once in one pass; they travel in the config to the workers, the
-    checkpoint and the logged model."""
+    """The dense statistics, fill values and bucket boundaries over the training data that the
+    config does not hold yet, computed once in one pass; they travel in the config to the
+    workers, the checkpoint and the logged model."""
     data = job.data
     stats = [c for c in data.standardized_columns() if c not in data.dense_stats]
+    fills = [c for c in data.computed_fill_columns() if c not in data.dense_fill_values]
     bounds = [c for c in data.bucketized_columns() if c not in data.bucket_boundaries]
-    if not stats and not bounds:
+    if not stats and not fills and not bounds:
         return {}
     started = time.perf_counter()
-    dense_stats, boundaries = training_statistics(
-        data.train_path, data, dense=bool(stats), buckets=bool(bounds)
+    computed = training_statistics(
+        data.train_path, data, dense=bool(stats), fills=bool(fills), buckets=bool(bounds)
     )
     logger.info(
-        "statistics of the dense columns over %s in %.1fs: mean and deviation %s; buckets %s",
+        "statistics of the dense columns over %s in %.1fs: mean and deviation %s; fill %s; "
+        "buckets %s",
         data.train_path,
         time.perf_counter() - started,
-        {c: (round(m, 4), round(s, 4)) for c, (m, s) in dense_stats.items()},
-        {c: len(b) + 1 for c, b in boundaries.items()},
+        {c: (round(m, 4), round(s, 4)) for c, (m, s) in computed.dense_stats.items()},
+        {c: round(v, 4) for c, v in computed.dense_fill_values.items()},
+        {c: len(b) + 1 for c, b in computed.bucket_boundaries.items()},
     )
-    return {"dense_stats": dense_stats, "bucket_boundaries": boundaries}
+    return dataclasses.asdict(computed)
 
 
 def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
@@ -809,8 +890,9 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
     settings = _model_settings(spec, job=job)
     for key in ("dense_columns", "sparse_columns"):
         settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
-    for key in ("dense_stats", "bucket_boundaries"):  # an older checkpoint may lack them
+    for key in ("dense_stats", "dense_fill_values", "bucket_boundaries"):  # older: may lack
         settings[f"data.{key}"] = (spec["data"].get(key, {}), getattr(job.data, key))
+    settings.update(_indicator_settings(spec, job=job))
     settings["sharding.optimizer"] = (spec["sharding"]["optimizer"], job.sharding.optimizer)
     out = [
         f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
@@ -836,6 +918,18 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
     return out
 
 
+def _indicator_settings(spec: dict[str, Any], *, job: JobConfig) -> dict[str, tuple[Any, Any]]:
+    """The dense columns with a missing indicator (the model's dense input is one wider per
+    column): (the checkpoint's, the job's); a checkpoint of a release before them has none."""
+    data = spec.get("data") or {}
+    specs = data.get("dense_specs") or {}
+    default = data.get("dense_missing_indicator", False)
+    own = {c: (specs.get(c) or {}).get("missing_indicator") for c in data.get("dense_columns", [])}
+    theirs = [c for c, flag in own.items() if (default if flag is None else flag)]
+    mine = job.data.missing_indicator_columns()
+    return {"data.dense_missing_indicator (columns)": (theirs, mine)}
+
+
 def _model_settings(
     spec: dict[str, Any], *, job: JobConfig, skip: tuple[str, ...] = ()
 ) -> dict[str, tuple[Any, Any]]:
@@ -854,7 +948,10 @@ def model_differences(
     one phrase each with both values."""
     return [
         f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
-        for key, (theirs, mine) in _model_settings(state["spec"], job=job, skip=skip).items()
+        for key, (theirs, mine) in {
+            **_model_settings(state["spec"], job=job, skip=skip),
+            **_indicator_settings(state["spec"], job=job),
+        }.items()
         if _plain(theirs) != _plain(mine)
     ]
 

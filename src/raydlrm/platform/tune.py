@@ -300,16 +300,19 @@ _STATISTICS_KEYS = (
     "data.partitions",
     "data.dense_columns",
     "data.dense_transform",
+    "data.dense_fill",
     "data.dense_specs",
     "data.dense_buckets",
 )
-"""Keys whose value decides the dense statistics or bucket boundaries of the training data."""
+"""Keys whose value decides the dense statistics, fill values or bucket boundaries of the
+training data."""
 
 
 def _prepared(job: JobConfig, sweep: str, space: Mapping[str, Dimension]) -> JobConfig:
     """The checks of a training job, once for the sweep: its data, plan, storage and tracking;
-    returns the job with the dense statistics, bucket boundaries and id kinds every trial
-    reuses (the statistics only when the search leaves what they depend on alone)."""
+    returns the job with the dense statistics, fill values, bucket boundaries and id kinds
+    every trial reuses (the statistics only when the search leaves what they depend on
+    alone)."""
     from raydlrm.platform.preflight import (
         data_shape,
         make_plan,
@@ -337,6 +340,7 @@ def _prepared(job: JobConfig, sweep: str, space: Mapping[str, Dimension]) -> Job
         data = replaced(
             prepared.data,
             dense_stats=job.data.dense_stats,
+            dense_fill_values=job.data.dense_fill_values,
             bucket_boundaries=job.data.bucket_boundaries,
         )
         prepared = replaced(prepared, data=data)

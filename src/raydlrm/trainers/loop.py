@@ -155,7 +155,7 @@ class Trainer:
         model = build_model(
             spec.model,
             tables=spec.tables(),
-            num_dense=len(spec.data.dense_columns),
+            num_dense=spec.data.num_dense_inputs(),
             embedding_device="meta",
             seed=spec.training.seed,
         )
@@ -335,7 +335,11 @@ class Trainer:
         self.window.start_epoch()
         resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
         # Each rank starts from the progress of every rank (merging takes the maximum).
-        self.progress = EpochProgress.merged([resume]) if resume else EpochProgress(epoch)
+        # A resumed epoch keeps the shuffle window it began with (its rows keep their order).
+        window = self.spec.data.shuffle_window_rows
+        self.progress = (
+            EpochProgress.merged([resume]) if resume else EpochProgress(epoch, window_rows=window)
+        )
         if isinstance(train_data, EpochSource):
             train_data.start(epoch, resume=resume, world_size=self.resume_world_size)
 

@@ -323,7 +323,7 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
     model = build_model(
         spec.model,
         tables=spec.tables(),
-        num_dense=len(spec.data.dense_columns),
+        num_dense=spec.data.num_dense_inputs(),
         embedding_device="meta",
     )
     with model_source(path) as source:

@@ -1,0 +1,155 @@
+"""Order diagnostics: data sorted by user and time, and data whose label rate drifts over row
+groups, are found (column and setting named); the same rows shuffled are not."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raydlrm.ingestion import DataConfig, validate_data
+from raydlrm.ingestion.inspect import inspect_data
+from raydlrm.ingestion.order import order_findings
+
+ROWS_PER_GROUP = 500
+CONFIG = DataConfig(dense_columns=["I1"], sparse_columns=["user_id", "item_id"], table_size=1000)
+
+
+def _logs(seed: int = 0) -> pa.Table:
+    """About 2,000 rows of 200 users' events, sorted by user and time, as logs are written."""
+    rng = np.random.default_rng(seed)
+    users = np.repeat(np.arange(200), rng.integers(5, 16, size=200))
+    n = len(users)
+    times = rng.integers(1_700_000_000, 1_700_086_400, size=n)
+    order = np.lexsort((times, users))
+    return pa.table(
+        {
+            "label": pa.array((rng.random(n) < 0.3).astype(np.int64)),
+            "I1": pa.array(rng.random(n)),
+            "user_id": pa.array(users[order]),
+            "item_id": pa.array(rng.integers(0, 5_000, size=n)),
+            "timestamp": pa.array(times[order], pa.timestamp("s")),
+        }
+    )
+
+
+def _write(table: pa.Table, root: Path) -> str:
+    """Two files of row groups of ``ROWS_PER_GROUP`` rows."""
+    root.mkdir()
+    half = table.num_rows // 2
+    for i, part in enumerate([table.slice(0, half), table.slice(half)]):
+        pq.write_table(part, root / f"part-{i}.parquet", row_group_size=ROWS_PER_GROUP)
+    return str(root)
+
+
+def _findings(path: str, config: DataConfig = CONFIG):
+    return order_findings(validate_data(path, config), config)
+
+
+def _shuffled(table: pa.Table, seed: int = 1) -> pa.Table:
+    return table.take(pa.array(np.random.default_rng(seed).permutation(table.num_rows)))
+
+
+def test_sorted_logs_are_found_and_shuffled_ones_are_not(tmp_path: Path) -> None:
+    logs = _logs()
+    found = {(f.kind, f.column): f for f in _findings(_write(logs, tmp_path / "sorted"))}
+    assert set(found) == {("runs", "user_id"), ("trend", "timestamp")}
+    runs = found["runs", "user_id"]
+    assert runs.value > 5  # runs of about 10 rows, against about 1 in a random order
+    assert "user_id" in runs.message and "random order" in runs.statistic
+    assert "inside row groups" in found["trend", "timestamp"].statistic
+    # The default window (262,144 rows) holds the whole data set: it mixes both.
+    assert all(f.mixed for f in found.values())
+    assert "eval split" in found["trend", "timestamp"].suggestion
+    assert _findings(_write(_shuffled(logs), tmp_path / "shuffled")) == []
+
+
+@pytest.mark.parametrize(
+    ("window", "advice"),
+    [
+        (0, "turn on data.shuffle_window_rows (e.g. 262144)"),
+        (ROWS_PER_GROUP, "raise data.shuffle_window_rows to 2048 (now 500)"),
+    ],
+)
+def test_suggestion_follows_the_window(tmp_path: Path, window: int, advice: str) -> None:
+    config = dataclasses.replace(CONFIG, shuffle_window_rows=window)
+    found = {f.kind: f for f in _findings(_write(_logs(), tmp_path / "data"), config)}
+    # Runs of ~10 rows need ~1,000 rows mixed together: more than one row group of 500 rows.
+    assert not found["runs"].mixed
+    assert found["runs"].suggestion.startswith(advice)
+    # Sorted inside row groups: any window mixes it, none does not.
+    assert found["trend"].mixed == bool(window)
+
+
+def test_label_drift_over_row_groups_is_found(tmp_path: Path) -> None:
+    logs = _shuffled(_logs())
+    rng = np.random.default_rng(2)
+    rates = np.repeat([0.1, 0.2, 0.3, 0.4, 0.5], ROWS_PER_GROUP)[: logs.num_rows]
+    drifting = logs.set_column(0, "label", pa.array((rng.random(len(rates)) < rates).astype(int)))
+    findings = _findings(_write(drifting, tmp_path / "drift"))
+    assert [(f.kind, f.column) for f in findings] == [("label_drift", "label")]
+    assert "positive rate" in findings[0].statistic
+
+
+def test_sessions_are_the_units(tmp_path: Path) -> None:
+    """With a session column, sessions of one user in a row are what counts, not the rows of
+    one session, nor the order inside a session (which the reader keeps anyway)."""
+    logs = _shuffled(_logs())
+    sessions = np.arange(logs.num_rows) // 5
+    table = logs.append_column("session_id", pa.array(sessions))
+    table = table.append_column("position", pa.array(np.arange(logs.num_rows) % 5))
+    # One user per session, in random order: no runs beyond the sessions.
+    user = np.random.default_rng(3).integers(0, 300, size=sessions.max() + 1)[sessions]
+    path = _write(table.set_column(2, "user_id", pa.array(user)), tmp_path / "sessions")
+    assert _findings(path) == []
+    # Without the session column, a session's rows are runs of one user, its positions rise
+    # (4 steps of 5) and the session ids, written in order, rise through the files.
+    rows = dataclasses.replace(CONFIG, session_column=None)
+    found = {(f.kind, f.column) for f in _findings(path, rows)}
+    assert found == {("runs", "user_id"), ("trend", "position"), ("trend", "session_id")}
+
+
+def test_inspect_lists_the_file_order(tmp_path: Path) -> None:
+    report = inspect_data(_write(_logs(), tmp_path / "sorted"), CONFIG)
+    columns = {(f["kind"], f["column"]) for f in report["file_order"]}
+    assert columns == {("runs", "user_id"), ("trend", "timestamp")}
+
+
+def test_training_warns_about_unmixed_order(tmp_path: Path, caplog) -> None:
+    from raydlrm.platform.preflight import _warn_file_order
+
+    config = dataclasses.replace(CONFIG, shuffle_window_rows=0)
+    summary = validate_data(_write(_logs(), tmp_path / "sorted"), config)
+    with caplog.at_level(logging.INFO, logger="raydlrm.platform.preflight"):
+        _warn_file_order(summary, config=config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert any("user_id" in w and "data.shuffle_window_rows" in w for w in warnings)
+    assert any("timestamp" in w for w in warnings)
+
+
+def test_data_inspect_prints_the_file_order(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from raydlrm.platform.cli import app
+
+    overrides = [
+        '--set=data.dense_columns=["I1"]',
+        '--set=data.sparse_columns=["user_id", "item_id"]',
+        "--set=data.shuffle_window_rows=0",
+    ]
+    for name, table in [("sorted", _logs()), ("shuffled", _shuffled(_logs()))]:
+        path = _write(table, tmp_path / name)
+        result = CliRunner().invoke(app, ["data", "inspect", "--path", path, *overrides])
+        assert result.exit_code == 0, result.output
+        section = result.output.split("file order:")[1]
+        if name == "sorted":
+            assert "runs user_id:" in section and "trend timestamp:" in section
+            assert "turn on data.shuffle_window_rows" in section
+        else:
+            assert section.strip() == "no order found"
