@@ -201,7 +201,10 @@ def _file_with_unreadable_row_group(root: Path, bad_dense: bool = False) -> None
     path.write_bytes(bytes(blob))
 
 
-def _reader(config: DataConfig, root: Path, summary, tag: str | None = None) -> RowGroupReader:
+def _reader(
+    config: DataConfig, root: Path, summary, tag: str | None = None, *, window: int = 0
+) -> RowGroupReader:
+    """A reader of ``summary``'s row groups in file order, or shuffled in a ``window``."""
     return RowGroupReader(
         config,
         source_path=str(root),
@@ -209,15 +212,17 @@ def _reader(config: DataConfig, root: Path, summary, tag: str | None = None) -> 
         schema=summary.schema,
         seed=0,
         epoch=0,
-        shuffle=False,
+        shuffle=bool(window),
         tag=tag,
+        window_rows=window,
     )
 
 
-def _refs(summary, skip: int = 0) -> pa.Table:
-    return pa.Table.from_pylist(
-        [{"group": g.to_dict(), "id": i, "skip": skip} for i, g in enumerate(summary.row_groups)]
-    )
+def _refs(summary, skip: int = 0, *, window: int = 0) -> pa.Table:
+    """Every row group, each a window of its own, or all in one ``window``."""
+    refs = [{"group": g.to_dict(), "id": i, "skip": skip} for i, g in enumerate(summary.row_groups)]
+    windows = [refs] if window else [[ref] for ref in refs]
+    return pa.Table.from_pylist([{"window": w} for w in windows])
 
 
 def test_unreadable_row_group_fails_or_is_quarantined(tmp_path: Path) -> None:
@@ -237,25 +242,34 @@ def test_unreadable_row_group_fails_or_is_quarantined(tmp_path: Path) -> None:
         assert counts["row_groups"] == 1 and counts["row_group_rows"] == 100
 
 
-def test_row_groups_read_again_after_a_restart_are_quarantined_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window", [0, 10**6])
+def test_row_groups_read_again_after_a_restart_are_quarantined_once(
+    tmp_path: Path, window: int
+) -> None:
     """A resumed epoch reads its unfinished row groups again: their quarantine records are
     overwritten, not added, so the run's counts stay exact; each epoch and each run keeps its
-    own records."""
+    own records. The same in a shuffle window."""
     root = tmp_path / "data"
     _file_with_unreadable_row_group(root, bad_dense=True)
     config = _config(tmp_path, "quarantine")
     summary = validate_data(str(root), config)
     tag = run_tag("job/a b", "train")
     assert tag == "job_a_b.train"
-    _reader(config, root, summary, f"{tag}-e0")(_refs(summary))
+
+    def read(tag: str, skip: int = 0) -> pa.Table:
+        return _reader(config, root, summary, tag, window=window)(
+            _refs(summary, skip, window=window)
+        )
+
+    read(f"{tag}-e0")
     # The restarted run re-reads epoch 0's row groups (part of them already trained).
-    out = _reader(config, root, summary, f"{tag}-e0")(_refs(summary, skip=10))
+    out = read(f"{tag}-e0", skip=10)
     assert out.num_rows == 2 * (99 - 10)
     epoch0 = quarantine_counts(config, tag=tag)
     assert epoch0["bad_rows"] == 2 and epoch0["row_groups"] == 1
     assert epoch0["row_group_rows"] == 100
-    _reader(config, root, summary, f"{tag}-e1")(_refs(summary))
-    _reader(config, root, summary, f"{run_tag('other', 'train')}-e0")(_refs(summary))
+    read(f"{tag}-e1")
+    read(f"{run_tag('other', 'train')}-e0")
     both = quarantine_counts(config, tag=tag)
     assert both["bad_rows"] == 4 and both["row_groups"] == 2
     assert quarantine_counts(config)["bad_rows"] == 6
