@@ -17,6 +17,20 @@ bottom MLP's last width, which a search of one key cannot follow).
 ``sharding.learning_rate``, or ``model.embedding_dim`` for an architecture not tied to the bottom
 MLP); ``--set`` overrides go to every run (e.g. ``tune.grace_period=3``).
 
+``--valid-split time`` tunes on a split by time instead (for data whose eval split is by time):
+per user (``--user-column``), the last ``--valid-fraction`` (default 0.1, at least 1) of the user's
+training rows by ``--time-column`` are ``valid/``, the rest ``fit/``
+(:func:`time_validation_split`; written beside the training data as ``fit_by_time/`` and
+``valid_by_time/``, kept while the training data is unchanged), so the sweep picks the
+settings that predict the future:
+
+    .venv/bin/python benchmarks/quality.py --configs configs/movielens.toml --archs dcnv2 \\
+        --valid-split time --time-column timestamp --user-column user_id \\
+        --set data.train_path='"data/ordered/movielens/train_sorted"' \\
+        --set data.eval_path='"data/ordered/movielens/eval"'
+
+The split is made from the data the overrides name (``--set data.train_path=...``).
+
 ``--shipped`` trains the config as it is (no sweep; ``--set`` overrides, e.g. to compare a
 setting) with ``--seeds`` seeds on the whole training data, for each architecture:
 
@@ -28,10 +42,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from baselines import validation_split
 
 import raydlrm
@@ -60,6 +78,67 @@ def space(arch: str, extra: list[str]) -> list[str]:
     return list(by_key.values())
 
 
+TIME_SPLIT_DIRS = ("fit_by_time", "valid_by_time")
+_TIME_SPLIT_STAMP = "split.json"
+
+
+def _source_stamp(path: Path) -> list:
+    """The training files' names, sizes and modification times (a changed file: a new split)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*.parquet"))
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def time_validation_split(
+    data, *, time_column: str, user_column: str, fraction: float = 0.1
+) -> tuple[str, str]:
+    """``fit_by_time/`` and ``valid_by_time/`` beside the training data: of each user's rows
+    (``user_column``) sorted by ``time_column`` (the file order breaks ties), the last
+    ``fraction`` (at least 1, as the eval split of ``benchmarks/ordered_data.py`` and
+    ``benchmarks/movielens.py``) are held out. Both keep the training data's row order and
+    row groups of 2,048 rows. Written once and kept while the training files and ``fraction``
+    are those they were made from (``split.json`` in ``valid_by_time/``), returned as paths."""
+    source = Path(data.train_path)
+    root = source.parent
+    fit, valid = (root / d for d in TIME_SPLIT_DIRS)
+    stamp = {
+        "source": _source_stamp(source),
+        "time_column": time_column,
+        "user_column": user_column,
+        "fraction": fraction,
+    }
+    done = valid / _TIME_SPLIT_STAMP
+    if done.exists() and json.loads(done.read_text()) == stamp:
+        return str(fit), str(valid)
+    table = pq.read_table(data.train_path)
+    missing = [c for c in (time_column, user_column) if c not in table.column_names]
+    if missing:
+        raise SystemExit(
+            f"error: {data.train_path} has no column(s) {missing} (--valid-split time)"
+        )
+    users = table[user_column].to_numpy()
+    order = np.lexsort((np.arange(table.num_rows), table[time_column].to_numpy(), users))
+    ranked = users[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    counts = np.diff(np.r_[starts, len(ranked)])
+    held = np.maximum(1, np.round(counts * fraction)).astype(np.int64)
+    position = np.arange(len(ranked)) - np.repeat(starts, counts)
+    is_valid = np.zeros(table.num_rows, dtype=bool)
+    is_valid[order] = position >= np.repeat(counts - held, counts)
+    for path, rows in ((valid, is_valid), (fit, ~is_valid)):
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        pq.write_table(
+            table.filter(pa.array(rows)), path / "part-00000.parquet", row_group_size=2048
+        )
+    done.write_text(json.dumps(stamp, indent=1) + "\n")  # last: the split is complete
+    print(
+        f"time split of {data.train_path}: {int((~is_valid).sum()):,} fit / "
+        f"{int(is_valid.sum()):,} valid rows ({len(starts):,} users) -> {root}",
+        flush=True,
+    )
+    return str(fit), str(valid)
+
+
 def quality(
     config: str,
     arch: str,
@@ -70,9 +149,23 @@ def quality(
     tag: str,
     search: list[str],
     overrides: list[str],
+    valid_split: str = "random",
+    time_column: str = "timestamp",
+    user_column: str = "user_id",
+    valid_fraction: float | None = None,
 ):
-    data = raydlrm.load_config(config).data
-    fit, valid = validation_split(data)
+    data = raydlrm.load_config(config, overrides=overrides).data
+    if valid_split == "time":
+        fit, valid = time_validation_split(
+            data,
+            time_column=time_column,
+            user_column=user_column,
+            fraction=0.1 if valid_fraction is None else valid_fraction,
+        )
+    elif valid_fraction is None:
+        fit, valid = validation_split(data)
+    else:
+        fit, valid = validation_split(data, fraction=valid_fraction)
     name = f"quality-{tag}-{Path(config).stem}-{arch}"
     base = [*_base(arch, name), *overrides]
     start = time.perf_counter()
@@ -95,6 +188,7 @@ def quality(
         "config": config,
         "arch": arch,
         "best_config": sweep.best_config,
+        "valid_split": valid_split,
         "valid_auc": sweep.best_metrics.get("eval/auc"),
         **runs,
         "sweep_seconds": sweep_s,
@@ -148,8 +242,24 @@ def main() -> None:
     parser.add_argument("--shipped", action="store_true", help="no sweep: the config as it is")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--search", action="append", default=[], help="key=distribution")
+    parser.add_argument(
+        "--valid-split",
+        choices=["random", "time"],
+        default="random",
+        help="the tuning split of the training data: a random fifth, or per user the last rows",
+    )
+    parser.add_argument("--time-column", default="timestamp", help="--valid-split time")
+    parser.add_argument("--user-column", default="user_id", help="--valid-split time")
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=None,
+        help="share held out for validation (default: 0.2 random, 0.1 per user by time)",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench/quality.json"))
     args = parser.parse_args()
+    if args.valid_fraction is not None and not 0 < args.valid_fraction < 1:
+        parser.error(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
     results = []
     for config in args.configs:
         for arch in args.archs.split(","):
@@ -167,6 +277,10 @@ def main() -> None:
                     tag=args.tag,
                     search=args.search,
                     overrides=args.overrides,
+                    valid_split=args.valid_split,
+                    time_column=args.time_column,
+                    user_column=args.user_column,
+                    valid_fraction=args.valid_fraction,
                 )
             results.append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)

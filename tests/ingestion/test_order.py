@@ -131,6 +131,19 @@ def test_training_warns_about_unmixed_order(tmp_path: Path, caplog) -> None:
     assert len(warnings) == 2
     assert any("user_id" in w and "data.shuffle_window_rows" in w for w in warnings)
     assert any("timestamp" in w for w in warnings)
+    # Every column sorted alike (user columns of data sorted by user): one warning naming all.
+    caplog.clear()
+    with_user_columns = _logs()
+    with_user_columns = with_user_columns.append_column(
+        "age", with_user_columns.column("user_id")
+    ).append_column("zip", with_user_columns.column("user_id"))
+    config = dataclasses.replace(config, sparse_columns=[*config.sparse_columns, "age", "zip"])
+    summary = validate_data(_write(with_user_columns, tmp_path / "users"), config)
+    with caplog.at_level(logging.INFO, logger="raydlrm.platform.preflight"):
+        _warn_file_order(summary, config=config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert any("user_id, age, zip:" in w and "3 columns alike" in w for w in warnings)
 
 
 def test_data_inspect_prints_the_file_order(tmp_path: Path) -> None:

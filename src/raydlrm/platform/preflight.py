@@ -40,7 +40,7 @@ from raydlrm.ingestion import (
     id_kinds_of,
     validate_data,
 )
-from raydlrm.ingestion.order import order_findings
+from raydlrm.ingestion.order import OrderFinding, order_findings
 from raydlrm.ingestion.reader import WINDOW_COPIES, default_num_actors, window_bytes
 from raydlrm.ingestion.stats import training_statistics
 from raydlrm.platform.config import (
@@ -258,9 +258,18 @@ def _warn_file_order(summary: DataSummary, *, config: DataConfig) -> None:
     of ids, label drift, time) that the reader, as configured, does not mix away, naming the
     column and the setting; one that it mixes is logged as information. A bounded sample: it
     reads at most a few tens of row groups' first rows."""
+    alike: dict[tuple[str, str, bool], list[OrderFinding]] = {}
     for finding in order_findings(summary, config):
-        log = logger.info if finding.mixed else logger.warning
-        log("training data order: %s", finding.message)
+        key = (finding.kind, finding.suggestion, finding.mixed)
+        alike.setdefault(key, []).append(finding)
+    # Findings of one kind with one remedy (every user column of data sorted by user) are one
+    # line: the first one's statistic, every column named.
+    for (_, suggestion, mixed), findings in alike.items():
+        first = findings[0]
+        columns = ", ".join(f.column for f in findings)
+        more = f" (the first; {len(findings)} columns alike)" if len(findings) > 1 else ""
+        log = logger.info if mixed else logger.warning
+        log("training data order: %s: %s%s; %s", columns, first.statistic, more, suggestion)
 
 
 def resolve_dedup_groups(job: JobConfig, data: JobData) -> JobConfig:
