@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from raydlrm.storage import scratch_owner
+
 __all__ = [
     "MARK",
     "Leftover",
@@ -181,10 +183,22 @@ def find(before: Snapshot, *, wait_s: float = 30.0, alone: bool = True) -> list[
         path = tmp / name
         if name == _SHARED_TMP and path.is_dir() and not any(path.iterdir()):
             continue
-        if name.startswith(_TMP_PREFIXES):
+        if name.startswith(_TMP_PREFIXES) and not _running_elsewhere(name):
             left.append(Leftover("file", str(path)))
     left += [Leftover("file", str(_SHM / n)) for n in sorted(_shm() - before.shm)]
     return left
+
+
+def _running_elsewhere(name: str) -> bool:
+    """Whether ``name`` is the scratch directory (``raydlrm.storage.scratch_directory``) of a
+    running process that is not this session's (a benchmark or a job beside the tests)."""
+    pid = scratch_owner(name)
+    if pid is None or pid == os.getpid():  # this process shows no mark (see other_sessions)
+        return False
+    try:
+        return psutil.Process(pid).environ().get(MARK) != os.environ[MARK]
+    except (psutil.Error, OSError):
+        return False  # gone (then it is a leftover), or not ours to read
 
 
 def multiprocessing_dirs(before: Snapshot) -> list[Path]:

@@ -49,3 +49,30 @@ def test_another_session_is_a_pytest_process_without_this_sessions_mark() -> Non
         for p in (other, shell, ours, orphan):
             p.kill()
             p.wait()
+
+
+def test_a_running_programs_scratch_directory_is_not_the_sessions() -> None:
+    """A benchmark or job beside the tests keeps its scratch directories: only those of this
+    session's processes, or of a process that is gone, are leftovers."""
+    import tempfile
+
+    before = _leftovers.snapshot()
+    env = {k: v for k, v in os.environ.items() if k != _leftovers.MARK}
+    other = subprocess.Popen(["sleep", "60"], env=env)
+    tmp = Path(tempfile.gettempdir())
+    theirs = tmp / f"raydlrm-ckpt-{other.pid}-abcdefgh"
+    ours = tmp / f"raydlrm-ckpt-{os.getpid()}-abcdefgh"
+    try:
+        for path in (theirs, ours):
+            path.mkdir()
+        left = {x.name for x in _leftovers.find(before, wait_s=0.2) if x.kind == "file"}
+        assert str(ours) in left and str(theirs) not in left
+        other.kill()
+        other.wait()
+        left = {x.name for x in _leftovers.find(before, wait_s=0.2) if x.kind == "file"}
+        assert str(theirs) in left  # its process is gone
+    finally:
+        other.kill()
+        other.wait()
+        for path in (theirs, ours):
+            path.rmdir()

@@ -65,6 +65,7 @@ __all__ = [
     "remove_orphaned_scratch",
     "scheme_of",
     "scratch_directory",
+    "scratch_owner",
     "with_scheme",
 ]
 
@@ -242,13 +243,20 @@ def scratch_directory(kind: str) -> Iterator[str]:
         yield tmp
 
 
+def scratch_owner(name: str) -> int | None:
+    """The process id in a scratch directory's name (:func:`scratch_directory`); None for
+    another name."""
+    match = _SCRATCH.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def remove_orphaned_scratch(directory: str | Path | None = None) -> list[Path]:
     """Removes the scratch directories (:func:`scratch_directory`) in ``directory`` (default:
     the temporary directory) whose process is no longer running; returns them."""
     removed = []
     for path in Path(directory or tempfile.gettempdir()).glob("raydlrm-*"):
-        match = _SCRATCH.fullmatch(path.name)
-        if match is None or _running(int(match.group(1))):
+        pid = scratch_owner(path.name)
+        if pid is None or _running(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

@@ -427,18 +427,26 @@ def test_dedup_groups_from_dictionaries_equal_the_key_based_ones(
     )
 
 
-def test_user_columns_are_preprocessed_once_per_session(recd: Recd) -> None:
-    config = _config(recd.converted, dedup_groups=[USERS])
-    summary = validate_data(str(recd.converted), config)
-    reader = SessionGroupReader(
+def _session_reader(
+    recd: Recd, config: DataConfig, summary, *, seed: int, window_rows: int = 0
+) -> SessionGroupReader:
+    """A shuffling reader of the converted data set's epoch 0."""
+    return SessionGroupReader(
         config,
         source_path=str(recd.converted),
         columns=read_columns(config, summary.schema),
         schema=summary.schema,
-        seed=0,
+        seed=seed,
         epoch=0,
         shuffle=True,
+        window_rows=window_rows,
     )
+
+
+def test_user_columns_are_preprocessed_once_per_session(recd: Recd) -> None:
+    config = _config(recd.converted, dedup_groups=[USERS])
+    summary = validate_data(str(recd.converted), config)
+    reader = _session_reader(recd, config, summary, seed=0)
     group = summary.row_groups[0]
     rows = reader._rows(group)
     sessions = pq.ParquetFile(group.sessions_file).read_row_group(group.index)
@@ -464,16 +472,7 @@ def test_a_window_of_clustered_row_groups_mixes_whole_sessions_and_resumes(recd:
     summary = validate_data(str(recd.converted), config)
 
     def read(skips: dict[int, int]) -> list[pa.Table]:
-        reader = SessionGroupReader(
-            config,
-            source_path=str(recd.converted),
-            columns=read_columns(config, summary.schema),
-            schema=summary.schema,
-            seed=2,
-            epoch=0,
-            shuffle=True,
-            window_rows=10**6,
-        )
+        reader = _session_reader(recd, config, summary, seed=2, window_rows=10**6)
         refs = [
             {"group": g.to_dict(), "id": i, "skip": skips.get(i, 0)}
             for i, g in enumerate(summary.row_groups)
