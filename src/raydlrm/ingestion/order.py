@@ -40,6 +40,7 @@ from raydlrm.ingestion._arrow import decoded_type, is_string
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.layout import layout_of
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, DataSummary, RowGroup
+from raydlrm.ingestion.sessions import session_starts
 from raydlrm.storage import filesystem_for
 
 __all__ = ["OrderFinding", "order_findings"]
@@ -277,7 +278,7 @@ def _group(table: pa.Table, *, position: int, session: str | None) -> _Group:
     """A sampled row group with its units: the runs of the session column, else the rows."""
     if session is not None and session in table.column_names and table.num_rows:
         codes = _codes(table.column(session))
-        starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+        starts = np.flatnonzero(session_starts(codes))
     else:
         starts = np.arange(table.num_rows)
     return _Group(table=table, position=position, starts=starts)

@@ -68,6 +68,7 @@ from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.layout import layout_of, relative_path
 from raydlrm.ingestion.preprocess import Preprocessor, SessionRows
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN, DataSummary, RowGroup
+from raydlrm.ingestion.sessions import session_starts
 from raydlrm.storage import filesystem_for
 
 if TYPE_CHECKING:
@@ -339,7 +340,7 @@ def _session_units(
     sessions = table.column(column).to_numpy()
     if sessions.size == 0:
         return np.arange(0), np.arange(0)
-    starts = np.flatnonzero(np.concatenate([[True], sessions[1:] != sessions[:-1]]))
+    starts = np.flatnonzero(session_starts(sessions))
     ends = np.append(starts[1:], sessions.size)
     perm = rng.permutation(starts.size)
     lengths = (ends - starts)[perm]
@@ -498,21 +499,24 @@ class RowGroupReader:
         for window in refs.column("window").to_pylist():
             if self.window_rows:
                 tables.extend(self._mixed(window))
-                continue
-            for ref in window:
-                group = RowGroup(**ref["group"])
-                table = self.files.read(group, file=group.file, columns=self.columns)
-                if table is not None and table.num_rows:
-                    table = self.files.shuffled(
-                        table, group=group, column=self.config.session_column
-                    )
-                    out = self.preprocess(table)
-                    total = out.num_rows
-                    out = out.slice(min(ref["skip"], total))
-                    tables.append(_with_position(out, ref["id"], total))
+            else:
+                tables.extend(t for ref in window if (t := self._alone(ref)) is not None)
         if not tables:
             return self.empty_table()
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+    def _alone(self, ref: dict[str, Any]) -> pa.Table | None:
+        """A row group read without a shuffle window: its sessions in this epoch's order,
+        preprocessed and tagged with their position, less the skipped head; None when it is
+        unreadable or empty."""
+        group = RowGroup(**ref["group"])
+        table = self.files.read(group, file=group.file, columns=self.columns)
+        if table is None or not table.num_rows:
+            return None
+        table = self.files.shuffled(table, group=group, column=self.config.session_column)
+        out = self.preprocess(table)
+        total = out.num_rows
+        return _with_position(out, ref["id"], total).slice(min(ref["skip"], total))
 
     def _mixed(self, window: list[dict[str, Any]]) -> list[pa.Table]:
         """A window's rows, merged in their random order (none, or one table)."""
@@ -634,10 +638,7 @@ class SessionGroupReader(RowGroupReader):
 
 def _run_lengths(values: np.ndarray) -> np.ndarray:
     """The lengths of the runs of equal adjacent ``values``, in order."""
-    if not values.size:
-        return np.arange(0)
-    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
-    return np.diff(np.append(starts, values.size))
+    return np.diff(np.append(np.flatnonzero(session_starts(values)), values.size))
 
 
 def _positioned(rows: SessionRows, group_id: int, total: int) -> SessionRows:

@@ -496,8 +496,10 @@ def check_shuffle_window(job: JobConfig, train: DataSummary) -> None:
         ConfigError: naming the key, the memory it needs and the largest window that fits.
     """
     memory = worker_memory(job)
-    need = window_bytes(train, job.data)
-    if memory is None or not need:
+    if memory is None:
+        return
+    need = window_bytes(train, job.data)  # a footer read: only when there is a budget
+    if not need:
         return
     actors = job.data.num_preprocess_actors or default_num_actors()
     budget, source = memory
