@@ -137,7 +137,8 @@ STALE = ("fit", "valid", "fit_by_time", "valid_by_time", "by_time.json")
 the training data (of the old rows once the data is written again)."""
 
 
-def _remove_stale(out: Path) -> None:
+def remove_stale(out: Path) -> None:
+    """Removes the validation splits (:data:`STALE`) written beside an older data set in ``out``."""
     for stale in STALE:
         path = out / stale
         if path.is_dir():
@@ -153,7 +154,7 @@ def write_time_split(args: argparse.Namespace) -> None:
         table, metadata = _table_with_time(wheel)
         wheel_name = wheel.name
     (args.out / "metadata.json").unlink(missing_ok=True)  # incomplete until written again
-    _remove_stale(args.out)
+    remove_stale(args.out)
     train, evaluation = split_by_time(table, eval_fraction=args.eval_fraction)
     counts, rates = {}, {}
     for name, part in (("train", train), ("eval", evaluation)):
@@ -221,7 +222,7 @@ def main() -> None:
     if args.split == "time":
         write_time_split(args)
     else:
-        _remove_stale(args.out)
+        remove_stale(args.out)
         write_data_set(args, _table)
         metadata = args.out / "metadata.json"
         metadata.write_text(

