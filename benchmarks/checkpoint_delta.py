@@ -73,10 +73,10 @@ import torch.multiprocessing as mp
 from raydlrm._sampling import zipf_ranks
 from raydlrm.batch import Batch, KeyedJaggedTensor
 from raydlrm.ingestion import Preprocessor
-from raydlrm.ingestion.config import SyntheticConfig
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.ingestion.reader import EpochProgress
 from raydlrm.ingestion.synthetic import generate_synthetic
+from raydlrm.ingestion.synthetic_config import SyntheticConfig
 from raydlrm.sharding import plan_sharding
 from raydlrm.trainers.checkpoint import read_state_file, save_training_state
 from raydlrm.trainers.checkpointer import Checkpointer

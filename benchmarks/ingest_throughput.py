@@ -84,7 +84,7 @@ def _limit(path: Path, batch_size: int) -> dict[str, float]:
 
     from raydlrm.ingestion import Preprocessor, validate_data
     from raydlrm.ingestion.loader import arrow_to_batch
-    from raydlrm.ingestion.reader import read_columns
+    from raydlrm.ingestion.row_group_reader import read_columns
 
     config = _config(path, batch_size)
     summary = validate_data(str(path), config)

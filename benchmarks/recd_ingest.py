@@ -52,7 +52,7 @@ def _data(root: Path, rows: int) -> tuple[Path, Path, float]:
     """The sample-level training set and its clustered copy (made if missing), and the
     conversion's seconds (0 when it existed)."""
     from raydlrm.ingestion import generate_synthetic
-    from raydlrm.ingestion.clustered import cluster_data
+    from raydlrm.ingestion.clustering import cluster_data
 
     job = _job(rows)
     info = generate_synthetic(job.data.synthetic, out_dir=root / "samples")
@@ -149,7 +149,7 @@ def _process(path: Path, job, dedup: bool) -> dict[str, float]:
     import pyarrow as pa
 
     from raydlrm.ingestion import arrow_to_batch, validate_data
-    from raydlrm.ingestion.reader import read_columns, reader_class
+    from raydlrm.ingestion.row_group_reader import read_columns, reader_class
 
     config = _config(path, job, dedup=dedup)
     summary = validate_data(str(path), config)

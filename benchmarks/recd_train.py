@@ -41,7 +41,7 @@ def _data(root: Path, job) -> dict[str, Path]:
     """The sample-level training and held-out sets and the clustered training set (made when
     missing)."""
     from raydlrm.ingestion import generate_synthetic
-    from raydlrm.ingestion.clustered import cluster_data
+    from raydlrm.ingestion.clustering import cluster_data
     from raydlrm.platform.config import replaced
 
     info = generate_synthetic(job.data.synthetic, out_dir=root / "samples")

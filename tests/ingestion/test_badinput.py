@@ -22,7 +22,7 @@ from raydlrm.ingestion.badinput import (
     quarantine_counts,
     run_tag,
 )
-from raydlrm.ingestion.reader import RowGroupReader, read_columns
+from raydlrm.ingestion.row_group_reader import RowGroupReader, read_columns
 
 N = 6
 

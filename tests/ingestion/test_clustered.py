@@ -33,15 +33,15 @@ from raydlrm.ingestion import (
     validate_data,
 )
 from raydlrm.ingestion.badinput import BadInputError, quarantine_counts
-from raydlrm.ingestion.clustered import ClusterResult, cluster_data, data_bytes, read_rows
+from raydlrm.ingestion.clustered import data_bytes, read_rows
+from raydlrm.ingestion.clustering import ClusterResult, cluster_data
 from raydlrm.ingestion.dedup import batch_dedup_factor, infer_dedup_groups
 from raydlrm.ingestion.inspect import inspect_data
 from raydlrm.ingestion.layout import layout_of
-from raydlrm.ingestion.reader import (
+from raydlrm.ingestion.reader import EpochProgress, WorkerSource
+from raydlrm.ingestion.row_group_reader import (
     RG_ID_COLUMN,
-    EpochProgress,
     SessionGroupReader,
-    WorkerSource,
     read_columns,
     reader_class,
 )

@@ -21,16 +21,14 @@ from raydlrm.ingestion import (
     iter_train_batches,
     validate_data,
 )
+from raydlrm.ingestion._shuffle import session_order
 from raydlrm.ingestion.reader import (
-    RG_ID_COLUMN,
     EpochProgress,
-    RowGroupReader,
     WorkerSource,
-    _session_order,
     assign_row_groups,
     assign_windows,
-    read_columns,
 )
+from raydlrm.ingestion.row_group_reader import RG_ID_COLUMN, RowGroupReader, read_columns
 from raydlrm.ingestion.schema import DataSummary, RowGroup
 
 
@@ -168,7 +166,7 @@ def test_a_resumed_epoch_keeps_the_window_it_began_with(data: Path) -> None:
 
 def test_session_order_permutes_whole_sessions() -> None:
     sessions = pa.table({"s": pa.array([1, 1, 1, 2, 3, 3, 4, 5, 5, 5, 5])})
-    order = _session_order(sessions, "s", np.random.default_rng(0))
+    order = session_order(sessions, "s", np.random.default_rng(0))
     shuffled = sessions.column("s").to_numpy()[order]
     assert sorted(order.tolist()) == list(range(11))
     runs = [shuffled[0]] + [b for a, b in itertools.pairwise(shuffled) if a != b]

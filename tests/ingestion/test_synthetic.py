@@ -161,19 +161,19 @@ def test_metadata_marks_complete_data_set_and_overwrite_rules(tmp_path):
 
 
 def test_interaction_terms_orders_features_and_share():
-    from raydlrm.ingestion.synthetic import _plant, _sample_rows, _terms
+    from raydlrm.ingestion._planted import plant, sample_rows, terms
 
-    default = _plant(SyntheticConfig(**SMALL))
+    default = plant(SyntheticConfig(**SMALL))
     # The default keeps the one pairwise term: the first user feature and the first item one.
     assert [[f for f, _ in term] for term in default.interactions] == [[0, 8]]
 
     config = SyntheticConfig(**SMALL, interaction_orders=[2, 3, 4], interaction_share=0.5)
-    model = _plant(config)
+    model = plant(config)
     assert [len(term) for term in model.interactions] == [2, 3, 4]
     features = [f for term in model.interactions for f, _ in term]
     assert features[:2] == [0, 8] and len(set(features)) == 9
-    rows = _sample_rows(config, model, np.random.default_rng(7), 20_000)
-    dense, effects, interaction = _terms(model, rows)
+    rows = sample_rows(config, model, np.random.default_rng(7), 20_000)
+    dense, effects, interaction = terms(model, rows)
     parts = [
         dense @ model.dense_weights,
         effects @ model.effect_weights,
@@ -183,7 +183,7 @@ def test_interaction_terms_orders_features_and_share():
     share = variances[2] / variances.sum()
     assert 0.4 < share < 0.6, share
 
-    none = _plant(SyntheticConfig(**SMALL, interaction_orders=[]))
+    none = plant(SyntheticConfig(**SMALL, interaction_orders=[]))
     assert none.interactions == () and none.interaction_weight == 0.0
 
 

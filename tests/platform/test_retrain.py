@@ -238,7 +238,7 @@ def test_non_finite_weights_are_named(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def daily(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from raydlrm.ingestion import generate_synthetic
-    from raydlrm.ingestion.config import SyntheticConfig
+    from raydlrm.ingestion.synthetic_config import SyntheticConfig
 
     root = tmp_path_factory.mktemp("daily")
     config = _config(root, f"sqlite:///{root / 'mlflow.db'}")

@@ -19,15 +19,14 @@ from raydlrm._lazy import lazy_exports
 # The public names by the submodule that defines them (imported on first use).
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "clustered": (
-        "ClusterResult",
-        "cluster_data",
         "data_bytes",
         "read_rows",
     ),
-    "config": (
-        "DataConfig",
-        "SyntheticConfig",
+    "clustering": (
+        "ClusterResult",
+        "cluster_data",
     ),
+    "config": ("DataConfig",),
     "dedup": ("infer_dedup_groups",),
     "loader": (
         "arrow_to_batch",
@@ -57,5 +56,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "SyntheticInfo",
         "generate_synthetic",
     ),
+    "synthetic_config": ("SyntheticConfig",),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

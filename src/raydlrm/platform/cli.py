@@ -823,7 +823,7 @@ def data_cluster(
     is contiguous and each user column constant within it (data.bad_input = "quarantine"
     sets such sessions aside)."""
     _setup_logging()
-    from raydlrm.ingestion.clustered import cluster_data
+    from raydlrm.ingestion.clustering import cluster_data
 
     try:
         job = load_config(config, overrides=set_ or [])
