@@ -78,8 +78,8 @@ from raydlrm.ingestion.reader import EpochProgress
 from raydlrm.ingestion.synthetic import generate_synthetic
 from raydlrm.ingestion.synthetic_config import SyntheticConfig
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import read_state_file, save_training_state
-from raydlrm.trainers.checkpointer import Checkpointer
+from raydlrm.trainers.checkpoint_cadence import Checkpointer
+from raydlrm.trainers.checkpoints import read_state_file, save_training_state
 from raydlrm.trainers.config import CheckpointConfig
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.metrics import binary_metrics

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import load_training_state, save_training_state
+from raydlrm.trainers.checkpoints import load_training_state, save_training_state
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.spec import WorkerSpec
 

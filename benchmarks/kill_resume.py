@@ -145,7 +145,7 @@ def _expected_restore(step: int) -> int | None:
 def _complete_checkpoints(run_dir: Path) -> list[tuple[int, float]]:
     """(step, mtime of its last file) of every checkpoint directory of the run holding every
     rank's shards and the training state, registered by Ray Train or not."""
-    from raydlrm.trainers.checkpoint import STATE_FILE, read_state_file
+    from raydlrm.trainers.checkpoints import STATE_FILE, read_state_file
 
     found = []
     for path in run_dir.glob("checkpoint_*"):

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 import raydlrm
 from raydlrm.platform.config import load_config
-from raydlrm.trainers.checkpoint import read_state_file
+from raydlrm.trainers.checkpoints import read_state_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = [

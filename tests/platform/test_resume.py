@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 import raydlrm
 from raydlrm.platform.cli import app
-from raydlrm.trainers.checkpoint import local_checkpoint, read_state_file
+from raydlrm.trainers.checkpoints import local_checkpoint, read_state_file
 from raydlrm.trainers.model_dir import ModelWeights
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

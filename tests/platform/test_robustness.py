@@ -23,7 +23,7 @@ from raydlrm.platform.cli import app
 from raydlrm.platform.config import load_config
 from raydlrm.platform.run_lock import LOCK_FILE, STALE_AFTER_S, RunLock, RunLockedError
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import save_training_state
+from raydlrm.trainers.checkpoints import save_training_state
 from raydlrm.trainers.loop import Trainer
 
 runner = CliRunner()

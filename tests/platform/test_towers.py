@@ -22,7 +22,7 @@ from sklearn.metrics import roc_auc_score
 import raydlrm
 from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
-from raydlrm.trainers.checkpoint import read_state_file
+from raydlrm.trainers.checkpoints import read_state_file
 from raydlrm.trainers.model_dir import ModelWeights, load_model_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

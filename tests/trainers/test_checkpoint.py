@@ -22,7 +22,7 @@ from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
 from raydlrm.sharding.tower_spec import model_towers
 from raydlrm.sharding.towers import Topology, plan_towers
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.checkpoints import (
     CheckpointReader,
     load_training_state,
     read_state_file,
@@ -511,7 +511,7 @@ def test_damaged_checkpoints_are_found_named_and_passed_over(
     from typer.testing import CliRunner
 
     from raydlrm.platform.cli import app
-    from raydlrm.trainers.checkpoint import (
+    from raydlrm.trainers.checkpoints import (
         CheckpointDamagedError,
         CheckpointReader,
         newest_intact,

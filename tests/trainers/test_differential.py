@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from raydlrm.ingestion.reader import EpochProgress
 from raydlrm.models.quantized import dequantize_blocks
 from raydlrm.platform.cli import app
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.checkpoints import (
     CheckpointDamagedError,
     load_training_state,
     newest_intact,

@@ -18,7 +18,7 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models.quantized import dequantize_blocks
 from raydlrm.sharding import plan_sharding
-from raydlrm.trainers.checkpoint import save_training_state
+from raydlrm.trainers.checkpoints import save_training_state
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.model_dir import (
     ModelWeights,

@@ -678,7 +678,7 @@ def _checkpoint_dir(checkpoint: str, *, model_dir_ok: bool = False) -> Iterator[
     with one line when there is none, or ``checkpoint`` is not a checkpoint directory (an
     exported model directory also passes with ``model_dir_ok``)."""
     from raydlrm.storage import StorageConfig, StorageError
-    from raydlrm.trainers.checkpoint import STATE_FILE, local_checkpoint
+    from raydlrm.trainers.checkpoints import STATE_FILE, local_checkpoint
     from raydlrm.trainers.model_dir import SPEC_FILE
 
     with contextlib.ExitStack() as stack:
@@ -705,7 +705,7 @@ def _checkpoint_dir(checkpoint: str, *, model_dir_ok: bool = False) -> Iterator[
 def _newest_checkpoint(run: Path) -> Path | None:
     """The newest intact ``checkpoint_*`` directory of a run directory (by Ray's time-stamped
     names), or None."""
-    from raydlrm.trainers.checkpoint import verify_checkpoint
+    from raydlrm.trainers.checkpoints import verify_checkpoint
 
     candidates = sorted((p for p in run.glob("checkpoint_*") if p.is_dir()), reverse=True)
     return next((p for p in candidates if not verify_checkpoint(p, checksums=False)), None)
@@ -717,7 +717,7 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
     a chain of differential checkpoints, and whether its files (and its chain's) match their
     manifests (sizes; `checkpoint verify` also checks the checksums)."""
     from raydlrm.sharding import ShardingPlan
-    from raydlrm.trainers.checkpoint import (
+    from raydlrm.trainers.checkpoints import (
         CheckpointDamagedError,
         read_state_file,
         verify_checkpoint,
@@ -759,7 +759,7 @@ def checkpoint_show(checkpoint: CheckpointArg) -> None:
 def checkpoint_verify(checkpoint: CheckpointArg) -> None:
     """Check a checkpoint against its manifests: every rank's part present, every file with
     its size and CRC-32. Exit 0 when intact, 1 (naming each problem) when damaged."""
-    from raydlrm.trainers.checkpoint import verify_checkpoint
+    from raydlrm.trainers.checkpoints import verify_checkpoint
 
     try:
         with _checkpoint_dir(checkpoint) as directory:

@@ -49,7 +49,7 @@ from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.storage import is_remote, scratch_directory
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
-from raydlrm.trainers.checkpoint import STATE_FILE, check_intact, local_checkpoint
+from raydlrm.trainers.checkpoints import STATE_FILE, check_intact, local_checkpoint
 from raydlrm.trainers.model_dir import (
     FINAL_METRICS_FILE,
     METRICS_FILE,

@@ -52,7 +52,7 @@ from raydlrm.platform.run_snapshot import drop_deleted_checkpoints
 from raydlrm.platform.tracking import TAG_CHECKPOINT, TrackedRun, start_run
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
-from raydlrm.trainers.checkpoint import newest_intact_stored
+from raydlrm.trainers.checkpoints import newest_intact_stored
 from raydlrm.trainers.hooks import PROGRESS_FILE
 from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.model_dir import model_metrics

@@ -58,7 +58,7 @@ from raydlrm.sharding.plan import format_bytes
 from raydlrm.sharding.planner import plan_sharding
 from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.checkpoints import (
     STATE_FILE,
     check_intact,
     check_state_matches,

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raydlrm.trainers.checkpoint import checkpoint_names
+from raydlrm.trainers.checkpoints import checkpoint_names
 
 __all__ = ["SNAPSHOT_FILE", "drop_deleted_checkpoints"]
 

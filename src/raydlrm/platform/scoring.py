@@ -52,7 +52,7 @@ from raydlrm.storage import (
     list_files,
     scratch_directory,
 )
-from raydlrm.trainers.checkpoint import local_checkpoint
+from raydlrm.trainers.checkpoints import local_checkpoint
 from raydlrm.trainers.metrics import binary_metrics
 from raydlrm.trainers.model_dir import (
     METADATA_FILES,

@@ -6,7 +6,7 @@ sum and evaluates the head on all ranks (and all thresholds) at once in numpy, s
 step is one small matrix product. A plan's predicted cost is ``max over ranks of compute +
 max over ranks of the all-to-all transfer``: each rank waits in the all-to-all for the slowest
 rank's lookups, then the transfer its dim sum sets (the communication model,
-:class:`~raydlrm.sharding.learned_cost.CommCostModel`).
+:class:`~raydlrm.sharding.comm_samples.CommCostModel`).
 
 * :meth:`NeuralSearch.table_wise` (**greedy grid**): pieces in order of their predicted cost
   alone, largest first, each on the rank whose predicted compute after placing it is lowest,

@@ -47,8 +47,8 @@ from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.sharding.parallelize import unwrap_dense
 from raydlrm.sharding.telemetry import Family, local_counters, metrics_of
 from raydlrm.trainers._dist import all_reduce_scalar, sum_over_ranks, world_size
-from raydlrm.trainers.checkpoint import TrainingParts, newest_intact
-from raydlrm.trainers.checkpointer import Checkpointer
+from raydlrm.trainers.checkpoint_cadence import Checkpointer
+from raydlrm.trainers.checkpoints import TrainingParts, newest_intact
 from raydlrm.trainers.config import TrainingConfig
 from raydlrm.trainers.evaluation import EVAL_STEP, Evaluator
 from raydlrm.trainers.hooks import TrainerHook, default_hooks

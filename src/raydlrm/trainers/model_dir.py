@@ -11,7 +11,7 @@ plan), ``metrics.json`` and the weights, in one of two forms:
   ``qparams`` (fp16, ``(rows, 2 K)``: each column block's scale and bias) and ``blocks``
   (int64, ``(K, 2)``: the column blocks); the codes' width tells the precision (``dim``: int8,
   ``dim / 2``: int4). See :class:`~raydlrm.models.embedding.QuantizedTable`.
-* a training checkpoint (``raydlrm.trainers.checkpoint``): the final checkpoint of a run holds
+* a training checkpoint (``raydlrm.trainers.checkpoints``): the final checkpoint of a run holds
   its tables once, as the ranks' DCP shards (a differential checkpoint: with its chain), and no
   second copy of them. Exporting it assembles the tables one at a time.
 * a reference (``weights_ref.json``: ``{"checkpoint": <URI>}``): the weights are those of the
@@ -43,7 +43,7 @@ import torch
 from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import StorageConfig, StorageError, redact, scratch_directory
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.checkpoints import (
     STATE_FILE,
     check_intact,
     load_model_tensor,

@@ -3,13 +3,13 @@
 :class:`Checkpointer` decides when to write a training checkpoint (``[checkpoint]``: every
 ``every_steps`` steps, or when ``every_minutes`` passed since the last one, checked at the
 log steps (``training.log_every_steps``); always at the end), writes this rank's part of it with
-the merged data position (:mod:`raydlrm.trainers.checkpoint`), and reports it: Ray Train
+the merged data position (:mod:`raydlrm.trainers.checkpoints`), and reports it: Ray Train
 merges the ranks' directories into one checkpoint, registered only once every rank's part is
 stored. The final
 checkpoint also holds the model's config, plan and metrics (:mod:`raydlrm.trainers.model_dir`):
 its shards are the model's weights. It sees the training loop only through its state dict.
 
-With ``checkpoint.differential`` it also keeps the chain (:class:`~raydlrm.trainers.checkpoint.
+With ``checkpoint.differential`` it also keeps the chain (:class:`~raydlrm.trainers.checkpoints.
 ChainLink`): a baseline first, then deltas of the rows modified since the last checkpoint, a
 baseline again after ``baseline_every`` checkpoints, when the chain's deltas would pass
 ``baseline_fraction`` of a baseline's bytes, or when a delta would be as large as a
@@ -39,7 +39,7 @@ from raydlrm.ingestion.reader import EpochProgress
 from raydlrm.sharding.cost import stored_row_bytes
 from raydlrm.storage import scratch_directory
 from raydlrm.trainers._dist import all_gather_object, all_reduce_scalar, sum_over_ranks
-from raydlrm.trainers.checkpoint import (
+from raydlrm.trainers.checkpoints import (
     ChainLink,
     TrainingParts,
     checkpoint_precisions,
