@@ -59,7 +59,7 @@ def _job(job, data: Path, dedup: bool):
 def _plan(job):
     """The plan training makes: pooling factors and dedup ratios read off the data."""
     from raydlrm.ingestion import validate_data
-    from raydlrm.platform.preflight import JobData, data_shape
+    from raydlrm.platform.job_data import JobData, data_shape
     from raydlrm.sharding.planner import plan_sharding
 
     summary = validate_data(job.data.train_path, job.data, role="train")

@@ -300,7 +300,7 @@ def main() -> None:
     try:
         if not Path(root, "data", "train").exists():  # generated once, outside the timings
             from raydlrm.platform.config import load_config
-            from raydlrm.platform.preflight import prepare_data
+            from raydlrm.platform.job_data import prepare_data
 
             prepare_data(load_config(_config(root, "data", args.rows, max_failures=0)))
         name = f"reference-{tag}"

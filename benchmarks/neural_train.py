@@ -75,7 +75,8 @@ def main() -> None:
 
     from raydlrm.ingestion import generate_synthetic
     from raydlrm.platform.config import load_config, replaced
-    from raydlrm.platform.preflight import data_shape, make_plan, validate_job_data
+    from raydlrm.platform.job_data import data_shape, validate_job_data
+    from raydlrm.platform.preflight import make_plan
 
     root = args.data or Path(tempfile.mkdtemp(prefix="neural-train-"))
     job = load_config(CONFIG, overrides=_overrides(args))

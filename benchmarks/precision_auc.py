@@ -67,7 +67,7 @@ import tomllib
 import raydlrm
 from raydlrm.ingestion import DataValidationError
 from raydlrm.platform.config import JobConfig, load_config
-from raydlrm.platform.preflight import prepare_data
+from raydlrm.platform.job_data import prepare_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_zoo import SYNTHETIC_HO

@@ -46,7 +46,7 @@ import tomllib
 
 import raydlrm
 from raydlrm.platform.config import load_config
-from raydlrm.platform.preflight import prepare_data
+from raydlrm.platform.job_data import prepare_data
 
 CHAINS = {"warm": True, "scratch": False}  # registered model name: retrain.warm_start
 FIRST_DAY = datetime.date(2026, 11, 16)

@@ -204,7 +204,7 @@ def test_resume_check_of_a_run_on_s3(s3) -> None:
     import s3fs
 
     from raydlrm.platform.config import ConfigError
-    from raydlrm.platform.preflight import _check_resumable
+    from raydlrm.platform.preflight import check_resumable as _check_resumable
 
     storage, _ = s3
     from dataclasses import asdict

@@ -121,11 +121,11 @@ def test_inspect_lists_the_file_order(tmp_path: Path) -> None:
 
 
 def test_training_warns_about_unmixed_order(tmp_path: Path, caplog) -> None:
-    from raydlrm.platform.preflight import _warn_file_order
+    from raydlrm.platform.job_data import warn_file_order as _warn_file_order
 
     config = dataclasses.replace(CONFIG, shuffle_window_rows=0)
     summary = validate_data(_write(_logs(), tmp_path / "sorted"), config)
-    with caplog.at_level(logging.INFO, logger="raydlrm.platform.preflight"):
+    with caplog.at_level(logging.INFO, logger="raydlrm.platform.job_data"):
         _warn_file_order(summary, config=config)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2
@@ -139,7 +139,7 @@ def test_training_warns_about_unmixed_order(tmp_path: Path, caplog) -> None:
     ).append_column("zip", with_user_columns.column("user_id"))
     config = dataclasses.replace(config, sparse_columns=[*config.sparse_columns, "age", "zip"])
     summary = validate_data(_write(with_user_columns, tmp_path / "users"), config)
-    with caplog.at_level(logging.INFO, logger="raydlrm.platform.preflight"):
+    with caplog.at_level(logging.INFO, logger="raydlrm.platform.job_data"):
         _warn_file_order(summary, config=config)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2

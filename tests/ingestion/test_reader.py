@@ -400,7 +400,7 @@ def test_a_window_mixes_its_row_groups_and_resumes_where_it_stopped(
 def test_a_window_over_half_a_workers_memory_is_refused_before_ray_starts(data: Path) -> None:
     from raydlrm.ingestion.reader import WINDOW_COPIES, window_bytes
     from raydlrm.platform.config import ConfigError, load_config
-    from raydlrm.platform.preflight import check_shuffle_window
+    from raydlrm.platform.memory import check_shuffle_window
 
     def job(*overrides: str):
         return load_config(

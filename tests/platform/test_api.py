@@ -167,8 +167,8 @@ def test_bad_held_out_row_fails_the_final_evaluation_but_keeps_the_model(
     import pyarrow.parquet as pq
 
     from raydlrm.platform.config import load_config
+    from raydlrm.platform.job_data import prepare_data
     from raydlrm.platform.launch import EvaluationError
-    from raydlrm.platform.preflight import prepare_data
 
     config = _config(tmp_path)
     config["data"]["synthetic"]["num_eval_rows"] = 512

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,7 +117,7 @@ def _node_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:
 
 
 def test_default_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from raydlrm.platform.preflight import worker_memory_budget
+    from raydlrm.platform.memory import worker_memory_budget
 
     _node_memory(monkeypatch, 24 * 2**30)
     node = worker_memory_budget(load_config(overrides=["scaling.num_workers=3"]))
@@ -137,7 +138,7 @@ def test_default_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_default_memory_budget_for_gpus_or_a_remote_cluster(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from raydlrm.platform.preflight import worker_memory_budget
+    from raydlrm.platform.memory import worker_memory_budget
 
     _node_memory(monkeypatch, 24 * 2**30)
     assert worker_memory_budget(load_config(overrides=["scaling.use_gpu=true"])) is None
@@ -190,7 +191,7 @@ def test_towers_are_checked_before_ray_names_the_tower_and_key() -> None:
         return load_config({**base, **sections, "model": model})
 
     job = load({"towers": half, "tower_dim": 32})
-    assert job.scaling.num_hosts() == 2
+    assert job.topology().num_hosts == 2
     for towers, message in (
         ([half[0], [*half[1], "C1"]], r"model\.towers: feature C1 is in towers tower0 and tower1"),
         ([[*half[0], "C1"], half[1]], r"model\.towers: tower tower0: feature C1 is listed twice"),
@@ -228,6 +229,95 @@ def test_towers_are_checked_before_ray_names_the_tower_and_key() -> None:
         make_plan(big)
 
 
+def test_settings_towers_would_ignore_are_refused_naming_both_keys() -> None:
+    """The partitioner's settings without ``model.towers = "auto"``, and RecD's dedup groups
+    with towers on several hosts (whose lookups take every sample's ids), were once ignored
+    without a word; each is now refused naming the keys. Auto towers keep theirs."""
+    half = [[f"C{i}" for i in range(1, 14)], [f"C{i}" for i in range(14, 27)]]
+    hosts = {"num_workers": 4, "ranks_per_host": 2}
+    for model in ({"num_towers": 2}, {"towers": half, "tower_warmup_steps": 10}):
+        with pytest.raises(
+            ConfigError,
+            match=r"model\.(num_towers|tower_warmup_steps) set the "
+            r"partitioner of model\.towers = 'auto', and model\.towers is",
+        ):
+            load_config({"model": model, "scaling": hosts})
+    with pytest.raises(ConfigError, match=r"model\.num_towers set the partitioner"):
+        load_config(None, overrides=["model.num_towers=2"])
+    auto = load_config({"model": {"towers": "auto", "num_towers": 2}, "scaling": hosts})
+    assert load_config(auto).model.num_towers == 2  # a config object: its values, not keys
+    for data, key in (
+        ({"dedup_groups": [["C1", "C2"]]}, "data.dedup_groups"),
+        ({"dedup": "infer"}, "data.dedup = 'infer'"),
+    ):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)} with model\.towers on several"):
+            load_config({"model": {"towers": half}, "scaling": hosts, "data": data})
+    one_host = {"model": {"towers": half}, "data": {"dedup_groups": [["C1", "C2"]]}}
+    assert load_config(one_host).data.dedup_groups == [["C1", "C2"]]  # flat: dedup kept
+
+
+def test_auto_towers_warm_up_a_sample_sized_model_when_the_tables_do_not_fit_the_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scale rule: tables over half the driver's available memory are never trained there.
+    The warm-up once refused them; it now trains tables of 16 rows per id of its sample (ids
+    hashed into them) and partitions from those, saying so."""
+    import logging
+
+    import psutil
+
+    from raydlrm.ingestion import SyntheticConfig, generate_synthetic
+    from raydlrm.platform.auto_towers import resolve_towers
+    from raydlrm.platform.job_data import data_shape, validate_job_data
+
+    generate_synthetic(
+        SyntheticConfig(num_train_rows=400, num_eval_rows=0, rows_per_file=400),
+        out_dir=tmp_path / "data",
+    )
+    job = load_config(
+        {
+            "data": {
+                "train_path": str(tmp_path / "data" / "train"),
+                "batch_size": 64,
+                "table_size": 2_000_000,  # 26 tables x 2M rows x 16 x 4 B: 3.1 GiB
+                "table_sizes": {"C3": 1_000_000},
+                "sparse_specs": {"C1": {"hash": False}},
+            },
+            "model": {"towers": "auto", "tower_warmup_steps": 2, "embedding_dim": 16},
+            "scaling": {"ranks_per_host": 1},
+        }
+    )
+    data = validate_job_data(job)
+    total = psutil.virtual_memory().total
+    monkeypatch.setattr(
+        psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=2**30)
+    )
+    with caplog.at_level(logging.INFO, logger="raydlrm.platform.auto_towers"):
+        resolved = resolve_towers(job, data, data_shape(job, data), recorded=None)
+    assert sorted(f for t in resolved.model.towers for f in t) == sorted(job.data.sparse_columns)
+    assert "do not fit the driver's share" in caplog.text and "'t_C1': " in caplog.text
+    assert resolved.data.table_sizes == {"C3": 1_000_000}  # the model keeps its tables
+
+
+def test_one_topology_from_ranks_per_host_or_group_size() -> None:
+    """``sharding.group_size`` (table-row-wise groups) and ``scaling.ranks_per_host`` (towers)
+    are one concept, a host's workers: either sets the job's one topology, and both set must
+    agree (a group size that did not divide a host once failed as "does not divide the world
+    size" of a host's planner)."""
+    four = {"num_workers": 4}
+    assert load_config({"scaling": four}).topology().num_hosts == 1
+    assert load_config({"scaling": {**four, "ranks_per_host": 2}}).topology().ranks_per_host == 2
+    assert load_config({"scaling": four, "sharding": {"group_size": 2}}).topology().num_hosts == 2
+    same = {"scaling": {**four, "ranks_per_host": 2}, "sharding": {"group_size": 2}}
+    assert load_config(same).topology().num_hosts == 2
+    with pytest.raises(
+        ConfigError, match=r"sharding\.group_size \(1\) and scaling\.ranks_per_host \(2\)"
+    ):
+        load_config({"scaling": {**four, "ranks_per_host": 2}, "sharding": {"group_size": 1}})
+    with pytest.raises(ConfigError, match=r"sharding\.group_size \(3\) must divide"):
+        load_config({"scaling": four, "sharding": {"group_size": 3}})
+
+
 def test_auto_towers_of_a_resumed_run_come_from_its_checkpoint() -> None:
     """A run that resumes takes the towers its checkpoint was trained with: no warm-up (which
     would need the data this call does not give)."""
@@ -247,7 +337,7 @@ def test_auto_towers_of_a_warm_start_keep_its_towers_and_its_statistics(tmp_path
     model to its standardization). They were once partitioned anew, and the new data's
     statistics were written first and kept."""
     from raydlrm.ingestion import SyntheticConfig, generate_synthetic
-    from raydlrm.platform.preflight import resolve_towers
+    from raydlrm.platform.planning import plan_job
 
     generate_synthetic(
         SyntheticConfig(num_train_rows=400, num_eval_rows=0, rows_per_file=400),
@@ -269,7 +359,8 @@ def test_auto_towers_of_a_warm_start_keep_its_towers_and_its_statistics(tmp_path
             "run": {"warm_start": str(warm)},
         }
     )
-    # No data and no shape: a warm-up would need them.
-    resolved = resolve_towers(job, None, None, run_name=None)
+    # The planning pipeline, as `raydlrm plan` runs it (no run: the warm start is read, not
+    # checked against a plan).
+    resolved = plan_job(job, run_name=None).job
     assert resolved.model.towers == towers
     assert resolved.data.dense_stats == {"I1": (5.0, 2.0)}

@@ -223,7 +223,7 @@ def test_skipped_cells_compile_and_fit_the_notebooks_config() -> None:
     checks ``raydlrm.tune`` makes before any trial, on the sweep's config."""
     nbformat = pytest.importorskip("nbformat")
     from raydlrm.platform.config import load_config
-    from raydlrm.platform.tune import check_space, parse_search
+    from raydlrm.platform.search_space import check_space, parse_search
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     for cell in nb.cells:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from raydlrm.ingestion import SyntheticConfig, generate_synthetic
 from raydlrm.platform.cli import app
 from raydlrm.platform.config import ConfigError, load_config
-from raydlrm.platform.preflight import resolve_dedup_groups, validate_job_data
+from raydlrm.platform.job_data import resolve_dedup_groups, validate_job_data
 
 USERS = [f"C{i}" for i in range(1, 9)]  # the default synthetic config's user features
 

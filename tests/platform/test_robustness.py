@@ -198,7 +198,8 @@ def test_a_resumed_or_warm_started_run_keeps_the_statistics_its_model_was_traine
     """Dense statistics and bucket boundaries recorded by a checkpoint (a resumed run's, a warm
     start's) win over the training data's, a config's own win over both, and a resume whose
     config sets other boundaries is refused naming them."""
-    from raydlrm.platform.preflight import _with_statistics, resume_differences
+    from raydlrm.platform.job_statistics import with_statistics as _with_statistics
+    from raydlrm.platform.recorded import resume_differences
 
     overrides = ['data.dense_specs={ I1 = { buckets = 4, transform = "standardize" } }']
     job = load_config(overrides=overrides)
@@ -227,7 +228,8 @@ def test_fill_values_and_missing_indicators_travel_with_the_model() -> None:
     start with other indicators, is refused naming them."""
     import dataclasses
 
-    from raydlrm.platform.preflight import _with_statistics, model_differences, resume_differences
+    from raydlrm.platform.job_statistics import with_statistics as _with_statistics
+    from raydlrm.platform.recorded import model_differences, resume_differences
     from raydlrm.trainers.spec import WorkerSpec
 
     overrides = [

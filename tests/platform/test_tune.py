@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from raydlrm.platform.config import ConfigError, load_config
-from raydlrm.platform.tune import Dimension, check_space, parse_search
+from raydlrm.platform.search_space import Dimension, check_space, parse_search
 
 
 def test_the_parser_reads_every_distribution() -> None:
@@ -108,7 +109,8 @@ def test_a_grid_runs_each_point_once_unless_asked_and_evaluations_reach_asha(
     for more, a warning says they repeat. ASHA gets every evaluation, also one whose metric
     repeats the last exactly (a collapsed model's AUC): keyed by the evaluation's step, not
     by its value, which left such a trial at its first rung, never stopped."""
-    from raydlrm.platform.tune import _evaluation_reports, num_samples
+    from raydlrm.platform.search_space import num_samples
+    from raydlrm.platform.tune import _evaluation_reports
 
     grid = parse_search(["model.top_mlp=grid([16], [32])", "model.arch=grid(dlrm, dcnv2)"])
     mixed = {**grid, **parse_search(["training.learning_rate=loguniform(1e-4, 1e-2)"])}
@@ -175,6 +177,31 @@ def test_trials_reuse_the_statistics_unless_the_search_changes_them(tmp_path: Pa
     assert set(reused.data.dense_stats) == {"I1"}
     own = _prepared(job, "s", parse_search(["data.dense_buckets=choice(4, 16)"]))
     assert own.data.bucket_boundaries == {} and own.data.dense_stats == {}
+
+
+def test_searches_the_settings_would_fail_or_ignore(tmp_path: Path) -> None:
+    """A search over the global batch with a learned cost model trained at one batch failed
+    every trial but one: refused before the sweep, naming both keys. A search with auto towers
+    resolved the towers once for every trial, whatever the search changed: each trial now
+    resolves its own."""
+    from raydlrm.platform.tune import _prepared
+
+    config = _sweep_config(tmp_path)
+    neural = load_config(config, overrides=["sharding.cost_model=neural"])
+    for key in ("data.batch_size", "scaling.num_workers"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"sharding\.cost_model = 'neural' with a search "
+            rf"over {re.escape(key)}",
+        ):
+            _prepared(neural, "s", parse_search([f"{key}=choice(1, 2)"]))
+    config["model"] |= {"towers": "auto", "tower_warmup_steps": 2}
+    config["scaling"] |= {"ranks_per_host": 1}
+    auto = load_config(config)
+    shared = _prepared(auto, "s", {})
+    assert isinstance(shared.model.towers, list)  # resolved once, for every trial
+    own = _prepared(auto, "s", parse_search(["model.num_towers=choice(2, 3)"]))
+    assert own.model.towers == "auto"
 
 
 def _killed_after_a_trial(config: dict, search: list[str], ray_cluster) -> float:

@@ -130,7 +130,7 @@ def test_table_statistics_from_a_batch_of_the_data() -> None:
     import pyarrow as pa
 
     from raydlrm.platform.config import load_config
-    from raydlrm.platform.preflight import table_stats
+    from raydlrm.platform.job_data import table_stats
     from raydlrm.sharding.learned_cost import histogram_of_counts
 
     job = load_config(

@@ -192,6 +192,7 @@ def test_a_small_cache_evicts_quantizes_and_still_trains() -> None:
     assert not torch.equal(got[-1], want[-1])  # quantized on the way
     rows = quantized.local_tables()["big"]
     before = (rows.codes.clone(), rows.params.clone())
+    quantized.eval()  # an evaluation: the module's mode says so, not autograd's
     with torch.no_grad():
         for kjt in _batches(20, seed=1):  # evaluation batches: other rows, evictions
             quantized(kjt)
@@ -331,3 +332,23 @@ def test_the_config_names_the_quantized_precisions_the_format_has() -> None:
 
     assert set(QUANTIZED) == set(QUANTIZED_BITS)
     assert set(QUANTIZED) <= set(typing.get_args(WeightsPrecision))
+
+
+def test_the_modules_mode_not_autograd_says_what_a_lookup_trains() -> None:
+    """An evaluation with autograd on (eval mode, gradients not disabled) writes nothing back
+    and flags no row for a differential checkpoint; a training lookup under ``no_grad`` (a
+    step that updates rows itself) does. Both were once inferred from autograd."""
+    quantized = _collection("int8", factor=0.25)
+    quantized.track_modified_rows()
+    rows = quantized.local_tables()["big"]
+    before = (rows.codes.clone(), rows.params.clone())
+    quantized.eval()
+    for kjt in _batches(20, seed=1):  # evictions: a dirty slot would be written back
+        quantized(kjt)
+    after = quantized.local_tables()["big"]
+    assert torch.equal(after.codes, before[0]) and torch.equal(after.params, before[1])
+    assert all(not len(ids) for ids in quantized.modified_rows().values())
+    quantized.train()
+    with torch.no_grad():
+        quantized(_batches(1, seed=2)[0])
+    assert any(len(ids) for ids in quantized.modified_rows().values())

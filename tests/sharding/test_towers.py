@@ -22,14 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection
 from raydlrm.sharding import ShardingConfig
-from raydlrm.sharding.towers import (
-    ShardedTowerCollection,
-    Topology,
-    Tower,
-    check_towers,
-    plan_towers,
-    topology_groups,
-)
+from raydlrm.sharding.topology import Topology, topology_groups
+from raydlrm.sharding.tower_plan import plan_towers
+from raydlrm.sharding.tower_spec import Tower, check_towers
+from raydlrm.sharding.towers import ShardedTowerCollection
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     EPS,
@@ -266,7 +262,8 @@ def test_bad_towers_name_the_tower_and_feature() -> None:
 
 def test_one_process_prefetch_dedup_bad_ids_and_per_table_settings() -> None:
     """Without a process group (one host of one rank): a prefetched batch with a dedup group
-    is found by its features and gives the same output; a bad id is named on the rank whose
+    is found by its features and gives the same output, another training batch raises; a bad
+    id is named on the rank whose
     batch it is; per-table settings and pinned ranks of a plan over hosts go to the host of
     their table, pinned ranks numbered inside it."""
     from raydlrm.batch import DedupGroup
@@ -294,6 +291,17 @@ def test_one_process_prefetch_dedup_bad_ids_and_per_table_settings() -> None:
         collection.prefetch(plain, [group])
         torch.testing.assert_close(collection(plain, [group]).values, expected)
         assert len(collection.prefetched) == 0
+    # An evaluation between routes its own batches and leaves the routed one queued; a training
+    # step on another batch than the routed one is a bug, and raises (it once routed anew).
+    collection.prefetch(plain, [group])
+    other = KeyedJaggedTensor.concat([plain, group.expand()])
+    collection.eval()
+    torch.testing.assert_close(collection(other).values, expected)
+    assert len(collection.prefetched) == 1
+    collection.train()
+    with pytest.raises(RuntimeError, match=r"routed ahead was routed for other features"):
+        collection(other)
+    collection.discard_prefetched()
     bad = global_batch(0, weighted=False, rows={**feature_rows(tables), "f3": 41})
     with pytest.raises(ValueError, match=r"table 't2' \(feature 'f3'\): id 40 not in \[0, 40\)"):
         collection(bad)

@@ -20,8 +20,9 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
+from raydlrm.sharding.topology import Topology
+from raydlrm.sharding.tower_plan import plan_towers
 from raydlrm.sharding.tower_spec import model_towers
-from raydlrm.sharding.towers import Topology, plan_towers
 from raydlrm.trainers.checkpoints import (
     CheckpointReader,
     load_training_state,
@@ -79,10 +80,9 @@ def _trainer(
     spec.sharding.default_type = types
     spec.sharding.weights_precision = precision or "fp32"
     spec.sharding.cache_load_factor = 0.5  # int8 / int4: half the rows in the fp32 cache
-    hosts = world_size // (ranks_per_host or world_size)
-    if spec.model.towers is not None and hosts > 1:
-        towers = model_towers(spec.model.towers, hosts)
-        topology = Topology(hosts, world_size // hosts)
+    topology = Topology.of(world_size, ranks_per_host)
+    if spec.model.towers is not None and topology.num_hosts > 1:
+        towers = model_towers(spec.model.towers, topology.num_hosts)
         plan = plan_towers(spec.tables(), towers, topology, config=spec.sharding)
     else:
         plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
@@ -92,7 +92,7 @@ def _trainer(
         rank=rank,
         device=torch.device("cpu"),
         report=report,
-        ranks_per_host=ranks_per_host,
+        topology=topology,
     )
     assert trainer.model.embedding_bags.kernel == spec.sharding.kernel
     return trainer

@@ -6,10 +6,10 @@ into towers, passes each tower through its :class:`TowerModule` (or leaves it as
 ``model.tower_dim = 0``), and feeds the towers' outputs, cut into ``embedding_dim``-wide vectors,
 to the architecture's dense side in place of the features. Written unsharded, it is the whole
 model in one process (export, scoring, one host). Sharded over several hosts
-(:func:`raydlrm.sharding.towers.shard_tower_model`), the tower collection runs the modules on
-each tower's host and :attr:`TowerDense.upstream` says the pooled input is already the towers'
-output; the modules stay in this module's state on every rank, so checkpoints and exports hold
-them as any dense weight.
+(:func:`raydlrm.sharding.shard_model`), the tower collection runs the modules on each tower's
+host (:func:`run_towers`, the same forward) and the sharded model's dense side runs ``inner``
+on their outputs; the modules stay in this module's state on every rank, so checkpoints and
+exports hold them as any dense weight.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from raydlrm.models.config import tower_name
 
-__all__ = ["TowerDense", "TowerModule", "tower_vectors"]
+__all__ = ["TowerDense", "TowerModule", "run_towers", "tower_vectors"]
 
 
 class TowerModule(nn.Module):
@@ -52,6 +52,13 @@ def tower_vectors(towers: Sequence[Sequence[str]], *, embedding_dim: int, tower_
     if tower_dim == 0:
         return sum(len(t) for t in towers)
     return len(towers) * (tower_dim // embedding_dim)
+
+
+def run_towers(inputs: Sequence[torch.Tensor], blocks: Sequence[nn.Module | None]) -> torch.Tensor:
+    """The towers' outputs side by side: each tower's input (its pooled features side by side,
+    ``B x n*D``) through its module (None: as it is). The one tower forward, for the unsharded
+    model and for a sharded tower collection, which runs it on each tower's host."""
+    return torch.cat([x if b is None else b(x) for x, b in zip(inputs, blocks, strict=True)], 1)
 
 
 class TowerDense(nn.Module):
@@ -94,9 +101,6 @@ class TowerDense(nn.Module):
         ]
         self.register_buffer("_columns", torch.tensor(columns), persistent=False)
         self.inner = inner
-        self.upstream = False
-        """True when a sharded tower collection already ran the tower modules (its output is
-        the towers'), False when this module gets the collection's pooled features."""
 
     def tower_outputs(self, pooled: torch.Tensor) -> torch.Tensor:
         """The towers' outputs side by side, in tower order, from the pooled features
@@ -105,11 +109,8 @@ class TowerDense(nn.Module):
         if not self.blocks:
             return x
         parts = torch.split(x, [len(t) * self.embedding_dim for t in self.towers], dim=1)
-        return torch.cat(
-            [block(p) for block, p in zip(self.blocks.values(), parts, strict=True)], 1
-        )
+        return run_towers(parts, list(self.blocks.values()))
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """Logits ``(B,)`` from dense ``B x num_dense`` and the pooled features (or, with
-        :attr:`upstream`, the towers' outputs)."""
-        return self.inner(dense, pooled if self.upstream else self.tower_outputs(pooled))
+        """Logits ``(B,)`` from dense ``B x num_dense`` and the pooled features."""
+        return self.inner(dense, self.tower_outputs(pooled))

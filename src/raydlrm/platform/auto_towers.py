@@ -10,6 +10,12 @@ within 10% of the mean lookups per step
 written out, so the run's config, checkpoints and MLflow parameters name them. A run that
 resumes, or warm-starts (every ``raydlrm retrain`` slot after the first), takes its checkpoint's
 towers and warms up nothing: its model's tower weights belong to those features.
+
+The scale rule holds: the driver never trains the model's tables when they do not fit half of
+its available memory. The warm-up then runs on a sample-sized model: each large table gets
+:data:`WARMUP_ROWS_PER_ID` rows per distinct id of the warm-up's rows (``tower_warmup_steps + 1``
+batches), its ids hashed into them, which holds every id the warm-up sees; the interactions it
+measures are those of the sample, as they would be on the full tables.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ SLACK = 0.1
 """A tower's lookups may exceed the mean by this fraction."""
 DRIVER_MEMORY_SHARE = 0.5
 """The warm-up's tables may take this share of the driver's available memory."""
+WARMUP_ROWS_PER_ID = 16
+"""Rows per distinct id of its sample that a table too large for the driver gets in the
+warm-up (its ids hashed into them: few of the sample's ids share a row)."""
 
 
 def resolve_towers(
@@ -37,7 +46,7 @@ def resolve_towers(
     ``recorded``, the state of the checkpoint the run resumes or warm-starts from); any other
     job as it is.
     ``data`` and ``shape`` are the job's validated data sets and their shape (``JobData`` and
-    ``DataShape`` of :mod:`raydlrm.platform.preflight`, which calls this).
+    ``DataShape`` of :mod:`raydlrm.platform.job_data`; :mod:`raydlrm.platform.planning` calls this).
 
     Raises:
         ConfigError: the tables do not fit the driver's memory for the warm-up, or the data
@@ -58,14 +67,14 @@ def resolve_towers(
     loads = [shape.pooling_factors.get(name, 1.0) * len(cols) for name, cols in tables.items()]
     from raydlrm.sharding.tower_partition import inside_strength, partition_towers
 
-    num_towers = model.num_towers or job.scaling.num_hosts()
+    num_towers = model.num_towers or job.topology().num_hosts
     groups = partition_towers(
         strength, units=units, loads=loads, num_towers=num_towers, slack=SLACK
     )
     tower_loads = [
         sum(load for u, load in zip(units, loads, strict=True) if u[0] in g) for g in groups
     ]
-    order = host_order(tower_loads, job.scaling.num_hosts())
+    order = host_order(tower_loads, job.topology().num_hosts)
     groups, tower_loads = [groups[i] for i in order], [tower_loads[i] for i in order]
     towers = [[features[i] for i in g] for g in groups]
     kept = inside_strength(strength, groups)  # a share of the total
@@ -125,15 +134,6 @@ def _warm_up_strength(job: JobConfig, data: Any) -> tuple[Any, list[str], int]:
 
     spec = job.worker_spec()
     spec = replaced(spec, model=replaced(spec.model, towers=None, tower_dim=0))
-    tables = spec.tables()
-    table_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
-    available = psutil.virtual_memory().available * DRIVER_MEMORY_SHARE
-    if table_bytes > available:
-        raise ConfigError(
-            f"model.towers = 'auto': the warm-up trains every table in the driver, "
-            f"{table_bytes / 2**30:.2f} GiB, over half the driver's available memory "
-            f"({available / 2**30:.2f} GiB): list the towers in model.towers"
-        )
     steps, size = job.model.tower_warmup_steps, job.data.batch_size
     raw = read_rows(
         data.train.path, job.data, columns=job.data.input_columns(), max_rows=(steps + 1) * size
@@ -143,6 +143,8 @@ def _warm_up_strength(job: JobConfig, data: Any) -> tuple[Any, list[str], int]:
             f"model.towers = 'auto': the training data has {raw.num_rows} rows, fewer than two "
             f"batches of data.batch_size = {size} for the warm-up and the measurement"
         )
+    spec = _fitted_to_driver(spec, raw, psutil.virtual_memory().available * DRIVER_MEMORY_SHARE)
+    tables = spec.tables()
     table = Preprocessor(spec.data)(raw)
     batches = [
         arrow_to_batch(table.slice(i, size), config=spec.data)
@@ -166,6 +168,70 @@ def _warm_up_strength(job: JobConfig, data: Any) -> tuple[Any, list[str], int]:
         dense, held.dense, pooled.values, list(pooled.dims), seed=spec.training.seed
     )
     return strength, list(pooled.keys), len(batches) - 1
+
+
+def _fitted_to_driver(spec: Any, raw: Any, budget: float) -> Any:
+    """``spec`` (a worker spec) for a warm-up whose tables fit ``budget`` bytes of the driver:
+    as it is when the model's tables do; else each table over :data:`WARMUP_ROWS_PER_ID` rows
+    per distinct id of the warm-up's rows (``raw``) gets that many, its ids hashed into them
+    (the scale rule: the driver never holds the model's tables). The interactions are then
+    measured on those tables, which hold every id of the sample.
+
+    Raises:
+        ConfigError: even those do not fit, naming the sizes and ``model.towers``.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from raydlrm.ingestion.column_specs import SparseSpec
+
+    tables = spec.tables()
+    full = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
+    if full <= budget:
+        return spec
+    data, sizes, specs = spec.data, {}, dict(spec.data.sparse_specs)
+    for t in tables:
+        columns = [c for c in t.feature_names if c in raw.column_names]
+        if not columns:
+            continue  # a bucket table: its buckets, few rows
+        ids = [raw.column(c).combine_chunks() for c in columns]
+        ids = [a.flatten() if pa.types.is_list(a.type) else a for a in ids]
+        if len({a.type for a in ids}) > 1:
+            ids = [a.cast(pa.string()) for a in ids]
+        distinct = pc.count_distinct(pa.chunked_array(ids)).as_py()
+        rows = min(t.num_embeddings, max(1, WARMUP_ROWS_PER_ID * distinct))
+        if rows < t.num_embeddings:
+            sizes[t.name] = rows
+            specs.update((c, replaced(specs.get(c) or SparseSpec(), hash=True)) for c in columns)
+    fitted = sum(sizes.get(t.name, t.num_embeddings) * t.embedding_dim * 4 for t in tables)
+    if fitted > budget:
+        raise ConfigError(
+            f"model.towers = 'auto': the warm-up's tables take {fitted / 2**30:.2f} GiB even at "
+            f"{WARMUP_ROWS_PER_ID} rows per id of its sample (the model's: "
+            f"{full / 2**30:.2f} GiB), over half the driver's available memory "
+            f"({budget / 2**30:.2f} GiB): lower model.tower_warmup_steps or "
+            "data.batch_size, or list the towers in model.towers"
+        )
+    logger.info(
+        "model.towers = 'auto': the model's tables (%.2f GiB) do not fit the driver's share of "
+        "memory (%.2f GiB); the warm-up trains them at %d rows per id of its %d rows (%.2f "
+        "GiB, ids hashed into them: %s) and measures the interactions there",
+        full / 2**30,
+        budget / 2**30,
+        WARMUP_ROWS_PER_ID,
+        raw.num_rows,
+        fitted / 2**30,
+        sizes,
+    )
+    kept = {k: v for k, v in data.table_sizes.items() if k not in _table_keys(data, sizes)}
+    data = replaced(data, table_sizes={**kept, **sizes}, sparse_specs=specs)
+    return replaced(spec, data=data)
+
+
+def _table_keys(data: Any, tables: dict[str, int]) -> set[str]:
+    """The ``data.table_sizes`` keys that size ``tables``: their names and their columns."""
+    columns = data.table_columns()
+    return {k for name in tables for k in (name, *columns[name])}
 
 
 def _no_report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> None:

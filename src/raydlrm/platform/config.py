@@ -21,6 +21,7 @@ import pydantic
 import tomllib
 
 from raydlrm._config import config_dataclass
+from raydlrm.sharding.topology import Topology
 from raydlrm.storage import StorageConfig
 from raydlrm.trainers import FaultConfig, WorkerSpec
 from raydlrm.trainers.config import FAULT_ENV
@@ -62,10 +63,12 @@ class ScalingSpec:
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
     """Ray resources per worker; fractional CPUs leave room for Ray Data on small machines."""
     ranks_per_host: int | None = None
-    """Workers per host, for towers (``model.towers``): workers ``h * ranks_per_host`` to
-    ``(h + 1) * ranks_per_host - 1`` are host ``h`` (Ray Train numbers a node's workers
-    together); set it to the workers (GPUs) per node, or lower to emulate hosts on one machine.
-    Default: every worker on one host."""
+    """Workers per host: workers ``h * ranks_per_host`` to ``(h + 1) * ranks_per_host - 1`` are
+    host ``h`` (Ray Train numbers a node's workers together). The one topology of the job
+    (:meth:`JobConfig.topology`): ``table_row_wise`` tables are sharded inside a host, towers
+    (``model.towers``) are looked up on theirs. Set it to the workers (GPUs) per node, or lower
+    to emulate hosts on one machine. Default: ``sharding.group_size``, else every worker on one
+    host."""
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
@@ -77,10 +80,6 @@ class ScalingSpec:
                 f"scaling.ranks_per_host ({self.ranks_per_host}) must be positive and divide "
                 f"scaling.num_workers ({self.num_workers})"
             )
-
-    def num_hosts(self) -> int:
-        """Hosts of ``ranks_per_host`` workers (1 without it)."""
-        return self.num_workers // (self.ranks_per_host or self.num_workers)
 
 
 @config_dataclass
@@ -258,7 +257,31 @@ class JobConfig(WorkerSpec):
     tune: TuneConfig = field(default_factory=TuneConfig)
 
     def __post_init__(self) -> None:
+        self._check_topology()
         self._check_towers()
+
+    def topology(self) -> Topology:
+        """The hosts of the workers: ``scaling.ranks_per_host`` (or ``sharding.group_size``,
+        the same concept) workers each, else one host of them all. The one place the job's
+        host count is derived."""
+        per_host = self.scaling.ranks_per_host or self.sharding.group_size
+        return Topology.of(self.scaling.num_workers, per_host)
+
+    def _check_topology(self) -> None:
+        """``scaling.ranks_per_host`` and ``sharding.group_size`` name one thing, the workers
+        of a host: given both, they must agree."""
+        per_host, group = self.scaling.ranks_per_host, self.sharding.group_size
+        if per_host is not None and group is not None and per_host != group:
+            raise ValueError(
+                f"sharding.group_size ({group}) and scaling.ranks_per_host ({per_host}) both "
+                "set the workers of a host (a table_row_wise group is a host's workers): set "
+                "one of them"
+            )
+        if group is not None and self.scaling.num_workers % group:
+            raise ValueError(
+                f"sharding.group_size ({group}) must divide scaling.num_workers "
+                f"({self.scaling.num_workers})"
+            )
 
     def _check_towers(self) -> None:
         """``model.towers`` against the data's features and the hosts (before Ray starts)."""
@@ -267,7 +290,7 @@ class JobConfig(WorkerSpec):
             return
         from raydlrm.sharding.tower_spec import check_towers, model_towers
 
-        hosts = self.scaling.num_hosts()
+        hosts = self.topology().num_hosts
         if towers == "auto":
             made = self.model.num_towers or hosts
             if not hosts <= made <= len(self.data.table_columns()):
@@ -292,6 +315,13 @@ class JobConfig(WorkerSpec):
             raise ValueError(
                 "training.embedding_l2 with model.towers would regularize the towers' outputs, "
                 "not the embeddings: unset one of them"
+            )
+        if hosts > 1 and (self.data.dedup_groups or self.data.dedup == "infer"):
+            key = "data.dedup_groups" if self.data.dedup_groups else "data.dedup = 'infer'"
+            raise ValueError(
+                f"{key} with model.towers on several hosts (scaling.ranks_per_host): the "
+                "towers look up every sample's ids on their host, so RecD's deduplication would "
+                "be dropped; unset one of them"
             )
         if hosts > 1 and self.training.pipeline != "none":
             raise ValueError(
@@ -417,8 +447,11 @@ def load_config(
             tree = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    given = set() if isinstance(source, JobConfig) else set(flatten(tree))
     for override in overrides:
         _apply_override(tree, override)
+        given.add(override.partition("=")[0].strip())
+    _check_partitioner_keys(tree, given)
     fault = os.environ.get(FAULT_ENV)
     if fault:
         try:
@@ -432,6 +465,28 @@ def load_config(
         raise ConfigError(_format_error(e)) from None
     except TypeError as e:  # a section given as a scalar
         raise ConfigError(f"invalid config: {e}") from None
+
+
+_PARTITIONER_KEYS = ("model.num_towers", "model.tower_warmup_steps")
+"""Settings of the tower partitioner that ``model.towers = "auto"`` runs, nothing else."""
+
+
+def _check_partitioner_keys(tree: dict[str, Any], given: set[str]) -> None:
+    """Refuses a partitioner setting the config gives (``given``: its dotted keys) when
+    ``model.towers`` is not ``"auto"``, where it would be ignored.
+
+    Raises:
+        ConfigError: naming the key and ``model.towers``.
+    """
+    model = tree.get("model")
+    towers = model.get("towers") if isinstance(model, dict) else None
+    ignored = [key for key in _PARTITIONER_KEYS if key in given]
+    if ignored and towers != "auto":
+        raise ConfigError(
+            f"{' and '.join(ignored)} set the partitioner of model.towers = 'auto', and "
+            f"model.towers is {towers!r}: they would be ignored (unset them, or set "
+            "model.towers = 'auto')"
+        )
 
 
 BASE_DIR_ENV = "RAYDLRM_BASE_DIR"

@@ -1,8 +1,9 @@
 """Launching a training job: the driver side of ``raydlrm train`` and ``raydlrm.train``.
 
-:func:`train` is a sequence of named steps: resolve the job, validate its data, plan the
-sharding, check what can be checked before Ray starts (:mod:`raydlrm.platform.preflight`),
-connect to Ray (:mod:`raydlrm.platform.ray_init`), open the job's MLflow run, run Ray Train's
+:func:`train` is a sequence of named steps: plan the job before Ray starts (resolve it,
+validate its data, its statistics, towers and sharding plan, and every check that can run
+there: :func:`raydlrm.platform.planning.plan_job`), connect to Ray
+(:mod:`raydlrm.platform.ray_init`), open the job's MLflow run, run Ray Train's
 ``TorchTrainer`` (:func:`_run`), log and register the final model, and account for every
 training row. A failure after the run was opened marks the run failed.
 """
@@ -33,18 +34,9 @@ from raydlrm.platform.export import (
     tagged_version,
     weights_by_reference,
 )
-from raydlrm.platform.preflight import (
-    JobData,
-    Preflight,
-    data_shape,
-    make_plan,
-    preflight,
-    resolve_dedup_groups,
-    resolve_job,
-    resolve_towers,
-    run_storage,
-    validate_job_data,
-)
+from raydlrm.platform.job_data import JobData
+from raydlrm.platform.planning import PlannedJob, plan_job
+from raydlrm.platform.preflight import resolve_job, run_storage
 from raydlrm.platform.progress import TrainingProgress, progress_mode
 from raydlrm.platform.ray_init import init_ray
 from raydlrm.platform.run_lock import run_lock
@@ -125,20 +117,15 @@ def train(
     configure_api()
     quiet_libraries()
     run_name = run_config.name if run_config and run_config.name else job.run_name()
+    # What the quarantine held before this run's validation (resolving is idempotent: the
+    # planning pipeline resolves the job again, to the same).
     job = resolve_job(job, run_name=run_name, scaling_config=scaling_config)
     quarantined_before = quarantine_counts(job.data)
-    data = validate_job_data(job)
-    job = resolve_dedup_groups(job, data)
-    shape = data_shape(job, data)
-    job = resolve_towers(job, data, shape, run_name=run_name)
-    plan = make_plan(job, shape=shape)
-    logger.debug("sharding plan:\n%s", plan.format_table())  # the summary shows it
-    checked = preflight(job, plan, data=data, run_name=run_name)
-    with run_lock(checked.job, run_name):  # one job per run, from here to the registered model
+    planned = plan_job(job, run_name=run_name, scaling_config=scaling_config)
+    logger.debug("sharding plan:\n%s", planned.plan.format_table())  # the summary shows it
+    with run_lock(planned.job, run_name):  # one job per run, from here to the registered model
         return _tracked_run(
-            checked,
-            plan=plan,
-            data=data,
+            planned,
             run_name=run_name,
             quarantined_before=quarantined_before,
             scaling_config=scaling_config,
@@ -148,10 +135,8 @@ def train(
 
 
 def _tracked_run(
-    checked: Preflight,
+    planned: PlannedJob,
     *,
-    plan: ShardingPlan,
-    data: JobData,
     run_name: str,
     quarantined_before: dict[str, int],
     scaling_config: ScalingConfig | None,
@@ -160,14 +145,15 @@ def _tracked_run(
 ) -> TrainResult:
     """Ray, the job's MLflow run, Ray Train's run, the final model and the row accounting;
     a failure marks the MLflow run failed."""
-    job = checked.job
+    job, plan, data = planned.job, planned.plan, planned.data
+    assert data is not None  # a run's plan validated its data
     root, filesystem = run_storage(job)
     drop_deleted_checkpoints(f"{root}/{run_name}", filesystem or pafs.LocalFileSystem())
     init_ray(job)
     tracked = start_run(job, run_name=run_name, run_key=join(job.run.storage_path, run_name))
     try:
         worker_job = _worker_job(
-            job, plan=plan, data=data, run_name=run_name, warm_start=checked.warm_start
+            job, plan=plan, data=data, run_name=run_name, warm_start=planned.warm_start
         )
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -272,7 +258,7 @@ def _worker_job(
         run_storage=job.run.storage_or(job.data.storage),
         warm_start=warm_start,
         run_directory=join(job.run.storage_path, run_name),
-        ranks_per_host=job.scaling.ranks_per_host,
+        topology=job.topology(),
     )
 
 

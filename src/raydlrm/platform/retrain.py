@@ -45,9 +45,10 @@ from raydlrm.platform.config import (
     load_config,
 )
 from raydlrm.platform.export import register_version
+from raydlrm.platform.job_data import prepare_data
 from raydlrm.platform.launch import TrainResult
 from raydlrm.platform.launch import train as run_training
-from raydlrm.platform.preflight import prepare_data, resolve_paths
+from raydlrm.platform.preflight import resolve_paths
 from raydlrm.platform.scoring import ModelFiles, evaluate, model_files
 from raydlrm.platform.tracking import TAG_CHECKPOINT, check_tracking_of
 from raydlrm.storage import PartitionSelector, StorageError, partition_values

@@ -3,12 +3,13 @@
 A sweep is one Tune experiment whose trials are training jobs (:func:`raydlrm.train`, each with
 its own Ray Train run, workers and MLflow run) that differ in the config keys of the search
 space (``[tune.search]``, ``--search``: a dotted key and a distribution, see
-:func:`parse_search`). Before any trial starts, the driver checks every key and the values at
-the ends of its range against the config (one error naming the key), validates the data, the
-sharding plan and the tracking once, and computes the dense statistics, bucket boundaries and
-id kinds that every trial then reuses (unless the search changes what they are computed from:
-then each trial computes its own). Trials report ``tune.metric`` to Tune at each evaluation
-(``training.eval_every_steps``) and at the end; ASHA stops those that trail; a failing trial
+:mod:`raydlrm.platform.search_space`). Before any trial starts, the driver checks every key and
+the values at the ends of its range against the config (one error naming the key), plans the
+job once (:func:`raydlrm.platform.planning.plan_job`: data, plan, tracking), and computes the
+dense statistics, bucket boundaries, id kinds and auto towers that every trial then reuses
+(unless the search changes what they are computed from: then each trial computes its own).
+Trials report ``tune.metric`` to Tune at each evaluation (``training.eval_every_steps``) and at
+the end; ASHA stops those that trail; a failing trial
 (an invalid combination, a diverging run) is recorded with its reason and the sweep goes on.
 
 In MLflow the sweep is a parent run (its search space, the best trial's values and metrics, the
@@ -23,169 +24,29 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from raydlrm._text import text_table
-from raydlrm.platform.config import ConfigError, JobConfig, load_config, parse_value, replaced
+from raydlrm.platform.config import ConfigError, JobConfig, load_config, replaced
+from raydlrm.platform.search_space import (
+    Dimension,
+    check_space,
+    num_samples,
+    override,
+    parse_search,
+)
 from raydlrm.trainers.evaluation import EVAL_STEP
 
-__all__ = [
-    "Dimension",
-    "TuneResult",
-    "check_space",
-    "check_trial_fits",
-    "num_samples",
-    "parse_search",
-    "tune",
-]
+__all__ = ["TuneResult", "check_trial_fits", "tune"]
 
 logger = logging.getLogger(__name__)
 
-_DISTRIBUTION = re.compile(r"^\s*(choice|grid|uniform|loguniform|randint)\s*\((.*)\)\s*$", re.S)
-_NUMERIC = ("uniform", "loguniform", "randint")
 RUN_ID = "raydlrm/run_id"
 MODEL_URI = "raydlrm/model_uri"
-
-
-@dataclass(frozen=True)
-class Dimension:
-    """One key of a search space and its distribution."""
-
-    key: str
-    kind: str
-    """``choice``, ``grid``, ``uniform``, ``loguniform`` or ``randint``."""
-    values: tuple[Any, ...]
-    """The choices, or ``(low, high)``."""
-
-    def domain(self) -> Any:
-        """The Ray Tune domain."""
-        from ray import tune
-
-        if self.kind == "choice":
-            return tune.choice(list(self.values))
-        if self.kind == "grid":
-            return tune.grid_search(list(self.values))
-        sampler = {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}
-        return sampler[self.kind](*self.values)
-
-    def corners(self) -> list[Any]:
-        """The values a config must accept: every choice, or both ends of the range."""
-        if self.kind in ("choice", "grid"):
-            return list(self.values)
-        low, high = self.values
-        return [low, high - 1 if self.kind == "randint" else high]
-
-
-def _values(text: str) -> list[Any]:
-    """A distribution's arguments: TOML values (``1e-3``, ``"dlrm"``, ``[64, 32]``), a bare
-    word taken as a string, a bare ``null`` as None (as ``--set`` reads them)."""
-    try:
-        return tomllib.loads(f"v = [{text}]")["v"]
-    except tomllib.TOMLDecodeError:
-        return [parse_value(token.strip()) for token in text.split(",")]
-
-
-def parse_search(expressions: Mapping[str, str] | Sequence[str]) -> dict[str, Dimension]:
-    """A search space from ``key = distribution`` expressions (``[tune.search]``) or
-    ``key=distribution`` strings (``--search``): ``choice(a, b, ...)``, ``grid(a, b, ...)``,
-    ``uniform(lo, hi)``, ``loguniform(lo, hi)``, ``randint(lo, hi)`` (``hi`` excluded).
-
-    Raises:
-        ConfigError: an expression that is not one of these, naming its key.
-    """
-    if isinstance(expressions, Mapping):
-        items = list(expressions.items())
-    else:
-        items = []
-        for expression in expressions:
-            key, sep, text = expression.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"--search {expression!r} is not of the form key=distribution")
-            items.append((key.strip(), text))
-    space = {}
-    for key, text in items:
-        space[key] = _dimension(key, text)
-    return space
-
-
-def _dimension(key: str, text: str) -> Dimension:
-    match = _DISTRIBUTION.match(text)
-    if match is None:
-        raise ConfigError(
-            f"tune.search.{key}: {text.strip()!r} is not a distribution: choice(a, b, ...), "
-            "grid(a, b, ...), uniform(lo, hi), loguniform(lo, hi) or randint(lo, hi)"
-        )
-    kind, values = match.group(1), _values(match.group(2))
-    if kind in ("choice", "grid"):
-        if not values:
-            raise ConfigError(f"tune.search.{key}: {kind}() needs at least one value")
-        return Dimension(key, kind, tuple(values))
-    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-    if len(values) != 2 or not numbers:
-        raise ConfigError(f"tune.search.{key}: {kind}(lo, hi) needs two numbers, got {values}")
-    low, high = values
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ConfigError(f"tune.search.{key}: {kind}({low}, {high}) needs finite ends")
-    if not low < high:
-        raise ConfigError(f"tune.search.{key}: {kind}({low}, {high}) is empty (lo >= hi)")
-    if kind == "loguniform" and low <= 0:
-        raise ConfigError(f"tune.search.{key}: loguniform needs lo > 0, got {low}")
-    if kind == "randint" and not all(isinstance(v, int) for v in values):
-        raise ConfigError(f"tune.search.{key}: randint(lo, hi) needs integers, got {values}")
-    return Dimension(key, kind, (low, high))
-
-
-def _override(key: str, value: Any) -> str:
-    """``key=value`` as ``--set`` takes it (JSON is TOML for numbers, strings and arrays)."""
-    return f"{key}={json.dumps(value)}"
-
-
-def _current(job: JobConfig, key: str) -> Any:
-    node: Any = job.to_dict()
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"tune.search.{key}: unknown config key")
-        node = node[part]
-    return node
-
-
-def check_space(job: JobConfig, space: Mapping[str, Dimension]) -> None:
-    """Checks a search space against ``job`` before any trial: every key is a config key, a
-    numeric distribution is on a numeric key, every choice and both ends of every range are
-    values the config accepts, and the point of every key's first value is a valid config.
-
-    Raises:
-        ConfigError: naming the key (and value) that fails.
-    """
-    for dim in space.values():
-        current = _current(job, dim.key)
-        numeric = isinstance(current, int | float) and not isinstance(current, bool)
-        if dim.kind in _NUMERIC and not numeric:
-            raise ConfigError(
-                f"tune.search.{dim.key}: {dim.kind}() needs a numeric key; {dim.key} is "
-                f"{current!r}: use choice(...)"
-            )
-        if dim.kind in ("uniform", "loguniform") and isinstance(current, int):
-            raise ConfigError(
-                f"tune.search.{dim.key}: an integer key; use randint(lo, hi) or choice(...)"
-            )
-        for value in dim.corners():
-            try:
-                load_config(job, overrides=[_override(dim.key, value)])
-            except ConfigError as e:
-                raise ConfigError(f"tune.search.{dim.key} = {value!r}: {e}") from None
-    first = [_override(d.key, d.corners()[0]) for d in space.values()]
-    try:
-        load_config(job, overrides=first)
-    except ConfigError as e:
-        raise ConfigError(f"the search space's first point ({', '.join(first)}): {e}") from None
 
 
 @dataclass
@@ -313,29 +174,18 @@ def _prepared(job: JobConfig, sweep: str, space: Mapping[str, Dimension]) -> Job
     returns the job with the dense statistics, fill values, bucket boundaries and id kinds
     every trial reuses (the statistics only when the search leaves what they depend on
     alone)."""
-    from raydlrm.platform.preflight import (
-        data_shape,
-        make_plan,
-        preflight,
-        resolve_dedup_groups,
-        resolve_job,
-        resolve_towers,
-        validate_job_data,
-    )
+    from raydlrm.platform.planning import plan_job
 
-    job = resolve_job(job, run_name=sweep)
-    data = validate_job_data(job)
-    job = resolve_dedup_groups(job, data)
-    shape = data_shape(job, data)
-    job = resolve_towers(job, data, shape, run_name=None)  # the trials share the towers
-    checked = preflight(job, make_plan(job, shape=shape), data=data, run_name=sweep)
+    _check_searchable(job, space)
+    # The trials share the sweep's towers and statistics, unless the search changes them.
+    planned = plan_job(job, run_name=sweep)
     if job.tune.scheduler == "asha" and not job.training.eval_every_steps:
         logger.warning(
             "tune.scheduler = 'asha' stops trials on %s at each evaluation, and "
             "training.eval_every_steps is 0: trials evaluate only at the end, none stops early",
             job.tune.metric,
         )
-    prepared = checked.job
+    prepared = planned.job
     if any(key.startswith(_STATISTICS_KEYS) for key in space):
         data = replaced(
             prepared.data,
@@ -344,7 +194,34 @@ def _prepared(job: JobConfig, sweep: str, space: Mapping[str, Dimension]) -> Job
             bucket_boundaries=job.data.bucket_boundaries,
         )
         prepared = replaced(prepared, data=data)
+    if job.model.towers == "auto" and space:
+        # The warm-up trains the flat model with the trial's settings, and the towers it finds
+        # follow from them (model.num_towers, the steps, the rates, the features): each trial
+        # resolves its own.
+        prepared = replaced(prepared, model=replaced(prepared.model, towers="auto"))
     return prepared
+
+
+_GLOBAL_BATCH_KEYS = ("data.batch_size", "scaling.num_workers")
+"""Keys whose value decides the global batch, which a learned cost model is trained at."""
+
+
+def _check_searchable(job: JobConfig, space: Mapping[str, Dimension]) -> None:
+    """Refuses a search that the job's settings would make fail trial by trial.
+
+    Raises:
+        ConfigError: ``sharding.cost_model = "neural"`` (a learned model trained at one global
+            batch) with a search over the batch size or the workers, naming both keys.
+    """
+    searched = [key for key in _GLOBAL_BATCH_KEYS if key in space]
+    if job.sharding.cost_model == "neural" and searched:
+        raise ConfigError(
+            f"sharding.cost_model = 'neural' with a search over {', '.join(searched)}: the "
+            "learned cost model at sharding.learned_cost_path holds for one global batch "
+            "(data.batch_size x scaling.num_workers), so every trial but one would fail; set "
+            "sharding.cost_model = 'auto' (the analytic model where it does not hold) or fix "
+            f"{' and '.join(searched)}"
+        )
 
 
 def _concurrency(job: JobConfig) -> int:
@@ -415,30 +292,6 @@ def _fit(job: JobConfig, space: Mapping[str, Dimension], *, sweep: str, parent_r
     return tuner.fit()
 
 
-DEFAULT_TRIALS = 8
-"""Trials sampled when ``tune.num_trials`` is unset and a key is not a grid."""
-
-
-def num_samples(num_trials: int | None, space: Mapping[str, Dimension]) -> int:
-    """Tune's samples of ``space``: ``num_trials``, else :data:`DEFAULT_TRIALS`, or one when
-    every key is a ``grid`` (its points are the trials: more samples repeat them, with a
-    warning when asked for)."""
-    all_grid = all(d.kind == "grid" for d in space.values())
-    if num_trials is None:
-        return 1 if all_grid else DEFAULT_TRIALS
-    if all_grid and num_trials > 1:
-        points = math.prod(len(d.values) for d in space.values())
-        logger.warning(
-            "every searched key is a grid (%d points): tune.num_trials = %d runs each point "
-            "%d times with the same settings (%d trials); leave it unset to run each once",
-            points,
-            num_trials,
-            num_trials,
-            points * num_trials,
-        )
-    return num_trials
-
-
 def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: str) -> None:
     """One trial: the sweep's job with ``params``, trained as a child run; its evaluations
     reported to Tune as they come, its final metrics and model at the end."""
@@ -447,8 +300,8 @@ def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: 
     from raydlrm.platform.launch import train
 
     trial = tune.get_context().get_trial_id()
-    overrides = [_override(k, v) for k, v in params.items()]
-    overrides.append(_override("run.name", f"{sweep}-{trial}"))
+    overrides = [override(k, v) for k, v in params.items()]
+    overrides.append(override("run.name", f"{sweep}-{trial}"))
     result = train(base, overrides=overrides, callbacks=[_evaluation_reports(metric)])
     final = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
     tune.report({**final, RUN_ID: result.run_id, MODEL_URI: result.model_uri})

@@ -29,5 +29,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "TablePlan",
     ),
     "planner": ("plan_sharding",),
+    "topology": ("Topology",),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -706,13 +706,15 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             id_lo, id_hi = id_bounds[index], id_bounds[index + 1]
             weights = bags.weights
             indices = bags.values[id_lo:id_hi].to(torch.int64)
-            track = self._modified is not None and torch.is_grad_enabled()
+            # A training step's lookups (the module's mode, not autograd's: an evaluation or a
+            # warm-up's measurement runs in eval mode) mark what the optimizer will update.
+            track = self._modified is not None and self.training
             if cache is not None or track:
                 ids_per_unit = offsets[lo : hi + 1 : rows].diff()
                 if track:
                     self._modified.mark(index, indices, ids_per_unit)
                 if cache is not None:  # ids become the slots of their rows in the DRAM cache
-                    indices = cache.prefetch(indices, ids_per_unit)
+                    indices = cache.prefetch(indices, ids_per_unit, training=self.training)
             pooled[group.batch_class].append(
                 tbe(
                     indices,

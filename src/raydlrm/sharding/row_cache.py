@@ -172,19 +172,22 @@ class RowCache:
         first for its values)."""
         return {t.name: [] if t.row_state is None else [t.row_state] for t in self._tables}
 
-    def prefetch(self, indices: torch.Tensor, ids_per_unit: torch.Tensor) -> torch.Tensor:
+    def prefetch(
+        self, indices: torch.Tensor, ids_per_unit: torch.Tensor, *, training: bool
+    ) -> torch.Tensor:
         """Brings every row ``indices`` looks up into the cache; returns the slot of each id.
-        With autograd on (a training step, which updates them) the rows' slots become dirty.
+        In a training step (``training``: the step's optimizer updates them) the rows' slots
+        become dirty.
 
         Args:
             indices: the group's ids (rows of their tables), int64, unit by unit.
             ids_per_unit: how many of ``indices`` each unit has.
+            training: the lookup is a training step's (the collection's ``training`` mode).
 
         Raises:
             TierError: a step looks up more distinct rows of a table than its cache has slots
                 (naming the table and the settings that size the cache).
         """
-        training = torch.is_grad_enabled()
         with torch.no_grad():
             return self._prefetch(indices, ids_per_unit, training=training)
 

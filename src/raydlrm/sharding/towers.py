@@ -44,207 +44,19 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
-from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.models.embedding import EmbeddingBagCollection
+from raydlrm.models.towers import TowerDense, run_towers
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
-from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
-from raydlrm.sharding.planner import plan_sharding
+from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows
+from raydlrm.sharding.topology import Topology, TopologyGroups, topology_groups
+from raydlrm.sharding.tower_plan import host_config, host_plan, host_tables
 from raydlrm.sharding.tower_spec import Tower, check_towers
 from raydlrm.sharding.types import ShardedTables
 
-__all__ = [
-    "ShardedTowerCollection",
-    "Topology",
-    "TopologyGroups",
-    "Tower",
-    "check_towers",
-    "host_config",
-    "host_plan",
-    "host_tables",
-    "plan_towers",
-    "shard_tower_model",
-    "topology_groups",
-]
-
-
-@dataclass(frozen=True)
-class Topology:
-    """``num_hosts`` hosts of ``ranks_per_host`` ranks each; rank ``r`` is on host
-    ``r // ranks_per_host`` (ranks are numbered host by host, as Ray Train numbers a node's
-    workers together)."""
-
-    num_hosts: int
-    ranks_per_host: int
-
-    def __post_init__(self) -> None:
-        if self.num_hosts < 1 or self.ranks_per_host < 1:
-            raise ValueError(f"a topology needs at least one host and rank, got {self}")
-
-    @property
-    def world_size(self) -> int:
-        return self.num_hosts * self.ranks_per_host
-
-    def host(self, rank: int) -> int:
-        return rank // self.ranks_per_host
-
-    def host_ranks(self, host: int) -> list[int]:
-        """The ranks of ``host`` (the intra-host group, in local-index order)."""
-        return [host * self.ranks_per_host + i for i in range(self.ranks_per_host)]
-
-    def peer_ranks(self, local: int) -> list[int]:
-        """The ranks of local index ``local`` on every host (a cross-host group, in host
-        order)."""
-        return [h * self.ranks_per_host + local for h in range(self.num_hosts)]
-
-
-@dataclass(frozen=True)
-class TopologyGroups:
-    """This rank's place in a :class:`Topology` and its two process groups."""
-
-    topology: Topology
-    host: int
-    intra: ProcessGroup | None
-    """The ranks of this rank's host (their rank in it is the local index)."""
-    cross: ProcessGroup | None
-    """The ranks of this rank's local index on every host (their rank in it is the host)."""
-
-
-def topology_groups(topology: Topology) -> TopologyGroups:
-    """Creates the intra-host and cross-host process groups of ``topology`` (every rank must
-    call it: each group is created on every rank, in the same order).
-
-    Raises:
-        ValueError: if the topology's world size is not torch.distributed's.
-    """
-    rank, world_size = rank_and_world_size(None)
-    if topology.world_size != world_size:
-        raise ValueError(
-            f"topology of {topology.num_hosts} hosts x {topology.ranks_per_host} ranks does not "
-            f"match the {world_size} ranks of the process group"
-        )
-    if world_size == 1:
-        return TopologyGroups(topology, host=0, intra=None, cross=None)
-    intra = cross = None
-    for h in range(topology.num_hosts):
-        group = dist.new_group(topology.host_ranks(h))
-        intra = group if topology.host(rank) == h else intra
-    for i in range(topology.ranks_per_host):
-        group = dist.new_group(topology.peer_ranks(i))
-        cross = group if rank % topology.ranks_per_host == i else cross
-    return TopologyGroups(topology, host=topology.host(rank), intra=intra, cross=cross)
-
-
-def host_tables(
-    tables: Sequence[EmbeddingBagConfig], towers: Sequence[Tower], host: int
-) -> list[EmbeddingBagConfig]:
-    """The tables looked up by the towers of ``host``, in ``tables`` order."""
-    features = {f for t in towers if t.host == host for f in t.features}
-    return [t for t in tables if features & set(t.feature_names)]
-
-
-def plan_towers(
-    tables: Sequence[EmbeddingBagConfig],
-    towers: Sequence[Tower],
-    topology: Topology,
-    *,
-    config: ShardingConfig,
-    **planner: Any,
-) -> ShardingPlan:
-    """Plans each host's tables over the host's ranks (:func:`~raydlrm.sharding.plan_sharding`
-    with ``planner``'s arguments and a world of ``ranks_per_host``) and returns one plan over
-    every rank: host ``h``'s local rank ``i`` is rank ``h * ranks_per_host + i``.
-
-    Raises:
-        ValueError: bad towers (:func:`check_towers`), or a host's tables that cannot be
-            planned (naming the host and its towers).
-    """
-    check_towers(towers, tables, topology.num_hosts)
-    planned: dict[str, TablePlan] = {}
-    plans = []
-    for h in range(topology.num_hosts):
-        mine = host_tables(tables, towers, h)
-        names = {t.name for t in mine}
-        try:
-            plan = plan_sharding(
-                mine,
-                world_size=topology.ranks_per_host,
-                config=host_config(config, names, topology, h),
-                **{k: _only(v, names) for k, v in planner.items()},
-            )
-        except ValueError as e:  # e.g. a table beyond the host's workers' memory
-            here = [t.name for t in towers if t.host == h]
-            raise ValueError(f"host {h} (towers {here}): {e}") from None
-        offset = topology.host_ranks(h)[0]
-        for t in plan.tables:
-            shards = [dataclasses.replace(s, rank=s.rank + offset) for s in t.shards]
-            planned[t.name] = dataclasses.replace(t, shards=shards)
-        plans.append(plan)
-    return ShardingPlan(
-        world_size=topology.world_size,
-        tables=[planned[t.name] for t in tables],
-        memory_budget=plans[0].memory_budget,
-        page_cache_hit=plans[0].page_cache_hit,
-        cost_model=plans[0].cost_model,
-    )
-
-
-def _only(value: Any, names: set[str]) -> Any:
-    """A dict keyed by table names restricted to ``names``; anything else as it is."""
-    if isinstance(value, dict):
-        return {k: v for k, v in value.items() if k in names}
-    return value
-
-
-def host_config(
-    config: ShardingConfig, names: set[str], topology: Topology, host: int
-) -> ShardingConfig:
-    """``config`` for the collection of ``host``'s tables ``names``: its per-table settings
-    restricted to them, their pinned ranks numbered inside the host.
-
-    Raises:
-        ValueError: a pinned rank of one of them not on ``host``, naming the table.
-    """
-    ranks = topology.host_ranks(host)
-    pinned = {}
-    for name, pins in config.pinned_ranks.items():
-        if name not in names:
-            continue
-        outside = [r for r in pins if r not in ranks]
-        if outside:
-            raise ValueError(
-                f"sharding.pinned_ranks.{name}: ranks {outside} are not on host {host} "
-                f"(ranks {ranks[0]}..{ranks[-1]}), where its tower is"
-            )
-        pinned[name] = [r - ranks[0] for r in pins]
-    changes = {
-        f.name: _only(getattr(config, f.name), names)
-        for f in dataclasses.fields(config)
-        if f.name.endswith("_per_table") or f.name in ("pinned_types", "placement")
-    }
-    return dataclasses.replace(config, pinned_ranks=pinned, **changes)
-
-
-def host_plan(plan: ShardingPlan, topology: Topology, host: int) -> ShardingPlan:
-    """The part of a plan over every rank (:func:`plan_towers`) on ``host``'s ranks, numbered
-    from 0 inside the host.
-
-    Raises:
-        ValueError: naming a table whose shards are on more than one host.
-    """
-    ranks = topology.host_ranks(host)
-    tables = []
-    for t in plan.tables:
-        hosts = sorted({topology.host(s.rank) for s in t.shards})
-        if len(hosts) > 1:
-            raise ValueError(f"table {t.name} has shards on hosts {hosts}: towers need one host")
-        if hosts == [host]:
-            shards = [dataclasses.replace(s, rank=s.rank - ranks[0]) for s in t.shards]
-            tables.append(dataclasses.replace(t, shards=shards))
-    return dataclasses.replace(
-        plan, world_size=topology.ranks_per_host, tables=tables, predicted_seconds=None
-    )
+__all__ = ["ShardedTowerCollection", "TowerOutputsDense", "shard_tower_model"]
 
 
 class _HostTowers(nn.Module):
@@ -259,11 +71,9 @@ class _HostTowers(nn.Module):
         )
 
     def forward(self, pooled: dict[str, torch.Tensor]) -> torch.Tensor:
-        outs = []
-        for tower in self.towers:
-            x = torch.cat([pooled[f] for f in tower.features], dim=1)
-            outs.append(self.blocks[tower.name](x) if tower.name in self.blocks else x)
-        return torch.cat(outs, dim=1)
+        inputs = [torch.cat([pooled[f] for f in t.features], dim=1) for t in self.towers]
+        blocks = dict(self.blocks.items())
+        return run_towers(inputs, [blocks.get(t.name) for t in self.towers])
 
 
 class _CrossHostOutputs(torch.autograd.Function):
@@ -357,6 +167,49 @@ class _TowerRouted:
         yield from self.inner.tensors()
 
 
+class _ReplicaGradients:
+    """The gradients of tower modules that every rank holds (``replicated``): after a backward
+    pass, each module's gradient summed over every rank (zeros from the ranks of other hosts,
+    which did not run it) and divided by the ranks of a host, the average data parallelism
+    inside the host would give; every rank then holds it for every tower, and the same
+    optimizer step keeps the replicas equal. One all-reduce over every rank, on a process group
+    of its own (its order never meets the dense side's DDP), when the backward pass is done:
+    the hook on the collection's output queues it on autograd's engine, as DDP queues its own
+    end of backward."""
+
+    def __init__(self, params: list[nn.Parameter], ranks_per_host: int):
+        self.params, self.ranks_per_host = params, ranks_per_host
+        # Every rank builds the collection at the same point: the group is made on every rank.
+        self.pg = dist.new_group(backend=dist.get_backend())
+        self._queued = False
+
+    @classmethod
+    def of(cls, modules: list[nn.Module], *, ranks_per_host: int) -> _ReplicaGradients | None:
+        """The replicas' gradient sync (None: nothing to sync, or one rank)."""
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        return cls(params, ranks_per_host)
+
+    def on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The output's gradient hook: queues the sync once per backward pass."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._all_reduce)
+        return grad
+
+    def _all_reduce(self) -> None:
+        self._queued = False
+        flat = torch.cat(
+            [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in self.params]
+        )
+        dist.all_reduce(flat, group=self.pg)
+        flat /= self.ranks_per_host
+        sizes = [p.numel() for p in self.params]
+        for p, g in zip(self.params, torch.split(flat, sizes), strict=True):
+            p.grad = g.view_as(p)
+
+
 class ShardedTowerCollection(ShardedTables):
     """An :class:`EmbeddingBagCollection` split into towers pinned to hosts (see the module
     docstring), a :class:`~raydlrm.sharding.types.ShardedTables` whose plan covers every rank
@@ -381,8 +234,9 @@ class ShardedTowerCollection(ShardedTables):
         device: ``cpu`` or a CUDA device.
         groups: this rank's :class:`TopologyGroups`.
         replicated: every rank holds every tower's module (the model's dense side does, for
-            checkpoints and exports): no data parallelism inside the host;
-            :meth:`finish_backward` sums their gradients over every rank instead.
+            checkpoints and exports): no data parallelism inside the host; after each backward
+            pass their gradients are summed over every rank instead (:class:`_ReplicaGradients`,
+            a hook of this collection's output).
     """
 
     def __init__(
@@ -422,9 +276,10 @@ class ShardedTowerCollection(ShardedTables):
         host_towers = _HostTowers([t for t in towers if t.host == groups.host], modules)
         host_towers = host_towers.to(self._device)
         # Every tower's module, in tower order, when every rank holds them all.
-        self._replicated = [
-            modules[t.name] for t in towers if replicated and modules.get(t.name) is not None
-        ]
+        self._replicas = _ReplicaGradients.of(
+            [modules[t.name] for t in towers if replicated and modules.get(t.name) is not None],
+            ranks_per_host=topology.ranks_per_host,
+        )
         trained = any(p.requires_grad for p in host_towers.parameters())
         if not replicated and topology.ranks_per_host > 1 and trained:
             host_towers = DistributedDataParallel(
@@ -511,6 +366,8 @@ class ShardedTowerCollection(ShardedTables):
             )
         if self._column_order is not None:
             outputs = outputs.index_select(1, self._column_order)
+        if self._replicas is not None and outputs.requires_grad:
+            outputs.register_hook(self._replicas.on_output_grad)
         return KeyedTensor(
             keys=list(self.feature_names), dims=list(self.feature_dims), values=outputs
         )
@@ -595,23 +452,6 @@ class ShardedTowerCollection(ShardedTables):
             f"table {table!r} (feature {key!r}): id {int(values[pos])} not in [0, {rows})"
         )
 
-    def finish_backward(self) -> None:
-        """With ``replicated`` modules: each tower module's gradient, summed over every rank
-        (zeros from the ranks of other hosts, which did not run it) and divided by the ranks of
-        a host, the average data parallelism inside the host would give; every rank then holds
-        it for every tower, and the same optimizer step keeps the replicas equal. One
-        all-reduce over every rank."""
-        params = [p for m in self._replicated for p in m.parameters() if p.requires_grad]
-        if not params or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        flat = torch.cat(
-            [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
-        )
-        dist.all_reduce(flat)
-        flat /= self.topology.ranks_per_host
-        for p, g in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
-            p.grad = g.view_as(p)
-
     # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
@@ -665,31 +505,47 @@ def _subcollection(ebc: EmbeddingBagCollection, tables: list) -> EmbeddingBagCol
     return sub
 
 
+class TowerOutputsDense(nn.Module):
+    """``model.dense`` of a model sharded with towers on several hosts: the tower collection
+    already ran the tower modules (its output is the towers'), so this runs the dense
+    architecture (``TowerDense.inner``) on their outputs. It registers ``inner`` alone as its
+    module, so that DDP around it syncs the architecture and leaves the tower modules, which
+    every rank holds and the collection syncs, alone; :attr:`towers_dense` is the model's own
+    :class:`~raydlrm.models.towers.TowerDense`, which checkpoints and exports hold."""
+
+    def __init__(self, dense: TowerDense):
+        super().__init__()
+        self.inner = dense.inner
+        self.__dict__["towers_dense"] = dense  # not a submodule: see the class docstring
+
+    def forward(self, dense: torch.Tensor, towers: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B,)`` from dense ``B x num_dense`` and the towers' outputs."""
+        return self.inner(dense, towers)
+
+
 def shard_tower_model(
     model: nn.Module,
     *,
     plan: ShardingPlan,
     config: ShardingConfig,
-    device: torch.device | str,
-    groups: TopologyGroups,
+    device: torch.device,
+    topology: Topology,
 ) -> nn.Module:
-    """:func:`~raydlrm.sharding.shard_model` for a model with towers
-    (:class:`~raydlrm.models.towers.TowerDense`) on the hosts of ``groups``, in place: the
+    """:func:`~raydlrm.sharding.shard_model`'s path for a model with towers
+    (:class:`~raydlrm.models.towers.TowerDense`) on the hosts of ``topology``, in place: the
     collection becomes a :class:`ShardedTowerCollection` that runs the tower modules (which
-    ``model.dense`` keeps, replicated on every rank), and the rest of ``model.dense`` is
-    data-parallel over every rank.
+    the model's ``TowerDense`` keeps, replicated on every rank), and ``model.dense`` becomes a
+    :class:`TowerOutputsDense`, data-parallel over every rank.
 
     Raises:
         TypeError: if ``model.dense`` has no towers.
     """
-    from raydlrm.models.towers import TowerDense
     from raydlrm.sharding.tower_spec import model_towers
 
     dense = model.dense
     if not isinstance(dense, TowerDense):
         raise TypeError(f"{type(dense).__name__} has no towers (model.towers) to place on hosts")
-    device = torch.device(device)
-    towers = model_towers(dense.towers, groups.topology.num_hosts)
+    towers = model_towers(dense.towers, topology.num_hosts)
     dense = dense.to(device)
     model.embedding_bags = ShardedTowerCollection(
         model.embedding_bags,
@@ -699,15 +555,13 @@ def shard_tower_model(
         plan=plan,
         config=config,
         device=device,
-        groups=groups,
+        groups=topology_groups(topology),
         replicated=True,
     )
-    dense.upstream = True
-    if groups.topology.world_size > 1:
-        ignored = [f"blocks.{name}" for name, _ in dense.blocks.named_parameters()]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(dense, ignored)
-        dense = DistributedDataParallel(
-            dense, device_ids=[device.index] if device.type == "cuda" else None
+    upstream: nn.Module = TowerOutputsDense(dense)
+    if topology.world_size > 1:
+        upstream = DistributedDataParallel(
+            upstream, device_ids=[device.index] if device.type == "cuda" else None
         )
-    model.dense = dense
+    model.dense = upstream
     return model

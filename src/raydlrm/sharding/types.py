@@ -50,9 +50,9 @@ class Routed(Protocol):
 class PrefetchQueue:
     """Routed batches waiting for their forward pass, oldest first.
 
-    A forward pass takes the oldest routing when it was made for the very features it is
-    given; otherwise it routes the batch itself. A pipeline routes each batch once, in step
-    order, so the oldest is always the one due.
+    A training forward pass takes the oldest routing, which must have been made for the very
+    features it is given: a pipeline routes each batch once, in step order, so the oldest is
+    always the one due, and any other is a bug (a routing left behind, or a batch routed twice).
     """
 
     def __init__(self) -> None:
@@ -65,11 +65,22 @@ class PrefetchQueue:
         self._queue.append(routed)
 
     def take(self, features: KeyedJaggedTensor) -> Routed | None:
-        """The routing made for ``features`` (removed from the queue), or None. On a GPU its
-        tensors, made on the pipeline's stream, are recorded on the current one, which reads
-        them: their memory is not reused before this step is done with them."""
-        if not self._queue or self._queue[0].features is not features:
+        """The routing made for ``features`` (removed from the queue), or None when the queue
+        is empty. On a GPU its tensors, made on the pipeline's stream, are recorded on the
+        current one, which reads them: their memory is not reused before this step is done
+        with them.
+
+        Raises:
+            RuntimeError: the oldest routing was made for other features.
+        """
+        if not self._queue:
             return None
+        if self._queue[0].features is not features:
+            raise RuntimeError(
+                f"the oldest of {len(self._queue)} batch(es) routed ahead was routed for other "
+                f"features ({list(self._queue[0].features.keys)[:4]}...) than this training "
+                "step's: every batch routed ahead must be trained next, in order"
+            )
         routed = self._queue.popleft()
         if features.values.device.type == "cuda":
             stream = torch.cuda.current_stream(features.values.device)
@@ -145,7 +156,9 @@ class ShardedTables(nn.Module, abc.ABC):
         Raises:
             ValueError: naming the table of an id outside ``[0, num_embeddings)``.
         """
-        routed = self.prefetched.take(features)
+        # An evaluation's batches (eval mode) are never routed ahead: a training batch routed
+        # ahead meanwhile stays queued for its step.
+        routed = self.prefetched.take(features) if self.training else None
         if routed is None:
             routed = self.input_dist(features, dedup_groups)
         return self.compute_and_output_dist(routed)
@@ -203,11 +216,6 @@ class ShardedTables(nn.Module, abc.ABC):
         """Per ``int8`` / ``int4`` table of this rank: (distinct ids found in its fp32 cache,
         distinct ids looked up) so far."""
         return {}
-
-    def finish_backward(self) -> None:
-        """After the backward pass, before the dense optimizer's step, on every rank: settles
-        the gradients of dense modules the collection runs outside the model's data
-        parallelism (the towers' modules, :mod:`raydlrm.sharding.towers`); nothing here."""
 
     @abc.abstractmethod
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:

@@ -11,7 +11,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 import ray.train
@@ -26,6 +26,9 @@ __all__ = [
     "report",
     "worker_context",
 ]
+
+if TYPE_CHECKING:
+    from raydlrm.sharding.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +53,26 @@ def worker_context() -> WorkerContext:
     )
 
 
-def check_hosts(ranks_per_host: int, rank: int) -> None:
-    """Warns (on rank 0) when the hosts of ``scaling.ranks_per_host`` (ranks ``h * L`` to
-    ``(h + 1) * L - 1``) are not the cluster's nodes: a tower's traffic then crosses nodes
-    inside its "host". Nothing on one node (hosts emulated on one machine). Every rank must
-    call it (one all-gather)."""
+def check_hosts(topology: Topology, rank: int) -> None:
+    """Warns (on rank 0) when the hosts of ``topology`` (``scaling.ranks_per_host``) are not
+    the cluster's nodes as Ray Train placed the workers: the exchanges the topology keeps inside
+    a host (a table-row-wise group's, a tower's) then cross nodes. Nothing on one node (hosts
+    emulated on one machine). Every rank must call it (one all-gather)."""
     import torch.distributed as dist
 
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     if rank != 0 or len(set(nodes)) == 1:
         return
-    hosts = [nodes[h : h + ranks_per_host] for h in range(0, len(nodes), ranks_per_host)]
+    hosts = [[nodes[r] for r in topology.host_ranks(h)] for h in range(topology.num_hosts)]
     split = [h for h, ids in enumerate(hosts) if len(set(ids)) > 1]
     if split or len({ids[0] for ids in hosts}) != len(hosts):
         logger.warning(
             "scaling.ranks_per_host = %d does not match the cluster's nodes (the workers of "
-            "hosts %s are on several nodes, or hosts share one): towers still train, but their "
-            "exchanges inside a host cross nodes; set it to the workers per node",
-            ranks_per_host,
+            "hosts %s are on several nodes, or hosts share one): training goes on, but the "
+            "exchanges kept inside a host (table-row-wise groups, towers) cross nodes; set it "
+            "to the workers per node",
+            topology.ranks_per_host,
             split or "some",
         )
 

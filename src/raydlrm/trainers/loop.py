@@ -9,7 +9,7 @@ dense optimizer step.
 The loop reads top to bottom in :meth:`Trainer._train`; each cadence belongs to its owner:
 when to log (:class:`~raydlrm.trainers.metrics.MetricsWindow`), when to evaluate
 (:class:`~raydlrm.trainers.evaluation.Evaluator`), when to checkpoint
-(:class:`~raydlrm.trainers.checkpointer.Checkpointer`). The final checkpoint (its shards are
+(:class:`~raydlrm.trainers.checkpoint_cadence.Checkpointer`). The final checkpoint (its shards are
 also the model's weights) is stored *before* the final evaluation, so nothing there can lose a
 finished run: a worker dying in it is restarted from that checkpoint and redoes only the
 evaluation. The evaluation's metrics go into the stored checkpoint (``final_metrics.json``) and
@@ -46,6 +46,7 @@ from raydlrm.models import RecModel, build_model
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.sharding.parallelize import unwrap_dense
 from raydlrm.sharding.telemetry import Family, local_counters, metrics_of
+from raydlrm.sharding.topology import Topology
 from raydlrm.trainers._dist import all_reduce_scalar, sum_over_ranks, world_size
 from raydlrm.trainers.checkpoint_cadence import Checkpointer
 from raydlrm.trainers.checkpoints import TrainingParts, newest_intact
@@ -97,9 +98,8 @@ class Trainer:
         report: called as ``report(metrics, checkpoint_dir=...)`` on every rank (default: Ray
             Train's, through ``raydlrm.trainers._ray``).
         storage: where the run's checkpoints are stored (for messages).
-        ranks_per_host: ranks per host (``scaling.ranks_per_host``): with towers
-            (``model.towers``) on more than one host, each tower is looked up on its host
-            (:mod:`raydlrm.sharding.towers`); None: one host.
+        topology: the hosts of the ranks (:class:`~raydlrm.sharding.topology.Topology`; None:
+            one host), which :func:`~raydlrm.sharding.shard_model` places the model on.
     """
 
     def __init__(
@@ -112,10 +112,10 @@ class Trainer:
         hooks: Sequence[TrainerHook] | None = None,
         report: ReportFn | None = None,
         storage: str | None = None,
-        ranks_per_host: int | None = None,
+        topology: Topology | None = None,
     ):
         self.spec, self.plan, self.rank = spec, plan, rank
-        self.ranks_per_host = ranks_per_host
+        self.topology = topology
         self.device = torch.device(device)
         torch.set_num_threads(spec.training.torch_threads)
         self.model = self._sharded_model()
@@ -159,23 +159,12 @@ class Trainer:
             embedding_device="meta",
             seed=spec.training.seed,
         )
-        hosts = self.plan.world_size // (self.ranks_per_host or self.plan.world_size)
-        if spec.model.towers is not None and hosts > 1:
-            from raydlrm.sharding.towers import Topology, shard_tower_model, topology_groups
-
-            topology = Topology(hosts, self.plan.world_size // hosts)
-            return shard_tower_model(
-                model,
-                plan=self.plan,
-                config=spec.sharding,
-                device=self.device,
-                groups=topology_groups(topology),
-            )
         return shard_model(
             model,
             plan=self.plan,
             config=spec.sharding,
             device=self.device,
+            topology=self.topology,
             # Columns are features: the data's dedup groups are the model's.
             dedup_groups=spec.data.dedup_groups,
         )
@@ -265,7 +254,6 @@ class Trainer:
             objective = loss + 0.5 * l2 * pooled.float().square().sum() / samples
         self.optimizer.zero_grad(set_to_none=True)
         objective.backward()  # also applies the fused embedding optimizer
-        self.model.embedding_bags.finish_backward()  # towers' modules: their gradients
         self.optimizer.step()
         self.step += 1
         loss = loss.detach()
@@ -457,8 +445,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             f"the sharding plan is for {job.plan.world_size} workers but the job has "
             f"{ctx.world_size}"
         )
-    if job.spec.model.towers is not None and job.ranks_per_host not in (None, ctx.world_size):
-        _ray.check_hosts(job.ranks_per_host, ctx.rank)
+    if job.topology is not None and job.topology.num_hosts > 1:
+        _ray.check_hosts(job.topology, ctx.rank)
     hooks = default_hooks(
         job.spec,
         fault_marker=job.fault_marker,
@@ -473,7 +461,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device=ctx.device,
         hooks=hooks,
         storage=job.run_directory,
-        ranks_per_host=job.ranks_per_host,
+        topology=job.topology,
     )
     with newest_intact(_ray.registered_checkpoint()) as (checkpoint_dir, stored):
         if checkpoint_dir is not None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from raydlrm.ingestion.schema import RowGroup
     from raydlrm.models.embedding import EmbeddingBagConfig
     from raydlrm.sharding.plan import ShardingPlan
+    from raydlrm.sharding.topology import Topology
     from raydlrm.storage import StorageConfig
 
 __all__ = ["SourceDescription", "WorkerJob", "WorkerSpec"]
@@ -103,7 +104,7 @@ class WorkerJob:
         warm_start: another run's checkpoint to start from, or None.
         run_directory: the run's directory in ``run.storage_path`` (the progress file;
             messages).
-        ranks_per_host: ``scaling.ranks_per_host`` (the hosts of towers), or None.
+        topology: the hosts of the workers (``scaling.ranks_per_host``), or None: one host.
     """
 
     spec: WorkerSpec
@@ -116,4 +117,4 @@ class WorkerJob:
     run_storage: StorageConfig | None = None
     warm_start: ray.train.Checkpoint | None = None
     run_directory: str | None = None
-    ranks_per_host: int | None = None
+    topology: Topology | None = None

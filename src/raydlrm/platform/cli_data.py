@@ -1,0 +1,184 @@
+"""``raydlrm data`` (generate a synthetic data set, inspect a data set, cluster one by
+session for RecD) and ``raydlrm config`` (show or validate the resolved config)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from raydlrm.platform._cli_common import (
+    ConfigOption,
+    SetOption,
+    bad_input_errors,
+    config_app,
+    data_app,
+    fail,
+    setup_logging,
+)
+from raydlrm.platform.config import ConfigError, load_config
+from raydlrm.storage import redact
+
+
+@data_app.command("generate")
+def data_generate(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output directory (train/ and eval/ inside). "
+            "Default: the parent of data.train_path."
+        ),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing data set.")] = False,
+) -> None:
+    """Generate the synthetic Criteo-shaped data set the config's data.synthetic section
+    describes."""
+    setup_logging()
+    from raydlrm.ingestion import SyntheticConfig, generate_synthetic
+    from raydlrm.ingestion.synthetic import SyntheticDataExistsError
+
+    try:
+        job = load_config(config, overrides=set_ or [])
+    except ConfigError as e:
+        fail(str(e))
+    synthetic = job.data.synthetic or SyntheticConfig()
+    target = out or Path(job.data.train_path).parent
+    try:
+        info = generate_synthetic(synthetic, out_dir=target, overwrite=overwrite)
+    except SyntheticDataExistsError as e:
+        fail(f"{e.out_dir} holds {e.what}: --overwrite replaces it")
+    rows = f"{info.num_train_rows} train and {info.num_eval_rows} eval rows"
+    auc = f"planted-model eval AUC {info.planted_auc:.4f}"
+    if info.kept:
+        typer.echo(f"{target} already holds this data set ({rows}, {auc}): kept, nothing written")
+    else:
+        typer.echo(f"wrote {rows} to {target} ({auc})")
+
+
+@data_app.command("inspect")
+def data_inspect(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    path: Annotated[
+        str | None,
+        typer.Option("--path", help="The data set to inspect (default: data.train_path)."),
+    ] = None,
+    max_rows: Annotated[
+        int, typer.Option("--max-rows", help="Rows read for the column statistics.")
+    ] = 200_000,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Inspect a data set through the config: files, rows, schema, bad rows, id cardinalities
+    and table use per sparse column, dedup ratio per dedup group, what the file order is
+    correlated with (runs of ids, label drift, time)."""
+    from raydlrm.ingestion.inspect import inspect_data
+
+    try:
+        job = load_config(config, overrides=set_ or [])
+        report = inspect_data(path or job.data.train_path, job.data, max_rows=max_rows)
+    except bad_input_errors() as e:
+        fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    typer.echo(
+        f"{report['path']}: {report['rows']} rows in {report['files']} files "
+        f"({report['row_groups']} row groups); label rate {report['label_rate']:.4f}; "
+        f"{report['bad_rows_in_sample']} bad of {report['sampled_rows']} rows read"
+    )
+    for column, c in report["sparse"].items():
+        typer.echo(
+            f"  {column:<12} table {c['table']:<12} distinct ids {c['distinct_ids']:>9}  "
+            f"table rows used {c['table_rows_used']:>9}/{c['table_size']:<9} "
+            f"mean length {c['mean_length']:.2f}  nulls {c['nulls']}"
+        )
+    for column, c in report["dense"].items():
+        if c["nulls"] or c["non_finite"]:
+            typer.echo(
+                f"  {column:<12} nulls {c['nulls']} ({c['missing_share']:.1%} missing)  "
+                f"non-finite {c['non_finite']}"
+            )
+    for c in report["dense"].values():
+        if c["flag"]:
+            typer.echo(f"  warning: {c['flag']}")
+    for group in report["dedup"]:
+        typer.echo(f"  dedup {'+'.join(group['columns'])}: ratio {group['ratio']:.2f}")
+    r = report["recd"]
+    typer.echo(
+        f"  recd: {r['layout']} layout; dedup factor {r['dedup_factor']:.2f} over all sparse "
+        f"features; user features {'+'.join(r['user_columns']) or 'none'} "
+        f"({r['user_columns_from']}) {r['user_lookup_share']:.1%} of lookups"
+    )
+    typer.echo("  file order:" + ("" if report["file_order"] else " no order found"))
+    for finding in report["file_order"]:
+        typer.echo(f"    {finding['kind']} {finding['message']}")
+
+
+@data_app.command("cluster")
+def data_cluster(
+    out: Annotated[str, typer.Option("--out", help="Directory of the clustered data set.")],
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    path: Annotated[
+        str | None,
+        typer.Option("--path", help="The sample-level data set (default: data.train_path)."),
+    ] = None,
+    columns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--column",
+            help="A sparse column to store once per session (repeatable; default: the "
+            "data.dedup_groups columns, else those constant within sessions).",
+        ),
+    ] = None,
+) -> None:
+    """Convert a sample-level data set to the session-clustered layout (RecD): the user
+    features once per session beside the samples, partitions kept; checks that each session
+    is contiguous and each user column constant within it (data.bad_input = "quarantine"
+    sets such sessions aside)."""
+    setup_logging()
+    from raydlrm.ingestion.clustering import cluster_data
+
+    try:
+        job = load_config(config, overrides=set_ or [])
+        result = cluster_data(
+            path or job.data.train_path, job.data, out=out, session_columns=columns or None
+        )
+    except (*bad_input_errors(), FileExistsError, ValueError) as e:
+        fail(str(e))
+    ratio = result.source_bytes / max(1, result.clustered_bytes)
+    typer.echo(
+        f"wrote {result.num_samples} samples and {result.num_sessions} session rows "
+        f"({'+'.join(result.session_columns)} once per session) in {result.num_files} files to "
+        f"{result.out}; {result.source_bytes:,} -> {result.clustered_bytes:,} bytes "
+        f"({ratio:.2f}x smaller)"
+    )
+    if result.quarantined_sessions:
+        typer.echo(
+            f"set aside {result.quarantined_sessions} sessions ({result.quarantined_samples} "
+            "samples) whose user columns differ within the session"
+        )
+
+
+@config_app.command("show")
+def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Print the fully resolved config (after overrides) as JSON."""
+    try:
+        job = load_config(config, overrides=set_ or [])
+    except ConfigError as e:
+        fail(str(e))
+    typer.echo(json.dumps(redact(job.to_dict()), indent=2))
+
+
+@config_app.command("validate")
+def config_validate(config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Check a config; exit 2 with the offending key if it is invalid."""
+    try:
+        load_config(config, overrides=set_ or [])
+    except ConfigError as e:
+        fail(str(e))
+    typer.echo("config is valid")

@@ -1,0 +1,285 @@
+"""A job's data, read before Ray starts: present (or generated), valid, its file order sampled,
+its dedup groups inferred, and its shape (what the planner costs lookups with)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raydlrm.ingestion import (
+    DataConfig,
+    DataSummary,
+    DataValidationError,
+    generate_synthetic,
+    validate_data,
+)
+from raydlrm.ingestion.order import OrderFinding, order_findings
+from raydlrm.platform.config import BASE_DIR_ENV, ConfigError, JobConfig
+from raydlrm.platform.memory import check_shuffle_window
+from raydlrm.storage import is_remote
+
+__all__ = [
+    "DataShape",
+    "JobData",
+    "data_shape",
+    "prepare_data",
+    "resolve_dedup_groups",
+    "table_stats",
+    "validate_job_data",
+    "warn_file_order",
+]
+
+if TYPE_CHECKING:
+    from raydlrm.sharding.learned_cost import TableStats
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_data(config: JobConfig) -> None:
+    """Generates the configured synthetic data set if ``data.synthetic.generate =
+    "if_missing"`` and ``data.train_path`` does not exist (locally: never on an object store).
+
+    Raises:
+        DataValidationError: ``data.train_path`` is a local path that does not exist (and is
+            not to be generated), naming the key, the resolved path and how to make the
+            synthetic data set the config describes, if it describes one.
+    """
+    data = config.data
+    synthetic = data.synthetic
+    if (
+        synthetic is not None
+        and synthetic.generate == "if_missing"
+        and not is_remote(data.train_path)
+        and not Path(data.train_path).exists()
+    ):
+        root = Path(data.train_path).parent
+        logger.info("generating synthetic data into %s (data.synthetic.generate)", root)
+        generate_synthetic(synthetic, out_dir=root)
+    _check_exists(config, "data.train_path", data.train_path)
+
+
+def _check_exists(config: JobConfig, key: str, path: str | None) -> None:
+    if path and not is_remote(path) and not Path(path).exists():
+        raise DataValidationError(f"{key}: {path} does not exist{_missing_hint(config)}")
+
+
+def _missing_hint(config: JobConfig) -> str:
+    """What a missing data path's error adds: where relative paths went, and how to write the
+    synthetic data set the config describes."""
+    hint = ""
+    if BASE_DIR_ENV in os.environ:
+        hint += f" (relative paths are under {BASE_DIR_ENV}={os.environ[BASE_DIR_ENV]})"
+    if config.data.synthetic is not None:
+        hint += (
+            "; the config's [data.synthetic] describes a synthetic data set: `raydlrm data "
+            "generate` with the same config writes it there (or set data.synthetic.generate "
+            '= "if_missing")'
+        )
+    return hint
+
+
+@dataclass(frozen=True)
+class JobData:
+    """The job's validated data sets."""
+
+    train: DataSummary
+    evaluation: DataSummary | None
+
+
+def validate_job_data(job: JobConfig) -> JobData:
+    """The training and held-out data, generated if synthetic and checked (paths, rows,
+    columns) before anything starts; the training data's file order is sampled for what it is
+    correlated with (a warning each, never an error).
+
+    Raises:
+        DataValidationError: missing or malformed data, named.
+    """
+    prepare_data(job)
+    _check_exists(job, "data.eval_path", job.data.eval_path)
+    data = job.data
+    train = validate_data(data.train_path, data, role="train")
+    check_shuffle_window(job, train)
+    warn_file_order(train, config=data)
+    return JobData(
+        train=train,
+        evaluation=validate_data(data.eval_path, data, role="eval") if data.eval_path else None,
+    )
+
+
+def warn_file_order(summary: DataSummary, *, config: DataConfig) -> None:
+    """A warning per way the training data's file order is correlated with its content (runs
+    of ids, label drift, time) that the reader, as configured, does not mix away, naming the
+    column and the setting; one that it mixes is logged as information. A bounded sample: it
+    reads at most a few tens of row groups' first rows."""
+    alike: dict[tuple[str, str, bool], list[OrderFinding]] = {}
+    for finding in order_findings(summary, config):
+        key = (finding.kind, finding.suggestion, finding.mixed)
+        alike.setdefault(key, []).append(finding)
+    # Findings of one kind with one remedy (every user column of data sorted by user) are one
+    # line: the first one's statistic, every column named.
+    for (_, suggestion, mixed), findings in alike.items():
+        first = findings[0]
+        columns = ", ".join(f.column for f in findings)
+        more = f" (the first; {len(findings)} columns alike)" if len(findings) > 1 else ""
+        log = logger.info if mixed else logger.warning
+        log("training data order: %s: %s%s; %s", columns, first.statistic, more, suggestion)
+
+
+def resolve_dedup_groups(job: JobConfig, data: JobData) -> JobConfig:
+    """``job`` with the dedup group that ``data.dedup = "infer"`` asks for, when
+    ``data.dedup_groups`` is empty: a session-clustered training set's per-session columns, or
+    the sparse columns constant within the sessions of a sample-level one's first rows
+    (:func:`raydlrm.ingestion.dedup.infer_dedup_groups`). Stored in ``data.dedup_groups``, so
+    the plan, the workers, the checkpoints and the model see it: call it after
+    :func:`validate_job_data` and before :func:`make_plan`.
+
+    Raises:
+        ConfigError: nothing to infer (no session column, too few repeated sessions, no
+            constant column), naming ``data.dedup``.
+    """
+    from raydlrm.ingestion.dedup import infer_dedup_groups
+
+    if job.data.dedup != "infer" or job.data.dedup_groups:
+        return job
+    try:
+        groups = infer_dedup_groups(data.train, job.data)
+        return dataclasses.replace(job, data=dataclasses.replace(job.data, dedup_groups=groups))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What the planner's cost model reads off the training data's first rows."""
+
+    rows: int
+    """Rows read."""
+    pooling_factors: dict[str, float]
+    """Table name -> the mean ids per bag of its features."""
+    dedup_ratios: dict[str, float]
+    """Table name -> its dedup group's samples per unique row in a batch (tables of
+    ``data.dedup_groups`` only)."""
+    table_stats: dict[str, TableStats] = dataclasses.field(default_factory=dict)
+    """Table name -> the ids per sample and access histogram of the first batch, for the
+    learned cost model (``sharding.cost_model`` other than ``analytic`` only)."""
+    max_bag_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Table name -> the most ids one sample looks up in it: one per single-id feature, per
+    id-list feature its ``data.sparse_specs.<c>.max_length`` (a longer list is bad input),
+    else the longest list of the rows read. The planner sizes row caches by it, so that a
+    step's rows fit a cache."""
+
+
+def data_shape(job: JobConfig, data: JobData) -> DataShape:
+    """The pooling factor of every table and the dedup ratio of every deduplicated one
+    (:func:`~raydlrm.ingestion.dedup.group_row_ratio` in batches of ``data.batch_size``), read
+    off the training data's first rows (four batches, at least 10,000 rows, at most 100,000):
+    the planner costs lookups and bytes with them. Call it after
+    :func:`resolve_dedup_groups`."""
+    from raydlrm.ingestion.clustered import read_rows
+    from raydlrm.ingestion.dedup import group_row_ratio
+
+    config = job.data
+    table = read_rows(
+        data.train.path,
+        config,
+        columns=list(config.sparse_columns),
+        max_rows=min(max(10_000, 4 * config.batch_size), 100_000),
+    )
+    lengths = {
+        c: _mean_length(table.column(c)) for c in config.sparse_columns if c in table.column_names
+    }
+    pooling = {
+        name: sum(lengths.get(c, 1.0) for c in columns) / len(columns)
+        for name, columns in config.table_columns().items()
+    }
+    ratios = {}
+    for group in config.dedup_groups:
+        ratio = group_row_ratio(table, columns=list(group), batch_size=config.batch_size)
+        logger.info("dedup group %s: %.2f samples per unique row in a batch", group, ratio)
+        ratios.update(
+            (name, ratio)
+            for name, columns in config.table_columns().items()
+            if set(columns) <= set(group)
+        )
+    stats = {}
+    if job.sharding.cost_model != "analytic":
+        stats = table_stats(job, table.slice(0, job.global_batch_size()))
+    declared = {c: s.max_length for c, s in config.sparse_specs.items() if s.max_length}
+    longest = {
+        c: declared[c] if c in declared else _max_length(table.column(c))
+        for c in config.sparse_columns
+        if c in declared or c in table.column_names
+    }
+    bags = {
+        name: sum(longest.get(c, 1) for c in columns)
+        for name, columns in config.table_columns().items()
+    }
+    return DataShape(
+        rows=table.num_rows,
+        pooling_factors=pooling,
+        dedup_ratios=ratios,
+        table_stats=stats,
+        max_bag_sizes=bags,
+    )
+
+
+def table_stats(job: JobConfig, batch: pa.Table) -> dict[str, TableStats]:
+    """Each table's :class:`~raydlrm.sharding.learned_cost.TableStats` in one batch of rows:
+    the ids of its features per row, and how often each distinct id is looked up (raw ids: the
+    hashing into the table's rows merges few of them). A bucket table is not in the raw batch:
+    the planner takes it as looked up uniformly (at most its buckets' rows)."""
+    from raydlrm.sharding.learned_cost import TableStats, histogram_of_counts
+
+    tables = {t.name: t for t in job.worker_spec().tables()}
+    out = {}
+    for name, columns in job.data.table_columns().items():
+        present = [c for c in columns if c in batch.column_names]
+        if not present or not batch.num_rows:
+            continue
+        ids = [_flat_ids(batch.column(c)) for c in present]
+        if len({a.type for a in ids}) > 1:
+            ids = [a.cast(pa.string()) for a in ids]
+        values = pa.concat_arrays(ids).drop_null()
+        counts = pc.value_counts(values).field("counts").to_numpy()
+        t = tables[name]
+        out[name] = TableStats(
+            t.num_embeddings,
+            t.embedding_dim,
+            len(values) / batch.num_rows,
+            histogram_of_counts(counts),
+        )
+    return out
+
+
+def _flat_ids(column: pa.ChunkedArray) -> pa.Array:
+    """A sparse column's ids, its lists flattened."""
+    array = column.combine_chunks()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        return array.flatten()
+    return array
+
+
+def _max_length(column: pa.ChunkedArray) -> int:
+    """Most ids in one row of a sparse column: its longest list, 1 for single ids."""
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return 1
+    longest = pc.max(pc.list_value_length(column)).as_py()
+    return max(1, longest or 0)
+
+
+def _mean_length(column: pa.ChunkedArray) -> float:
+    """Mean ids per row of a sparse column: its lists' mean length (a null list is empty), 1
+    for single ids."""
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return 1.0
+    if column.length() == 0:
+        return 1.0
+    lengths = pc.fill_null(pc.list_value_length(column), 0)
+    return float(pc.mean(lengths).as_py())

@@ -1,0 +1,115 @@
+"""A worker's memory as the driver knows it, before Ray starts: the embedding tables' budget
+(``sharding.memory_budget``) and the shuffle window's share of it."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+
+from raydlrm.ingestion import DataSummary
+from raydlrm.ingestion.reader import WINDOW_COPIES, default_num_actors, window_bytes
+from raydlrm.platform.config import ConfigError, JobConfig
+from raydlrm.platform.ray_init import ray_address
+from raydlrm.sharding import MemoryBudget
+from raydlrm.sharding.plan import format_bytes
+
+__all__ = ["check_shuffle_window", "worker_memory", "worker_memory_budget"]
+
+logger = logging.getLogger(__name__)
+
+
+def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
+    """The bytes of embedding tables each worker may hold (see ``sharding.memory_budget``).
+
+    ``sharding.device_memory_bytes`` when set. Otherwise, with ``sharding.memory_budget =
+    "auto"``: the worker's Ray ``memory`` resource (``scaling.resources_per_worker``), else this
+    machine's memory shared by all ``scaling.num_workers`` workers (a local Ray cluster runs
+    them all here), less ``sharding.worker_overhead_bytes``.
+
+    Returns:
+        The budget and how it was derived; None when the budget is ``off``, or cannot be derived
+        here: GPU workers (tables live in GPU memory) and a remote cluster (its nodes' memory
+        is unknown to this machine), each with a warning.
+
+    Raises:
+        ConfigError: if the derived budget is not positive.
+    """
+    sharding, scaling = job.sharding, job.scaling
+    if sharding.device_memory_bytes is not None:
+        return MemoryBudget(sharding.device_memory_bytes, "sharding.device_memory_bytes")
+    if sharding.memory_budget == "off":
+        return None
+    if scaling.use_gpu:
+        return _no_budget(
+            "the tables live in the workers' GPU memory, which the driver does not know: set "
+            "sharding.device_memory_bytes"
+        )
+    known = worker_memory(job)
+    if known is None:
+        return _no_budget(
+            f"the workers run on the Ray cluster at {ray_address(job)}, whose memory the driver "
+            "does not know: set sharding.device_memory_bytes or scaling.resources_per_worker.memory"
+        )
+    memory, source = known
+    overhead = sharding.worker_overhead_bytes
+    source = f"{source} - {format_bytes(overhead)} overhead"
+    if memory - overhead <= 0:
+        raise ConfigError(
+            f"sharding.memory_budget: no memory left for embedding tables ({source}); lower "
+            "sharding.worker_overhead_bytes or scaling.num_workers, set "
+            "sharding.device_memory_bytes, or sharding.memory_budget = 'off' to plan for other "
+            "machines"
+        )
+    return MemoryBudget(memory - overhead, source)
+
+
+def worker_memory(job: JobConfig) -> tuple[int, str] | None:
+    """A worker's memory as the driver knows it, and how it was derived: its Ray ``memory``
+    resource (``scaling.resources_per_worker``), else this machine's memory shared by all
+    ``scaling.num_workers`` workers (a local Ray cluster runs them all here); None on a remote
+    cluster, whose nodes' memory is unknown here."""
+    scaling = job.scaling
+    if "memory" in scaling.resources_per_worker:
+        memory = int(scaling.resources_per_worker["memory"])
+        return memory, f"{format_bytes(memory)} scaling.resources_per_worker.memory"
+    if ray_address(job) != "local":
+        return None
+    node = psutil.virtual_memory().total
+    return node // scaling.num_workers, (
+        f"{format_bytes(node)} node memory / {scaling.num_workers} workers"
+    )
+
+
+def check_shuffle_window(job: JobConfig, train: DataSummary) -> None:
+    """Refuses a shuffle window (``data.shuffle_window_rows``) whose preprocessing actors
+    would hold over half a worker's memory (:func:`worker_memory`): each actor of a worker's
+    pool reads one window at a time (:func:`~raydlrm.ingestion.reader.window_bytes`).
+
+    Raises:
+        ConfigError: naming the key, the memory it needs and the largest window that fits.
+    """
+    memory = worker_memory(job)
+    if memory is None:
+        return
+    need = window_bytes(train, job.data)  # a footer read: only when there is a budget
+    if not need:
+        return
+    actors = job.data.num_preprocess_actors or default_num_actors()
+    budget, source = memory
+    if need * actors <= budget // 2:
+        return
+    rows = job.data.shuffle_window_rows
+    fits = int(min(rows, train.num_rows) * (budget // 2) / (need * actors))
+    raise ConfigError(
+        f"data.shuffle_window_rows = {rows}: {actors} preprocessing actor(s) per worker would "
+        f"each hold about {format_bytes(need)} of window rows ({WINDOW_COPIES} copies of the "
+        f"rows of {train.path} it mixes), over half a worker's memory ({source}); set it to "
+        f"at most {fits} (0: off), or lower data.num_preprocess_actors"
+    )
+
+
+def _no_budget(why: str) -> None:
+    logger.warning(
+        "no memory budget for the embedding tables: %s (or sharding.memory_budget = 'off')", why
+    )

@@ -1,0 +1,240 @@
+"""What a run continues from, read and checked before Ray starts: the newest checkpoint of a
+run that resumes (whose settings the job must keep) and the warm start's checkpoint (whose
+model the job must be)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray.train
+
+from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri
+from raydlrm.platform.preflight import run_storage
+from raydlrm.platform.tracking import registered_checkpoint
+from raydlrm.sharding import ShardingPlan
+from raydlrm.storage import filesystem_for
+from raydlrm.trainers.checkpoints import STATE_FILE, check_intact, check_state_matches
+
+__all__ = [
+    "WarmStart",
+    "check_resume",
+    "check_warm_start",
+    "model_differences",
+    "resume_differences",
+    "resumed_state",
+    "warm_start_state",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def resumed_state(job: JobConfig, run_name: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint of the run with a readable state (``trainer_state.json``): its
+    path and state; None when the run has none (it starts afresh)."""
+    root, filesystem = run_storage(job)
+    filesystem = filesystem or pafs.LocalFileSystem()
+    selector = pafs.FileSelector(f"{root.rstrip('/')}/{run_name}", allow_not_found=True)
+    checkpoints = sorted(
+        (
+            i.path
+            for i in filesystem.get_file_info(selector)
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+        ),
+        reverse=True,
+    )
+    for path in checkpoints:
+        try:
+            with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:
+                return path, json.loads(f.read())
+        except (OSError, ValueError):
+            continue  # a damaged or partial checkpoint: the workers pass it over too
+    return None
+
+
+def check_resume(
+    job: JobConfig, plan: ShardingPlan, run_name: str, resumed: tuple[str, dict[str, Any]]
+) -> None:
+    """A run that resumes from ``resumed`` (its newest readable checkpoint: path and state)
+    must keep the model and features that checkpoint was trained with.
+
+    Raises:
+        ConfigError: naming the run, the checkpoint and every setting that differs, with both
+            values.
+    """
+    path, state = resumed
+    differences = resume_differences(state, job=job, plan=plan)
+    if differences:
+        raise ConfigError(
+            f"run {run_name} would resume from {path}, trained with other settings: "
+            f"{'; '.join(differences)} (keep the checkpoint's settings to resume, or "
+            "start a new run with another run.name)"
+        )
+
+
+def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingPlan) -> list[str]:
+    """What a checkpoint's ``trainer_state.json`` (``state``) and the job disagree on that a
+    resume cannot change: the model, the dense and sparse columns and their statistics (what
+    a standardized value and a bucket mean), the fused optimizer, the tables (names and
+    shapes; tables that differ alike are named together); one phrase each, with both values."""
+    spec = state["spec"]
+    settings = _model_settings(spec, job=job)
+    for key in ("dense_columns", "sparse_columns"):
+        settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
+    for key in ("dense_stats", "dense_fill_values", "bucket_boundaries"):  # older: may lack
+        settings[f"data.{key}"] = (spec["data"].get(key, {}), getattr(job.data, key))
+    settings.update(_indicator_settings(spec, job=job))
+    settings["sharding.optimizer"] = (spec["sharding"]["optimizer"], job.sharding.optimizer)
+    out = [
+        f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
+        for key, (theirs, mine) in settings.items()
+        if _plain(theirs) != _plain(mine)
+    ]
+    saved = {t["name"]: (t["num_embeddings"], t["embedding_dim"]) for t in state["plan"]["tables"]}
+    ours = {t.name: (t.num_embeddings, t.embedding_dim) for t in plan.tables}
+    gone = [n for n in saved if n not in ours]
+    new = [n for n in ours if n not in saved]
+    if gone:
+        out.append(f"{_names(gone)} {_are(gone)} in the checkpoint but not in the config")
+    if new:
+        out.append(f"{_names(new)} {_are(new)} in the config but not in the checkpoint")
+    reshaped: dict[tuple, list[str]] = {}
+    for n in ours:
+        if n in saved and saved[n] != ours[n]:
+            reshaped.setdefault((saved[n], ours[n]), []).append(n)
+    for ((rows, dim), (rows2, dim2)), names in reshaped.items():
+        out.append(
+            f"{_names(names)}: {rows} x {dim} in the checkpoint, {rows2} x {dim2} in the config"
+        )
+    return out
+
+
+def _indicator_settings(spec: dict[str, Any], *, job: JobConfig) -> dict[str, tuple[Any, Any]]:
+    """The dense columns with a missing indicator (the model's dense input is one wider per
+    column): (the checkpoint's, the job's); a checkpoint of a release before them has none."""
+    data = spec.get("data") or {}
+    specs = data.get("dense_specs") or {}
+    default = data.get("dense_missing_indicator", False)
+    own = {c: (specs.get(c) or {}).get("missing_indicator") for c in data.get("dense_columns", [])}
+    theirs = [c for c, flag in own.items() if (default if flag is None else flag)]
+    mine = job.data.missing_indicator_columns()
+    return {"data.dense_missing_indicator (columns)": (theirs, mine)}
+
+
+def _model_settings(
+    spec: dict[str, Any], *, job: JobConfig, skip: tuple[str, ...] = ()
+) -> dict[str, tuple[Any, Any]]:
+    """``model.<key>``: (the checkpoint's value, the job's) for the model keys both know."""
+    return {
+        f"model.{k}": (v, getattr(job.model, k))
+        for k, v in spec["model"].items()
+        if hasattr(job.model, k) and k not in skip  # a knob of an older release: not compared
+    }
+
+
+def model_differences(
+    state: dict[str, Any], *, job: JobConfig, skip: tuple[str, ...] = ()
+) -> list[str]:
+    """The model settings (but ``skip``) that a checkpoint's state and the job disagree on,
+    one phrase each with both values."""
+    return [
+        f"{key}: {theirs!r} in the checkpoint, {mine!r} in the config"
+        for key, (theirs, mine) in {
+            **_model_settings(state["spec"], job=job, skip=skip),
+            **_indicator_settings(state["spec"], job=job),
+        }.items()
+        if _plain(theirs) != _plain(mine)
+    ]
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more tables"
+
+
+def _are(names: list[str]) -> str:
+    return "is" if len(names) == 1 else "are"
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON has it (tuples as lists), for comparing with a stored one."""
+    return json.loads(json.dumps(value))
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    uri: str
+    """The checkpoint (a registered model's run's, for ``models:/``)."""
+    filesystem: pafs.FileSystem
+    path: str
+    state: dict[str, Any]
+    """Its ``trainer_state.json``."""
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The data config its model was trained with, as stored (statistics, id kinds)."""
+        return self.state["spec"]["data"]
+
+    @property
+    def checkpoint(self) -> ray.train.Checkpoint:
+        if isinstance(self.filesystem, pafs.LocalFileSystem):
+            return ray.train.Checkpoint(self.path)
+        return ray.train.Checkpoint(self.path, filesystem=self.filesystem)
+
+
+def warm_start_state(job: JobConfig) -> WarmStart:
+    """The ``run.warm_start`` checkpoint and its state, read (not yet checked).
+
+    Raises:
+        ConfigError: naming the checkpoint when it cannot be read.
+    """
+    uri = job.run.warm_start
+    assert uri is not None
+    if uri.startswith("models:/"):  # a registered model: its run's final checkpoint
+        try:
+            uri = registered_checkpoint(uri, default_tracking_uri(job.tracking))
+        except ConfigError as exc:
+            raise ConfigError(f"run.warm_start: {exc}") from None
+    try:
+        filesystem, path = filesystem_for(uri, job.run.storage_or(job.data.storage))
+        with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as f:
+            state = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"run.warm_start: {uri} is not a readable training checkpoint ({exc})"
+        ) from None
+    return WarmStart(uri=uri, filesystem=filesystem, path=path, state=state)
+
+
+# Settings of the tower partitioner, not of the model: the towers it made are compared.
+_PARTITIONER_KEYS = ("num_towers", "tower_warmup_steps")
+
+
+def check_warm_start(warm: WarmStart, *, job: JobConfig, plan: ShardingPlan) -> None:
+    """The ``run.warm_start`` checkpoint (:func:`warm_start_state`) checked against the job
+    before the workers load it: it must be intact, hold the job's tables, names and shapes, and
+    fused optimizer, and have been trained with the job's model (its architecture, layers and
+    towers).
+
+    Raises:
+        ConfigError: naming the checkpoint and what does not match.
+    """
+    try:
+        check_state_matches(warm.state, plan, job.sharding.optimizer, source=warm.uri)
+        check_intact(warm.path, filesystem=warm.filesystem)
+    except ValueError as exc:  # CheckpointDamagedError too
+        raise ConfigError(f"run.warm_start: {exc}") from None
+    differences = model_differences(warm.state, job=job, skip=_PARTITIONER_KEYS)
+    if differences:
+        raise ConfigError(
+            f"run.warm_start: {warm.uri} was trained with another model: "
+            f"{'; '.join(differences)} (its weights would load into other layers: warm-start "
+            "from a checkpoint of this model, or train from scratch)"
+        )
+    state = warm.state
+    logger.info(
+        "warm start from %s (step %d, %d workers)", warm.uri, state["step"], state["world_size"]
+    )
