@@ -68,10 +68,11 @@ class ModelConfig:
     features by their interaction strength in a warm-up of the flat model, balanced by
     lookups (``raydlrm.platform.auto_towers``). None: no towers (one flat all-to-all)."""
     num_towers: int = 0
-    """Towers ``"auto"`` makes; 0: one per host."""
+    """Towers ``"auto"`` makes; 0: one per host. Set without ``towers = "auto"``, refused (it
+    would be ignored)."""
     tower_warmup_steps: int = 100
     """Steps of ``data.batch_size`` the flat model trains in the driver before ``"auto"``
-    measures the interactions (on the next batch)."""
+    measures the interactions (on the next batch). ``"auto"`` only, like ``num_towers``."""
     tower_dim: int = 0
     """Each tower module's output width, a multiple of ``embedding_dim``: the tower's pooled
     embeddings and their pairwise dot products projected to it (what crosses hosts). 0: identity

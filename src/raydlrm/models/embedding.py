@@ -40,6 +40,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "QuantizedTable",
+    "check_id_range",
     "init_rows_",
 ]
 
@@ -134,6 +135,43 @@ def init_rows_(
             values[lo - first : hi - first, col_start : col_start + cols]
         )
     return weight
+
+
+def check_id_range(
+    kjt: KeyedJaggedTensor,
+    limits: torch.Tensor,
+    *,
+    table_of: dict[str, EmbeddingBagConfig] | dict[str, str],
+) -> None:
+    """Checks every id of ``kjt`` is a row of its feature's table: in ``[0, limits[f])`` for
+    feature ``f`` (``limits``: one per key, on the ids' device). Each feature's smallest and
+    largest id first (one synchronization when all are in range); the first bad id is then
+    found and named. The one id range check of the unsharded and the sharded collections.
+
+    Raises:
+        ValueError: naming the table (``table_of``: feature -> its table or table name), the
+            feature, the id and the range.
+    """
+    if not kjt.values.numel():
+        return
+    extremes = torch.stack(
+        [
+            torch.stack(torch.aminmax(v)) if v.numel() else v.new_zeros(2)
+            for v in kjt.values.split(kjt.length_per_key().tolist())
+        ]
+    )
+    if not bool(((extremes[:, 0] < 0) | (extremes[:, 1] >= limits)).any()):
+        return
+    per_id = torch.repeat_interleave(limits, kjt.length_per_key(), output_size=kjt.values.numel())
+    pos = int(torch.nonzero((kjt.values < 0) | (kjt.values >= per_id))[0, 0])
+    feature = int(torch.searchsorted(kjt.offset_per_key(), pos, right=True)) - 1
+    key = kjt.keys[feature]
+    table = table_of[key]
+    name = table if isinstance(table, str) else table.name
+    raise ValueError(
+        f"table {name!r} (feature {key!r}): id {int(kjt.values[pos])} not in "
+        f"[0, {int(limits[feature])})"
+    )
 
 
 class QuantizedTable(nn.Module):
@@ -378,6 +416,8 @@ class EmbeddingBagCollection(nn.Module):
         self, kjt: KeyedJaggedTensor, table_of: dict[str, EmbeddingBagConfig]
     ) -> dict[str, torch.Tensor]:
         """Feature -> ``(batch, D)`` pooled vectors of every feature of ``kjt``."""
+        limits = [table_of[f].num_embeddings for f in kjt.keys]
+        check_id_range(kjt, torch.tensor(limits, device=kjt.values.device), table_of=table_of)
         b = kjt.batch_size
         offsets = kjt.offset_per_key()
         pooled = {}
@@ -388,11 +428,6 @@ class EmbeddingBagCollection(nn.Module):
             bag_offsets = torch.zeros(b + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=bag_offsets[1:])
             ids = kjt.values[start:end]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
-                raise ValueError(
-                    f"table {table.name}: ids must be in [0, {table.num_embeddings}), got range "
-                    f"[{int(ids.min())}, {int(ids.max())}]"
-                )
             per_sample = None if kjt.weights is None else kjt.weights[start:end]
             if table.name in self.quantized:
                 # Only the distinct rows looked up are read and dequantized (fp32), then

@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
-from raydlrm.models.embedding import EmbeddingBagCollection
+from raydlrm.models.embedding import EmbeddingBagCollection, check_id_range
 from raydlrm.models.towers import TowerDense, run_towers
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding.config import ShardingConfig
@@ -272,6 +272,7 @@ class ShardedTowerCollection(ShardedTables):
         )
         self.kernel = self.host_tables.kernel
         self._rows = {f: t.num_embeddings for t in ebc.tables for f in t.feature_names}
+        self._table_of = {f: t.name for t in ebc.tables for f in t.feature_names}
         self._layout(ebc, modules, output_widths)
         host_towers = _HostTowers([t for t in towers if t.host == groups.host], modules)
         host_towers = host_towers.to(self._device)
@@ -431,26 +432,13 @@ class ShardedTowerCollection(ShardedTables):
         return _cat_batches(parts), batches
 
     def _check_ids(self, features: KeyedJaggedTensor) -> None:
-        """Raises ValueError naming the table of the first id outside its table (one pass over
-        the ids, one host sync)."""
-        values = features.values
+        """Raises ValueError naming the table of the first id outside its table
+        (:func:`~raydlrm.models.embedding.check_id_range`)."""
         limits = torch.tensor(
             [self._rows.get(k, torch.iinfo(torch.int64).max) for k in features.keys],
-            device=values.device,
+            device=features.values.device,
         )
-        per_id = torch.repeat_interleave(
-            limits, features.length_per_key(), output_size=values.numel()
-        )
-        bad = (values < 0) | (values >= per_id)
-        if not bool(bad.any()):
-            return
-        pos = int(torch.nonzero(bad)[0, 0])
-        key = features.keys[int(torch.searchsorted(features.offset_per_key(), pos, right=True)) - 1]
-        table = next(t.name for t in self.tables if key in t.feature_names)
-        rows = self._rows[key]
-        raise ValueError(
-            f"table {table!r} (feature {key!r}): id {int(values[pos])} not in [0, {rows})"
-        )
+        check_id_range(features, limits, table_of=self._table_of)
 
     # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
 
