@@ -193,6 +193,23 @@ def test_dense_clip_and_standardize_with_stats_computed_once() -> None:
     np.testing.assert_allclose(dense[:, 1], np.log1p(i2), rtol=1e-6)
 
 
+def test_an_int64_dense_column_beyond_float32s_exact_range_is_read_rounded() -> None:
+    """A timestamp as a dense column (int64 seconds, beyond float32's exact integers) is read at
+    float32 precision, by the statistics and the preprocessor alike; the cast once refused it
+    ("Integer value ... not in range")."""
+    raw = _table()
+    seconds = 874_965_478 + 86_400 * np.arange(raw.num_rows, dtype=np.int64)
+    raw = raw.set_column(raw.schema.get_field_index("I1"), "I1", pa.array(seconds))
+    config = _config(dense_specs={"I1": {"transform": "standardize"}})
+    stats = compute_dense_stats([raw], config)
+    x = seconds.astype(np.float32).astype(np.float64)
+    assert stats["I1"] == pytest.approx((x.mean(), x.std()))
+    config = _config(dense_specs={"I1": {"transform": "standardize"}}, dense_stats=stats)
+    dense = Preprocessor(config)(raw).column("dense").combine_chunks().flatten()
+    dense = dense.to_numpy().reshape(-1, 2)[:, 0]
+    np.testing.assert_allclose(dense, (x - x.mean()) / x.std(), rtol=1e-4, atol=1e-4)
+
+
 def test_dense_stats_of_a_parquet_directory(tmp_path) -> None:
     pq.write_table(_table(), tmp_path / "a.parquet")
     pq.write_table(_table([5, 5]), tmp_path / "b.parquet")

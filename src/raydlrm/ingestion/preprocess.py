@@ -513,7 +513,7 @@ class Preprocessor:
                 "a list column needs a list of weights of the same length per row, a single-id "
                 "column one weight per row"
             )
-        floats = values.cast(pa.float32())
+        floats = values.cast(pa.float32(), safe=False)
         if offsets is None:
             return floats
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), floats)
@@ -521,7 +521,9 @@ class Preprocessor:
 
 def dense_values(table: pa.Table | pa.RecordBatch, column: str, *, fill: float = 0.0) -> np.ndarray:
     """The float32 values of dense ``column``, nulls filled with ``fill`` (a writable copy)."""
-    values = pc.fill_null(_single_array(table.column(column)).cast(pa.float32()), fill)
+    # safe=False: integers beyond float32's exact range (a timestamp) are rounded, not refused.
+    values = _single_array(table.column(column)).cast(pa.float32(), safe=False)
+    values = pc.fill_null(values, fill)
     return values.to_numpy(zero_copy_only=False).copy()
 
 

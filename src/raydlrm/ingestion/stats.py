@@ -61,8 +61,9 @@ class TrainingStatistics:
 def _present(batch: pa.RecordBatch | pa.Table, column: str, config: DataConfig) -> np.ndarray:
     """The present (non-null) finite values of dense ``column`` in ``batch`` as float64, read as
     the preprocessor reads them (float32) and clipped."""
-    x = pc.drop_null(batch.column(column)).cast(pa.float32()).to_numpy(zero_copy_only=False)
-    x = x.copy()
+    # safe=False: an int64 column (a timestamp) is read at float32 precision, not refused.
+    x = pc.drop_null(batch.column(column)).cast(pa.float32(), safe=False)
+    x = x.to_numpy(zero_copy_only=False).copy()
     clip_dense(x, column, config)
     return x[np.isfinite(x)].astype(np.float64)
 
