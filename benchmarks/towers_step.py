@@ -1,24 +1,39 @@
 """Disaggregated Multi-Tower on an emulated two-level network (issue 31): training-step time and
-bytes between hosts, a flat sharded collection against towers pinned to hosts.
+bytes between hosts of the model the trainer ships, flat against towers pinned to hosts.
 
 4 gloo ranks as 2 emulated hosts x 2 ranks (``raydlrm._netem.EmulatedHosts``: a network
 namespace per host; ranks of one host talk over its loopback, ranks of different hosts through a
 veth link rate-limited by ``tc``). First, with no limit, the gloo bandwidth of a 32 MB
 send/receive between the two ranks of host 0 (intra-host) is measured; then the link between the
 hosts is set to ``1 / --ratio`` of it and measured the same way (ranks 0 and 2), and both
-variants train side by side (interleaved repeats):
+variants train side by side (interleaved repeats). Both are built and sharded as the trainer
+does (``Trainer._sharded_model``): :func:`raydlrm.models.build_model` (DLRM, tables on the meta
+device) and :func:`raydlrm.sharding.shard_model`:
 
-- ``flat``: :class:`~raydlrm.sharding.ShardedEmbeddingBagCollection` over all 4 ranks (tables
-  table-wise, the planner's placement), the dense top MLP under DDP over all 4;
-- ``dmt``: :class:`~raydlrm.sharding.towers.ShardedTowerCollection`, the features split in two
-  towers (one per host), each tower's tables sharded table-wise over its host's 2 ranks, its
-  module a linear projection to ``1 / --compression`` of the tower's pooled width (data-parallel
-  inside the host), then the same kind of top MLP on the towers' outputs.
+- ``flat``: no towers; ``shard_model(..., topology=None)``: a
+  :class:`~raydlrm.sharding.ShardedEmbeddingBagCollection` over all 4 ranks (the planner's
+  placement, :func:`~raydlrm.sharding.plan_sharding`), the dense DLRM (bottom MLP, dot
+  interaction, top MLP) under DDP over all 4;
+- ``dmt``: ``model.towers`` = two towers of half the features each (tower ``i`` on host ``i``),
+  ``model.tower_dim`` = a tower's pooled width / ``--compression``, rounded to a multiple of
+  ``--dim`` (at least ``--dim``); ``shard_model(..., topology=Topology(2, 2))``, the tower path
+  (:func:`raydlrm.sharding.towers.shard_tower_model`, plan from
+  :func:`raydlrm.sharding.tower_plan.plan_towers`): each tower's tables sharded over its host's
+  2 ranks, its :class:`~raydlrm.models.towers.TowerModule` (the tower's pooled embeddings and
+  their pairwise dot products projected to ``tower_dim``) run on its host but *replicated on
+  every rank*, its gradients all-reduced over all 4 ranks (so across hosts) by a hook after
+  each backward pass, and the dense DLRM on the towers' outputs
+  (:class:`~raydlrm.sharding.towers.TowerOutputsDense`) under DDP over all 4.
 
-A step: the lookups, the top MLP, a BCE loss, the backward with the fused row-wise Adagrad
-update, Adam on the dense part. Bytes between hosts are each host's link counters
-(``/sys/class/net/eth0/statistics/tx_bytes`` inside its namespace, gloo's framing included)
-over the timed steps. Needs root and iproute2 (``raydlrm._netem.available``).
+A step, as ``Trainer.train_step``: ``model.forward_pooled`` on a :class:`raydlrm.batch.Batch`
+(13 dense features, the sparse KJT, labels), a BCE loss, the backward with the fused row-wise
+Adagrad update, Adam on the dense parameters (``model.dense``'s and
+``unwrap_dense(model)``'s: with towers, the tower modules). Bytes between hosts are each host's
+link counters (``/sys/class/net/eth0/statistics/tx_bytes`` inside its namespace, gloo's
+framing and every all-reduce included) over the timed steps; for ``dmt`` the tower
+collection's own counters (``cross_input``, ``cross_forward``, ``cross_backward``) say how
+much of it is ids and tower outputs, the rest being the all-reduces (dense DDP and tower
+modules) and framing. Needs root and iproute2 (``raydlrm._netem.available``).
 
     .venv/bin/python benchmarks/towers_step.py --out /tmp/bench/towers_step.json
 """
@@ -37,12 +52,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 HOSTS, RANKS_PER_HOST = 2, 2
 WORLD = HOSTS * RANKS_PER_HOST
 PORT = 29611
+NUM_DENSE = 13
+SEED = 3
 
 
 def _tables(args):
@@ -57,63 +72,78 @@ def _tables(args):
 
 
 def _batch(args, rank: int, step: int):
-    from raydlrm.batch import KeyedJaggedTensor
+    from raydlrm.batch import Batch, KeyedJaggedTensor
 
     gen = torch.Generator().manual_seed(rank * 1000 + step)
     lengths = torch.randint(1, 2 * args.pooling, (args.tables * args.batch_size,), generator=gen)
     values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=gen)
     keys = [f"f{i}" for i in range(args.tables)]
-    labels = torch.randint(0, 2, (args.batch_size,), generator=gen).float()
-    return KeyedJaggedTensor.from_lengths(keys, values, lengths), labels
+    return Batch(
+        dense=torch.randn(args.batch_size, NUM_DENSE, generator=gen),
+        sparse=KeyedJaggedTensor.from_lengths(keys, values, lengths),
+        labels=torch.randint(0, 2, (args.batch_size,), generator=gen).float(),
+    )
 
 
-def _top(width: int) -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 1))
+def tower_dim(args) -> int:
+    """A tower's pooled width / ``--compression``, rounded to a multiple of ``--dim`` (at least
+    one: ``model.tower_dim`` must be a positive multiple of ``embedding_dim``)."""
+    pooled = args.tables // HOSTS * args.dim
+    return max(1, round(pooled / args.compression / args.dim)) * args.dim
 
 
-def _build(variant: str, args, groups):
-    from raydlrm.models.embedding import EmbeddingBagCollection
-    from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
-    from raydlrm.sharding.towers import ShardedTowerCollection, Tower, plan_towers
+def _model_config(variant: str, args):
+    from raydlrm.models.config import ModelConfig
+
+    sizes = {"embedding_dim": args.dim, "bottom_mlp": [64, args.dim], "top_mlp": [256]}
+    if variant == "flat":
+        return ModelConfig(arch="dlrm", **sizes)
+    half = args.tables // HOSTS
+    towers = [[f"f{i}" for i in range(h * half, (h + 1) * half)] for h in range(HOSTS)]
+    return ModelConfig(arch="dlrm", **sizes, towers=towers, tower_dim=tower_dim(args))
+
+
+def _build(variant: str, args):
+    """The model and its dense optimizer, built and sharded as ``Trainer`` does."""
+    from raydlrm.models import build_model
+    from raydlrm.sharding import ShardingConfig, Topology, plan_sharding, shard_model
+    from raydlrm.sharding.parallelize import unwrap_dense
+    from raydlrm.sharding.tower_plan import plan_towers
+    from raydlrm.sharding.tower_spec import model_towers
+    from raydlrm.sharding.towers import ShardedTowerCollection
 
     tables = _tables(args)
     config = ShardingConfig(optimizer="rowwise_adagrad", learning_rate=0.05)
-    ebc = EmbeddingBagCollection(tables, device="meta")
-    if variant == "flat":
-        plan = plan_sharding(tables, world_size=WORLD, config=config)
-        sparse = ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
-        width = args.tables * args.dim
-    else:
-        half = args.tables // HOSTS
-        towers = [
-            Tower(f"tower{h}", tuple(f"f{i}" for i in range(h * half, (h + 1) * half)), host=h)
-            for h in range(HOSTS)
-        ]
-        out = half * args.dim // args.compression
-        torch.manual_seed(4)
-        modules = {t.name: nn.Linear(half * args.dim, out) for t in towers}
-        plan = plan_towers(tables, towers, groups.topology, config=config)
-        sparse = ShardedTowerCollection(
-            ebc,
-            towers=towers,
-            modules=modules,
-            output_widths={t.name: out for t in towers},
-            plan=plan,
-            config=config,
-            device="cpu",
-            groups=groups,
-        )
-        width = out * HOSTS
-    top = DistributedDataParallel(_top(width))
-    return (
-        sparse,
-        top,
-        torch.optim.Adam(
-            [*top.parameters(), *getattr(sparse, "tower_modules", nn.Module()).parameters()],
-            lr=1e-3,
-        ),
+    model_config = _model_config(variant, args)
+    torch.manual_seed(SEED)  # the same dense (and tower) weights on every rank
+    model = build_model(
+        model_config,
+        tables=tables,
+        num_dense=NUM_DENSE,
+        embedding_device="meta",
+        seed=SEED,
     )
+    if variant == "flat":
+        topology = None
+        plan = plan_sharding(tables, world_size=WORLD, config=config)
+    else:
+        topology = Topology(HOSTS, RANKS_PER_HOST)
+        towers = model_towers(model_config.towers, topology.num_hosts)
+        plan = plan_towers(tables, towers, topology, config=config)
+    model = shard_model(model, plan=plan, config=config, device="cpu", topology=topology)
+    if variant == "dmt" and not isinstance(model.embedding_bags, ShardedTowerCollection):
+        raise RuntimeError(f"shard_model gave {type(model.embedding_bags).__name__}, not towers")
+    # The trainer's dense parameters: model.dense's, and with towers the tower modules, which
+    # unwrap_dense(model) (the unsharded TowerDense) holds.
+    params = {id(p): p for p in [*model.dense.parameters(), *unwrap_dense(model).parameters()]}
+    ddp = sum(p.numel() for p in model.dense.parameters())
+    blocks = getattr(unwrap_dense(model), "blocks", None)
+    shapes = {
+        "ddp_params": ddp,
+        "tower_module_params": 0 if blocks is None else sum(p.numel() for p in blocks.parameters()),
+        "tower_dim": model_config.tower_dim,
+    }
+    return model, torch.optim.Adam(list(params.values()), lr=1e-3), shapes
 
 
 def _link_bytes() -> int:
@@ -138,8 +168,6 @@ def _bandwidth(peer: int, rank: int, size: int = 32 << 20, repeats: int = 3) -> 
 
 
 def worker(args) -> None:
-    from raydlrm.sharding.towers import Topology, topology_groups
-
     torch.set_num_threads(1)
     rank = args.rank
     dist.init_process_group(
@@ -150,27 +178,31 @@ def worker(args) -> None:
         result["intra_gbit"] = _bandwidth(1, rank)
         result["cross_gbit"] = _bandwidth(2, rank)
     else:
-        groups = topology_groups(Topology(HOSTS, RANKS_PER_HOST))
-        variants = {v: _build(v, args, groups) for v in ("flat", "dmt")}
+        variants = {v: _build(v, args) for v in ("flat", "dmt")}
         batches = [_batch(args, rank, s) for s in range(4)]
-        result = {v: {"step_s": [], "link_bytes": [], "module_bytes": []} for v in variants}
-        loss_fn = nn.BCEWithLogitsLoss()
+        result = {
+            v: {"step_s": [], "link_bytes": [], "module_bytes": [], "shapes": shapes}
+            for v, (_, _, shapes) in variants.items()
+        }
 
         def run(name: str, steps: int) -> None:
-            sparse, top, opt = variants[name]
-            for s in range(steps):
-                kjt, labels = batches[s % len(batches)]
-                loss = loss_fn(top(sparse(kjt).values).squeeze(1), labels)
-                opt.zero_grad()
-                loss.backward()
+            model, opt, _ = variants[name]
+            model.train()
+            for s in range(steps):  # Trainer.train_step
+                batch = batches[s % len(batches)]
+                logits, _ = model.forward_pooled(batch)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # also the fused embedding update, and the towers' all-reduce
                 opt.step()
 
         for name in variants:
             run(name, 2)  # warm-up
         for r in range(args.repeats):
             for name in list(variants)[r % 2 :] + list(variants)[: r % 2]:
+                collection = variants[name][0].embedding_bags
                 dist.barrier()
-                sent, before = _link_bytes(), variants[name][0].comm_bytes()
+                sent, before = _link_bytes(), collection.comm_bytes()
                 start = time.perf_counter()
                 run(name, args.steps)
                 dist.barrier()
@@ -178,7 +210,7 @@ def worker(args) -> None:
                 stats = result[name]
                 stats["step_s"].append(elapsed / args.steps)
                 stats["link_bytes"].append((_link_bytes() - sent) / args.steps)
-                after = variants[name][0].comm_bytes()
+                after = collection.comm_bytes()
                 stats["module_bytes"].append(
                     {
                         d: (sum(after[d].values()) - sum(before.get(d, {}).values())) / args.steps
@@ -270,14 +302,35 @@ def main() -> None:
         link = sum(
             statistics.median(ranks[h * RANKS_PER_HOST][name]["link_bytes"]) for h in range(HOSTS)
         )
-        summary[name] = {"step_ms": steps * 1000, "cross_host_bytes_per_step": link}
+        summary[name] = {
+            "step_ms": steps * 1000,
+            "step_ms_repeats": [s * 1000 for s in ranks[0][name]["step_s"]],
+            "cross_host_bytes_per_step": link,
+            **ranks[0][name]["shapes"],
+        }
+        if name == "dmt":
+            # The tower collection's own bytes to the other host (ids, tower outputs, their
+            # gradients), all ranks: the link's rest is the all-reduces and gloo's framing.
+            directions = {
+                d: sum(
+                    statistics.median(m.get(d, 0.0) for m in r[name]["module_bytes"]) for r in ranks
+                )
+                for d in ("cross_input", "cross_forward", "cross_backward")
+            }
+            summary[name]["tower_collection_cross_bytes_per_step"] = directions
+            summary[name]["link_rest_bytes_per_step"] = link - sum(directions.values())
         print(f"{name}: step {steps * 1000:.1f} ms (median of {args.repeats}), "
-              f"{link / 1e6:.2f} MB/step between hosts")  # fmt: skip
+              f"{link / 1e6:.2f} MB/step between hosts, {summary[name]}")  # fmt: skip
     summary["speedup"] = summary["flat"]["step_ms"] / summary["dmt"]["step_ms"]
+    summary["speedup_paired"] = statistics.median(
+        f / d for f, d in zip(ranks[0]["flat"]["step_s"], ranks[0]["dmt"]["step_s"], strict=True)
+    )
     summary["byte_reduction"] = (
         summary["flat"]["cross_host_bytes_per_step"] / summary["dmt"]["cross_host_bytes_per_step"]
     )
-    print(f"dmt: {summary['speedup']:.2f}x faster, {summary['byte_reduction']:.2f}x fewer bytes")
+    print(f"dmt: {summary['speedup']:.2f}x faster (ratio of medians; median of the repeats' "
+          f"ratios {summary['speedup_paired']:.2f}x), "
+          f"{summary['byte_reduction']:.2f}x fewer bytes")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))
 
