@@ -223,8 +223,16 @@ TOWERS = [
         ({"towers": TOWERS}, ("table_wise", "row_wise"), (2, None)),
         # Compressing towers on DCNv2, 2 hosts x 2 ranks -> 2 hosts x 1 rank.
         ({"towers": TOWERS, "tower_dim": 16, "arch": "dcnv2"}, ("row_wise", "table_wise"), (2, 1)),
+        # Compressing towers -> one host, where the dense part runs the tower modules: the
+        # tower run's modules must have trained as the flat model's do (they once were left
+        # out of the dense optimizer when sharded on hosts).
+        ({"towers": TOWERS, "tower_dim": 16}, ("table_wise", "row_wise"), (2, None)),
     ],
-    ids=["identity-to-one-host", "dcnv2-compressed-to-hosts-of-one-rank"],
+    ids=[
+        "identity-to-one-host",
+        "dcnv2-compressed-to-hosts-of-one-rank",
+        "compressed-to-one-host",
+    ],
 )
 def test_towers_on_hosts_reshard_and_continue(
     data_dir: Path, tmp_path: Path, model, types, loaded

@@ -412,8 +412,10 @@ class Trainer:
 
 
 def _dense_optimizer(model: RecModel, config: TrainingConfig) -> torch.optim.Optimizer:
-    """The optimizer of the data-parallel dense parameters (``training.dense_optimizer``)."""
-    params = list(model.dense.parameters())
+    """The optimizer of the dense parameters (``training.dense_optimizer``): the unsharded
+    model's dense part, which with towers on hosts also holds the tower modules the tower
+    collection runs (and syncs) outside the dense side's DDP."""
+    params = list(unwrap_dense(model).parameters())
     if config.dense_optimizer == "adam":
         return torch.optim.Adam(params, lr=config.learning_rate)
     if config.dense_optimizer == "adagrad":
