@@ -413,8 +413,8 @@ class Trainer:
 
 def _dense_optimizer(model: RecModel, config: TrainingConfig) -> torch.optim.Optimizer:
     """The optimizer of the dense parameters (``training.dense_optimizer``): the unsharded
-    model's dense part, which with towers on hosts also holds the tower modules the tower
-    collection runs (and syncs) outside the dense side's DDP."""
+    model's dense part (:func:`~raydlrm.sharding.parallelize.unwrap_dense`), which may hold
+    modules that the sharded collection runs and syncs outside the dense side's DDP."""
     params = list(unwrap_dense(model).parameters())
     if config.dense_optimizer == "adam":
         return torch.optim.Adam(params, lr=config.learning_rate)
