@@ -60,7 +60,7 @@ def _plan(job):
     """The plan training makes: pooling factors and dedup ratios read off the data."""
     from raydlrm.ingestion import validate_data
     from raydlrm.platform.job_data import JobData, data_shape
-    from raydlrm.sharding.planner import plan_sharding
+    from raydlrm.sharding.planner.planners import plan_sharding
 
     summary = validate_data(job.data.train_path, job.data, role="train")
     shape = data_shape(job, JobData(train=summary, evaluation=None))

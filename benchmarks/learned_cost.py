@@ -1,12 +1,12 @@
 """Held-out error of the learned cost model against the analytic form (issue 30, first part).
 
 Reads measured cost samples (Parquet, as ``raydlrm plan --collect N`` or
-:func:`raydlrm.sharding.learned_cost.collect_samples` write them) or collects ``--collect N``
-first; holds out ``--held-out`` of the sets at random; trains the learned model on the first
-``k`` of the rest for each ``k`` of ``--train-sizes`` (a learning curve); and reports on the
-same held-out sets the mean absolute percentage error (MAPE) of the learned model and of the
-analytic form (``seconds = c + bytes / rate`` over the set's tables, fitted by least squares to
-the same training sets), overall and by the number of tables in a set.
+:func:`raydlrm.sharding.planner.learned_cost.collect_samples` write them) or collects
+``--collect N`` first; holds out ``--held-out`` of the sets at random; trains the learned model
+on the first ``k`` of the rest for each ``k`` of ``--train-sizes`` (a learning curve); and
+reports on the same held-out sets the mean absolute percentage error (MAPE) of the learned model
+and of the analytic form (``seconds = c + bytes / rate`` over the set's tables, fitted by least
+squares to the same training sets), overall and by the number of tables in a set.
 
     .venv/bin/python benchmarks/learned_cost.py --samples /tmp/lc_*.parquet \
         --train-sizes 300 1000 3000 --out /tmp/bench/learned_cost.json
@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydlrm.sharding import learned_cost as lc
-from raydlrm.sharding.measure import mape
+from raydlrm.sharding.planner import learned_cost as lc
+from raydlrm.sharding.planner.measure import mape
 
 
 def _by_size(sets: list, predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]:

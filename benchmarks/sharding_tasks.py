@@ -43,18 +43,18 @@ from pathlib import Path
 import numpy as np
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding.comm_samples import time_all_to_all
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.cost import CostConstants, load_constants
-from raydlrm.sharding.learned_cost import (
+from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
+from raydlrm.sharding.planner.comm_samples import time_all_to_all
+from raydlrm.sharding.planner.cost import CostConstants, load_constants
+from raydlrm.sharding.planner.learned_cost import (
     LearnedCostModel,
     SyntheticTable,
     TableStats,
     draw_ids,
     time_tables,
 )
-from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
-from raydlrm.sharding.planner import plan_sharding
+from raydlrm.sharding.planner.planners import plan_sharding
 
 PLANNERS = ("random", "size-greedy", "lookup-greedy", "analytic", "torchrec", "neural")
 

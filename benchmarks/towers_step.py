@@ -18,7 +18,7 @@ device) and :func:`raydlrm.sharding.shard_model`:
   ``model.tower_dim`` = a tower's pooled width / ``--compression``, rounded to a multiple of
   ``--dim`` (at least ``--dim``); ``shard_model(..., topology=Topology(2, 2))``, the tower path
   (:func:`raydlrm.sharding.towers.shard_tower_model`, plan from
-  :func:`raydlrm.sharding.tower_plan.plan_towers`): each tower's tables sharded over its host's
+  :func:`raydlrm.sharding.planner.tower_plan.plan_towers`): each tower's tables sharded over its host's
   2 ranks, its :class:`~raydlrm.models.towers.TowerModule` (the tower's pooled embeddings and
   their pairwise dot products projected to ``tower_dim``) run on its host but *replicated on
   every rank*, its gradients all-reduced over all 4 ranks (so across hosts) by a hook after
@@ -108,7 +108,7 @@ def _build(variant: str, args):
     from raydlrm.models import build_model
     from raydlrm.sharding import ShardingConfig, Topology, plan_sharding, shard_model
     from raydlrm.sharding.parallelize import unwrap_dense
-    from raydlrm.sharding.tower_plan import plan_towers
+    from raydlrm.sharding.planner.tower_plan import plan_towers
     from raydlrm.sharding.tower_spec import model_towers
     from raydlrm.sharding.towers import ShardedTowerCollection
 

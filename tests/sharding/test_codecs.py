@@ -15,7 +15,7 @@ import torch
 
 from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
 from raydlrm.sharding.codecs import CODECS, ColumnBlockCodec, Mx4Codec
-from raydlrm.sharding.cost import wire_bytes_per_vector
+from raydlrm.sharding.sizes import wire_bytes_per_vector
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     GLOBAL_BATCH,

@@ -18,7 +18,7 @@ from raydlrm.batch import DedupGroup, KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
 from raydlrm.sharding._layout import batch_classes
-from raydlrm.sharding.cost import estimate_table_cost
+from raydlrm.sharding.planner.cost import estimate_table_cost
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     TinyModel,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from raydlrm.sharding.learned_cost import (
+from raydlrm.sharding.planner.learned_cost import (
     HISTOGRAM_BINS,
     NUM_FEATURES,
     CostModelError,
@@ -29,7 +29,7 @@ from raydlrm.sharding.learned_cost import (
     stored_samples,
     train_cost_model,
 )
-from raydlrm.sharding.measure import mape
+from raydlrm.sharding.planner.measure import mape
 
 
 def test_table_features_from_a_batch() -> None:
@@ -225,7 +225,7 @@ def test_plan_collects_samples_and_trains_the_model(tmp_path: Path) -> None:
 def test_gpu_workers_costs_are_measured_on_the_gpu() -> None:
     """With the tables in GPU memory: samples timed on the GPU (its kernels waited for), the GPU
     named in the machine; the lookup throughput calibrated there."""
-    from raydlrm.sharding.calibration import CalibrationSizes, calibrate
+    from raydlrm.sharding.planner.calibration import CalibrationSizes, calibrate
 
     samples = collect_samples(
         6, kernel="torch", batch_size=256, seed=5, max_tables=4, repeats=2, device="cuda"

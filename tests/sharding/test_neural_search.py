@@ -9,10 +9,11 @@ import pytest
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.learned_cost import TableStats, collect_samples, train_cost_model
-from raydlrm.sharding.neural_search import NeuralSearch
 from raydlrm.sharding.plan import MemoryBudget, ShardingPlan
-from raydlrm.sharding.planner import BudgetError, plan_sharding
+from raydlrm.sharding.planner.learned_cost import TableStats, collect_samples, train_cost_model
+from raydlrm.sharding.planner.neural_search import NeuralSearch
+from raydlrm.sharding.planner.planners import plan_sharding
+from raydlrm.sharding.planner.request import BudgetError
 
 
 def _lookup_search(dims, pooling, *, world_size, room=None, memory=None):
@@ -131,7 +132,7 @@ def test_table_statistics_from_a_batch_of_the_data() -> None:
 
     from raydlrm.platform.config import load_config
     from raydlrm.platform.job_data import table_stats
-    from raydlrm.sharding.learned_cost import histogram_of_counts
+    from raydlrm.sharding.planner.learned_cost import histogram_of_counts
 
     job = load_config(
         None,

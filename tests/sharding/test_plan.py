@@ -17,8 +17,8 @@ from raydlrm.sharding import (
     TablePlan,
     plan_sharding,
 )
-from raydlrm.sharding.cost import table_memory_bytes
-from raydlrm.sharding.planner import table_cost
+from raydlrm.sharding.planner.planners import table_cost
+from raydlrm.sharding.sizes import table_memory_bytes
 from tests.sharding._fixtures import make_tables
 
 

@@ -12,8 +12,8 @@ import tomllib
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding import MemoryBudget, ShardingConfig, plan_sharding
-from raydlrm.sharding.calibration import CalibrationSizes, calibrate
-from raydlrm.sharding.cost import (
+from raydlrm.sharding.planner.calibration import CalibrationSizes, calibrate
+from raydlrm.sharding.planner.cost import (
     CostConstants,
     estimate_table_cost,
     expected_distinct_rows,

@@ -13,8 +13,8 @@ from raydlrm.batch import KeyedJaggedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.models.quantized import code_bytes_per_row, dequantize_rows, quantize_rows
 from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
-from raydlrm.sharding.cost import table_memory_bytes
 from raydlrm.sharding.quantized import QuantizedRows, rounding_noise, table_key
+from raydlrm.sharding.sizes import table_memory_bytes
 from raydlrm.sharding.tiers import TierError
 
 LEVELS = {"int8": 255, "int4": 15}

@@ -169,7 +169,7 @@ def _reference(sc: dict, plan: ShardingPlan) -> dict:
     """Single-process unsharded run with the fused optimizer's update written in torch.
 
     Row-wise Adagrad on a column-wise table keeps one momentum per row *segment* of each column
-    shard (see raydlrm.sharding.embedding); its reported state is the width-weighted mean.
+    shard (see raydlrm.sharding._embedding_state); its reported state is the width-weighted mean.
     """
     tables = _tables(sc)
     model = TinyModel(tables)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raydlrm.sharding import ShardingConfig, ShardingPlan, plan_sharding
-from raydlrm.sharding.cost import table_memory_bytes
+from raydlrm.sharding.sizes import table_memory_bytes
 from raydlrm.sharding.tiers import TierError, mapped_buffer
 from tests.sharding._fixtures import make_tables
 
@@ -115,7 +115,7 @@ def test_major_page_faults_count_pages_read_from_the_disk(tmp_path: Path) -> Non
 def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> None:
     from raydlrm.models.embedding import EmbeddingBagConfig
     from raydlrm.sharding import MemoryBudget
-    from raydlrm.sharding.planner import BudgetError
+    from raydlrm.sharding.planner.request import BudgetError
 
     def table(name: str, rows: int) -> EmbeddingBagConfig:
         return EmbeddingBagConfig(
@@ -150,7 +150,7 @@ def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> 
 def test_the_plan_costs_ssd_tables_with_their_disk_time_and_spreads_them() -> None:
     from raydlrm.models.embedding import EmbeddingBagConfig
     from raydlrm.sharding import CostConstants, MemoryBudget
-    from raydlrm.sharding.planner import page_cache_hit
+    from raydlrm.sharding.planner.storage import page_cache_hit
 
     tables = [
         EmbeddingBagConfig(

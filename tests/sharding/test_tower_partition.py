@@ -1,7 +1,7 @@
-"""The tower partitioner (:mod:`raydlrm.sharding.tower_partition`) on a planted data set: the
-label depends on products of features inside two hidden groups (and on every feature alone),
-a DLRM trained briefly on it, its interaction strengths measured, and the two towers it makes
-must be the planted groups."""
+"""The tower partitioner (:mod:`raydlrm.sharding.planner.tower_partition`) on a planted data
+set: the label depends on products of features inside two hidden groups (and on every feature
+alone), a DLRM trained briefly on it, its interaction strengths measured, and the two towers it
+makes must be the planted groups."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from raydlrm.batch import KeyedJaggedTensor
 from raydlrm.models.config import ModelConfig
 from raydlrm.models.dlrm import build_model
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding.tower_partition import (
+from raydlrm.sharding.planner.tower_partition import (
     inside_strength,
     interaction_strength,
     partition_towers,

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection
 from raydlrm.sharding import ShardingConfig
+from raydlrm.sharding.planner.tower_plan import plan_towers
 from raydlrm.sharding.topology import Topology, topology_groups
-from raydlrm.sharding.tower_plan import plan_towers
 from raydlrm.sharding.tower_spec import Tower, check_towers
 from raydlrm.sharding.towers import ShardedTowerCollection
 from tests._multiprocess import run_distributed

@@ -20,8 +20,8 @@ from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
 from raydlrm.sharding import plan_sharding
+from raydlrm.sharding.planner.tower_plan import plan_towers
 from raydlrm.sharding.topology import Topology
-from raydlrm.sharding.tower_plan import plan_towers
 from raydlrm.sharding.tower_spec import model_towers
 from raydlrm.trainers.checkpoints import (
     CheckpointReader,

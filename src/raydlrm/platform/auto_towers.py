@@ -3,11 +3,11 @@
 A short warm-up trains the flat model (no towers) in the driver process on the training data's
 first batches (the workers' own step: :class:`~raydlrm.trainers.loop.Trainer` on one rank), then
 measures the pairwise interaction strength of the features on the next batch
-(:func:`~raydlrm.sharding.tower_partition.interaction_strength`) and groups the tables into
+(:func:`~raydlrm.sharding.planner.tower_partition.interaction_strength`) and groups the tables into
 ``model.num_towers`` towers (one per host by default) that keep the most strength inside, each
 within 10% of the mean lookups per step
-(:func:`~raydlrm.sharding.tower_partition.partition_towers`). The job continues with the towers
-written out, so the run's config, checkpoints and MLflow parameters name them. A run that
+(:func:`~raydlrm.sharding.planner.tower_partition.partition_towers`). The job continues with the
+towers written out, so the run's config, checkpoints and MLflow parameters name them. A run that
 resumes, or warm-starts (every ``raydlrm retrain`` slot after the first), takes its checkpoint's
 towers and warms up nothing: its model's tower weights belong to those features.
 
@@ -65,7 +65,7 @@ def resolve_towers(
     position = {f: i for i, f in enumerate(features)}
     units = [[position[c] for c in columns] for columns in tables.values()]
     loads = [shape.pooling_factors.get(name, 1.0) * len(cols) for name, cols in tables.items()]
-    from raydlrm.sharding.tower_partition import inside_strength, partition_towers
+    from raydlrm.sharding.planner.tower_partition import inside_strength, partition_towers
 
     num_towers = model.num_towers or job.topology().num_hosts
     groups = partition_towers(
@@ -129,7 +129,7 @@ def _warm_up_strength(job: JobConfig, data: Any) -> tuple[Any, list[str], int]:
     from raydlrm.ingestion.loader import arrow_to_batch
     from raydlrm.sharding import plan_sharding
     from raydlrm.sharding.parallelize import unwrap_dense
-    from raydlrm.sharding.tower_partition import interaction_strength
+    from raydlrm.sharding.planner.tower_partition import interaction_strength
     from raydlrm.trainers.loop import Trainer
 
     spec = job.worker_spec()

@@ -115,7 +115,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
     """Measures ``n`` cost samples and adds them to the job's samples (``plan --collect``)."""
     import pyarrow.parquet as pq
 
-    from raydlrm.sharding.learned_cost import collect_samples, save_samples
+    from raydlrm.sharding.planner.learned_cost import collect_samples, save_samples
 
     def progress(done: int, total: int) -> None:
         if done == total or done % 50 == 0:
@@ -140,7 +140,7 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
             err=True,
         )
     elif workers > 1:  # the all-to-all of as many gloo processes here as the job has workers
-        from raydlrm.sharding.comm_samples import collect_comm_samples
+        from raydlrm.sharding.planner.comm_samples import collect_comm_samples
 
         comm = collect_comm_samples(
             n, world_size=workers, batch_size=job.global_batch_size(), seed=time.time_ns() % 2**32
@@ -152,9 +152,9 @@ def _collect_cost_samples(job: JobConfig, n: int) -> None:
 
 def _train_cost_model(job: JobConfig) -> None:
     """Trains the learned cost model on the job's samples (``plan --train-cost-model``)."""
-    from raydlrm.sharding.comm_samples import stored_comm_samples
     from raydlrm.sharding.kernel import resolve_kernel
-    from raydlrm.sharding.learned_cost import stored_samples, train_cost_model
+    from raydlrm.sharding.planner.comm_samples import stored_comm_samples
+    from raydlrm.sharding.planner.learned_cost import stored_samples, train_cost_model
 
     kernel, store, batch = (
         resolve_kernel(job.sharding.kernel),

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from raydlrm.sharding.learned_cost import TableStats
+    from raydlrm.sharding.planner.learned_cost import TableStats
 
 logger = logging.getLogger(__name__)
 
@@ -231,11 +231,11 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
 
 
 def table_stats(job: JobConfig, batch: pa.Table) -> dict[str, TableStats]:
-    """Each table's :class:`~raydlrm.sharding.learned_cost.TableStats` in one batch of rows:
+    """Each table's :class:`~raydlrm.sharding.planner.learned_cost.TableStats` in one batch of rows:
     the ids of its features per row, and how often each distinct id is looked up (raw ids: the
     hashing into the table's rows merges few of them). A bucket table is not in the raw batch:
     the planner takes it as looked up uniformly (at most its buckets' rows)."""
-    from raydlrm.sharding.learned_cost import TableStats, histogram_of_counts
+    from raydlrm.sharding.planner.learned_cost import TableStats, histogram_of_counts
 
     tables = {t.name: t for t in job.worker_spec().tables()}
     out = {}

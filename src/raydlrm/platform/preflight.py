@@ -32,7 +32,7 @@ from raydlrm.platform.config import (
 from raydlrm.platform.memory import worker_memory_budget
 from raydlrm.platform.ray_init import ray_address
 from raydlrm.sharding import ShardingPlan, Topology, load_constants
-from raydlrm.sharding.planner import plan_sharding
+from raydlrm.sharding.planner.planners import plan_sharding
 from raydlrm.sharding.tiers import TierError, check_space, ssd_directory
 from raydlrm.storage import filesystem_for, is_remote, join
 from raydlrm.trainers.checkpoints import resume_blocker
@@ -50,7 +50,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from raydlrm.platform.job_data import DataShape
-    from raydlrm.sharding.learned_cost import LearnedCostModel
+    from raydlrm.sharding.planner.learned_cost import LearnedCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def _plan_towers(
 ) -> ShardingPlan:
     """Each host's towers planned over its workers (:func:`raydlrm.sharding.towers.plan_towers`,
     which names the host and its towers when they cannot be planned)."""
-    from raydlrm.sharding.tower_plan import plan_towers
+    from raydlrm.sharding.planner.tower_plan import plan_towers
     from raydlrm.sharding.tower_spec import model_towers
 
     towers = model_towers(config.model.towers, topology.num_hosts)
@@ -233,7 +233,7 @@ def learned_cost_model(job: JobConfig) -> LearnedCostModel | None:
     if choice == "analytic":
         return None
     from raydlrm.sharding.kernel import resolve_kernel
-    from raydlrm.sharding.learned_cost import CostModelError, LearnedCostModel
+    from raydlrm.sharding.planner.learned_cost import CostModelError, LearnedCostModel
 
     path = job.sharding.learned_cost_path
     try:

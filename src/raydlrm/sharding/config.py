@@ -80,16 +80,16 @@ class ShardingConfig:
     """Cost-model constants written by ``raydlrm plan --calibrate``; used when the file exists."""
     cost_samples_path: str = "~/.cache/raydlrm/cost_samples"
     """Directory of the measured cost samples ``raydlrm plan --collect N`` adds to (one Parquet
-    file a collection; see :mod:`raydlrm.sharding.learned_cost`)."""
+    file a collection; see :mod:`raydlrm.sharding.planner.learned_cost`)."""
     learned_cost_path: str = "~/.cache/raydlrm/learned_cost.json"
     """The learned cost model ``raydlrm plan --train-cost-model`` writes (and a ``.safetensors``
     file beside it)."""
     cost_model: Literal["analytic", "neural", "auto"] = "analytic"
     """The cost model the planner searches with. ``analytic``: a rank's cost is the sum of its
-    tables' (:mod:`raydlrm.sharding.cost`, with ``cost_constants_path``). ``neural``: the
+    tables' (:mod:`raydlrm.sharding.planner.cost`, with ``cost_constants_path``). ``neural``: the
     learned model at ``learned_cost_path`` (NeuroShard: a rank's set of tables costed at once,
     from the data's pooling factors and access histograms; greedy-grid and beam search, see
-    :mod:`raydlrm.sharding.neural_search`); an error when it is missing or was trained for
+    :mod:`raydlrm.sharding.planner.neural_search`); an error when it is missing or was trained for
     another kernel or batch size. ``auto``: the learned model when it can be used, else the
     analytic one with a warning naming why."""
     kernel: Kernel = "auto"

@@ -39,55 +39,49 @@ Design choices:
   backward on the same ids and gradients: the update equals the single-process one on the
   global batch, replicas stay bit-identical, and the communication is ``B x D`` per table
   rather than a dense ``rows x D`` all-reduce.
-- *Column-wise row-wise Adagrad.* Row-wise Adagrad keeps one momentum per row, the mean of the
-  row's squared gradients. A column shard only sees its columns, so each shard keeps the
-  momentum of its own row segment (as TorchRec does): the column-wise update is exactly
-  row-wise Adagrad with each shard's row segment as the "row". It equals the unsharded update
-  only when the table has a single column shard. Adagrad and SGD are per element and exact.
-  The width-weighted mean of the segments' momenta is the unsharded definition (mean over the
-  whole row) of the accumulated squared gradients: what a resharded checkpoint loads
-  (:mod:`raydlrm.sharding.state`).
+- *Column-wise row-wise Adagrad.* Each column shard keeps the momentum of its own row
+  segment (as TorchRec does); see :mod:`raydlrm.sharding._embedding_state`.
 
 The TBE's fused optimizer updates the rows in the backward pass: embeddings need no separate
 optimizer step. Ids are checked against their table's size on the rank that sends them, so the
 error names the table and shows up where the bad batch is.
+
+This module holds the collection's construction, routing, lookups and output; by concern, the
+rest is in :mod:`~raydlrm.sharding._embedding_kernels` (each group's TBE, in its memory tier,
+with its cache), :mod:`~raydlrm.sharding._embedding_output` (the output distribution's layout
+and codecs), :mod:`~raydlrm.sharding._embedding_state` (the local shards, optimizer state,
+memory, modified rows, the first values) and :mod:`~raydlrm.sharding._dedup_stats` (what
+deduplication saved).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
-from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
-from raydlrm.models.quantized import code_bytes_per_row
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.sharding._comm import CommBytes, rank_and_world_size
+from raydlrm.sharding._dedup_stats import DedupCounters
+from raydlrm.sharding._embedding_kernels import GroupKernels
+from raydlrm.sharding._embedding_output import output_dist
+from raydlrm.sharding._embedding_state import LocalState
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
-from raydlrm.sharding._layout import LookupUnit, TbeGroup, batch_classes, rank_units, tbe_groups
-from raydlrm.sharding._output_dist import ClassLayout, ColumnRun, OutputDist, column_runs
-from raydlrm.sharding.codecs import ColumnBlockCodec
-from raydlrm.sharding.config import QUANTIZED, ShardingConfig
-from raydlrm.sharding.cost import cache_rows, quantized_cache_rows, wire_bytes_per_vector
+from raydlrm.sharding._layout import LookupUnit, batch_classes, rank_units, tbe_groups
+from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.delta import ModifiedRows
-from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe, resolve_kernel
+from raydlrm.sharding.kernel import resolve_kernel
 from raydlrm.sharding.plan import Shard, ShardingPlan
-from raydlrm.sharding.quantized import QuantizedRows, table_key
-from raydlrm.sharding.row_cache import RowCache
-from raydlrm.sharding.tiers import TierError, mapped_buffer, ssd_directory
+from raydlrm.sharding.tiers import ssd_directory
 from raydlrm.sharding.types import ShardedTables
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 _ROW_SPLIT = ("row_wise", "table_row_wise")
-_INIT_CHUNK_ROWS = 65536
-"""Rows of a quantized shard initialized at once (fp32 rows in memory while it is filled)."""
 
 
 @dataclass
@@ -116,54 +110,7 @@ class _Routed:
         yield from (self.bags.lengths, self.bags.values, self.bags.weights)
 
 
-def _output_codecs(
-    units: list[list[LookupUnit]], config: ShardingConfig, *, kernel: str, num_classes: int
-) -> list[list[ColumnBlockCodec]]:
-    """The codec of the columns of every rank's sharded units of each batch class (per-table
-    precision), with ``kernel``'s operators.
-
-    Raises:
-        ValueError: if ``config.comm_precision_per_table`` names a table with no units.
-    """
-    per_table = config.comm_precision_per_table
-    names = {u.table.name for us in units for u in us}
-    unknown = sorted(set(per_table) - names)
-    if unknown:
-        raise ValueError(f"sharding.comm_precision_per_table names unknown tables {unknown}")
-    replicated = sorted({u.table.name for us in units for u in us if u.replicated} & set(per_table))
-    if replicated:
-        warnings.warn(
-            f"sharding.comm_precision_per_table: data_parallel tables {replicated} have no "
-            "output all-to-all; their gradient all-gather stays fp32",
-            stacklevel=3,
-        )
-    return [
-        [
-            ColumnBlockCodec.from_columns(
-                [
-                    (per_table.get(u.table.name, config.comm_precision), u.dim)
-                    for u in us
-                    if not u.replicated and u.batch_class == c
-                ],
-                kernel=kernel,
-            )
-            for c in range(num_classes)
-        ]
-        for us in units
-    ]
-
-
-def _numel(group: TbeGroup) -> int:
-    """Values of the group's shards."""
-    return sum((s.row_end - s.row_start) * (s.col_end - s.col_start) for _, s in group.shards)
-
-
-def _column_starts(features: list[str], dims: dict[str, int]) -> dict[str, int]:
-    """The first column of each of ``features`` when their columns are side by side."""
-    return dict(zip(features, accumulate((dims[f] for f in features), initial=0), strict=False))
-
-
-class ShardedEmbeddingBagCollection(ShardedTables):
+class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
     """An :class:`EmbeddingBagCollection` sharded across the ranks of ``pg`` by a plan.
 
     Input and output are those of the unsharded collection: a KJT of shape ``(F, B, L[f][b])``
@@ -217,7 +164,6 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             )
         self._device = torch.device(device)
         self._comm_bytes = CommBytes()
-        self._optimizer = config.optimizer
         self.kernel = resolve_kernel(config.kernel)
         self.tables = list(ebc.tables)
         self.feature_names = ebc.feature_names
@@ -238,59 +184,42 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             comm_bytes=self._comm_bytes,
             fbgemm=self.kernel == "fbgemm",
         )
-        self._output = self._output_dist(units, config)
+        self._output = output_dist(
+            units,
+            config,
+            feature_names=self.feature_names,
+            feature_dims=self.feature_dims,
+            class_features=self._class_features,
+            rank=self._rank,
+            kernel=self.kernel,
+            pg=pg,
+            comm_bytes=self._comm_bytes,
+        )
         self._register_feature_buffers()
-        self._dedup = _DedupCounters(self.tables, class_of, units[self._rank], config, self._rank)
-        self._groups = tbe_groups(units[self._rank])
+        self._dedup = DedupCounters(self.tables, class_of, units[self._rank], config, self._rank)
+        self._build_shards(units[self._rank], config, ebc)
+        self._modified: ModifiedRows | None = None
+
+    def _build_shards(
+        self, units: list[LookupUnit], config: ShardingConfig, ebc: EmbeddingBagCollection
+    ) -> None:
+        """The TBE groups of this rank's ``units``, their kernels and caches
+        (:mod:`raydlrm.sharding._embedding_kernels`), filled with the tables' first values."""
+        self._groups = tbe_groups(units)
         self._pieces: list[tuple[EmbeddingBagConfig, Shard]] = [
             p for g in self._groups for p in g.shards
         ]
         self.local_table_configs = [t for t, _ in self._pieces]
-        self._ssd_directory = ssd_directory(config.ssd_path)
-        self._build_tbes(config, seed=ebc.seed)
-        self._init_weights(ebc)
-        self._modified: ModifiedRows | None = None
-
-    def _output_dist(self, units: list[list[LookupUnit]], config: ShardingConfig) -> OutputDist:
-        """The output distribution: per batch class, the output column (or the column among
-        the class's own) of every column of the blocks received (sharded units of every rank,
-        in rank order), then of this rank's replicated units."""
-        dims = dict(zip(self.feature_names, self.feature_dims, strict=True))
-        output = _column_starts(self.feature_names, dims)
-        layouts = []
-        for c, features in enumerate(self._class_features):
-            compact = _column_starts(features, dims)
-
-            def runs(start: dict[str, int], c: int = c) -> list[ColumnRun]:
-                def targets(us: list[LookupUnit]) -> list[int]:
-                    return [
-                        start[u.feature] + col
-                        for u in us
-                        if u.batch_class == c
-                        for col in range(u.shard.col_start, u.shard.col_end)
-                    ]
-
-                return column_runs(
-                    [targets([u for u in us if not u.replicated]) for us in units]
-                    + [targets([u for u in units[self._rank] if u.replicated])]
-                )
-
-            placement = [output[f] + i for f in features for i in range(dims[f])]
-            layouts.append(
-                ClassLayout(
-                    width=len(placement),
-                    runs=runs(output),
-                    compact_runs=runs(compact),
-                    placement=column_runs([placement]),
-                )
-            )
-        return OutputDist(
-            classes=layouts,
-            num_columns=sum(self.feature_dims),
-            codecs=_output_codecs(units, config, kernel=self.kernel, num_classes=len(layouts)),
-            pg=self._pg,
-            comm_bytes=self._comm_bytes,
+        kernels = GroupKernels(
+            kernel=self.kernel,
+            plan=self.plan,
+            optimizer=config.optimizer,
+            device=self._device,
+            ssd_directory=ssd_directory(config.ssd_path),
         )
+        tbes, self._caches = kernels.build(self._groups, config, seed=ebc.seed)
+        self.tbes = nn.ModuleList(tbes)
+        self._init_weights(ebc)
 
     def _register_feature_buffers(self) -> None:
         """Per feature: its table's size (the id check, per batch class) and dim, and whether
@@ -315,235 +244,8 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         self._register("_row_split_mean", torch.tensor(mean, dtype=torch.bool))
         self._register("_feature_dims", torch.tensor(self.feature_dims, dtype=torch.int64))
 
-    def _build_tbes(self, config: ShardingConfig, *, seed: int) -> None:
-        """One TBE per group of this rank's units; an ``ssd`` group's over its mapped files, or
-        over the slots of a DRAM row cache in front of them; a quantized group's over the fp32
-        slots of the cache in front of its quantized rows."""
-        tbes, self._caches = [], []
-        for group in self._groups:
-            if group.precision in QUANTIZED:
-                tbe, cache = self._quantized_group(group, config, seed=seed)
-            else:
-                tbe, cache = self._float_group(group, config)
-            tbes.append(tbe)
-            self._caches.append(cache)
-        self.tbes = nn.ModuleList(tbes)
-
-    def _float_group(
-        self, group: TbeGroup, config: ShardingConfig
-    ) -> tuple[nn.Module, RowCache | None]:
-        """An fp32 / fp16 group's TBE: over its shards' rows (an uncached ``ssd`` group's in
-        mapped files), or over the slots of the DRAM row cache in front of its files."""
-        buffers = self._tier_buffers(group, config)
-        cached = buffers is not None and config.ssd_cache_load_factor > 0
-        rows = [
-            cache_rows(
-                s.row_end - s.row_start,
-                load_factor=config.ssd_cache_load_factor,
-                min_rows=config.ssd_cache_min_rows,
-                step_rows=self._step_rows(t.name),
-            )
-            if cached
-            else s.row_end - s.row_start
-            for t, s in group.shards
-        ]
-        tbe = self._build_tbe(
-            group, config, rows=rows, precision=group.precision, buffers=None if cached else buffers
-        )
-        return tbe, self._row_cache(group, tbe, buffers) if cached else None
-
     def _register(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.to(self._device), persistent=False)
-
-    def _build_tbe(
-        self,
-        group: TbeGroup,
-        config: ShardingConfig,
-        *,
-        rows: list[int],
-        precision: str,
-        buffers: dict[str, torch.Tensor] | None,
-    ) -> nn.Module:
-        """The group's TBE of ``rows`` rows per table: the shards' rows (in ``buffers`` if
-        given: an uncached ``ssd`` group's mapped files), or the slots of its cache."""
-        return build_tbe(
-            self.kernel,
-            tables=[
-                TableSpec(rows=n, dim=s.col_end - s.col_start)
-                for n, (_, s) in zip(rows, group.shards, strict=True)
-            ],
-            feature_table_map=group.feature_table_map,
-            optimizer=config.optimizer,
-            learning_rate=config.learning_rate,
-            eps=config.eps,
-            pooling=group.pooling,
-            precision=precision,
-            device=self._device,
-            buffers=buffers,
-        )
-
-    def _check_tier_device(self, group: TbeGroup) -> None:
-        if group.placement != "dram" and self._device.type != "cpu":
-            raise TierError(
-                f"tables {[t.name for t, _ in group.shards]}: placement {group.placement!r} is "
-                f"for CPU workers; this worker's device is {self._device}"
-            )
-
-    def _group_buffer(self, group: TbeGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat zeroed buffer of the group: mapped from a file for ``ssd``, else on the
-        worker's device."""
-        if group.placement == "dram":
-            return torch.zeros(numel, dtype=dtype, device=self._device)
-        names = [t.name for t, _ in group.shards]
-        return mapped_buffer(self._ssd_directory, numel, dtype, tables=names)
-
-    def _tier_buffers(
-        self, group: TbeGroup, config: ShardingConfig
-    ) -> dict[str, torch.Tensor] | None:
-        """The host buffers of an ``ssd`` group, mapped from files (see
-        :mod:`raydlrm.sharding.tiers`): its weights, and Adagrad's per-weight state (row-wise
-        Adagrad's per-row state stays in memory); None for a ``dram`` group."""
-        if group.placement == "dram":
-            return None
-        self._check_tier_device(group)
-        numel = _numel(group)
-        buffers = {"weights": self._group_buffer(group, numel, WEIGHT_DTYPES[group.precision])}
-        if config.optimizer == "adagrad":
-            buffers["momentum1"] = self._group_buffer(group, numel, torch.float32)
-        return buffers
-
-    def _row_cache(
-        self,
-        group: TbeGroup,
-        tbe: nn.Module,
-        backing: dict[str, torch.Tensor],
-    ) -> RowCache:
-        """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`): the TBE's
-        weights are its slots, ``backing`` the mapped files of the whole shards."""
-        return self._cache(group, tbe, self._split_rows(backing["weights"], group), backing)
-
-    def _cache(
-        self,
-        group: TbeGroup,
-        tbe: nn.Module,
-        rows: list[torch.Tensor | QuantizedRows],
-        backing: dict[str, torch.Tensor],
-        *,
-        too_small: str = "sharding.ssd_cache_min_rows (or ssd_cache_load_factor)",
-    ) -> RowCache:
-        """A :class:`RowCache` whose slots are ``tbe``'s weights and whose rows are ``rows``;
-        Adagrad's per-weight state of the rows in ``backing["momentum1"]``, row-wise Adagrad's
-        in memory."""
-        slot_states = row_states = None
-        if self._optimizer != "sgd":
-            slot_states = [states[0] for states in tbe.split_optimizer_states()]
-            if self._optimizer == "rowwise_adagrad":  # one float per row: in memory
-                row_states = [
-                    torch.zeros(sh.row_end - sh.row_start, device=self._device)
-                    for _, sh in group.shards
-                ]
-            else:
-                row_states = self._split_rows(backing["momentum1"], group)
-        return RowCache(
-            [t.name for t, _ in group.shards],
-            slots=list(tbe.split_embedding_weights()),
-            slot_states=slot_states,
-            rows=rows,
-            row_states=row_states,
-            unit_tables=group.feature_table_map,
-            too_small=too_small,
-        )
-
-    def _step_rows(self, table: str) -> int:
-        """The most rows of ``table`` a step can look up, as planned (0: unknown); see
-        :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`."""
-        return self.plan.table(table).step_rows
-
-    def _quantized_group(
-        self, group: TbeGroup, config: ShardingConfig, *, seed: int
-    ) -> tuple[nn.Module, RowCache]:
-        """A quantized group's fp32 TBE over the slots of the cache (see :mod:`.quantized`) in
-        front of its quantized rows: in memory (``dram``) or in mapped files (``ssd``)."""
-        self._check_tier_device(group)
-        slots = [
-            quantized_cache_rows(
-                s.row_end - s.row_start,
-                load_factor=config.cache_load_factor_of(t.name),
-                step_rows=self._step_rows(t.name),
-            )
-            for t, s in group.shards
-        ]
-        tbe = self._build_tbe(group, config, rows=slots, precision="fp32", buffers=None)
-        rows: list[torch.Tensor | QuantizedRows] = []
-        for t, s in group.shards:
-            n, cols = s.row_end - s.row_start, s.col_end - s.col_start
-            width = code_bytes_per_row(cols, group.precision)
-            rows.append(
-                QuantizedRows(
-                    self._group_buffer(group, n * width, torch.uint8).view(n, width),
-                    self._group_buffer(group, n * 2, torch.float16).view(n, 2),
-                    precision=group.precision,
-                    dim=cols,
-                    key=table_key(seed, t.name),
-                    row_start=s.row_start,
-                    col_start=s.col_start,
-                )
-            )
-        backing = {}
-        if config.optimizer == "adagrad":
-            backing["momentum1"] = self._group_buffer(group, _numel(group), torch.float32)
-        return tbe, self._cache(
-            group,
-            tbe,
-            rows,
-            backing,
-            too_small="sharding.cache_load_factor (or cache_load_factor_per_table)",
-        )
-
-    @staticmethod
-    def _split_rows(flat: torch.Tensor, group: TbeGroup) -> list[torch.Tensor]:
-        """Per-table ``(rows, cols)`` views of a group's flat buffer, in TBE order."""
-        views, start = [], 0
-        for _, sh in group.shards:
-            rows, cols = sh.row_end - sh.row_start, sh.col_end - sh.col_start
-            views.append(flat[start : start + rows * cols].view(rows, cols))
-            start += rows * cols
-        return views
-
-    @torch.no_grad()
-    def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
-        """Fills this rank's shards: copied from ``ebc``'s tables, or, for tables on the meta
-        device, created from ``ebc.seed`` block by block (:func:`init_rows_`), so no rank ever
-        holds more than its shards and every rank's rows equal the unsharded ones. Quantized
-        shards are filled :data:`_INIT_CHUNK_ROWS` rows at a time, rounded to nearest."""
-        shards = self.local_shards()
-        configs = {t.name: t for t in self.tables}
-
-        def fill(target: torch.Tensor, name: str, row_start: int, col_start: int) -> None:
-            source = ebc.weights[name]
-            if source.device.type == "meta":
-                init_rows_(
-                    target,
-                    table=configs[name],
-                    seed=ebc.seed,
-                    row_start=row_start,
-                    col_start=col_start,
-                )
-            else:
-                rows, cols = target.shape
-                target.copy_(
-                    source.detach()[row_start : row_start + rows, col_start : col_start + cols]
-                )
-
-        for name, weight in self.local_tables().items():
-            s = shards[name]
-            if not isinstance(weight, QuantizedRows):
-                fill(weight, name, s.row_start, s.col_start)
-                continue
-            for lo in range(0, weight.shape[0], _INIT_CHUNK_ROWS):
-                chunk = torch.empty(min(_INIT_CHUNK_ROWS, weight.shape[0] - lo), weight.dim)
-                fill(chunk, name, s.row_start + lo, s.col_start)
-                weight.assign(chunk, start=lo)
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         """Cumulative bytes this rank sent to other ranks (counted from shapes, no sync).
@@ -555,113 +257,6 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             backward bytes). Empty with a world size of 1.
         """
         return self._comm_bytes.as_dict()
-
-    def local_tables(self) -> dict[str, torch.Tensor]:
-        """Views of this rank's shard of each of its tables (one shard per table per rank).
-
-        Returns:
-            Table name -> ``(row_end - row_start, col_end - col_start)`` weights of the shard
-            (see :meth:`local_shards`); a data-parallel table's full replica.
-        """
-        tables = {}
-        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
-            if cache is not None:  # the whole shard is in the file once the cache is flushed
-                cache.flush()
-                tables.update(cache.rows())
-            else:
-                tables.update(
-                    (t.name, w)
-                    for (t, _), w in zip(group.shards, tbe.split_embedding_weights(), strict=True)
-                )
-        return tables
-
-    def ssd_tables(self) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
-        """This rank's ``ssd`` shards, as they are (no flush): table name -> (the rows in the
-        file, (distinct ids found in the DRAM cache, distinct ids looked up) so far, or None
-        for a table without a cache)."""
-        out = {}
-        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
-            if cache is not None and group.placement == "ssd":
-                hits = cache.hit_rates()
-                out.update(
-                    (name, (rows.codes if isinstance(rows, QuantizedRows) else rows, hits[name]))
-                    for name, rows in cache.rows().items()
-                )
-            elif group.placement == "ssd":
-                views = tbe.split_embedding_weights()
-                out.update(
-                    (t.name, (w, None)) for (t, _), w in zip(group.shards, views, strict=True)
-                )
-        return out
-
-    def local_shards(self) -> dict[str, Shard]:
-        """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
-        return {t.name: s for t, s in self._pieces}
-
-    def weight_precisions(self) -> dict[str, str]:
-        """Table name -> its ``sharding.weights_precision``, every table."""
-        return dict(self._precisions)
-
-    def memory_bytes(self) -> int:
-        """Bytes of memory (DRAM or the device's) this rank's tables hold: the kernels'
-        weights and optimizer state (the slots of a cache), quantized rows with their scales,
-        caches' bookkeeping and the rows' state in memory; not what lives in mapped files."""
-        total = 0
-        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
-            in_files = group.placement == "ssd" and cache is None
-            if not in_files:
-                tensors = list(tbe.split_embedding_weights())
-                tensors += [x for states in tbe.split_optimizer_states() for x in states]
-                total += sum(x.numel() * x.element_size() for x in tensors)
-            if cache is not None:
-                total += cache.memory_bytes(rows_in_memory=group.placement == "dram")
-        return total
-
-    def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
-        """Per quantized table of this rank: (distinct ids found in its fp32 cache, distinct
-        ids looked up) so far."""
-        out = {}
-        for group, cache in zip(self._groups, self._caches, strict=True):
-            if cache is not None and group.precision in QUANTIZED:
-                out.update(cache.hit_rates())
-        return out
-
-    def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
-        """Fused optimizer state of this rank's shards (views).
-
-        Returns:
-            Table name -> state tensors of the local shard: row-wise Adagrad one ``(rows,)``
-            tensor (the momentum of the shard's row segments), Adagrad one ``(rows, cols)``
-            tensor, SGD none.
-        """
-        states: dict[str, list[torch.Tensor]] = {}
-        for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
-            if cache is not None:
-                cache.flush()
-                states.update(cache.row_states())
-                continue
-            split = tbe.split_optimizer_states() or [[] for _ in group.shards]
-            states.update({t.name: list(s) for (t, _), s in zip(group.shards, split, strict=True)})
-        return states
-
-    def track_modified_rows(self) -> None:
-        """Starts flagging the rows training steps look up (one byte per row of the rank's
-        shards; differential checkpoints, :mod:`raydlrm.sharding.delta`)."""
-        if self._modified is None:
-            self._modified = ModifiedRows(self._groups, self._device)
-
-    def modified_rows(self) -> dict[str, torch.Tensor]:
-        """Table name -> the shard-local rows training steps looked up since
-        :meth:`clear_modified_rows` (a data-parallel table's: on any rank); every rank must
-        call."""
-        if self._modified is None:
-            raise RuntimeError("modified rows are not tracked: call track_modified_rows() first")
-        replicated = {t.name for t in self.plan.tables if t.sharding_type == "data_parallel"}
-        return self._modified.rows(replicated=replicated, pg=self._pg)
-
-    def clear_modified_rows(self) -> None:
-        if self._modified is not None:
-            self._modified.clear()
 
     def _check_ids(self, kjt: KeyedJaggedTensor, batch_class: int) -> None:
         """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
@@ -813,75 +408,3 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         beyond what they sent in the pooled output all-to-all and its gradient with a row per
         sample)."""
         return self._dedup.stats()
-
-
-class _DedupCounters:
-    """What deduplication saved on one rank (see
-    :meth:`ShardedEmbeddingBagCollection.dedup_stats`).
-
-    Args:
-        tables: every table of the collection.
-        class_of: each feature's batch class.
-        units: this rank's units.
-        config: the codecs of the output all-to-all.
-        rank: this rank.
-    """
-
-    def __init__(
-        self,
-        tables: list[EmbeddingBagConfig],
-        class_of: dict[str, int],
-        units: list[LookupUnit],
-        config: ShardingConfig,
-        rank: int,
-    ) -> None:
-        self._rank = rank
-        self._table_of = {f: t.name for t in tables for f in t.feature_names}
-        self._class_of_table = {
-            t.name: class_of[t.feature_names[0]] for t in tables if class_of[t.feature_names[0]]
-        }
-        self._row_bytes: dict[str, int] = defaultdict(int)  # table -> its units' bytes per row
-        for u in units:
-            if u.batch_class and not u.replicated:
-                precision = config.comm_precision_per_table.get(u.table.name, config.comm_precision)
-                self._row_bytes[u.table.name] += wire_bytes_per_vector(u.dim, precision=precision)
-        self._rows: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # class -> [B, U]
-        self._rows_not_sent: dict[int, int] = defaultdict(int)  # class -> rows
-        self._ids_saved: dict[str, int] = defaultdict(int)
-
-    def count(
-        self,
-        batch_class: int,
-        kjt: KeyedJaggedTensor,
-        inverse: torch.Tensor,
-        batch_sizes: list[list[int]],
-    ) -> None:
-        """Counts one batch's dedup group: its unique rows ``kjt`` and ``inverse``, and the
-        rows of every rank (``batch_sizes[0]`` samples, ``batch_sizes[batch_class]`` unique
-        rows)."""
-        rows = self._rows[batch_class]
-        rows[0] += inverse.numel()
-        rows[1] += kjt.batch_size
-        lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size)
-        repeats = torch.bincount(inverse, minlength=kjt.batch_size) - 1
-        for key, n in zip(kjt.keys, (lengths * repeats).sum(dim=1).tolist(), strict=True):
-            self._ids_saved[self._table_of[key]] += int(n)
-        self._rows_not_sent[batch_class] += sum(
-            b - u
-            for r, (b, u) in enumerate(zip(batch_sizes[0], batch_sizes[batch_class], strict=True))
-            if r != self._rank
-        )
-
-    def stats(self) -> dict[str, dict[str, float]]:
-        stats = {}
-        for table, c in self._class_of_table.items():
-            samples, unique = self._rows.get(c, (0, 0))
-            if not samples:  # no batch has carried the group yet
-                continue
-            stats[table] = {
-                "ratio": samples / max(unique, 1),
-                "lookups_saved": float(self._ids_saved[table]),
-                # the pooled rows and, the same size, their gradient
-                "a2a_bytes_saved": 2.0 * self._rows_not_sent[c] * self._row_bytes[table],
-            }
-        return stats

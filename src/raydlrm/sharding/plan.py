@@ -47,7 +47,7 @@ class TablePlan:
         shards: the pieces of the table and their ranks, at most one per rank; for
             ``data_parallel`` one full-table replica per rank.
         cost: estimated seconds per step of the table's lookups and communication, all shards
-            together (see :mod:`raydlrm.sharding.cost`).
+            together (see :mod:`raydlrm.sharding.planner.cost`).
         memory_bytes: worker memory of its weights plus fused optimizer state, in bytes (for
             an ``ssd`` table, the optimizer state kept in memory only).
         placement: where its weights live: ``dram`` or ``ssd`` (a file on each worker's
@@ -122,11 +122,12 @@ class ShardingPlan:
         tables: one :class:`TablePlan` per table.
         memory_budget: the per-rank budget the planner kept to; None if it had none.
         page_cache_hit: the share of the ``ssd`` tables' touched rows the planner's costs
-            assume the page cache holds (see :func:`raydlrm.sharding.planner.page_cache_hit`);
-            None without ``ssd`` tables.
+            assume the page cache holds (see
+            :func:`raydlrm.sharding.planner.storage.page_cache_hit`); None without ``ssd``
+            tables.
         cost_model: the cost model the planner searched with: ``analytic`` (a rank's cost is
             the sum of its tables') or ``learned`` (NeuroShard's, a rank's set of tables at
-            once; :mod:`raydlrm.sharding.neural_search`).
+            once; :mod:`raydlrm.sharding.planner.neural_search`).
         predicted_seconds: with the learned model, each rank's predicted step seconds (its
             fused lookups, forward and backward, plus its all-to-all transfer); None otherwise.
     """

@@ -52,7 +52,7 @@ from raydlrm.sharding.embedding import ShardedEmbeddingBagCollection
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows
 from raydlrm.sharding.topology import Topology, TopologyGroups, topology_groups
-from raydlrm.sharding.tower_plan import host_config, host_plan, host_tables
+from raydlrm.sharding.tower_hosts import host_config, host_plan, host_tables
 from raydlrm.sharding.tower_spec import Tower, check_towers
 from raydlrm.sharding.types import ShardedTables
 
@@ -213,7 +213,8 @@ class _ReplicaGradients:
 class ShardedTowerCollection(ShardedTables):
     """An :class:`EmbeddingBagCollection` split into towers pinned to hosts (see the module
     docstring), a :class:`~raydlrm.sharding.types.ShardedTables` whose plan covers every rank
-    (:func:`plan_towers`): checkpoints save and load its shards as any collection's.
+    (:func:`~raydlrm.sharding.planner.tower_plan.plan_towers`): checkpoints save and load its
+    shards as any collection's.
 
     Input: a KJT of this rank's ``B`` samples (``B`` may differ across ranks) holding every
     feature of every table (a batch's dedup groups are expanded into it). Output: a
@@ -229,7 +230,8 @@ class ShardedTowerCollection(ShardedTables):
             every module with the same seed (the ranks of a tower's host keep it, under data
             parallelism over the host).
         output_widths: tower name -> its module's output width (a tower with a module).
-        plan: where every table lives, over every rank (:func:`plan_towers`).
+        plan: where every table lives, over every rank
+            (:func:`~raydlrm.sharding.planner.tower_plan.plan_towers`).
         config: as for :class:`ShardedEmbeddingBagCollection`.
         device: ``cpu`` or a CUDA device.
         groups: this rank's :class:`TopologyGroups`.

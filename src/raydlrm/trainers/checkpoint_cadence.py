@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from raydlrm.ingestion.reader import EpochProgress
-from raydlrm.sharding.cost import stored_row_bytes
+from raydlrm.sharding.sizes import stored_row_bytes
 from raydlrm.storage import scratch_directory
 from raydlrm.trainers._dist import all_gather_object, all_reduce_scalar, sum_over_ranks
 from raydlrm.trainers.checkpoints import (

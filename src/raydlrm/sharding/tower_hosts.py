@@ -1,8 +1,7 @@
-"""Planning towers pinned to hosts (:mod:`raydlrm.sharding.towers`): each host's tables
-planned over the host's ranks, as one plan over every rank, and each host's part of it.
-
-The planner's side of Disaggregated Multi-Tower; the collection that runs such a plan is
-:class:`~raydlrm.sharding.towers.ShardedTowerCollection`.
+"""Each host's part of towers pinned to hosts (:mod:`raydlrm.sharding.towers`): its tables, its
+config, and its part of a plan over every rank. The planner
+(:mod:`raydlrm.sharding.planner.tower_plan`) plans each host's tables with them; the collection
+(:class:`~raydlrm.sharding.towers.ShardedTowerCollection`) builds each host's.
 """
 
 from __future__ import annotations
@@ -13,12 +12,11 @@ from typing import Any
 
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
-from raydlrm.sharding.plan import ShardingPlan, TablePlan
-from raydlrm.sharding.planner import plan_sharding
+from raydlrm.sharding.plan import ShardingPlan
 from raydlrm.sharding.topology import Topology
-from raydlrm.sharding.tower_spec import Tower, check_towers
+from raydlrm.sharding.tower_spec import Tower
 
-__all__ = ["host_config", "host_plan", "host_tables", "plan_towers"]
+__all__ = ["host_config", "host_plan", "host_tables", "only_tables"]
 
 
 def host_tables(
@@ -29,53 +27,7 @@ def host_tables(
     return [t for t in tables if features & set(t.feature_names)]
 
 
-def plan_towers(
-    tables: Sequence[EmbeddingBagConfig],
-    towers: Sequence[Tower],
-    topology: Topology,
-    *,
-    config: ShardingConfig,
-    **planner: Any,
-) -> ShardingPlan:
-    """Plans each host's tables over the host's ranks (:func:`~raydlrm.sharding.plan_sharding`
-    with ``planner``'s arguments and a world of ``ranks_per_host``) and returns one plan over
-    every rank: host ``h``'s local rank ``i`` is rank ``h * ranks_per_host + i``.
-
-    Raises:
-        ValueError: bad towers (:func:`check_towers`), or a host's tables that cannot be
-            planned (naming the host and its towers).
-    """
-    check_towers(towers, tables, topology.num_hosts)
-    planned: dict[str, TablePlan] = {}
-    plans = []
-    for h in range(topology.num_hosts):
-        mine = host_tables(tables, towers, h)
-        names = {t.name for t in mine}
-        try:
-            plan = plan_sharding(
-                mine,
-                world_size=topology.ranks_per_host,
-                config=host_config(config, names, topology, h),
-                **{k: _only(v, names) for k, v in planner.items()},
-            )
-        except ValueError as e:  # e.g. a table beyond the host's workers' memory
-            here = [t.name for t in towers if t.host == h]
-            raise ValueError(f"host {h} (towers {here}): {e}") from None
-        offset = topology.host_ranks(h)[0]
-        for t in plan.tables:
-            shards = [dataclasses.replace(s, rank=s.rank + offset) for s in t.shards]
-            planned[t.name] = dataclasses.replace(t, shards=shards)
-        plans.append(plan)
-    return ShardingPlan(
-        world_size=topology.world_size,
-        tables=[planned[t.name] for t in tables],
-        memory_budget=plans[0].memory_budget,
-        page_cache_hit=plans[0].page_cache_hit,
-        cost_model=plans[0].cost_model,
-    )
-
-
-def _only(value: Any, names: set[str]) -> Any:
+def only_tables(value: Any, names: set[str]) -> Any:
     """A dict keyed by table names restricted to ``names``; anything else as it is."""
     if isinstance(value, dict):
         return {k: v for k, v in value.items() if k in names}
@@ -104,7 +56,7 @@ def host_config(
             )
         pinned[name] = [r - ranks[0] for r in pins]
     changes = {
-        f.name: _only(getattr(config, f.name), names)
+        f.name: only_tables(getattr(config, f.name), names)
         for f in dataclasses.fields(config)
         if f.name.endswith("_per_table") or f.name in ("pinned_types", "placement")
     }
@@ -113,7 +65,8 @@ def host_config(
 
 
 def host_plan(plan: ShardingPlan, topology: Topology, host: int) -> ShardingPlan:
-    """The part of a plan over every rank (:func:`plan_towers`) on ``host``'s ranks, numbered
+    """The part of a plan over every rank
+    (:func:`~raydlrm.sharding.planner.tower_plan.plan_towers`) on ``host``'s ranks, numbered
     from 0 inside the host.
 
     Raises:

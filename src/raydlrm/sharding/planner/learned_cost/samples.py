@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from raydlrm.sharding.learned_cost.features import NUM_FEATURES, CostModelError, TableStats
-from raydlrm.sharding.measure import check_device, machine_description, synchronize
+from raydlrm.sharding.planner.learned_cost.features import NUM_FEATURES, CostModelError, TableStats
+from raydlrm.sharding.planner.measure import check_device, machine_description, synchronize
 
 __all__ = [
     "SyntheticTable",
@@ -112,8 +112,8 @@ def time_tables(
     """Median seconds of a fused TBE forward + backward (row-wise Adagrad, fp32) of ``tables``
     (anything with ``rows`` and ``dim``) on ``device`` looking up ``batches`` (ids and bag
     lengths, one per table), after one warm-up (on a GPU: until its kernels finish)."""
-    from raydlrm.sharding.calibration import timed_tbe
     from raydlrm.sharding.kernel import TableSpec
+    from raydlrm.sharding.planner.calibration import timed_tbe
 
     tbe = timed_tbe(kernel, [TableSpec(t.rows, t.dim) for t in tables], device=device)
     indices = torch.from_numpy(np.concatenate([ids for ids, _ in batches])).to(device)

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from raydlrm.sharding.comm_samples import CommCostModel, CommCostNet
-from raydlrm.sharding.learned_cost.features import NUM_FEATURES, CostModelError, TableStats
-from raydlrm.sharding.measure import machine_description
+from raydlrm.sharding.planner.comm_samples import CommCostModel, CommCostNet
+from raydlrm.sharding.planner.learned_cost.features import NUM_FEATURES, CostModelError, TableStats
+from raydlrm.sharding.planner.measure import machine_description
 
 __all__ = ["LearnedCostModel", "SetCostNet", "padded_features"]
 

@@ -1,6 +1,6 @@
 """A learned compute cost model of a rank's embedding tables (NeuroShard, Zha et al., MLSys 2023).
 
-The analytic cost model (:mod:`raydlrm.sharding.cost`) charges a rank the sum of its tables'
+The analytic cost model (:mod:`raydlrm.sharding.planner.cost`) charges a rank the sum of its tables'
 times. A fused kernel's time is not that sum: tables share one launch, one sort of the ids and
 one backward pass, and how many distinct rows a batch touches (the access distribution) decides
 how much of them the caches serve. NeuroShard learns the cost of a *set* of tables instead:
@@ -26,11 +26,11 @@ model beside that of the analytic model's form (a sum of the tables' bytes looke
 throughput, plus a constant, fitted to the same training samples), so the two are compared on
 the same sets.
 
-By concern: :mod:`~raydlrm.sharding.learned_cost.features` (a table's features),
-:mod:`~raydlrm.sharding.learned_cost.samples` (measuring and storing samples),
-:mod:`~raydlrm.sharding.learned_cost.model` (the net and the trained model, saved and loaded),
-:mod:`~raydlrm.sharding.learned_cost.training` (training and held-out errors). The names load
-lazily (``raydlrm._lazy``).
+By concern: :mod:`~raydlrm.sharding.planner.learned_cost.features` (a table's features),
+:mod:`~raydlrm.sharding.planner.learned_cost.samples` (measuring and storing samples),
+:mod:`~raydlrm.sharding.planner.learned_cost.model` (the net and the trained model, saved and
+loaded), :mod:`~raydlrm.sharding.planner.learned_cost.training` (training and held-out errors).
+The names load lazily (``raydlrm._lazy``).
 """
 
 from __future__ import annotations

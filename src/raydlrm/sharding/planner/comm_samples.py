@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from raydlrm.sharding.measure import machine_description, mape
+from raydlrm.sharding.planner.measure import machine_description, mape
 from raydlrm.storage import scratch_directory
 
 __all__ = [

@@ -1,12 +1,12 @@
 """NeuroShard's search of a sharding plan with the learned cost model (Zha et al., MLSys 2023).
 
-The learned compute model (:class:`~raydlrm.sharding.learned_cost.LearnedCostModel`) costs a
+The learned compute model (:class:`~raydlrm.sharding.planner.learned_cost.LearnedCostModel`) costs a
 rank's set of tables as ``head(sum of the tables' latents)``; the search keeps each rank's latent
 sum and evaluates the head on all ranks (and all thresholds) at once in numpy, so a placement
 step is one small matrix product. A plan's predicted cost is ``max over ranks of compute +
 max over ranks of the all-to-all transfer``: each rank waits in the all-to-all for the slowest
 rank's lookups, then the transfer its dim sum sets (the communication model,
-:class:`~raydlrm.sharding.comm_samples.CommCostModel`).
+:class:`~raydlrm.sharding.planner.comm_samples.CommCostModel`).
 
 * :meth:`NeuralSearch.table_wise` (**greedy grid**): pieces in order of their predicted cost
   alone, largest first, each on the rank whose predicted compute after placing it is lowest,

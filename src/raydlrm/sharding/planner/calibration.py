@@ -1,4 +1,5 @@
-"""Calibration of the cost model: measures :class:`~raydlrm.sharding.cost.CostConstants` here.
+"""Calibration of the cost model: measures
+:class:`~raydlrm.sharding.planner.cost.CostConstants` here.
 
 :func:`calibrate` times micro-benchmarks on this machine: TBE forward + backward passes (the
 lookup throughput of the DRAM tier), a 2-process gloo all-to-all (comm bandwidth and latency)
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raydlrm.sharding.cost import CostConstants
+from raydlrm.sharding.planner.cost import CostConstants
 
 __all__ = ["CalibrationSizes", "calibrate", "timed_tbe"]
 
@@ -107,7 +108,7 @@ def calibrate(
 def _measure_lookups(sizes: CalibrationSizes, *, kernel: str, device: str) -> _Measurement:
     """The lookup throughput of the kernel ``kernel`` resolves to, on ``device``."""
     from raydlrm.sharding.kernel import resolve_kernel
-    from raydlrm.sharding.measure import check_device
+    from raydlrm.sharding.planner.measure import check_device
 
     check_device(device)
     resolved = resolve_kernel(kernel)
@@ -188,7 +189,7 @@ def _lookup_rate(
     import torch
 
     from raydlrm.sharding.kernel import TableSpec
-    from raydlrm.sharding.measure import synchronize
+    from raydlrm.sharding.planner.measure import synchronize
 
     gen = torch.Generator().manual_seed(0)
     volumes, seconds = [], []

@@ -1,4 +1,4 @@
-"""Training a :class:`~raydlrm.sharding.learned_cost.model.LearnedCostModel` on measured
+"""Training a :class:`~raydlrm.sharding.planner.learned_cost.model.LearnedCostModel` on measured
 samples, and judging it on held-out sets beside the analytic model's form fitted to the same
 training sets (:func:`fit_analytic`).
 """
@@ -11,11 +11,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from raydlrm.sharding.comm_samples import train_comm_model
-from raydlrm.sharding.learned_cost.features import CostModelError
-from raydlrm.sharding.learned_cost.model import LearnedCostModel, SetCostNet, padded_features
-from raydlrm.sharding.learned_cost.samples import sample_sets, with_device
-from raydlrm.sharding.measure import mape
+from raydlrm.sharding.planner.comm_samples import train_comm_model
+from raydlrm.sharding.planner.learned_cost.features import CostModelError
+from raydlrm.sharding.planner.learned_cost.model import (
+    LearnedCostModel,
+    SetCostNet,
+    padded_features,
+)
+from raydlrm.sharding.planner.learned_cost.samples import sample_sets, with_device
+from raydlrm.sharding.planner.measure import mape
 
 __all__ = ["fit_analytic", "train_cost_model"]
 
@@ -83,8 +87,8 @@ def train_cost_model(
 ) -> LearnedCostModel:
     """Trains a :class:`LearnedCostModel` on measured samples, keeping ``held_out`` of them
     (at random; 0: none) to report its error and the analytic form's on the same sets; and,
-    given ``comm_samples`` (:func:`~raydlrm.sharding.comm_samples.collect_comm_samples`), its
-    all-to-all model (:func:`~raydlrm.sharding.comm_samples.train_comm_model`).
+    given ``comm_samples`` (:mod:`~raydlrm.sharding.planner.comm_samples`'s
+    ``collect_comm_samples``), its all-to-all model (:func:`train_comm_model`).
 
     Raises:
         CostModelError: fewer than 10 samples, or samples of more than one kernel, batch size,

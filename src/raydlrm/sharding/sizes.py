@@ -1,0 +1,155 @@
+"""Sizes of an embedding table's storage: bytes in memory and on disk, rows of its caches, and
+bytes of a pooled vector on the wire.
+
+What the planner charges (:mod:`raydlrm.sharding.planner.cost`) and what the sharded collection
+allocates (:mod:`raydlrm.sharding.embedding`) read the same numbers from here. Memory: ``N * D``
+weights at their precision (4 bytes fp32, 2 bytes fp16) plus the fp32 optimizer state
+(row-wise Adagrad one float per row, Adagrad one per weight, SGD none); an ``int8`` / ``int4``
+table holds ``D`` (``D / 2``) bytes of codes and 4 of scale and bias per row, its optimizer
+state, and its fp32 cache (``cache_load_factor`` of the rows, each with its state and
+:data:`CACHE_SLOT_BYTES` of bookkeeping).
+"""
+
+from __future__ import annotations
+
+import math
+
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.models.quantized import QUANTIZED_BITS, code_bytes_per_row
+
+__all__ = [
+    "CACHE_SLOT_BYTES",
+    "FP32_BYTES",
+    "LOOKUP_BYTES",
+    "cache_rows",
+    "quantized_cache_rows",
+    "quantized_row_bytes",
+    "stored_row_bytes",
+    "table_disk_bytes",
+    "table_memory_bytes",
+    "wire_bytes_per_vector",
+    "wire_row_overhead",
+]
+
+FP32_BYTES = 4
+"""Bytes of an fp32 value (optimizer state is always fp32)."""
+LOOKUP_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4}
+"""Bytes a lookup reads per weight, by weights precision (quantized: lookups of the fp32 cache)."""
+_QUANTIZED_PARAM_BYTES = 4  # an fp16 scale and bias per row
+CACHE_SLOT_BYTES = 33
+"""Bookkeeping of one slot of a quantized table's cache: its row and last step (int64 each),
+its dirty flag, and the sorted index of the slots' rows (two int64)."""
+_SSD_CACHE_SLOT_BYTES = 16  # its row and last step; the slot of each row is counted per row
+# (bytes per value, bytes per row, bytes per block of _WIRE_BLOCK values) on the wire of each
+# codec in :mod:`raydlrm.sharding.codecs` (a row's values round up to whole bytes; mx4: 4-bit
+# codes and an exponent byte per 32 values); kept here so a dry-run plan does not import torch.
+_WIRE = {
+    "fp32": (4, 0, 0),
+    "fp16": (2, 0, 0),
+    "bf16": (2, 0, 0),
+    "fp8": (1, 4, 0),
+    "int8": (1, 8, 0),
+    "mx4": (0.5, 0, 1),
+}
+_WIRE_BLOCK = 32
+
+
+def wire_bytes_per_vector(dim: int, *, precision: str = "fp32") -> int:
+    """Bytes of one pooled ``dim``-vector on the wire with codec ``precision``."""
+    per_value, per_row, per_block = _WIRE[precision]
+    return math.ceil(dim * per_value) + per_row + per_block * -(-dim // _WIRE_BLOCK)
+
+
+def wire_row_overhead(precision: str) -> int:
+    """Bytes a row coded ``precision`` carries beyond its values' on the wire: its per-row
+    scales, plus at most one more partial block's for the block codecs (mx4)."""
+    return _WIRE[precision][1] + _WIRE[precision][2]
+
+
+def cache_rows(rows: int, *, load_factor: float, min_rows: int, step_rows: int = 0) -> int:
+    """Rows of the DRAM cache of an ``ssd`` table (shard) of ``rows`` rows: ``load_factor``
+    of them, at least ``min_rows`` and the most rows a step can look up (``step_rows``,
+    :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`), at most all; 0 when ``load_factor``
+    is 0 (no cache) (``sharding.ssd_cache_load_factor``, ``ssd_cache_min_rows``)."""
+    if load_factor <= 0:
+        return 0
+    return min(rows, max(math.ceil(load_factor * rows), min_rows, step_rows))
+
+
+def quantized_cache_rows(rows: int, *, load_factor: float, step_rows: int = 0) -> int:
+    """Rows of the fp32 cache of an ``int8`` / ``int4`` table (shard) of ``rows`` rows:
+    ``load_factor`` of them (``sharding.cache_load_factor``), at least one, and at least the
+    most rows a step can look up (``step_rows``, at most all: every step fits)."""
+    return max(1, math.ceil(load_factor * rows), min(rows, step_rows))
+
+
+def quantized_row_bytes(dim: int, precision: str) -> int:
+    """Bytes of one stored ``int8`` / ``int4`` row: its codes and its scale and bias."""
+    return code_bytes_per_row(dim, precision) + _QUANTIZED_PARAM_BYTES
+
+
+def stored_row_bytes(dim: int, *, precision: str, optimizer: str) -> int:
+    """Bytes of one row's weights at ``precision`` (a quantized row: its codes, scale and
+    bias) plus its fused optimizer state (always fp32)."""
+    state = {"rowwise_adagrad": FP32_BYTES, "adagrad": dim * FP32_BYTES, "sgd": 0}[optimizer]
+    if precision in QUANTIZED_BITS:
+        return quantized_row_bytes(dim, precision) + state
+    return dim * LOOKUP_BYTES[precision] + state
+
+
+def table_memory_bytes(
+    table: EmbeddingBagConfig,
+    *,
+    optimizer: str,
+    weights_precision: str = "fp32",
+    placement: str = "dram",
+    cache_rows: int = 0,
+) -> int:
+    """Bytes of worker memory the table takes: its weights plus its fused optimizer state
+    (always fp32); for an ``ssd`` table only what stays in memory: row-wise Adagrad's one float
+    per row (a per-weight state goes to disk with the weights) and, with a DRAM row cache of
+    ``cache_rows`` rows, the cached rows with their state, plus 4 bytes per row and 16 per
+    cached row of bookkeeping. A quantized table: its rows (codes, scale and bias; on disk for
+    ``ssd``), its optimizer state as above, and its fp32 cache of ``cache_rows`` rows with
+    their state and :data:`CACHE_SLOT_BYTES` each.
+
+    Args:
+        table: the table.
+        optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
+            ``sgd`` (no state).
+        weights_precision: ``fp32`` (4 bytes per weight), ``fp16`` (2), ``int8`` or ``int4``.
+        placement: ``dram`` or ``ssd``.
+        cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`), or of a
+            quantized table's fp32 cache (:func:`quantized_cache_rows`).
+    """
+    rows, dim = table.num_embeddings, table.embedding_dim
+    state_per_row = {"rowwise_adagrad": FP32_BYTES, "adagrad": dim * FP32_BYTES, "sgd": 0}
+    state = state_per_row[optimizer]
+    row_state_in_memory = rows * FP32_BYTES if optimizer == "rowwise_adagrad" else 0
+    if weights_precision in QUANTIZED_BITS:
+        cache = cache_rows * (dim * FP32_BYTES + state + CACHE_SLOT_BYTES)
+        if placement == "ssd":
+            return row_state_in_memory + cache
+        return (
+            rows * stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer) + cache
+        )
+    row_bytes = stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer)
+    if placement != "ssd":
+        return rows * row_bytes
+    in_memory = row_state_in_memory
+    if cache_rows:
+        in_memory += rows * FP32_BYTES + cache_rows * (row_bytes + _SSD_CACHE_SLOT_BYTES)
+    return in_memory
+
+
+def table_disk_bytes(
+    table: EmbeddingBagConfig, *, optimizer: str, weights_precision: str = "fp32"
+) -> int:
+    """Bytes of local disk an ``ssd`` table takes: its weights (a quantized table's codes,
+    scales and biases), and a per-weight optimizer state (Adagrad's) beside them."""
+    weights = table.num_embeddings * table.embedding_dim
+    state = weights * FP32_BYTES if optimizer == "adagrad" else 0
+    if weights_precision in QUANTIZED_BITS:
+        stored = table.num_embeddings * quantized_row_bytes(table.embedding_dim, weights_precision)
+        return stored + state
+    return weights * LOOKUP_BYTES[weights_precision] + state
