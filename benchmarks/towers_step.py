@@ -18,8 +18,8 @@ device) and :func:`raydlrm.sharding.shard_model`:
   ``model.tower_dim`` = a tower's pooled width / ``--compression``, rounded to a multiple of
   ``--dim`` (at least ``--dim``); ``shard_model(..., topology=Topology(2, 2))``, the tower path
   (:func:`raydlrm.sharding.towers.shard_tower_model`, plan from
-  :func:`raydlrm.sharding.planner.tower_plan.plan_towers`): each tower's tables sharded over its host's
-  2 ranks, its :class:`~raydlrm.models.towers.TowerModule` (the tower's pooled embeddings and
+  :func:`raydlrm.sharding.planner.tower_plan.plan_towers`): each tower's tables sharded over its
+  host's 2 ranks, its :class:`~raydlrm.models.towers.TowerModule` (the tower's pooled embeddings and
   their pairwise dot products projected to ``tower_dim``) run on its host but *replicated on
   every rank*, its gradients all-reduced over all 4 ranks (so across hosts) by a hook after
   each backward pass, and the dense DLRM on the towers' outputs

@@ -278,6 +278,7 @@ def test_auto_towers_warm_up_a_sample_sized_model_when_the_tables_do_not_fit_the
         {
             "data": {
                 "train_path": str(tmp_path / "data" / "train"),
+                "eval_path": None,
                 "batch_size": 64,
                 "table_size": 2_000_000,  # 26 tables x 2M rows x 16 x 4 B: 3.1 GiB
                 "table_sizes": {"C3": 1_000_000},
@@ -352,6 +353,7 @@ def test_auto_towers_of_a_warm_start_keep_its_towers_and_its_statistics(tmp_path
         {
             "data": {
                 "train_path": str(tmp_path / "data" / "train"),
+                "eval_path": None,
                 "dense_specs": {"I1": {"transform": "standardize"}},
             },
             "model": {"towers": "auto"},

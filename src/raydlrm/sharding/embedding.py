@@ -64,7 +64,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
-from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.models.embedding import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    check_id_range,
+)
 from raydlrm.sharding._comm import CommBytes, rank_and_world_size
 from raydlrm.sharding._dedup_stats import DedupCounters
 from raydlrm.sharding._embedding_kernels import GroupKernels
@@ -226,6 +230,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         it is a mean bag of a row-split table (pooled as sums by the shards, divided after the
         exchange); each class's features' positions."""
         table_of = {f: t for t in self.tables for f in t.feature_names}
+        self._table_names = {f: t.name for f, t in table_of.items()}
         row_split = {t.name for t in self.plan.tables if t.sharding_type in _ROW_SPLIT}
         position = {f: i for i, f in enumerate(self.feature_names)}
         for c, features in enumerate(self._class_features):
@@ -259,28 +264,10 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         return self._comm_bytes.as_dict()
 
     def _check_ids(self, kjt: KeyedJaggedTensor, batch_class: int) -> None:
-        """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``."""
-        limit = getattr(self, f"_limits{batch_class}")
-        # Each feature's smallest and largest id (cheaper than comparing every id with its
-        # feature's limit); one synchronization.
-        extremes = torch.stack(
-            [
-                torch.stack(torch.aminmax(v)) if v.numel() else v.new_zeros(2)
-                for v in kjt.values.split(kjt.length_per_key().tolist())
-            ]
-        )
-        if not bool(((extremes[:, 0] < 0) | (extremes[:, 1] >= limit)).any()):
-            return
-        limits = torch.repeat_interleave(
-            limit, kjt.length_per_key(), output_size=kjt.values.numel()
-        )
-        pos = int(torch.nonzero((kjt.values < 0) | (kjt.values >= limits))[0, 0])
-        feature = int(torch.searchsorted(kjt.offset_per_key(), pos, right=True)) - 1
-        name = next(t.name for t in self.tables if kjt.keys[feature] in t.feature_names)
-        raise ValueError(
-            f"table {name!r} (feature {kjt.keys[feature]!r}): id {int(kjt.values[pos])} "
-            f"not in [0, {int(limit[feature])})"
-        )
+        """Raises ValueError naming the table of the first id outside ``[0, num_embeddings)``
+        (:func:`~raydlrm.models.embedding.check_id_range`)."""
+        limits = getattr(self, f"_limits{batch_class}")
+        check_id_range(kjt, limits, table_of=self._table_names)
 
     def _lookup(self, bags: LocalBags) -> list[torch.Tensor]:
         """Pooled vectors of this rank's units of each batch class, ``(global rows of the
