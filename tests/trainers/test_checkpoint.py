@@ -348,7 +348,7 @@ def test_int8_tables_resume_reshard_and_convert(data_dir: Path, tmp_path: Path, 
         torch.testing.assert_close(
             a[0]["after"]["state"][key], b[0]["after"]["state"][key], atol=5e-3, rtol=0
         )
-    with caplog.at_level(logging.INFO, logger="raydlrm.sharding.state"):
+    with caplog.at_level(logging.INFO, logger="raydlrm.sharding.embedding_checkpoint"):
         c = [_load(0, 1, str(data_dir), ckpt, "column_wise", "rowwise_adagrad")]
         d = [_load(0, 1, str(data_dir), ckpt, "table_wise+int4", "rowwise_adagrad")]
     assert "the checkpoint holds it in int8 (column blocks" in caplog.text

@@ -176,7 +176,8 @@ def check_id_range(
 
 class QuantizedTable(nn.Module):
     """An ``int8`` / ``int4`` table held as it was trained and saved (see
-    :mod:`raydlrm.models.quantized`; saved as :mod:`raydlrm.sharding.state` says), in three buffers:
+    :mod:`raydlrm.models.quantized`; saved as :mod:`raydlrm.sharding.embedding_checkpoint`
+    says), in three buffers:
 
     * ``codes``: ``(num_embeddings, embedding_dim * bits / 8)`` uint8; block ``k``'s codes at
       byte columns ``[start_k * bits / 8, end_k * bits / 8)`` (``int4``: two a byte, the even

@@ -133,7 +133,8 @@ def dequantize_blocks(
     blocks: list[tuple[int, int]],
     precision: str,
 ) -> torch.Tensor:
-    """fp32 rows of a checkpoint's quantized table (see :mod:`raydlrm.sharding.state`): the
+    """fp32 rows of a checkpoint's quantized table (see
+    :mod:`raydlrm.sharding.embedding_checkpoint`): the
     column blocks ``blocks`` (the saving plan's column shards) each quantized with their own
     scale and bias, ``params[:, 2k : 2k + 2]`` for block ``k``, their codes side by side; on
     the codes' device (an exported model moved to a GPU looks up its rows there)."""

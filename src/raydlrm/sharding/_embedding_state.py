@@ -9,7 +9,8 @@ of its own row segment (as TorchRec does): the column-wise update is exactly row
 with each shard's row segment as the "row". It equals the unsharded update only when the table
 has a single column shard. Adagrad and SGD are per element and exact. The width-weighted mean
 of the segments' momenta is the unsharded definition (mean over the whole row) of the
-accumulated squared gradients: what a resharded checkpoint loads (:mod:`raydlrm.sharding.state`).
+accumulated squared gradients: what a resharded checkpoint loads
+(:mod:`raydlrm.sharding.embedding_checkpoint`).
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from raydlrm.models.quantized import block_code_columns, dequantize_rows, quantize_rows
 from raydlrm.sharding._layout import TbeGroup
 from raydlrm.sharding.config import QUANTIZED
+from raydlrm.sharding.embedding_checkpoint import column_blocks
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.quantized import QuantizedRows
-from raydlrm.sharding.state import column_blocks
 from raydlrm.sharding.types import ShardedTables
 
 __all__ = [

@@ -10,8 +10,8 @@ reads them.
 
 :class:`~raydlrm.sharding.embedding.ShardedEmbeddingBagCollection` derives from
 :class:`ShardedTables`, which runs the forward pass and the prefetching; checkpoints
-(:mod:`raydlrm.sharding.state`), the telemetry (:mod:`raydlrm.sharding.telemetry`) and the
-training loop use nothing else of it.
+(:mod:`raydlrm.sharding.embedding_checkpoint`), the telemetry
+(:mod:`raydlrm.sharding.telemetry`) and the training loop use nothing else of it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,12 @@ from torch.distributed.checkpoint import metadata as _dcp_metadata
 
 from raydlrm.sharding import ShardingPlan
 from raydlrm.sharding.delta import patch_model_tensor
-from raydlrm.sharding.state import codes_key, qparams_key, saved_precisions, weight_key
+from raydlrm.sharding.embedding_checkpoint import (
+    codes_key,
+    qparams_key,
+    saved_precisions,
+    weight_key,
+)
 from raydlrm.trainers.checkpoints.chains import open_chain
 from raydlrm.trainers.checkpoints.format import (
     DENSE,

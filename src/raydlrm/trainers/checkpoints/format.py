@@ -2,7 +2,8 @@
 
 A training checkpoint is a directory written with ``torch.distributed.checkpoint`` (DCP):
 every rank writes its own embedding shards and fused optimizer state in parallel (see
-``raydlrm.sharding.state``: keyed by table, so they load into another plan or world size), the
+``raydlrm.sharding.embedding_checkpoint``: keyed by table, so they load into another plan or
+world size), the
 dense model and its optimizer state and the RNG state of every rank; plus ``trainer_state.json``
 (:data:`STATE_FILE`) from rank 0 with the loop's own state, the plan, the resolved worker config
 and the data position; and every rank's manifest (``manifest.rank<r>.json``,

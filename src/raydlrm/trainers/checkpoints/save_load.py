@@ -11,7 +11,7 @@ the resolved worker config and the data position (which rows of the current epoc
 has trained on; see ``raydlrm.ingestion.reader.EpochProgress``); then the rank's manifest.
 :func:`load_training_state` restores it into any plan or world size, a delta with its chain
 read as one checkpoint. ``checkpoint.embedding_precision`` saves fp32 tables at fp16 or int8
-(:func:`~raydlrm.sharding.state.checkpoint_precision`).
+(:func:`~raydlrm.sharding.embedding_checkpoint.checkpoint_precision`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from raydlrm.sharding import ShardingPlan
 from raydlrm.sharding.delta import DeltaError, apply_delta, delta_state_dict
-from raydlrm.sharding.state import (
+from raydlrm.sharding.embedding_checkpoint import (
     checkpoint_precision,
     column_blocks,
     embedding_state_dict,
