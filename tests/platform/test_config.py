@@ -246,6 +246,9 @@ def test_settings_towers_would_ignore_are_refused_naming_both_keys() -> None:
         load_config(None, overrides=["model.num_towers=2"])
     auto = load_config({"model": {"towers": "auto", "num_towers": 2}, "scaling": hosts})
     assert load_config(auto).model.num_towers == 2  # a config object: its values, not keys
+    # A config written out whole (what a sweep hands its trials) gives every key at its
+    # default: not a setting (the first version of this check refused every trial).
+    assert load_config(load_config({"scaling": hosts}).to_dict()).model.towers is None
     for data, key in (
         ({"dedup_groups": [["C1", "C2"]]}, "data.dedup_groups"),
         ({"dedup": "infer"}, "data.dedup = 'infer'"),

@@ -21,6 +21,7 @@ import pydantic
 import tomllib
 
 from raydlrm._config import config_dataclass
+from raydlrm.models.config import ModelConfig
 from raydlrm.sharding.topology import Topology
 from raydlrm.storage import StorageConfig
 from raydlrm.trainers import FaultConfig, WorkerSpec
@@ -472,15 +473,24 @@ _PARTITIONER_KEYS = ("model.num_towers", "model.tower_warmup_steps")
 
 
 def _check_partitioner_keys(tree: dict[str, Any], given: set[str]) -> None:
-    """Refuses a partitioner setting the config gives (``given``: its dotted keys) when
-    ``model.towers`` is not ``"auto"``, where it would be ignored.
+    """Refuses a partitioner setting the config gives (``given``: its dotted keys) with a value
+    of its own when ``model.towers`` is not ``"auto"``, where it would be ignored. A config
+    written out whole (a sweep's trials get the sweep's config as a dict) gives every key, at
+    its default value: that is not a setting.
 
     Raises:
         ConfigError: naming the key and ``model.towers``.
     """
     model = tree.get("model")
-    towers = model.get("towers") if isinstance(model, dict) else None
-    ignored = [key for key in _PARTITIONER_KEYS if key in given]
+    if not isinstance(model, dict):
+        return
+    towers = model.get("towers")
+    defaults = {f"model.{f.name}": f.default for f in fields(ModelConfig)}
+    ignored = [
+        key
+        for key in _PARTITIONER_KEYS
+        if key in given and model.get(key.removeprefix("model."), defaults[key]) != defaults[key]
+    ]
     if ignored and towers != "auto":
         raise ConfigError(
             f"{' and '.join(ignored)} set the partitioner of model.towers = 'auto', and "
