@@ -278,11 +278,13 @@ class JobConfig(WorkerSpec):
                 "set the workers of a host (a table_row_wise group is a host's workers): set "
                 "one of them"
             )
-        if group is not None and self.scaling.num_workers % group:
+        try:
+            self.topology()  # the one derivation, checked here with the keys named
+        except ValueError:
             raise ValueError(
                 f"sharding.group_size ({group}) must divide scaling.num_workers "
                 f"({self.scaling.num_workers})"
-            )
+            ) from None
 
     def _check_towers(self) -> None:
         """``model.towers`` against the data's features and the hosts (before Ray starts)."""

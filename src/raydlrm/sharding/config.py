@@ -61,7 +61,9 @@ class ShardingConfig:
     pinned_ranks: dict[str, list[int]] = field(default_factory=dict)
     """Table name -> ranks the table must be placed on."""
     group_size: int | None = None
-    """Ranks per group (node) for ``table_row_wise`` tables; None means all ranks are one group."""
+    """Ranks per group (node) for ``table_row_wise`` tables; None means all ranks are one group.
+    In a job it is the topology's host (``scaling.ranks_per_host``, the same concept): the job
+    sets it from :meth:`raydlrm.platform.config.JobConfig.topology`."""
     device_memory_bytes: int | None = None
     """Bytes of embedding weights plus optimizer state one rank may hold (the planner rejects a
     plan that does not fit); None: as ``memory_budget`` says."""
