@@ -1,0 +1,411 @@
+"""A collision-free id -> row map over a managed table's rows, with admission and eviction.
+
+The map lives in the table's rows: row ``r`` of a managed table has, beside its weights, four
+int64 values (:class:`IdMap` ``state``, 32 bytes a row): the id holding it (:data:`EMPTY` if no
+id ever did, :data:`FALLBACK` for a bucket's fallback row), the step it was last looked up in
+training, how often it was looked up, and an admission counter. Because the map is per-row
+state, it is sharded, checkpointed, resharded and tracked for differential checkpoints exactly
+as the rows are.
+
+Layout (fixed for the table's life, independent of the sharding):
+
+- the rows are split into ``B`` *buckets* (:meth:`raydlrm.ids.ManagedIds.buckets_for`), bucket
+  ``b`` holding rows ``[b R // B, (b + 1) R // B)``; an id belongs to bucket ``mix(id) mod B``
+  (``mix``: the splitmix64 finalizer), and a shard holds whole buckets;
+- a bucket's first row is its *fallback row*: ids not yet admitted (``admit_after``) read it in
+  training, and ids the map does not know read it in evaluation and scoring. It trains like
+  any row: it learns the mean of the rare and unknown ids of its bucket;
+- the other rows are the bucket's slots. An id's *window* is ``probe_window`` slots from its home
+  slot on (a hash of the id), wrapping inside the bucket. An id is only ever placed in its
+  window, and slots never become empty again, so looking an id up probes its window up to the
+  first empty slot (linear probing, vectorized: every unresolved id advances one slot per round).
+
+An admitted id not in the map takes the first empty slot of its window (or, with ``ttl``
+eviction, the first expired one). With none, a victim is chosen in the window by the eviction
+policy among the rows not looked up in this step; its weights are drawn afresh and its optimizer
+state zeroed by the caller (the rows :meth:`IdMap.assign` returns as ``reset``). Ids racing for
+one slot in one call: the first in the batch wins, the others probe again, so the result is a
+pure function of the state and the ids (replicas that see the same ids, such as a table's column
+shards, hold the same map without talking).
+
+Admission counts live in the rows too: an id not in the map adds its lookups to two counters of
+its bucket (chosen by two more hashes) and is admitted once the smaller of the two reaches
+``admit_after`` (a count-min sketch: it can over-count, never under-count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from raydlrm.ids import ManagedIds
+
+__all__ = [
+    "EMPTY",
+    "FALLBACK",
+    "MAP_BYTES_PER_ROW",
+    "IdMap",
+    "ManagedIdsError",
+    "bucket_bounds",
+    "fresh_rows",
+    "mix_ids",
+]
+
+EMPTY = -1
+"""The id column of a row no id ever held."""
+FALLBACK = -2
+"""The id column of a bucket's fallback row."""
+ID, LAST, COUNT, SEEN = range(4)
+"""Columns of :attr:`IdMap.state`."""
+MAP_BYTES_PER_ROW = 32
+"""Bytes of map state per row of a managed table (four int64 values)."""
+COUNTERS = ("lookups", "admissions", "rejections", "evictions", "unknown", "max_probe")
+"""What :attr:`IdMap.counters` counts, since the map was made (this shard): id lookups in
+training; ids given a row; lookups of ids below ``admit_after`` (read the fallback row);
+rows taken from another id; lookups outside training of ids the map does not hold (read the
+fallback row); the longest probe (slots)."""
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MUL2 = 0x94D049BB133111EB - (1 << 64)
+_SKETCH_SALT = 0x5851F42D4C957F2D
+_NEVER = (1 << 63) - 1
+
+
+class ManagedIdsError(RuntimeError):
+    """A managed table could not place an admitted id (eviction off and its window full, or
+    every row of its window taken in the same step)."""
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finalizer on int64 ``ids`` (wrapping arithmetic), the same bits as
+    :func:`raydlrm.ingestion.preprocess.mix64` on their uint64 view."""
+    z = ids.to(torch.int64) + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def bucket_bounds(rows: int, buckets: int) -> list[int]:
+    """The first row of each of ``buckets`` buckets of a ``rows``-row table, and ``rows``."""
+    return [b * rows // buckets for b in range(buckets + 1)]
+
+
+def fresh_rows(
+    rows: torch.Tensor,
+    *,
+    table: str,
+    num_embeddings: int,
+    seed: int,
+    salt: int,
+    col_start: int,
+    cols: int,
+) -> torch.Tensor:
+    """Fresh values of table rows ``rows`` (global indices), columns ``[col_start, col_start +
+    cols)``: uniform in ``±sqrt(1 / num_embeddings)`` like the first values, drawn from a
+    counter-based generator of (seed, table, salt, row, column), so every shard of a row (and
+    every device) draws the same values, and a row reset at another ``salt`` (step) others."""
+    digest = hashlib.blake2b(f"{seed}/{table}/reset/{salt}".encode(), digest_size=8).digest()
+    key = int.from_bytes(digest, "little") & _NEVER
+    columns = torch.arange(col_start, col_start + cols, device=rows.device)
+    counter = rows.to(torch.int64).unsqueeze(1) * (1 << 20) + columns
+    bits = _shr(mix_ids(counter ^ key), 11).to(torch.float64)
+    unit = bits * (2.0**-53)
+    bound = math.sqrt(1.0 / num_embeddings)
+    return ((2.0 * unit - 1.0) * bound).to(torch.float32)
+
+
+@dataclass
+class Assignment:
+    """What :meth:`IdMap.assign` decided for a batch of ids.
+
+    Attributes:
+        rows: the shard-local row of each id (its own, or its bucket's fallback row).
+        reset: shard-local rows given to a new id in this call; the caller draws their weights
+            afresh and zeroes their optimizer state.
+        counted: shard-local rows whose admission counters changed (with ``rows`` and ``reset``,
+            every row whose map state this call changed).
+    """
+
+    rows: torch.Tensor
+    reset: torch.Tensor
+    counted: torch.Tensor
+
+
+class IdMap:
+    """The id -> row map of one shard of a managed table: rows ``[row_start, row_end)``, whole
+    buckets (see the module docstring).
+
+    Args:
+        policy: the table's :class:`~raydlrm.ids.ManagedIds`.
+        table: its name (errors name it).
+        num_embeddings: rows of the whole table.
+        row_start, row_end: this shard's rows.
+        device: where the state lives.
+
+    Attributes:
+        state: ``(4, row_end - row_start)`` int64: per row its id, last step, lookups and admission
+            counter (rows ``[ID]``, ``[LAST]``, ``[COUNT]``, ``[SEEN]``).
+        counters: ``(len(COUNTERS),)`` int64 on ``device`` (see :data:`COUNTERS`).
+    """
+
+    def __init__(
+        self,
+        policy: ManagedIds,
+        *,
+        table: str,
+        num_embeddings: int,
+        row_start: int,
+        row_end: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.policy, self.table = policy, table
+        self.num_buckets = policy.buckets_for(num_embeddings)
+        bounds = bucket_bounds(num_embeddings, self.num_buckets)
+        if row_start not in bounds or row_end not in bounds or row_end <= row_start:
+            raise ValueError(
+                f"table {table}: managed shard rows [{row_start}, {row_end}) do not fall on its "
+                f"{self.num_buckets} bucket bounds"
+            )
+        self.first_bucket = bounds.index(row_start)
+        local = [b - row_start for b in bounds[self.first_bucket : bounds.index(row_end) + 1]]
+        self.row_start, self.rows = row_start, row_end - row_start
+        self.device = torch.device(device)
+        self._lo = torch.tensor(local[:-1], dtype=torch.int64, device=self.device)
+        self._slots = torch.tensor(local[1:], dtype=torch.int64, device=self.device) - self._lo - 1
+        self.state = torch.zeros(4, self.rows, dtype=torch.int64, device=self.device)
+        self.state[ID] = EMPTY
+        self.state[ID, self._lo] = FALLBACK
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
+
+    def stats(self) -> dict[str, int]:
+        """:data:`COUNTERS` and ``occupied`` (rows holding an id) and ``capacity`` (slots) of
+        this shard (one host synchronization)."""
+        values = self.counters.tolist()
+        out = dict(zip(COUNTERS, values, strict=True))
+        out["occupied"] = int((self.state[ID] >= 0).sum())
+        out["capacity"] = self.rows - int(self._lo.numel())
+        return out
+
+    def _home(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each id's bucket's fallback row, slot count, and home slot (0-based in the bucket)."""
+        m = mix_ids(ids)
+        bucket = (m & ((1 << 62) - 1)) % self.num_buckets - self.first_bucket
+        bad = (bucket < 0) | (bucket >= self._lo.numel())
+        if bool(bad.any()):
+            raise ValueError(
+                f"table {self.table}: ids routed to the shard of rows [{self.row_start}, "
+                f"{self.row_start + self.rows}) belong to other buckets (e.g. id "
+                f"{int(ids[bad][0])}); the ids were routed with another bucket layout"
+            )
+        slots = self._slots.index_select(0, bucket)
+        return self._lo.index_select(0, bucket), slots, _shr(m, 32) % slots
+
+    def _probe(
+        self, ids: torch.Tensor, lo: torch.Tensor, slots: torch.Tensor, home: torch.Tensor, now: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each id's row if the map holds it (else -1), and the row it may take (the first
+        expired row of its window with ``ttl``, else the first empty one; -1: none)."""
+        ttl = self.policy.ttl_steps if self.policy.eviction == "ttl" else 0
+        held_ids, last = self.state[ID], self.state[LAST]
+        # Round 0 on every id, then the unresolved ids compacted together each round: index,
+        # id, the bucket's first slot row and end, the row probed, the free row found so far.
+        row = lo + 1 + home
+        held = held_ids.index_select(0, row)
+        hit = held == ids
+        never = held == EMPTY
+        found = torch.where(hit, row, -1)
+        free = torch.where(never, row, -1)
+        if ttl:
+            expired = (held >= 0) & ~hit & (now - last.index_select(0, row) > ttl)
+            free = torch.where(expired, row, free)
+        keep = ~(hit | never) & (slots > 1)
+        active = keep.nonzero().squeeze(1)
+        a_ids, a_first = ids.index_select(0, active), lo.index_select(0, active) + 1
+        a_end = a_first + slots.index_select(0, active)
+        row, a_free = row.index_select(0, active) + 1, free.index_select(0, active)
+        for k in range(1, self.policy.probe_window):
+            if active.numel() == 0:
+                self.counters[5] = max(int(self.counters[5]), k)
+                return found, free
+            row = torch.where(row == a_end, a_first, row)
+            held = held_ids.index_select(0, row)
+            hit = held == a_ids
+            never = held == EMPTY
+            take = never & (a_free < 0)
+            if ttl:
+                expired = (held >= 0) & ~hit & (now - last.index_select(0, row) > ttl)
+                take |= expired & (a_free < 0)
+            a_free = torch.where(take, row, a_free)
+            free.index_copy_(0, active, a_free)
+            found.index_copy_(0, active, torch.where(hit, row, -1))
+            keep = ~(hit | never) & (k + 1 < a_end - a_first)
+            index = keep.nonzero().squeeze(1)
+            active, a_ids = active.index_select(0, index), a_ids.index_select(0, index)
+            a_first, a_end = a_first.index_select(0, index), a_end.index_select(0, index)
+            row, a_free = row.index_select(0, index) + 1, a_free.index_select(0, index)
+        self.counters[5] = max(int(self.counters[5]), self.policy.probe_window)
+        return found, free
+
+    def assign(self, ids: torch.Tensor, *, now: int, training: bool) -> Assignment:
+        """The rows of ``ids`` (int64 raw ids of this shard's buckets); in training, admits and
+        places new ids and records the lookups (``now``: the training step).
+
+        Raises:
+            ManagedIdsError: an admitted id found no row (see :class:`ManagedIdsError`).
+        """
+        ids = ids.to(torch.int64)
+        empty = ids.new_empty(0)
+        if ids.numel() == 0:
+            return Assignment(ids, empty, empty)
+        lo, slots, home = self._home(ids)
+        found, free = self._probe(ids, lo, slots, home, now)
+        missing = found < 0
+        rows = torch.where(missing, lo, found)
+        if not training:
+            self.counters[4] += missing.sum()
+            return Assignment(rows, empty, empty)
+        self.counters[0] += ids.numel()
+        hits = found.index_select(0, (~missing).nonzero().squeeze(1))
+        self.state[LAST].index_fill_(0, hits, now)
+        self.state[COUNT].index_add_(0, hits, torch.ones_like(hits))
+        index = missing.nonzero().squeeze(1)
+        counted = self._count_seen(ids[index], lo[index], slots[index])
+        admitted = index[self._admitted(ids[index], lo[index], slots[index])]
+        self.counters[2] += index.numel() - admitted.numel()
+        reset = self._place(ids, admitted, rows, free, lo=lo, slots=slots, home=home, now=now)
+        self._check(ids, rows, lo)
+        return Assignment(rows, reset, counted)
+
+    def _sketch(self, ids: torch.Tensor, lo: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``(n, 2)`` rows of each id's two admission counters (in its bucket's slots)."""
+        m = mix_ids(ids ^ _SKETCH_SALT)
+        first = lo + 1 + (m & 0x7FFFFFFF) % slots
+        second = lo + 1 + _shr(m, 33) % slots
+        return torch.stack([first, second], dim=1)
+
+    def _count_seen(self, ids: torch.Tensor, lo: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Adds one lookup to the admission counters of ``ids`` (not in the map); their rows."""
+        if self.policy.admit_after <= 1 or ids.numel() == 0:
+            return ids.new_empty(0)
+        counters = self._sketch(ids, lo, slots).reshape(-1)
+        self.state[SEEN].index_add_(0, counters, torch.ones_like(counters))
+        return counters
+
+    def _admitted(self, ids: torch.Tensor, lo: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Whether each id (not in the map, already counted) may take a row."""
+        if self.policy.admit_after <= 1:
+            return torch.ones(ids.numel(), dtype=torch.bool, device=self.device)
+        seen = self.state[SEEN][self._sketch(ids, lo, slots)].amin(dim=1)
+        return seen >= self.policy.admit_after
+
+    def _place(
+        self,
+        ids: torch.Tensor,
+        pending: torch.Tensor,
+        rows: torch.Tensor,
+        free: torch.Tensor,
+        *,
+        lo: torch.Tensor,
+        slots: torch.Tensor,
+        home: torch.Tensor,
+        now: int,
+    ) -> torch.Tensor:
+        """Gives each admitted id of ``pending`` (indices into ``ids``) a row, in place in
+        ``rows``; returns the rows taken (to be reset)."""
+        taken: list[torch.Tensor] = []
+        while pending.numel():
+            target = free[pending]
+            need = target < 0
+            if bool(need.any()):
+                target = target.clone()
+                target[need] = self._victims(pending[need], lo=lo, slots=slots, home=home, now=now)
+            # The first id of the batch racing for a row wins it.
+            contested, which = torch.unique(target, return_inverse=True)
+            owner = torch.full_like(contested, ids.numel())
+            owner.scatter_reduce_(0, which, pending, reduce="amin")
+            win = owner[which] == pending
+            winners, rows_won = pending[win], target[win]
+            previous = self.state[ID][rows_won]
+            self.counters[3] += (previous >= 0).sum()
+            self.counters[1] += winners.numel()
+            self.state[ID][rows_won] = ids[winners]
+            self.state[LAST][rows_won] = now
+            self.state[COUNT][rows_won] = 1
+            rows[winners] = rows_won
+            taken.append(rows_won)
+            losers = pending[~win]
+            if losers.numel() == 0:
+                break
+            # A loser whose id won the row (a repeat in the batch) has it; the others probe again.
+            same = self.state[ID][target[~win]] == ids[losers]
+            rows[losers[same]] = target[~win][same]
+            self.state[COUNT].index_add_(0, target[~win][same], torch.ones_like(losers[same]))
+            pending = losers[~same]
+            found, again = self._probe(
+                ids[pending], lo[pending], slots[pending], home[pending], now
+            )
+            done = found >= 0
+            rows[pending[done]] = found[done]
+            free = free.clone()
+            free[pending] = again
+            pending = pending[~done]
+        return torch.cat(taken) if taken else ids.new_empty(0)
+
+    def _victims(
+        self,
+        pending: torch.Tensor,
+        *,
+        lo: torch.Tensor,
+        slots: torch.Tensor,
+        home: torch.Tensor,
+        now: int,
+    ) -> torch.Tensor:
+        """The row each id of ``pending`` (window full) evicts, by the policy."""
+        if self.policy.eviction == "none":
+            raise ManagedIdsError(
+                f"table {self.table}: an admitted id found no free row in its probe window of "
+                f"{self.policy.probe_window} and eviction is 'none': the table's rows (its "
+                "capacity, data.table_sizes) are too few for its ids; raise them or set "
+                f"data.managed_ids.{self.table}.eviction"
+            )
+        width = min(self.policy.probe_window, int(slots[pending].max()))
+        offsets = torch.arange(width, device=self.device)
+        within = offsets < slots[pending].unsqueeze(1)
+        rows = (
+            lo[pending].unsqueeze(1)
+            + 1
+            + (home[pending].unsqueeze(1) + offsets) % slots[pending].unsqueeze(1)
+        )
+        last = self.state[LAST][rows]
+        score = last
+        if self.policy.eviction == "lfu":
+            score = self.state[COUNT][rows].clamp(max=(1 << 30)) * (1 << 32) + last
+        usable = within & (last < now)
+        score = torch.where(usable, score, torch.full_like(score, _NEVER))
+        best = score.argmin(dim=1)
+        if not bool(usable.any(dim=1).all()):
+            raise ManagedIdsError(
+                f"table {self.table}: every row in an id's probe window "
+                f"({self.policy.probe_window}) was looked up in this step, none can be evicted; "
+                f"raise data.managed_ids.{self.table}.probe_window or the table's rows"
+            )
+        return rows.gather(1, best.unsqueeze(1)).squeeze(1)
+
+    def _check(self, ids: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor) -> None:
+        """Every id with a row of its own holds it (the collision counter, always 0)."""
+        own = rows != lo
+        wrong = own & (self.state[ID].index_select(0, rows) != ids)
+        if bool(wrong.any()):
+            raise ManagedIdsError(
+                f"table {self.table}: {int(wrong.sum())} ids were given rows held by other ids "
+                "(a collision); this is a bug"
+            )

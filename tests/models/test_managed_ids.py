@@ -1,0 +1,167 @@
+"""The managed id map (:mod:`raydlrm.models.managed_ids`) on one process: own rows until
+capacity, admission, eviction (LRU, LFU, TTL, none), evaluation lookups, determinism and
+shard independence, and the counter-based fresh values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raydlrm.ids import ManagedIds
+from raydlrm.ingestion.preprocess import mix64
+from raydlrm.models.managed_ids import (
+    EMPTY,
+    FALLBACK,
+    ID,
+    IdMap,
+    ManagedIdsError,
+    bucket_bounds,
+    fresh_rows,
+    mix_ids,
+)
+
+
+def _map(rows: int = 1024, **policy) -> IdMap:
+    return IdMap(ManagedIds(**policy), table="t", num_embeddings=rows, row_start=0, row_end=rows)
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 1 << 62, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_mix_ids_matches_the_preprocessing_hash() -> None:
+    ids = np.array([0, 1, 12345, -7, (1 << 62) + 3], dtype=np.int64)
+    assert (mix_ids(torch.from_numpy(ids)).numpy() == mix64(ids).view(np.int64)).all()
+
+
+def test_every_id_gets_its_own_row_until_capacity_and_keeps_it() -> None:
+    m = _map(4096, buckets=4)
+    ids = _ids(3000)  # 73% of the 4092 slots
+    first = m.assign(ids[:1000], now=1, training=True).rows
+    second = m.assign(ids, now=2, training=True).rows
+    assert torch.equal(second[:1000], first)
+    assert second.unique().numel() == 3000
+    assert (m.state[ID][second] == ids).all()
+    stats = m.stats()
+    assert stats["occupied"] == stats["admissions"] == 3000
+    assert stats["evictions"] == stats["rejections"] == 0
+    # Repeats in one batch share the row.
+    again = m.assign(torch.cat([ids[:5], ids[:5]]), now=3, training=True).rows
+    assert torch.equal(again[:5], again[5:]) and torch.equal(again[:5], second[:5])
+
+
+def test_evaluation_reads_the_fallback_row_and_changes_nothing() -> None:
+    m = _map(256, buckets=1)
+    known = _ids(10)
+    rows = m.assign(known, now=1, training=True).rows
+    before = m.state.clone()
+    unknown = _ids(4, seed=1)
+    out = m.assign(torch.cat([known, unknown]), now=2, training=False)
+    assert torch.equal(out.rows[:10], rows)
+    assert (out.rows[10:] == 0).all()  # bucket 0's fallback row
+    assert torch.equal(m.state, before)
+    assert m.stats()["unknown"] == 4
+
+
+def test_admission_waits_for_the_threshold() -> None:
+    m = _map(1024, buckets=2, admit_after=3)
+    ids = _ids(20)
+    for step in (1, 2):
+        out = m.assign(ids, now=step, training=True)
+        assert (m.state[ID][out.rows] == FALLBACK).all()
+        assert out.reset.numel() == 0 and out.counted.numel() > 0
+    out = m.assign(ids, now=3, training=True)
+    assert (m.state[ID][out.rows] == ids).all()
+    assert sorted(out.reset.tolist()) == sorted(out.rows.tolist())
+    assert m.stats()["rejections"] == 40
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_full_window_evicts_by_the_policy(policy: str) -> None:
+    m = _map(9, buckets=1, eviction=policy, probe_window=8)  # 8 slots, one window
+    ids = torch.arange(100, 108)
+    m.assign(ids, now=1, training=True)
+    # id 100 looked up often (LFU keeps it) but long ago; 101.. recently (LRU keeps them).
+    m.assign(ids[:1].repeat(5), now=2, training=True)
+    m.assign(ids[1:], now=3, training=True)
+    row_of = dict(zip(m.state[ID].tolist(), range(9), strict=True))
+    out = m.assign(torch.tensor([500]), now=4, training=True)
+    assert out.rows.tolist() == out.reset.tolist()
+    held = set(m.state[ID].tolist())
+    if policy == "lru":
+        assert out.rows.tolist() == [row_of[100]] and 100 not in held
+    else:  # 101..107 tie on lookups (2) and recency: one of them goes, 100 stays
+        assert 100 in held and len(set(ids[1:].tolist()) - held) == 1
+    assert m.stats()["evictions"] == 1
+
+
+def test_ttl_frees_rows_not_looked_up_for_ttl_steps() -> None:
+    m = _map(9, buckets=1, eviction="ttl", ttl_steps=2, probe_window=8)
+    m.assign(torch.arange(100, 108), now=1, training=True)  # the 8 slots full
+    m.assign(torch.arange(102, 108), now=3, training=True)
+    out = m.assign(torch.tensor([900, 901]), now=4, training=True)
+    held = set(m.state[ID].tolist())
+    # 100 and 101 expired (last looked up at 1, now 4 > 1 + 2): the new ids take their rows.
+    assert {900, 901} <= held and not {100, 101} & held
+    assert sorted(out.reset.tolist()) == sorted(out.rows.tolist())
+    assert m.stats()["evictions"] == 2
+
+
+def test_eviction_none_refuses_a_full_window_naming_the_table() -> None:
+    m = _map(5, buckets=1, eviction="none")
+    m.assign(torch.arange(4), now=1, training=True)
+    with pytest.raises(ManagedIdsError, match=r"table t:.*eviction is 'none'"):
+        m.assign(torch.tensor([77]), now=2, training=True)
+
+
+def test_rows_of_one_step_are_never_evicted_in_that_step() -> None:
+    m = _map(5, buckets=1, eviction="lru")
+    with pytest.raises(ManagedIdsError, match="looked up in this step"):
+        m.assign(torch.arange(5), now=1, training=True)
+
+
+def test_shards_of_whole_buckets_hold_what_the_whole_table_holds() -> None:
+    rows, buckets = 4096, 8
+    whole = _map(rows, buckets=buckets)
+    bounds = bucket_bounds(rows, buckets)
+    halves = [
+        IdMap(
+            ManagedIds(buckets=buckets),
+            table="t",
+            num_embeddings=rows,
+            row_start=lo,
+            row_end=hi,
+        )
+        for lo, hi in ((0, bounds[3]), (bounds[3], rows))
+    ]
+    for step, ids in enumerate((_ids(1500), _ids(1500, seed=1)), start=1):
+        whole.assign(ids, now=step, training=True)
+        bucket = (mix_ids(ids) & ((1 << 62) - 1)) % buckets
+        for half, mine in zip(halves, (bucket < 3, bucket >= 3), strict=True):
+            half.assign(ids[mine], now=step, training=True)
+    assert torch.equal(torch.cat([h.state for h in halves], dim=1), whole.state)
+    with pytest.raises(ValueError, match="belong to other buckets"):
+        halves[0].assign(_ids(100, seed=5), now=3, training=True)
+    with pytest.raises(ValueError, match="bucket bounds"):
+        IdMap(ManagedIds(buckets=8), table="t", num_embeddings=rows, row_start=1, row_end=rows)
+
+
+def test_fresh_rows_agree_across_column_shards_and_differ_by_salt() -> None:
+    rows = torch.tensor([3, 77])
+    kwargs = dict(table="t", num_embeddings=1000, seed=0)
+    whole = fresh_rows(rows, salt=5, col_start=0, cols=8, **kwargs)
+    right = fresh_rows(rows, salt=5, col_start=4, cols=4, **kwargs)
+    assert torch.equal(whole[:, 4:], right)
+    assert whole.abs().max() <= (1 / 1000) ** 0.5
+    assert not torch.equal(whole, fresh_rows(rows, salt=6, col_start=0, cols=8, **kwargs))
+
+
+def test_the_policy_checks_its_keys() -> None:
+    with pytest.raises(ValueError, match="ttl_steps"):
+        ManagedIds(eviction="ttl")
+    with pytest.raises(ValueError, match="admit_after"):
+        ManagedIds(admit_after=0)
+    with pytest.raises(ValueError, match="at least 16 rows"):
+        ManagedIds(buckets=8).buckets_for(10)
+    assert EMPTY != FALLBACK
