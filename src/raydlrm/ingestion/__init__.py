@@ -56,6 +56,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "SyntheticInfo",
         "generate_synthetic",
     ),
-    "synthetic_config": ("SyntheticConfig",),
+    "synthetic_churn": ("ChurnStats",),
+    "synthetic_config": (
+        "ChurnConfig",
+        "SyntheticConfig",
+    ),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -30,6 +30,10 @@ calibrated to ``target_auc``, so training has a known ceiling.
 Each file is generated from its own random stream, seeded by (seed, split, file index): files are
 reproducible (the same seed gives byte-identical files), independent of each other, and only one
 is held in memory at a time.
+
+With ``kind = "churn"`` the data set is daily partitions with id churn instead
+(``out_dir/train/<partition_key>=<YYYY-MM-DD>/part-NNNNN.parquet``, no eval split; see
+``raydlrm.ingestion.synthetic_churn``), and ``metadata.json`` adds its per-day id counts.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import pyarrow.parquet as pq
 from raydlrm.ingestion._planted import PlantedModel, logit, plant, sample_rows, sigmoid
 from raydlrm.ingestion.clustered import WRITE_OPTIONS, split_sessions
 from raydlrm.ingestion.layout import ClusteredLayout, write_layout
+from raydlrm.ingestion.synthetic_churn import ChurnStats, write_churn
 from raydlrm.ingestion.synthetic_config import SyntheticConfig
 from raydlrm.storage import SAMPLES_DIR, SESSIONS_DIR
 
@@ -80,10 +85,13 @@ class SyntheticInfo:
             sessions file).
         eval_files: evaluation Parquet files, in order (likewise).
         planted_auc: AUC of the planted logits on the evaluation labels, the ceiling a trainer
-            can reach (None when there are no eval rows).
+            can reach (None when there are no eval rows); of churn data, on the newest day's
+            labels (the day a retrain holds out).
         positive_rate: fraction of positive labels over both splits.
         kept: the data set was already there, generated from the same config, and was kept
             as it is (nothing written).
+        churn: of churn data (``kind = "churn"``), the per-day and total distinct ids of each
+            id column; None otherwise.
     """
 
     out_dir: Path
@@ -96,6 +104,7 @@ class SyntheticInfo:
     planted_auc: float | None
     positive_rate: float
     kept: bool = False
+    churn: ChurnStats | None = None
 
 
 def _file_table(
@@ -189,6 +198,7 @@ def _read_info(out_dir: Path) -> _Stored | None:
         eval_files=[out_dir / p for p in meta["eval_files"]],
         planted_auc=meta["planted_auc"],
         positive_rate=meta["positive_rate"],
+        churn=ChurnStats(**meta["churn"]) if meta.get("churn") else None,
     )
     return _Stored(info=info, config=meta["config"])
 
@@ -202,12 +212,14 @@ def generate_synthetic(
     returned as is.
 
     Args:
-        config: sizes, shapes and seed of the data set.
-        out_dir: root directory; ``train/``, ``eval/`` and ``metadata.json`` are written in it.
+        config: kind, sizes, shapes and seed of the data set.
+        out_dir: root directory; ``train/``, ``eval/`` (not of churn data) and
+            ``metadata.json`` are written in it.
         overwrite: replace an existing (complete or partial) data set in ``out_dir``.
 
     Returns:
-        The paths, row counts, files and planted AUC of the data set.
+        The paths, row counts, files and planted AUC of the data set (and of churn data, its
+        per-day id counts).
 
     Raises:
         FileExistsError: ``out_dir`` holds a different or incomplete data set and ``overwrite``
@@ -219,8 +231,32 @@ def generate_synthetic(
         if existing is not None:
             return existing
     _clear(out_dir)
+    info = (
+        _write_churn(config, out_dir) if config.kind == "churn" else _write_criteo(config, out_dir)
+    )
+    _write_metadata(info, config=config)
+    return info
+
+
+def _write_churn(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
+    written = write_churn(config, train_dir=out_dir / "train")
+    return SyntheticInfo(
+        out_dir=out_dir,
+        train_path=out_dir / "train",
+        eval_path=None,
+        num_train_rows=written.num_rows,
+        num_eval_rows=0,
+        train_files=written.files,
+        eval_files=[],
+        planted_auc=written.stats.planted_auc[-1],
+        positive_rate=written.positives / written.num_rows,
+        churn=written.stats,
+    )
+
+
+def _write_criteo(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
     written = _write_splits(config, model=plant(config), out_dir=out_dir)
-    info = SyntheticInfo(
+    return SyntheticInfo(
         out_dir=out_dir,
         train_path=out_dir / "train",
         eval_path=out_dir / "eval" if config.num_eval_rows else None,
@@ -231,8 +267,6 @@ def generate_synthetic(
         planted_auc=written.auc.compute(),
         positive_rate=written.positives / (config.num_train_rows + config.num_eval_rows),
     )
-    _write_metadata(info, config=config)
-    return info
 
 
 def _existing(config: SyntheticConfig, *, out_dir: Path) -> SyntheticInfo | None:
@@ -361,6 +395,8 @@ def _write_metadata(info: SyntheticInfo, *, config: SyntheticConfig) -> None:
         "planted_auc": info.planted_auc,
         "positive_rate": info.positive_rate,
     }
+    if info.churn is not None:
+        meta["churn"] = dataclasses.asdict(info.churn)
     tmp = info.out_dir / f".{_METADATA}.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(info.out_dir / _METADATA)

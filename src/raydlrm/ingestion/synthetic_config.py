@@ -1,28 +1,121 @@
 """Configuration of a synthetic data set (``[data.synthetic]``): sizes, shapes, planted model.
 
 The data set itself, its columns and the planted model are described in
-``raydlrm.ingestion.synthetic``; :class:`SyntheticConfig` is a field of
+``raydlrm.ingestion.synthetic`` (``kind = "criteo"``) and ``raydlrm.ingestion.synthetic_churn``
+(``kind = "churn"``, daily partitions with id churn, configured by :class:`ChurnConfig`,
+``[data.synthetic.churn]``); :class:`SyntheticConfig` is a field of
 :class:`~raydlrm.ingestion.config.DataConfig` (``data.synthetic``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import logging
 from dataclasses import field
 from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-__all__ = ["SyntheticConfig"]
+__all__ = ["ChurnConfig", "SyntheticConfig"]
+
+logger = logging.getLogger(__name__)
+
+# The fields that only the Criteo-shaped data set reads (``kind = "criteo"``).
+_CRITEO_ONLY = (
+    "num_train_rows",
+    "num_eval_rows",
+    "num_sparse",
+    "num_list_features",
+    "max_list_length",
+    "num_user_features",
+    "mean_session_length",
+    "user_history_length",
+    "layout",
+    "max_cardinality",
+    "interaction_orders",
+)
+
+
+@config_dataclass
+class ChurnConfig:
+    """Daily partitions with id churn (``[data.synthetic.churn]``, read when
+    ``data.synthetic.kind = "churn"``): each day a share of every id column's active ids is new
+    and popularity drifts. See ``raydlrm.ingestion.synthetic_churn``."""
+
+    num_days: int = 5
+    """Days written, one hive partition each, from ``start_date`` on."""
+    start_date: str = "2026-01-01"
+    """The first day, ``YYYY-MM-DD``."""
+    rows_per_day: int = 100_000
+    """Rows of each day."""
+    num_active_ids: dict[str, int] = field(
+        default_factory=lambda: {"user_id": 100_000, "item_id": 20_000}
+    )
+    """Per id column, in order: how many ids are active each day (the ids a day's rows draw
+    from). The first column is the user, the second the item: their latent vectors' dot
+    product is the label's interaction term; every column's ids have a bias of their own. Ids
+    ever active: ``n + (num_days - 1) * round(new_id_share * n)``."""
+    new_id_share: float = 0.2
+    """Share of each day's active ids that are new (never active before), from the second day
+    on; as many old ids retire. New ids take the retired ids' popularity ranks."""
+    rank_drift: float = 0.1
+    """Share of popularity ranks whose ids are reshuffled among themselves each day."""
+    latent_dim: int = 8
+    """Width of the user and item latent vectors of the label model."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_days", "rows_per_day", "latent_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"data.synthetic.churn.{name} must be positive, got {getattr(self, name)}"
+                )
+        for name in ("new_id_share", "rank_drift"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(
+                    f"data.synthetic.churn.{name} must be in [0, 1], got {getattr(self, name)}"
+                )
+        try:
+            valid = datetime.date.fromisoformat(self.start_date).isoformat() == self.start_date
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ValueError(
+                "data.synthetic.churn.start_date must be a date YYYY-MM-DD, got "
+                f"{self.start_date!r}"
+            )
+        if not self.num_active_ids:
+            raise ValueError("data.synthetic.churn.num_active_ids must name at least one column")
+        for column, count in self.num_active_ids.items():
+            if not column or "/" in column or "=" in column:
+                raise ValueError(f"data.synthetic.churn.num_active_ids: invalid column {column!r}")
+            if count <= 0:
+                raise ValueError(
+                    f"data.synthetic.churn.num_active_ids.{column} must be positive, got {count}"
+                )
+
+    def days(self) -> list[str]:
+        """The days' partition values, oldest first."""
+        first = datetime.date.fromisoformat(self.start_date)
+        return [(first + datetime.timedelta(days=d)).isoformat() for d in range(self.num_days)]
 
 
 @config_dataclass
 class SyntheticConfig:
-    """A Criteo-shaped synthetic data set with a planted model.
+    """A synthetic data set with a planted model: Criteo-shaped, or daily partitions with id
+    churn (``kind``).
 
-    See ``raydlrm.ingestion.synthetic`` for the columns and the planted model. ``raydlrm data
-    generate`` writes it; training writes it only when ``generate = "if_missing"`` says so.
+    See ``raydlrm.ingestion.synthetic`` for the columns and the planted model, and
+    ``raydlrm.ingestion.synthetic_churn`` for the churn data. ``raydlrm data generate`` writes
+    it; training writes it only when ``generate = "if_missing"`` says so.
     """
 
+    kind: Literal["criteo", "churn"] = "criteo"
+    """``criteo``: a Criteo-shaped data set, train and eval splits. ``churn``: daily hive
+    partitions ``train/<partition_key>=<YYYY-MM-DD>/`` where each day a share of the ids is new
+    and popularity drifts (``[data.synthetic.churn]``); of this table it reads ``seed``,
+    ``rows_per_file``, ``num_dense``, ``dense_null_fraction``, ``zipf_exponent``,
+    ``target_auc``, ``positive_rate``, ``interaction_share`` and ``partition_key``."""
     generate: Literal["never", "if_missing"] = "never"
     """Whether training writes this data set where ``data.train_path`` points when nothing is
     there: ``never`` (the default: a missing data path is an error naming the key and the
@@ -85,13 +178,42 @@ class SyntheticConfig:
     files are spread over ``train/<partition_key>=<value>/`` in order, as a daily data feed
     would write them. Empty: no partitions."""
     partition_key: str = "date"
-    """The hive partition key of ``partitions``."""
+    """The hive partition key of ``partitions`` (and of the churn data's days)."""
+    churn: ChurnConfig = field(default_factory=ChurnConfig)
+    """The churn data's days, rows and id populations (``kind = "churn"``)."""
 
     def __post_init__(self) -> None:
+        self._check_kind()
         self._check_partitions()
         self._check_sizes()
         self._check_distributions()
         self._check_interactions()
+
+    def _check_kind(self) -> None:
+        """Churn data: no ``partitions`` (its days are its partitions), no column named like
+        another; a warning per setting the kind ignores."""
+        defaults = {f.name: _default(f) for f in dataclasses.fields(self)}
+        if self.kind == "criteo":
+            if self.churn != defaults["churn"]:
+                logger.warning("data.synthetic.churn is ignored: data.synthetic.kind = 'criteo'")
+            return
+        if not self.partition_key or "/" in self.partition_key or "=" in self.partition_key:
+            raise ValueError(f"data.synthetic.partition_key: invalid key {self.partition_key!r}")
+        if self.partitions:
+            raise ValueError(
+                "data.synthetic.partitions: kind = 'churn' writes one partition per day "
+                "(data.synthetic.churn.num_days, start_date); leave partitions empty"
+            )
+        taken = {"sample_id", "label", *(f"I{j + 1}" for j in range(self.num_dense))}
+        clashes = sorted(taken & set(self.churn.num_active_ids))
+        if clashes:
+            raise ValueError(
+                f"data.synthetic.churn.num_active_ids: columns {clashes} clash with the "
+                "sample_id, label and dense (I1..In) columns"
+            )
+        for name in _CRITEO_ONLY:
+            if getattr(self, name) != defaults[name]:
+                logger.warning("data.synthetic.%s is ignored: data.synthetic.kind = 'churn'", name)
 
     def _check_partitions(self) -> None:
         if not self.partitions:
@@ -180,3 +302,10 @@ class SyntheticConfig:
                 "data.synthetic.interaction_share must be in [0, 0.9], got "
                 f"{self.interaction_share}"
             )
+
+
+def _default(f: dataclasses.Field) -> object:
+    """A dataclass field's default value."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default

@@ -22,21 +22,31 @@ from raydlrm.platform.config import ConfigError, load_config
 from raydlrm.storage import redact
 
 
-@data_app.command("generate")
+@data_app.command(
+    "generate",
+    short_help="Generate the synthetic data set data.synthetic describes: Criteo-shaped, or "
+    "daily partitions with id churn (kind = churn).",
+)
 def data_generate(
     config: ConfigOption = None,
     set_: SetOption = None,
     out: Annotated[
         Path | None,
         typer.Option(
-            help="Output directory (train/ and eval/ inside). "
+            help="Output directory (train/ and eval/ inside; churn data: train/ only). "
             "Default: the parent of data.train_path."
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing data set.")] = False,
 ) -> None:
-    """Generate the synthetic Criteo-shaped data set the config's data.synthetic section
-    describes."""
+    """Generate the synthetic data set the config's data.synthetic section describes:
+    data.synthetic.kind = "criteo" (the default), a Criteo-shaped data set with a planted
+    model (train/, eval/); kind = "churn", daily partitions for retraining
+    (train/<partition_key>=<YYYY-MM-DD>/) where each day a share of every id column's ids is
+    new (data.synthetic.churn.new_id_share) and id popularity (Zipf) drifts, with labels from
+    per-id biases and user-item latent vectors, so that ids which collide lose signal; its
+    distinct ids per column, per day and in total, are printed and kept in metadata.json
+    (e.g. --set data.synthetic.kind=churn --set data.synthetic.churn.num_days=7)."""
     setup_logging()
     from raydlrm.ingestion import SyntheticConfig, generate_synthetic
     from raydlrm.ingestion.synthetic import SyntheticDataExistsError
@@ -51,12 +61,26 @@ def data_generate(
         info = generate_synthetic(synthetic, out_dir=target, overwrite=overwrite)
     except SyntheticDataExistsError as e:
         fail(f"{e.out_dir} holds {e.what}: --overwrite replaces it")
-    rows = f"{info.num_train_rows} train and {info.num_eval_rows} eval rows"
-    auc = f"planted-model eval AUC {info.planted_auc:.4f}"
+    if info.churn is None:
+        rows = f"{info.num_train_rows} train and {info.num_eval_rows} eval rows"
+        auc = f"planted-model eval AUC {info.planted_auc:.4f}"
+    else:
+        days = info.churn.days
+        key = synthetic.partition_key
+        rows = f"{info.num_train_rows} rows in {len(days)} days {key}={days[0]}..{days[-1]}"
+        auc = f"planted-model AUC on the newest day {info.planted_auc:.4f}"
     if info.kept:
         typer.echo(f"{target} already holds this data set ({rows}, {auc}): kept, nothing written")
     else:
         typer.echo(f"wrote {rows} to {target} ({auc})")
+    if info.churn is not None:
+        for column, total in info.churn.total_distinct_ids.items():
+            per_day = ", ".join(map(str, info.churn.distinct_ids[column]))
+            new = ", ".join(map(str, info.churn.new_ids[column]))
+            typer.echo(
+                f"  {column}: {total} distinct ids over all days; per day {per_day}; "
+                f"first seen per day {new}"
+            )
 
 
 @data_app.command("inspect")
