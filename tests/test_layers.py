@@ -1,8 +1,8 @@
 """The import layering, checked by parsing every module's imports.
 
 platform -> trainers -> sharding -> models -> batch, trainers -> ingestion -> batch; every
-layer may use the layer-neutral root modules (``batch``, ``storage``, ``_config``, ``_logs``,
-...); ingestion and sharding never import each other; only ingestion, platform and
+layer may use the layer-neutral root modules (``batch``, ``storage``, ``ids``, ``_config``,
+``_logs``, ...); ingestion and sharding never import each other; only ingestion, platform and
 trainers/_ray.py import ray at run time (a type-only import under ``TYPE_CHECKING`` is allowed);
 no module imports the root package ``raydlrm`` itself or another package's private
 (``_``-prefixed) module; and no modules import each other in a circle (type-only imports
@@ -23,6 +23,7 @@ COMMON = {
     "_versions",
     "_errors",
     "storage",
+    "ids",
     "_logs",
     "_lazy",
     "_sampling",
@@ -36,6 +37,7 @@ ALLOWED = {
     "_ray_setup": set(),
     "batch": {"_config", "_versions"},
     "storage": {"_config"},
+    "ids": {"_config"},
     "_logs": set(),
     "_sampling": set(),
     "_text": set(),

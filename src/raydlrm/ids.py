@@ -15,7 +15,11 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-__all__ = ["Eviction", "ManagedIds", "auto_buckets"]
+__all__ = ["MAP_BYTES_PER_ROW", "Eviction", "ManagedIds", "auto_buckets", "bucket_bounds"]
+
+MAP_BYTES_PER_ROW = 32
+"""Bytes of map state per row of a managed table (four int64 values: the id holding the row,
+its last lookup step, its lookups, an admission counter), on every shard holding the row."""
 
 Eviction = Literal["none", "lru", "lfu", "ttl"]
 """What happens when an admitted id finds no free row in its probe window:
@@ -76,6 +80,11 @@ class ManagedIds:
                 f"id each), the table has {rows}"
             )
         return buckets
+
+
+def bucket_bounds(rows: int, buckets: int) -> list[int]:
+    """The first row of each of ``buckets`` buckets of a ``rows``-row table, and ``rows``."""
+    return [b * rows // buckets for b in range(buckets + 1)]
 
 
 def auto_buckets(rows: int) -> int:

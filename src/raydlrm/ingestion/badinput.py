@@ -7,7 +7,8 @@ by :func:`find_bad_rows`, vectorized over the raw Arrow columns of a batch (no p
 - a NaN or infinite dense value (a null dense value is *missing*, filled with 0, not bad);
 - a null id (a null row or a null element of an id list);
 - for a column read without hashing (``sparse_specs.<col>.hash = false``): a negative id or an
-  id not below its table's size;
+  id not below its table's size; for a managed table's column (``data.managed_ids``): a negative
+  integer id;
 - an id list shorter than ``min_length`` (by default: an empty list) or longer than
   ``max_length``;
 - a null or non-finite per-id weight.
@@ -223,6 +224,13 @@ def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> Non
             flag(rows(raw < 0), f"{where}: negative id")
         size = config.table_size_of(column)
         flag(rows(raw >= size), f"{where}: id not below the table size {size}")
+    elif config.managed_of(config.table_of(column)) and pa.types.is_integer(values.type):
+        # Managed ids are kept as they are, as int64: negative ones (and uint64 ids of 2**63 or
+        # more) are not ids the map can hold.
+        raw = values.fill_null(0).to_numpy(zero_copy_only=False)
+        limit = np.iinfo(np.int64).max
+        bad = raw < 0 if pa.types.is_signed_integer(values.type) else raw > limit
+        flag(rows(bad), f"{where}: managed id negative or above 2**63 - 1")
     if offsets is not None:
         lengths = np.diff(offsets)
         valid = ~np.asarray(ids.is_null()) if ids.null_count else np.ones(lengths.size, bool)

@@ -13,6 +13,7 @@ from itertools import pairwise
 from typing import Literal
 
 from raydlrm._config import config_dataclass
+from raydlrm.ids import ManagedIds
 from raydlrm.ingestion.column_specs import DenseFill, DenseSpec, DenseTransform, SparseSpec
 from raydlrm.ingestion.synthetic_config import SyntheticConfig
 from raydlrm.storage import PartitionSelector, StorageConfig
@@ -50,6 +51,11 @@ class DataConfig:
     table_sizes: dict[str, int] = field(default_factory=dict)
     """Table sizes by table name or by sparse column (the column's table), overriding
     ``table_size``."""
+    managed_ids: dict[str, ManagedIds] = field(default_factory=dict)
+    """Managed tables by table name or sparse column (the column's table): their ids are not
+    hashed into rows but each given a row of its own, with admission and eviction (see
+    :class:`~raydlrm.ids.ManagedIds`); the table's size is its capacity. Other tables are
+    hashed."""
     dense_transform: DenseTransform = "log1p"
     """Transform of dense values after missing values are filled (``dense_fill``) and values
     clipped (see :class:`DenseSpec`), unless ``dense_specs`` names the column."""
@@ -165,6 +171,7 @@ class DataConfig:
             raise ValueError("data.sparse_columns must name at least one column")
         self._check_specs()
         self._check_tables()
+        self._check_managed()
         self._check_dedup_groups()
         columns = [self.label_column, *self.dense_columns, *self.sparse_columns]
         dupes = sorted({c for c in columns if columns.count(c) > 1})
@@ -265,6 +272,43 @@ class DataConfig:
                     f"data.table_sizes: table {table!r} (columns {columns}) is given sizes "
                     f"{sorted(sizes)}"
                 )
+
+    def _check_managed(self) -> None:
+        tables = self.table_columns()
+        managed: dict[str, str] = {}
+        for key, policy in self.managed_ids.items():
+            if key in self.bucket_tables():
+                raise ValueError(f"data.managed_ids.{key}: a bucket table cannot be managed")
+            if key not in tables and key not in self.sparse_columns:
+                raise ValueError(
+                    f"data.managed_ids.{key}: not a table ({sorted(tables)}) or sparse column"
+                )
+            table = key if key in tables else self.table_of(key)
+            if table in managed and self.managed_ids[managed[table]] != policy:
+                raise ValueError(
+                    f"data.managed_ids: table {table!r} is given two policies (keys "
+                    f"{managed[table]!r} and {key!r})"
+                )
+            managed[table] = key
+            columns = tables[table]
+            try:
+                policy.buckets_for(self.table_size_of(columns[0]))
+            except ValueError as e:
+                raise ValueError(f"data.managed_ids.{key}: {e}") from None
+            for column in columns:
+                spec = self.sparse_specs.get(column)
+                if spec is not None and not spec.hash:
+                    raise ValueError(
+                        f"data.managed_ids.{key}: column {column!r} has hash = false (its ids are "
+                        "row numbers); a managed table takes raw ids"
+                    )
+
+    def managed_of(self, table: str) -> ManagedIds | None:
+        """The managed-ids policy of ``table`` (None: hashed)."""
+        for key in (table, *self.table_columns().get(table, [])):
+            if key in self.managed_ids:
+                return self.managed_ids[key]
+        return None
 
     def _check_dedup_groups(self) -> None:
         seen: dict[str, int] = {}

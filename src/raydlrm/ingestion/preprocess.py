@@ -64,6 +64,7 @@ __all__ = [
     "dense_values",
     "hash_ids",
     "hash_strings",
+    "managed_ids",
     "missing_values",
     "mix64",
     "transform_dense",
@@ -151,6 +152,15 @@ def _raw_hash(values: pa.Array) -> np.ndarray:
     if is_string(values.type):
         return hash_strings(values)
     return mix64(int64_bits(values))
+
+
+def managed_ids(values: pa.Array) -> np.ndarray:
+    """The ids of a managed table's column as the embedding collection receives them (int64,
+    non-negative): integers as they are (bad input, :mod:`~raydlrm.ingestion.badinput`, keeps
+    negative ones out), strings as their 63-bit hash (:func:`hash_strings`, top bit cleared)."""
+    if is_string(values.type):
+        return (hash_strings(values) & np.uint64((1 << 63) - 1)).view(np.int64)
+    return int64_bits(values)
 
 
 def _flat(ids: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
@@ -480,6 +490,8 @@ class Preprocessor:
         spec = self.config.sparse_specs.get(column)
         if spec is not None and not spec.hash:
             hashed = int64_bits(values)
+        elif self.config.managed_of(self.config.table_of(column)) is not None:
+            hashed = managed_ids(values)
         else:
             hashed = (_raw_hash(values) % np.uint64(size)).view(np.int64)
         if offsets is None:

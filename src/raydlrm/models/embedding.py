@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
+from raydlrm.ids import ManagedIds
 from raydlrm.models.quantized import code_bytes_per_row, dequantize_blocks, quantized_precision
 
 __all__ = [
@@ -58,6 +59,8 @@ class EmbeddingBagConfig:
         embedding_dim: columns of the table (a multiple of 4 for fbgemm).
         feature_names: features pooled from this table; several features may share one table.
         pooling: ``sum`` or ``mean`` of a bag's rows.
+        managed: a managed table's policy (its features hold raw ids, given rows by
+            :mod:`raydlrm.models.managed_ids`); None: the ids are rows (hashed upstream).
     """
 
     name: str
@@ -65,6 +68,13 @@ class EmbeddingBagConfig:
     embedding_dim: int
     feature_names: tuple[str, ...]
     pooling: Literal["sum", "mean"] = "sum"
+    managed: ManagedIds | None = None
+
+    @property
+    def id_limit(self) -> int:
+        """The bound ids of its features must stay below: its rows, or for a managed table
+        any non-negative int64."""
+        return self.num_embeddings if self.managed is None else (1 << 63) - 1
 
     def __post_init__(self) -> None:
         if self.num_embeddings <= 0:

@@ -24,9 +24,10 @@ An admitted id not in the map takes the first empty slot of its window (or, with
 eviction, the first expired one). With none, a victim is chosen in the window by the eviction
 policy among the rows not looked up in this step; its weights are drawn afresh and its optimizer
 state zeroed by the caller (the rows :meth:`IdMap.assign` returns as ``reset``). Ids racing for
-one slot in one call: the first in the batch wins, the others probe again, so the result is a
-pure function of the state and the ids (replicas that see the same ids, such as a table's column
-shards, hold the same map without talking).
+one slot in one call: the smallest id wins, the others probe again, so the result is a pure
+function of the state and the *set* of ids with their counts, not of their order: replicas that
+see the same ids (a table's column shards) hold the same map without talking, and the map of a
+table is the same however it is sharded (one map over the whole table equals its shards' maps).
 
 Admission counts live in the rows too: an id not in the map adds its lookups to two counters of
 its bucket (chosen by two more hashes) and is admitted once the smaller of the two reaches
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raydlrm.ids import ManagedIds
+from raydlrm.ids import MAP_BYTES_PER_ROW, ManagedIds, bucket_bounds
 
 __all__ = [
     "EMPTY",
@@ -60,8 +61,6 @@ FALLBACK = -2
 """The id column of a bucket's fallback row."""
 ID, LAST, COUNT, SEEN = range(4)
 """Columns of :attr:`IdMap.state`."""
-MAP_BYTES_PER_ROW = 32
-"""Bytes of map state per row of a managed table (four int64 values)."""
 COUNTERS = ("lookups", "admissions", "rejections", "evictions", "unknown", "max_probe")
 """What :attr:`IdMap.counters` counts, since the map was made (this shard): id lookups in
 training; ids given a row; lookups of ids below ``admit_after`` (read the fallback row);
@@ -92,11 +91,6 @@ def mix_ids(ids: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _MUL1
     z = (z ^ _shr(z, 27)) * _MUL2
     return z ^ _shr(z, 31)
-
-
-def bucket_bounds(rows: int, buckets: int) -> list[int]:
-    """The first row of each of ``buckets`` buckets of a ``rows``-row table, and ``rows``."""
-    return [b * rows // buckets for b in range(buckets + 1)]
 
 
 def fresh_rows(
@@ -328,28 +322,24 @@ class IdMap:
             if bool(need.any()):
                 target = target.clone()
                 target[need] = self._victims(pending[need], lo=lo, slots=slots, home=home, now=now)
-            # The first id of the batch racing for a row wins it.
+            # The smallest id racing for a row wins it, so the map does not depend on the
+            # order of the ids (any sharding of the batch builds the same map).
             contested, which = torch.unique(target, return_inverse=True)
-            owner = torch.full_like(contested, ids.numel())
-            owner.scatter_reduce_(0, which, pending, reduce="amin")
-            win = owner[which] == pending
-            winners, rows_won = pending[win], target[win]
-            previous = self.state[ID][rows_won]
-            self.counters[3] += (previous >= 0).sum()
-            self.counters[1] += winners.numel()
-            self.state[ID][rows_won] = ids[winners]
-            self.state[LAST][rows_won] = now
-            self.state[COUNT][rows_won] = 1
-            rows[winners] = rows_won
-            taken.append(rows_won)
-            losers = pending[~win]
-            if losers.numel() == 0:
+            claim = ids[pending]
+            owner = torch.full_like(contested, _NEVER)
+            owner.scatter_reduce_(0, which, claim, reduce="amin")
+            self.counters[3] += (self.state[ID][contested] >= 0).sum()
+            self.counters[1] += contested.numel()
+            self.state[ID][contested] = owner
+            self.state[LAST][contested] = now
+            self.state[COUNT][contested] = 0
+            win = owner[which] == claim  # the winners and the repeats of their ids
+            self.state[COUNT].index_add_(0, target[win], torch.ones_like(target[win]))
+            rows[pending[win]] = target[win]
+            taken.append(contested)
+            pending = pending[~win]
+            if pending.numel() == 0:
                 break
-            # A loser whose id won the row (a repeat in the batch) has it; the others probe again.
-            same = self.state[ID][target[~win]] == ids[losers]
-            rows[losers[same]] = target[~win][same]
-            self.state[COUNT].index_add_(0, target[~win][same], torch.ones_like(losers[same]))
-            pending = losers[~same]
             found, again = self._probe(
                 ids[pending], lo[pending], slots[pending], home[pending], now
             )

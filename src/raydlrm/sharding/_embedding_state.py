@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig, init_rows_
+from raydlrm.models.managed_ids import IdMap
 from raydlrm.sharding._layout import TbeGroup
+from raydlrm.sharding._managed import ManagedShards
 from raydlrm.sharding.config import QUANTIZED
 from raydlrm.sharding.delta import ModifiedRows
 from raydlrm.sharding.plan import Shard, ShardingPlan
@@ -46,6 +48,7 @@ class LocalState:
     _pieces: list[tuple[EmbeddingBagConfig, Shard]]
     _precisions: dict[str, str]
     _modified: ModifiedRows | None
+    _managed: ManagedShards
     _device: torch.device
     _pg: ProcessGroup | None
 
@@ -121,6 +124,11 @@ class LocalState:
                     (t.name, (w, None)) for (t, _), w in zip(group.shards, views, strict=True)
                 )
         return out
+
+    def id_maps(self) -> dict[str, IdMap]:
+        """Table name -> the id map of this rank's shard, each managed table it holds
+        (:mod:`raydlrm.sharding._managed`)."""
+        return dict(self._managed.maps)
 
     def local_shards(self) -> dict[str, Shard]:
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""

@@ -43,6 +43,7 @@ from torch.distributed import ProcessGroup
 from raydlrm.batch import KeyedJaggedTensor, lengths_to_offsets
 from raydlrm.sharding._comm import CommBytes, all_gather_ints, all_to_all
 from raydlrm.sharding._layout import LookupUnit
+from raydlrm.sharding._managed import route_rows
 
 __all__ = ["InputDistributor", "LocalBags", "permute_bags"]
 
@@ -189,6 +190,16 @@ class InputDistributor:
             u.shard.row_start == 0 and u.shard.row_end == u.table.num_embeddings for u in flat
         )
         self._unit_feature = tensor([position[u.feature_index] for u in flat], torch.int32)
+        # Managed tables' features (raw ids): routed by their bucket's first row, sent as they
+        # are (:mod:`raydlrm.sharding._managed`).
+        table_of = {u.feature_index: u.table for u in flat}
+        managed = [table_of.get(f) for f in order]
+        managed = [t if t is not None and t.managed is not None else None for t in managed]
+        self._any_managed = any(t is not None for t in managed)
+        self._position_buckets = tensor(
+            [0 if t is None else t.managed.buckets_for(t.num_embeddings) for t in managed]
+        )
+        self._position_rows = tensor([0 if t is None else t.num_embeddings for t in managed])
 
     def _routing_keys(self, flat: list[LookupUnit], order: list[int]) -> None:
         """The column groups of every feature (in bag order) and the bucketization keys of
@@ -263,9 +274,18 @@ class InputDistributor:
             torch.arange(num_copies, device=device) - first_copy
         )
         ids = kjt.values[source].to(torch.int64)
-        segment = torch.searchsorted(self._seg_keys, group * self._stride + ids, right=True) - 1
+        route = ids
+        if self._any_managed:
+            buckets = self._position_buckets[feature[source]]
+            managed = buckets > 0
+            routed = route_rows(ids, buckets.clamp(min=1), self._position_rows[feature[source]])
+            route = torch.where(managed, routed, ids)
+        segment = torch.searchsorted(self._seg_keys, group * self._stride + route, right=True) - 1
         unit, order = torch.sort(self._seg_units[segment], stable=True)
-        values = ids[order] - self._unit_row_start[unit]
+        shift = self._unit_row_start[unit]
+        if self._any_managed:
+            shift = torch.where(managed[order], 0, shift)
+        values = ids[order] - shift
         source = source[order]
         weights = None if kjt.weights is None else kjt.weights[source]
         lengths = torch.bincount(

@@ -76,10 +76,12 @@ class ModifiedRows:
         self._flags: list[torch.Tensor] = []
         self._unit_starts: list[torch.Tensor] = []
         self._pieces: list[list[tuple[str, int, int]]] = []
+        self._table_starts: list[list[int]] = []
         for group in groups:
             starts = [0]
             for _, s in group.shards:
                 starts.append(starts[-1] + s.row_end - s.row_start)
+            self._table_starts.append(starts)
             self._flags.append(torch.zeros(starts[-1], dtype=torch.bool, device=device))
             self._unit_starts.append(
                 torch.tensor([starts[j] for j in group.feature_table_map], device=device)
@@ -95,6 +97,11 @@ class ModifiedRows:
             self._unit_starts[group], ids_per_unit, output_size=indices.numel()
         )
         self._flags[group][indices + starts] = True
+
+    def mark_table(self, group: int, table: int, rows: torch.Tensor) -> None:
+        """Flags shard-local ``rows`` of TBE table ``table`` of group ``group`` (rows whose
+        managed-id map state a step changed without looking them up)."""
+        self._flags[group][rows + self._table_starts[group][table]] = True
 
     def rows(self, *, replicated: set[str], pg: Any = None) -> dict[str, torch.Tensor]:
         """Table name -> the sorted shard-local rows flagged since :meth:`clear` (CPU int64),

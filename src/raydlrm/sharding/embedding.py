@@ -76,6 +76,7 @@ from raydlrm.sharding._embedding_output import output_dist
 from raydlrm.sharding._embedding_state import LocalState
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
 from raydlrm.sharding._layout import LookupUnit, batch_classes, rank_units, tbe_groups
+from raydlrm.sharding._managed import ManagedShards
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.delta import ModifiedRows
 from raydlrm.sharding.kernel import resolve_kernel
@@ -223,6 +224,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         )
         tbes, self._caches = kernels.build(self._groups, config, seed=ebc.seed)
         self.tbes = nn.ModuleList(tbes)
+        self._managed = ManagedShards(self._groups, seed=ebc.seed, device=self._device)
         self._init_weights(ebc)
 
     def _register_feature_buffers(self) -> None:
@@ -236,7 +238,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         for c, features in enumerate(self._class_features):
             self._register(
                 f"_limits{c}",
-                torch.tensor([table_of[f].num_embeddings for f in features], dtype=torch.int64),
+                torch.tensor([table_of[f].id_limit for f in features], dtype=torch.int64),
             )
             self._register(
                 f"_positions{c}", torch.tensor([position[f] for f in features], dtype=torch.int64)
@@ -281,6 +283,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             bounds.append(bounds[-1] + group.num_units * totals[group.batch_class])
         id_bounds = offsets[torch.tensor(bounds, device=offsets.device)].tolist()
         pooled: list[list[torch.Tensor]] = [[] for _ in totals]
+        self._managed.begin(self.training)
         for index, (group, tbe, cache) in enumerate(
             zip(self._groups, self.tbes, self._caches, strict=True)
         ):
@@ -288,9 +291,18 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             id_lo, id_hi = id_bounds[index], id_bounds[index + 1]
             weights = bags.weights
             indices = bags.values[id_lo:id_hi].to(torch.int64)
+            track = self._modified is not None and self.training
+            if self._managed.has(index):  # raw ids become rows (one host synchronization)
+                indices = self._managed.rows(
+                    index,
+                    tbe,
+                    indices,
+                    offsets[lo : hi + 1 : rows] - id_lo,
+                    training=self.training,
+                    modified=self._modified if track else None,
+                )
             # A training step's lookups (the module's mode, not autograd's: an evaluation or a
             # warm-up's measurement runs in eval mode) mark what the optimizer will update.
-            track = self._modified is not None and self.training
             if cache is not None or track:
                 ids_per_unit = offsets[lo : hi + 1 : rows].diff()
                 if track:

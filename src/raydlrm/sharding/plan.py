@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import get_args
 
 from raydlrm._text import text_table
+from raydlrm.ids import bucket_bounds
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import Placement, ShardingType
 
@@ -58,6 +59,8 @@ class TablePlan:
             the most ids one sample looks up in it); a row cache (quantized or ``ssd``
             tables) holds at least that many of a shard's rows, so every step fits it. 0:
             unknown (a plan made without the data).
+        buckets: a managed table's buckets (:meth:`raydlrm.ids.ManagedIds.buckets_for`): its
+            row-split shards are runs of whole buckets; 0: a hashed table.
     """
 
     name: str
@@ -70,6 +73,7 @@ class TablePlan:
     placement: Placement = "dram"
     disk_bytes: int = 0
     step_rows: int = 0
+    buckets: int = 0
 
     @property
     def ranks(self) -> list[int]:
@@ -232,6 +236,7 @@ class ShardingPlan:
                     f"table {t.name!r}: planned shape ({t.num_embeddings}, {t.embedding_dim}) != "
                     f"model shape ({cfg.num_embeddings}, {cfg.embedding_dim})"
                 )
+            _check_managed(t, cfg)
             if t.sharding_type not in _SHARDING_TYPES:
                 raise ValueError(
                     f"table {t.name!r}: sharding_type {t.sharding_type!r} not in {_SHARDING_TYPES}"
@@ -367,6 +372,31 @@ def _replica_ranks(ranks: list[int], world_size: int) -> bool:
         and ranks[0] % size == 0
         and ranks == list(range(ranks[0], ranks[0] + size))
     )
+
+
+def _check_managed(t: TablePlan, cfg: EmbeddingBagConfig) -> None:
+    """A managed table is planned with its buckets, never replicated, and its shards' rows
+    fall on bucket bounds (so one rank decides each id's row)."""
+    buckets = cfg.managed.buckets_for(cfg.num_embeddings) if cfg.managed is not None else 0
+    if t.buckets != buckets:
+        raise ValueError(
+            f"table {t.name!r}: planned with {t.buckets} id-map buckets, the table has {buckets} "
+            "(0: hashed); plan it again"
+        )
+    if not buckets:
+        return
+    if t.sharding_type == "data_parallel":
+        raise ValueError(
+            f"table {t.name!r}: a managed table cannot be data_parallel (each replica would "
+            "decide rows for its own ids); pin another sharding type"
+        )
+    bounds = set(bucket_bounds(t.num_embeddings, buckets))
+    for s in t.shards:
+        if s.row_start not in bounds or s.row_end not in bounds:
+            raise ValueError(
+                f"table {t.name!r}: shard rows [{s.row_start}, {s.row_end}) do not fall on the "
+                f"bounds of its {buckets} id-map buckets"
+            )
 
 
 def _check_coverage(t: TablePlan, world_size: int) -> None:

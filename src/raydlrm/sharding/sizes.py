@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from raydlrm.ids import MAP_BYTES_PER_ROW
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.models.quantized import QUANTIZED_BITS, code_bytes_per_row
 
@@ -111,7 +112,8 @@ def table_memory_bytes(
     ``cache_rows`` rows, the cached rows with their state, plus 4 bytes per row and 16 per
     cached row of bookkeeping. A quantized table: its rows (codes, scale and bias; on disk for
     ``ssd``), its optimizer state as above, and its fp32 cache of ``cache_rows`` rows with
-    their state and :data:`CACHE_SLOT_BYTES` each.
+    their state and :data:`CACHE_SLOT_BYTES` each. A managed table adds its id map,
+    :data:`~raydlrm.ids.MAP_BYTES_PER_ROW` a row.
 
     Args:
         table: the table.
@@ -122,6 +124,25 @@ def table_memory_bytes(
         cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`), or of a
             quantized table's fp32 cache (:func:`quantized_cache_rows`).
     """
+    id_map = table.num_embeddings * MAP_BYTES_PER_ROW if table.managed is not None else 0
+    return id_map + _table_memory_bytes(
+        table,
+        optimizer=optimizer,
+        weights_precision=weights_precision,
+        placement=placement,
+        cache_rows=cache_rows,
+    )
+
+
+def _table_memory_bytes(
+    table: EmbeddingBagConfig,
+    *,
+    optimizer: str,
+    weights_precision: str,
+    placement: str,
+    cache_rows: int,
+) -> int:
+    """:func:`table_memory_bytes` without a managed table's id map."""
     rows, dim = table.num_embeddings, table.embedding_dim
     state_per_row = {"rowwise_adagrad": FP32_BYTES, "adagrad": dim * FP32_BYTES, "sgd": 0}
     state = state_per_row[optimizer]

@@ -56,6 +56,7 @@ class WorkerSpec:
                 num_embeddings=self.data.table_size_of(columns[0]),
                 embedding_dim=self.model.embedding_dim,
                 feature_names=tuple(columns),
+                managed=self.data.managed_of(table),
             )
             for table, columns in self.data.table_columns().items()
         ]

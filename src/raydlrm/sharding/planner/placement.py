@@ -61,6 +61,7 @@ class Placement:
                 ),
                 placement=config.placement_of(t.name),
                 disk_bytes=disk_bytes(t, config),
+                buckets=t.managed.buckets_for(t.num_embeddings) if t.managed is not None else 0,
             )
         for p in self.plans.values():
             p.cost = self.cost(p, "table_wise", 1)

@@ -81,7 +81,8 @@ def split(placement: Placement) -> None:
         best: tuple[float, int, int, str, TablePlan, list[Shard], float] | None = None
         for p in candidates:
             for kind in _SPLIT_TYPES:
-                limit = p.num_embeddings if kind == "row_wise" else p.embedding_dim // 4
+                rows = p.buckets or p.num_embeddings  # a managed table splits by buckets
+                limit = rows if kind == "row_wise" else p.embedding_dim // 4
                 parts = 2
                 while parts <= min(limit, placement.world_size):
                     trial = _try_split(placement, p, kind, parts)
@@ -115,7 +116,9 @@ def _try_split(
     ranks = [int(r) for r in order if room[r] >= need][:parts]
     if len(ranks) < parts:
         return None
-    trial = TablePlan(p.name, kind, p.num_embeddings, p.embedding_dim, [], 0.0, p.memory_bytes)
+    trial = TablePlan(
+        p.name, kind, p.num_embeddings, p.embedding_dim, [], 0.0, p.memory_bytes, buckets=p.buckets
+    )
     trial.shards = table_shards(trial, by_load=ranks, world_size=placement.world_size, group_size=1)
     cost = placement.cost(p, kind, len(trial.shards))
     for s in trial.shards:

@@ -114,6 +114,15 @@ def check_arguments(request: PlanRequest) -> None:
                 f"sharding.pinned_ranks.{name}: a data_parallel table is on every rank, "
                 f"cannot pin it to {ranks}"
             )
+    for t in tables:
+        if t.managed is not None and config.pinned_types.get(t.name, config.default_type) == (
+            "data_parallel"
+        ):
+            raise ValueError(
+                f"table {t.name!r} is managed (data.managed_ids) and cannot be data_parallel "
+                "(each replica would decide rows for its own ids): set sharding.pinned_types."
+                f"{t.name} to another type"
+            )
     group_size = config.group_size or world_size
     if world_size % group_size:
         raise ValueError(

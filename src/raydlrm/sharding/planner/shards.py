@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from raydlrm.ids import bucket_bounds
 from raydlrm.sharding.plan import Shard, TablePlan
 
 __all__ = ["even_split", "row_shards", "table_shards"]
@@ -23,11 +24,19 @@ def even_split(total: int, parts: int) -> list[int]:
 
 def row_shards(p: TablePlan, ranks: list[int]) -> list[Shard]:
     """Contiguous, near-equal row ranges of ``p`` over ``ranks`` in rank order (at most one
-    per row)."""
-    ranks = sorted(ranks)[: p.num_embeddings]
-    bounds = [0]
-    for size in even_split(p.num_embeddings, len(ranks)):
-        bounds.append(bounds[-1] + size)
+    per row; for a managed table, near-equal runs of whole buckets, at most one per bucket)."""
+    if p.buckets:  # a managed table: runs of whole id-map buckets
+        ranks = sorted(ranks)[: p.buckets]
+        rows = bucket_bounds(p.num_embeddings, p.buckets)
+        bounds = [0]
+        for size in even_split(p.buckets, len(ranks)):
+            bounds.append(bounds[-1] + size)
+        bounds = [rows[b] for b in bounds]
+    else:
+        ranks = sorted(ranks)[: p.num_embeddings]
+        bounds = [0]
+        for size in even_split(p.num_embeddings, len(ranks)):
+            bounds.append(bounds[-1] + size)
     return [
         Shard(r, lo, hi, 0, p.embedding_dim)
         for r, lo, hi in zip(ranks, bounds[:-1], bounds[1:], strict=True)

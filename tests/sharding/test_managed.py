@@ -1,0 +1,207 @@
+"""Managed tables sharded: parity with one whole-table map on one process, on 1-4 gloo ranks and
+every sharding type a managed table can take.
+
+The reference maps each step's global batch with one :class:`IdMap` over the whole table,
+resets the rows it gives to new ids (fresh values, zero Adagrad state), and trains the unsharded
+collection on the rows. The sharded run must give every id its own row until the table is full
+(no collision), the same rows, the same evictions and resets, the same pooled outputs, tables
+and maps. Table ``m0`` holds its ids; ``m1`` is too small and evicts (LRU) from the second step
+on; ``h`` is hashed, beside them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raydlrm.batch import KeyedJaggedTensor
+from raydlrm.ids import ManagedIds
+from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.models.managed_ids import ID, IdMap, fresh_rows
+from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+from tests._multiprocess import run_distributed
+from tests.sharding._fixtures import EPS, LR, SPLITS, TOL, TinyModel, gather_full_tables
+
+GLOBAL_BATCH = 13
+STEPS = 4
+KEYS = ["f0", "f1", "f2", "f3"]
+POOLS = {"f0": 3000, "f1": 3000, "f2": 300, "f3": 40}  # raw ids drawn below these
+TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name="m0",
+            num_embeddings=1024,
+            embedding_dim=8,
+            feature_names=("f0", "f1"),
+            managed=ManagedIds(buckets=8, eviction="none"),
+        ),
+        EmbeddingBagConfig(
+            name="m1",
+            num_embeddings=64,
+            embedding_dim=8,
+            feature_names=("f2",),
+            pooling="mean",
+            managed=ManagedIds(buckets=4),
+        ),
+        EmbeddingBagConfig(name="h", num_embeddings=40, embedding_dim=4, feature_names=("f3",)),
+    ]
+
+
+def _config(kind: str, world_size: int) -> ShardingConfig:
+    return ShardingConfig(
+        default_type=kind,
+        group_size=2 if kind == "table_row_wise" and world_size % 2 == 0 else None,
+        optimizer="adagrad",
+        learning_rate=LR,
+        eps=EPS,
+        kernel="torch",
+    )
+
+
+def _batch(step: int) -> KeyedJaggedTensor:
+    """A seeded global batch of raw ids (large, sparse integers: ``id * 7919 + 10**12``)."""
+    gen = torch.Generator().manual_seed(500 + step)
+    lengths = torch.randint(0, 4, (len(KEYS) * GLOBAL_BATCH,), generator=gen)
+    per_key = lengths.view(len(KEYS), GLOBAL_BATCH).sum(1).tolist()
+    values = []
+    for key, n in zip(KEYS, per_key, strict=True):
+        drawn = torch.randint(0, POOLS[key], (n,), generator=gen)
+        values.append(drawn if key == "f3" else drawn * 7919 + 10**12)
+    return KeyedJaggedTensor.from_lengths(KEYS, torch.cat(values), lengths)
+
+
+def _targets(step: int) -> torch.Tensor:
+    return torch.randn(GLOBAL_BATCH, generator=torch.Generator().manual_seed(900 + step))
+
+
+def _step(model, kjt: KeyedJaggedTensor, targets: torch.Tensor, world_size: int) -> torch.Tensor:
+    pooled = model.embedding_bags(kjt).values
+    loss = ((model.dense(pooled).squeeze(1) - targets) ** 2).sum() * world_size / GLOBAL_BATCH
+    loss.backward()
+    return pooled.detach().clone()
+
+
+def _worker(rank: int, world_size: int, kinds: list[str]) -> dict:
+    start = sum(SPLITS[world_size][:rank])
+    rows = torch.arange(start, start + SPLITS[world_size][rank])
+    out = {}
+    for kind in kinds:
+        tables = _tables()
+        config = _config(kind, world_size)
+        plan = plan_sharding(tables, world_size=world_size, config=config)
+        model = shard_model(TinyModel(tables), plan=plan, config=config, device="cpu")
+        pooled = []
+        for step in range(STEPS):
+            pooled.append(
+                _step(model, _batch(step).index_rows(rows), _targets(step)[rows], world_size)
+            )
+            model.dense.zero_grad()
+        collection = model.embedding_bags
+        maps = {
+            name: (m.row_start, m.state.clone())
+            for name, m in collection.id_maps().items()
+            if collection.local_shards()[name].col_start == 0
+        }
+        everyone = [maps]
+        if world_size > 1:
+            everyone = [None] * world_size
+            dist.all_gather_object(everyone, maps)
+        out[kind] = {
+            "pooled": pooled,
+            "tables": gather_full_tables(collection, dst=0),
+            "maps": everyone,
+            "stats": {n: m.stats() for n, m in collection.id_maps().items()},
+        }
+    return out
+
+
+def _reference() -> dict:
+    tables = _tables()
+    model = TinyModel(tables)
+    ebc = model.embedding_bags
+    states = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in tables}
+    maps = {
+        t.name: IdMap(
+            t.managed,
+            table=t.name,
+            num_embeddings=t.num_embeddings,
+            row_start=0,
+            row_end=t.num_embeddings,
+        )
+        for t in tables
+        if t.managed is not None
+    }
+    pooled = []
+    for step in range(STEPS):
+        kjt = _batch(step)
+        values = kjt.values.clone()
+        offsets = kjt.offset_per_key().tolist()
+        with torch.no_grad():
+            for t in tables:
+                if t.managed is None:
+                    continue
+                spans = [
+                    (offsets[KEYS.index(f)], offsets[KEYS.index(f) + 1]) for f in t.feature_names
+                ]
+                ids = torch.cat([values[a:b] for a, b in spans])
+                got = maps[t.name].assign(ids, now=step + 1, training=True)
+                mapped = got.rows.split([b - a for a, b in spans])
+                for (a, b), part in zip(spans, mapped, strict=True):
+                    values[a:b] = part
+                if got.reset.numel():
+                    ebc.weights[t.name][got.reset] = fresh_rows(
+                        got.reset,
+                        table=t.name,
+                        num_embeddings=t.num_embeddings,
+                        seed=ebc.seed,
+                        salt=step + 1,
+                        col_start=0,
+                        cols=t.embedding_dim,
+                    )
+                    states[t.name][got.reset] = 0
+        rows_kjt = KeyedJaggedTensor.from_lengths(KEYS, values, kjt.lengths)
+        pooled.append(_step(model, rows_kjt, _targets(step), 1))
+        with torch.no_grad():
+            for name, weight in ebc.weights.items():
+                states[name] += weight.grad * weight.grad
+                weight -= LR * weight.grad / (states[name].sqrt() + EPS)
+                weight.grad = None
+        model.dense.zero_grad()
+    return {
+        "pooled": pooled,
+        "tables": {k: w.detach() for k, w in ebc.weights.items()},
+        "maps": {n: m.state for n, m in maps.items()},
+        "stats": {n: m.stats() for n, m in maps.items()},
+    }
+
+
+def _check(results: list[dict], ref: dict, world_size: int) -> None:
+    assert ref["stats"]["m1"]["evictions"] > 0 and ref["stats"]["m0"]["evictions"] == 0
+    for kind in TYPES:
+        for rank, got in enumerate(results):
+            start = sum(SPLITS[world_size][:rank])
+            rows = slice(start, start + SPLITS[world_size][rank])
+            for step in range(STEPS):
+                torch.testing.assert_close(
+                    got[kind]["pooled"][step], ref["pooled"][step][rows], **TOL
+                )
+        first = results[0][kind]
+        for name, full in ref["tables"].items():
+            torch.testing.assert_close(first["tables"][name], full, **TOL, msg=f"{kind} {name}")
+        for name, state in ref["maps"].items():
+            pieces = sorted(p[name] for p in first["maps"] if name in p)
+            assert torch.equal(torch.cat([s for _, s in pieces], dim=1), state), (kind, name)
+        # No collision: every id of the table holds its own row.
+        held = ref["maps"]["m0"][ID]
+        assert (held >= 0).sum() == held[held >= 0].unique().numel()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_managed_tables_sharded_match_one_whole_table_map(world_size: int) -> None:
+    results = run_distributed(_worker, world_size=world_size, args=(TYPES,), timeout_s=300)
+    _check(results, _reference(), world_size)
