@@ -16,6 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from raydlrm.ids import ManagedIds
 from raydlrm.ingestion import Preprocessor
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.models import build_model
@@ -42,6 +43,12 @@ from tests.trainers._fixtures import unsharded_state_dict
 from tests.trainers.test_loop import NEW_ARCHS, _spec
 
 GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4 ranks
+# Managed tables: C10 small enough to evict (LRU) within the run (72 rows for its 94 ids in
+# the run's 5 steps), C2 admitting ids seen twice.
+MANAGED = {
+    "C10": ManagedIds(buckets=3, probe_window=16),
+    "C2": ManagedIds(buckets=6, admit_after=2),
+}
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 EVAL_ROWS = 240
 
@@ -64,11 +71,16 @@ def _trainer(
     ranks_per_host: int | None = None,
 ):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
-    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier); with
-    ``model.towers`` and ``ranks_per_host``, the towers on hosts of that many ranks."""
+    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier;
+    ``"row_wise^managed"``: :data:`MANAGED` tables); with ``model.towers`` and
+    ``ranks_per_host``, the towers on hosts of that many ranks."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
     )
+    types, _, managed = types.partition("^")
+    if managed:
+        spec.data.table_sizes = {"C10": 72}
+        spec.data.managed_ids = MANAGED
     spec.training.seed = seed
     for key, value in (checkpoint or {}).items():
         setattr(spec.checkpoint, key, value)
@@ -205,6 +217,78 @@ def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> 
         )
     assert read_state_file(ckpt)["world_size"] == saved[0]
     _check_continued(a, b, ckpt)
+
+
+def _maps(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every managed table's whole id map ``(4, rows)`` (all ranks call)."""
+    collection = trainer.model.embedding_bags
+    mine = {
+        name: (m.row_start, m.state.clone())
+        for name, m in collection.id_maps().items()
+        if collection.local_shards()[name].col_start == 0
+    }
+    everyone = [mine]
+    if torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+    names = {n for p in everyone for n in p}
+    return {
+        n: torch.cat([s for _, s in sorted(p[n] for p in everyone if n in p)], 1) for n in names
+    }
+
+
+def _save_managed(rank, world_size, data_dir, ckpt, types) -> dict:
+    out = _save(rank, world_size, data_dir, ckpt, types, "adagrad")
+    return {**out, "maps": _maps_after(rank, world_size, data_dir, ckpt, types, resumed=False)}
+
+
+def _maps_after(rank, world_size, data_dir, ckpt, types, *, resumed: bool) -> dict:
+    """The maps at the checkpoint (loaded) and after the run's last steps."""
+    trainer = _trainer(rank, world_size, data_dir, types, "adagrad", seed=99)
+    load_training_state(ckpt, parts=trainer.parts())
+    at = _maps(trainer)
+    _steps(trainer, _global_batches(data_dir, trainer.spec)[STEPS_BEFORE:], world_size)
+    stats = {n: m.stats() for n, m in trainer.model.embedding_bags.id_maps().items()}
+    return {"at": at, "after": _maps(trainer), "stats": stats}
+
+
+def _load_managed(rank, world_size, data_dir, ckpt, types) -> dict:
+    out = _load(rank, world_size, data_dir, ckpt, types, "adagrad")
+    return {**out, "maps": _maps_after(rank, world_size, data_dir, ckpt, types, resumed=True)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((2, "row_wise^managed"), (2, "row_wise^managed")),
+        ((2, "row_wise^managed"), (1, "table_wise^managed")),
+        ((2, "table_wise^managed"), (3, "row_wise^managed")),
+    ],
+    ids=["resume", "2-to-1", "2-to-3"],
+)
+def test_managed_tables_resume_and_reshard(data_dir: Path, tmp_path: Path, saved, loaded) -> None:
+    """Managed tables (one evicting) saved on 2 ranks load on 2 (bit-identical continuation), 1
+    and 3: every id keeps its row's content, the maps are the saved ones, and the next steps
+    give the saving run's weights and maps (the maps exactly: one rank decides each id)."""
+    ckpt = str(tmp_path / "ckpt")
+    a = run_distributed(_save_managed, world_size=saved[0], args=(str(data_dir), ckpt, saved[1]))
+    if loaded[0] == 1:
+        b = [_load_managed(0, 1, str(data_dir), ckpt, loaded[1])]
+    else:
+        b = run_distributed(
+            _load_managed, world_size=loaded[0], args=(str(data_dir), ckpt, loaded[1])
+        )
+    _check_continued(a, b, ckpt)
+    for when in ("at", "after"):
+        ma, mb = a[0]["maps"][when], b[0]["maps"][when]
+        assert ma.keys() == mb.keys() == {"t_C10", "t_C2"}
+        for name in ma:
+            assert torch.equal(ma[name], mb[name]), (when, name)
+    assert sum(r["maps"]["stats"]["t_C10"]["evictions"] for r in a if r["maps"]["stats"]) > 0
+    if saved == loaded:  # the same plan goes on bit for bit
+        for key, value in a[0]["after"]["state"].items():
+            assert torch.equal(value, b[0]["after"]["state"][key]), key
 
 
 # Towers over the synthetic data's 26 features: 3 towers, so 2 hosts hold 2 and 1.

@@ -128,6 +128,9 @@ def _chain_bytes(root: Path) -> list[tuple[str, int]]:
         # reshard from a chain: another world size and sharding type
         ("rowwise_adagrad", (2, "column_wise"), (3, "table_wise")),
         ("rowwise_adagrad", (3, "row_wise+int8"), (1, "table_wise+int8")),
+        # managed tables (one evicting from step 3): the deltas carry the changed map rows
+        ("adagrad", (2, "row_wise^managed"), (2, "row_wise^managed")),
+        ("rowwise_adagrad", (2, "table_wise^managed"), (3, "table_wise^managed")),
     ],
 )
 def test_chain_resumes_as_the_run_went_on(

@@ -16,6 +16,7 @@ from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri
 from raydlrm.platform.preflight import run_storage
 from raydlrm.platform.tracking import registered_checkpoint
 from raydlrm.sharding import ShardingPlan
+from raydlrm.sharding.plan import managed_mismatches
 from raydlrm.storage import filesystem_for
 from raydlrm.trainers.checkpoints import STATE_FILE, check_intact, check_state_matches
 
@@ -109,6 +110,7 @@ def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingP
         out.append(
             f"{_names(names)}: {rows} x {dim} in the checkpoint, {rows2} x {dim2} in the config"
         )
+    out += managed_mismatches(ShardingPlan.from_json(json.dumps(state["plan"])), plan)
     return out
 
 

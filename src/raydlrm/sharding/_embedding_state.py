@@ -130,6 +130,15 @@ class LocalState:
         (:mod:`raydlrm.sharding._managed`)."""
         return dict(self._managed.maps)
 
+    @property
+    def managed_clock(self) -> tuple[int, int]:
+        """See :attr:`ShardedTables.managed_clock <raydlrm.sharding.types.ShardedTables>`."""
+        return self._managed.step, self._managed.seed
+
+    @managed_clock.setter
+    def managed_clock(self, clock: tuple[int, int]) -> None:
+        self._managed.step, self._managed.seed = int(clock[0]), int(clock[1])
+
     def local_shards(self) -> dict[str, Shard]:
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
         return {t.name: s for t, s in self._pieces}

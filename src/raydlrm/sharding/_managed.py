@@ -56,11 +56,16 @@ class ManagedShards:
         groups: the rank's TBE groups.
         seed: the run's seed (fresh values of reset rows).
         device: where the maps live.
+        clock: keep the clock (the collection has managed tables, on this rank or not: every
+            rank keeps the same clock, so any rank's saved clock is the run's).
     """
 
-    def __init__(self, groups: list[TbeGroup], *, seed: int, device: torch.device) -> None:
+    def __init__(
+        self, groups: list[TbeGroup], *, seed: int, device: torch.device, clock: bool
+    ) -> None:
         self.seed = seed
         self.step = 0
+        self._clock = clock
         self.maps: dict[str, IdMap] = {}
         self._pieces: list[list[_Piece]] = []
         for group in groups:
@@ -94,7 +99,7 @@ class ManagedShards:
 
     def begin(self, training: bool) -> None:
         """A lookup of every group starts: a training one advances the maps' clock."""
-        if training and self.maps:
+        if training and self._clock:
             self.step += 1
 
     def rows(

@@ -10,7 +10,9 @@ last cleared. A *delta* holds those rows only, per table and per saving rank ("p
   ``.codes`` (uint8) and ``.qparams`` (fp16 scale and bias per row) for a table held quantized
   or checkpointed at ``int8``;
 * ``delta.<table>.rank<r>.momentum`` (row-wise Adagrad, ``(n,)``) or ``.sum`` (Adagrad,
-  ``(n, cols)``), always fp32.
+  ``(n, cols)``), always fp32;
+* ``delta.<table>.rank<r>.id_map``: a managed table's map rows, ``(n, 4)`` int64
+  (:mod:`raydlrm.sharding.id_map_checkpoint`), and the maps' clock.
 
 The piece's columns are those of rank ``r``'s shard in the saving plan. A data-parallel table's
 replicas update every rank's looked-up rows (their gradients are all-gathered), so its flags are
@@ -35,6 +37,7 @@ from raydlrm.models.quantized import block_code_columns, dequantize_rows, quanti
 from raydlrm.sharding._layout import TbeGroup
 from raydlrm.sharding.config import QUANTIZED
 from raydlrm.sharding.embedding_checkpoint import column_blocks
+from raydlrm.sharding.id_map_checkpoint import STEP_KEY
 from raydlrm.sharding.plan import Shard, ShardingPlan, TablePlan
 from raydlrm.sharding.quantized import QuantizedRows
 from raydlrm.sharding.types import ShardedTables
@@ -157,7 +160,10 @@ def delta_state_dict(
     local = collection.local_tables()
     states = collection.optimizer_states() if optimizer != "sgd" else {}
     shards = collection.local_shards()
+    maps = collection.id_maps()
     out: dict[str, torch.Tensor] = {}
+    if maps or any(t.buckets for t in plan.tables):
+        out[STEP_KEY] = torch.tensor(collection.managed_clock, dtype=torch.int64)
     for table in plan.tables:
         name = table.name
         if name not in rows or (
@@ -171,6 +177,8 @@ def delta_state_dict(
         if optimizer != "sgd":
             part = "momentum" if optimizer == "rowwise_adagrad" else "sum"
             piece[part] = states[name][0][index]
+        if name in maps:
+            piece["id_map"] = maps[name].state[:, index.to(maps[name].device)].t()
         out.update({delta_key(name, rank, k): v for k, v in piece.items()})
     return out
 
@@ -289,10 +297,12 @@ def apply_delta(
         name: [s for s in saved_pieces(saved_tables[name]) if _wanted(s, shard, metadata, name)]
         for name, shard in shards.items()
     }
+    maps = collection.id_maps()
     for name, pieces in _read_pieces(wanted, metadata, read).items():
         try:
+            patch = _Patch(shards[name], pieces)
             _write_patch(
-                _Patch(shards[name], pieces),
+                patch,
                 local[name],
                 states.get(name, [None])[0],
                 optimizer=optimizer,
@@ -300,6 +310,18 @@ def apply_delta(
             )
         except DeltaError as exc:
             raise DeltaError(f"table {name!r}: {exc}") from exc
+        if name in maps:
+            _write_id_map(patch, maps[name].state)
+    if STEP_KEY in metadata:
+        collection.managed_clock = tuple(read([STEP_KEY])[STEP_KEY].tolist())
+
+
+def _write_id_map(patch: _Patch, state: torch.Tensor) -> None:
+    """A delta's map rows of a managed table over the shard's map (``(4, rows)``)."""
+    for _, piece, pos in patch.pieces:
+        if "id_map" in piece:
+            index = (patch.rows[pos] - patch.shard.row_start).to(state.device)
+            state[:, index] = piece["id_map"].t().to(state.device)
 
 
 def _read_pieces(

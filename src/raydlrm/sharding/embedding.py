@@ -224,7 +224,12 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         )
         tbes, self._caches = kernels.build(self._groups, config, seed=ebc.seed)
         self.tbes = nn.ModuleList(tbes)
-        self._managed = ManagedShards(self._groups, seed=ebc.seed, device=self._device)
+        self._managed = ManagedShards(
+            self._groups,
+            seed=ebc.seed,
+            device=self._device,
+            clock=any(t.managed is not None for t in self.tables),
+        )
         self._init_weights(ebc)
 
     def _register_feature_buffers(self) -> None:

@@ -374,6 +374,35 @@ def _replica_ranks(ranks: list[int], world_size: int) -> bool:
     )
 
 
+def managed_mismatches(saved: ShardingPlan, ours: ShardingPlan) -> list[str]:
+    """What a resume or warm start from a checkpoint planned ``saved`` cannot change about
+    managed tables: a table hashed there and managed here or the reverse (hashed rows hold no
+    ids; a managed table's rows are not where the hash puts ids), or another bucket layout."""
+    theirs = {t.name: t.buckets for t in saved.tables}
+    out = []
+    for t in ours.tables:
+        buckets = theirs.get(t.name)
+        if buckets is None or buckets == t.buckets:
+            continue
+        if not buckets:
+            out.append(
+                f"table {t.name!r} is hashed in the checkpoint but managed (data.managed_ids) in "
+                "the config: its rows hold no ids to carry over; train it from scratch or keep "
+                "it hashed"
+            )
+        elif not t.buckets:
+            out.append(
+                f"table {t.name!r} is managed in the checkpoint but hashed in the config (add "
+                f"data.managed_ids.{t.name})"
+            )
+        else:
+            out.append(
+                f"table {t.name!r} is managed with {buckets} id-map buckets in the checkpoint, "
+                f"{t.buckets} in the config (data.managed_ids.{t.name}.buckets)"
+            )
+    return out
+
+
 def _check_managed(t: TablePlan, cfg: EmbeddingBagConfig) -> None:
     """A managed table is planned with its buckets, never replicated, and its shards' rows
     fall on bucket bounds (so one rank decides each id's row)."""

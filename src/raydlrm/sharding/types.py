@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.models.managed_ids import IdMap
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows
 
@@ -188,6 +189,16 @@ class ShardedTables(nn.Module, abc.ABC):
         """Per deduplicated table: ``ratio``, ``lookups_saved``, ``a2a_bytes_saved`` (empty
         without dedup groups)."""
         return {}
+
+    def id_maps(self) -> dict[str, IdMap]:
+        """Table name -> the id map of this rank's shard, each managed table it holds (none
+        without managed tables, :mod:`raydlrm.models.managed_ids`)."""
+        return {}
+
+    managed_clock: tuple[int, int] = (0, 0)
+    """The managed tables' clock: (training lookups so far, the seed of the fresh values of
+    rows given to new ids); saved and restored with the maps, so a resumed run goes on as the
+    saving one would have, whatever its own seed."""
 
     @abc.abstractmethod
     def comm_bytes(self) -> dict[str, dict[str, int]]:

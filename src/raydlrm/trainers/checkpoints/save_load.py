@@ -35,6 +35,8 @@ from raydlrm.sharding.embedding_checkpoint import (
     load_embedding_state,
     saved_precisions,
 )
+from raydlrm.sharding.id_map_checkpoint import id_map_state_dict, load_id_maps
+from raydlrm.sharding.plan import managed_mismatches
 from raydlrm.sharding.types import ShardedTables
 from raydlrm.storage import redact
 from raydlrm.trainers.checkpoints.chains import ChainLink, open_chain
@@ -113,6 +115,7 @@ def _tensor_state(parts: TrainingParts, link: ChainLink | None) -> dict[str, Any
             optimizer=optimizer,
             precisions=checkpoint_precisions(parts),
         )
+        state.update(id_map_state_dict(parts.collection, plan=parts.plan, rank=parts.rank))
     mine = f"rank{parts.rank}."
     state.update({mine + DENSE + k: v for k, v in parts.dense.state_dict().items()})
     for index, values in parts.optimizer.state_dict()["state"].items():
@@ -192,6 +195,9 @@ def check_state_matches(
             f"checkpoint {source} holds tables {sorted(theirs.items())}, the model has "
             f"{sorted(ours.items())}"
         )
+    problems = managed_mismatches(saved_plan, plan)
+    if problems:
+        raise ValueError(f"checkpoint {source}: {'; '.join(problems)}")
     if state["optimizer"] != optimizer:
         raise ValueError(
             f"checkpoint {source} was trained with the fused optimizer {state['optimizer']!r}, "
@@ -264,6 +270,7 @@ def load_training_state(
         saved_blocks={k: [tuple(b) for b in v] for k, v in base_state["column_blocks"].items()},
         saved_precisions=saved_precisions(parts.plan, base_metadata),
     )
+    load_id_maps(parts.collection, plan=parts.plan, rank=parts.rank, load=dcp_loader(baseline))
     _apply_deltas(parts, chain[1:])
     _load_dense(
         parts,
