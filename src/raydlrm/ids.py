@@ -48,6 +48,10 @@ class ManagedIds:
     """See :data:`Eviction`."""
     ttl_steps: int = 0
     """``eviction = "ttl"``: steps after its last lookup at which an id's row becomes free."""
+    reset_on_evict: bool = True
+    """An evicted row's weights are drawn afresh and its optimizer state zeroed for the new id
+    (default). ``false``: the new id inherits them, as a hashed table's colliding ids do (for
+    comparison; Meta's MPZCH measured resetting better)."""
     probe_window: int = 128
     """Rows an id may occupy, from its home row on (linear probing, wrapping inside its bucket):
     where an id is looked for and inserted, and among which a victim is chosen."""

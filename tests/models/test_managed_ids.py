@@ -165,3 +165,11 @@ def test_the_policy_checks_its_keys() -> None:
     with pytest.raises(ValueError, match="at least 16 rows"):
         ManagedIds(buckets=8).buckets_for(10)
     assert EMPTY != FALLBACK
+
+
+def test_without_reset_on_evict_the_new_id_inherits_the_row() -> None:
+    m = _map(9, buckets=1, probe_window=8, reset_on_evict=False)
+    first = m.assign(torch.arange(100, 108), now=1, training=True)
+    assert sorted(first.reset.tolist()) == sorted(first.rows.tolist())  # never held: fresh
+    out = m.assign(torch.tensor([500]), now=2, training=True)
+    assert m.stats()["evictions"] == 1 and out.reset.numel() == 0

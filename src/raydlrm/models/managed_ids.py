@@ -123,8 +123,9 @@ class Assignment:
 
     Attributes:
         rows: the shard-local row of each id (its own, or its bucket's fallback row).
-        reset: shard-local rows given to a new id in this call; the caller draws their weights
-            afresh and zeroes their optimizer state.
+        reset: shard-local rows given to a new id in this call (with ``reset_on_evict`` off:
+            only those no id held before); the caller draws their weights afresh and zeroes
+            their optimizer state.
         counted: shard-local rows whose admission counters changed (with ``rows`` and ``reset``,
             every row whose map state this call changed).
     """
@@ -328,7 +329,8 @@ class IdMap:
             claim = ids[pending]
             owner = torch.full_like(contested, _NEVER)
             owner.scatter_reduce_(0, which, claim, reduce="amin")
-            self.counters[3] += (self.state[ID][contested] >= 0).sum()
+            evicted = self.state[ID][contested] >= 0
+            self.counters[3] += evicted.sum()
             self.counters[1] += contested.numel()
             self.state[ID][contested] = owner
             self.state[LAST][contested] = now
@@ -336,7 +338,7 @@ class IdMap:
             win = owner[which] == claim  # the winners and the repeats of their ids
             self.state[COUNT].index_add_(0, target[win], torch.ones_like(target[win]))
             rows[pending[win]] = target[win]
-            taken.append(contested)
+            taken.append(contested if self.policy.reset_on_evict else contested[~evicted])
             pending = pending[~win]
             if pending.numel() == 0:
                 break
