@@ -20,6 +20,7 @@ from raydlrm.ids import ManagedIds
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.models.managed_ids import ID, IdMap, fresh_rows
 from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
+from raydlrm.sharding.telemetry import local_counters, metrics_of
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import EPS, LR, SPLITS, TOL, TinyModel, gather_full_tables
 
@@ -115,6 +116,7 @@ def _worker(rank: int, world_size: int, kinds: list[str]) -> dict:
             "tables": gather_full_tables(collection, dst=0),
             "maps": everyone,
             "stats": {n: m.stats() for n, m in collection.id_maps().items()},
+            "counters": local_counters(collection, families=["managed"]),
         }
     return out
 
@@ -195,6 +197,19 @@ def _check(results: list[dict], ref: dict, world_size: int) -> None:
         for name, state in ref["maps"].items():
             pieces = sorted(p[name] for p in first["maps"] if name in p)
             assert torch.equal(torch.cat([s for _, s in pieces], dim=1), state), (kind, name)
+        # The telemetry the run reports: the ranks' counters summed, then made metrics.
+        sums: dict[str, float] = {}
+        for r in results:
+            for key, value in r[kind]["counters"].items():
+                sums[key] = sums.get(key, 0.0) + value
+        metrics = metrics_of(sums, world_size=world_size)
+        for name, stats in ref["stats"].items():
+            for key in ("admissions", "evictions", "lookups", "rejections"):
+                assert metrics[f"managed/{name}/{key}"] == stats[key], (kind, name, key)
+            occupancy = stats["occupied"] / stats["capacity"]
+            assert metrics[f"managed/{name}/occupancy"] == pytest.approx(occupancy)
+            assert metrics[f"managed/{name}/collisions"] == 0
+            assert 1 <= metrics[f"managed/{name}/max_probe"] <= stats["max_probe"]
         # No collision: every id of the table holds its own row.
         held = ref["maps"]["m0"][ID]
         assert (held >= 0).sum() == held[held >= 0].unique().numel()

@@ -192,6 +192,7 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
         columns=list(config.sparse_columns),
         max_rows=min(max(10_000, 4 * config.batch_size), 100_000),
     )
+    check_managed_capacity(job, table, where=data.train.path)
     lengths = {
         c: _mean_length(table.column(c)) for c in config.sparse_columns if c in table.column_names
     }
@@ -228,6 +229,32 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
         table_stats=stats,
         max_bag_sizes=bags,
     )
+
+
+def check_managed_capacity(job: JobConfig, sample: pa.Table, *, where: str) -> None:
+    """A managed table without eviction must hold every distinct id of the data: refused
+    before Ray starts when the data's first rows (``sample``) already hold more distinct ids
+    than its rows give (its size less a fallback row per bucket). Beyond the sample, a
+    training step that finds no row stops with an error naming the table."""
+    config = job.data
+    for name, columns in config.table_columns().items():
+        policy = config.managed_of(name)
+        present = [c for c in columns if c in sample.column_names]
+        if policy is None or policy.eviction != "none" or not present:
+            continue
+        ids = [_flat_ids(sample.column(c)) for c in present]
+        if len({a.type for a in ids}) > 1:
+            ids = [a.cast(pa.string()) for a in ids]
+        distinct = pc.count_distinct(pa.concat_arrays(ids)).as_py()
+        rows = config.table_size_of(columns[0])
+        capacity = rows - policy.buckets_for(rows)
+        if distinct > capacity:
+            raise ConfigError(
+                f"data.managed_ids.{name}: table {name!r} holds {capacity:,} ids ({rows:,} rows "
+                f"less a fallback row per bucket), but the first {sample.num_rows:,} rows of "
+                f"{where} already have {distinct:,} distinct ids in {present}, and eviction is "
+                f"'none': raise data.table_sizes.{name} or set an eviction policy"
+            )
 
 
 def table_stats(job: JobConfig, batch: pa.Table) -> dict[str, TableStats]:

@@ -283,9 +283,12 @@ class ShardingPlan:
         costs = self.per_rank_cost()
         memory_header, memory = self._memory_cells()
         tiers = {t.name: t.placement for t in self.tables}
+        managed = {t.name for t in self.tables if t.buckets}
 
         def named(table: str) -> str:
-            return table if tiers[table] == "dram" else f"{table} ({tiers[table]})"
+            tags = [tiers[table]] if tiers[table] != "dram" else []
+            tags += ["managed"] if table in managed else []
+            return f"{table} ({', '.join(tags)})" if tags else table
 
         disk = self.per_rank_disk()
         rows = [
@@ -304,7 +307,20 @@ class ShardingPlan:
         if self.memory_budget is not None:
             lines.append(f"memory {self.memory_budget.describe()}")
         lines.extend(self._tier_lines())
+        lines.extend(self._managed_lines())
         return "\n".join(lines)
+
+    def _managed_lines(self) -> list[str]:
+        managed = [t for t in self.tables if t.buckets]
+        if not managed:
+            return []
+        tables = ", ".join(
+            f"{t.name} ({t.num_embeddings - t.buckets:,} ids in {t.buckets} buckets)"
+            for t in managed
+        )
+        return [
+            f"managed ids (a row per id, 32 bytes of id map a row in the memory above): {tables}"
+        ]
 
     def _tier_lines(self) -> list[str]:
         if self.page_cache_hit is None:

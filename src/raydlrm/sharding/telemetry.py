@@ -21,7 +21,14 @@ Metrics:
 - per ``int8`` / ``int4`` table: ``cache/<table>/cache_hit_rate``, the share of the distinct ids
   looked up so far that were in its fp32 cache;
 - per deduplicated table: ``dedup/<table>/ratio`` (samples per unique row, the mean over ranks),
-  ``lookups_saved`` and ``a2a_bytes_saved``.
+  ``lookups_saved`` and ``a2a_bytes_saved``;
+- per managed table (:mod:`raydlrm.models.managed_ids`), since the worker started:
+  ``managed/<table>/occupancy`` (the share of its id rows holding an id), ``ids`` (ids holding
+  a row), ``lookups`` (training lookups), ``admissions`` (ids given a row), ``rejections``
+  (lookups of ids below ``admit_after``, which read the fallback row), ``evictions`` (rows
+  taken from another id), ``unknown`` (evaluation lookups of ids the map does not hold, which
+  read the fallback row), ``max_probe`` (the longest probe, slots, on any rank) and
+  ``collisions`` (ids given a row another id holds: always 0; the map raises before that).
 """
 
 from __future__ import annotations
@@ -34,13 +41,17 @@ from raydlrm.sharding.types import ShardedTables
 
 __all__ = ["Family", "local_counters", "metrics_of"]
 
-Family = Literal["comm", "kernel", "tier", "dedup"]
+Family = Literal["comm", "kernel", "tier", "dedup", "managed"]
 
 # Counters that metrics_of turns into a ratio: numerator, denominator -> metric.
 _RATIOS = {
     ("resident_bytes", "bytes"): "resident_fraction",
     ("cache_hits", "cache_lookups"): "cache_hit_rate",
+    ("occupied", "capacity"): "occupancy",
 }
+_MAX = "@rank"
+"""A counter named ``<name>@rank<r>`` is rank ``r``'s value; the metric ``<name>`` is their
+maximum."""
 
 
 def local_counters(tables: ShardedTables, *, families: Collection[Family]) -> dict[str, float]:
@@ -63,6 +74,25 @@ def local_counters(tables: ShardedTables, *, families: Collection[Family]) -> di
         for table, stats in tables.dedup_stats().items():
             for name, value in stats.items():
                 counters[f"dedup/{table}/{name}"] = float(value)
+    if "managed" in families:
+        counters.update(_managed_counters(tables))
+    return counters
+
+
+def _managed_counters(tables: ShardedTables) -> dict[str, float]:
+    """The managed tables' map counters of this rank's shards (a column-sharded table's maps
+    are alike: its first column block's count)."""
+    counters: dict[str, float] = {}
+    shards = tables.local_shards()
+    for name, id_map in tables.id_maps().items():
+        if shards[name].col_start:
+            continue
+        stats = id_map.stats()
+        rank = shards[name].rank
+        counters[f"managed/{name}/max_probe{_MAX}{rank}"] = float(stats.pop("max_probe"))
+        counters[f"managed/{name}/ids"] = float(stats["occupied"])
+        counters[f"managed/{name}/collisions"] = 0.0
+        counters.update((f"managed/{name}/{k}", float(v)) for k, v in stats.items())
     return counters
 
 
@@ -79,8 +109,12 @@ def _tier_counters(tables: ShardedTables) -> dict[str, float]:
 
 def metrics_of(sums: dict[str, float], *, world_size: int) -> dict[str, float]:
     """The metrics of counters summed over ``world_size`` ranks (see the module docstring)."""
-    metrics = {}
+    metrics: dict[str, float] = {}
     for name, value in sums.items():
+        if _MAX in name:
+            name = name.partition(_MAX)[0]
+            metrics[name] = max(metrics.get(name, 0.0), value)
+            continue
         prefix, _, counter = name.rpartition("/")
         ratio = next(((num, den) for num, den in _RATIOS if counter == num), None)
         if ratio is not None:

@@ -351,11 +351,14 @@ class Trainer:
         )
 
     def _tier_metrics(self) -> dict[str, float]:
-        """The SSD tier's metrics (none, and no collective, without ``ssd`` tables: the plan
-        is the same on every rank)."""
-        if not any(t.placement == "ssd" for t in self.plan.tables):
-            return {}
-        return self._telemetry("tier")
+        """The SSD tier's and the managed tables' metrics (none, and no collective, without
+        ``ssd`` or managed tables: the plan is the same on every rank)."""
+        families: list[Family] = []
+        if any(t.placement == "ssd" for t in self.plan.tables):
+            families.append("tier")
+        if any(t.buckets for t in self.plan.tables):
+            families.append("managed")
+        return self._telemetry(*families) if families else {}
 
     def _checkpoint(self, metrics: dict[str, float], *, final: bool = False) -> Any:
         self.window.check_finite(step=self.step)  # no checkpoint of a diverged model
@@ -394,7 +397,7 @@ class Trainer:
         return {
             "train/samples_per_second": self.samples_seen / max(train_seconds, 1e-9),
             "data/first_batch_seconds": all_reduce_scalar(first_batch, self.device, op="max"),
-            **self._telemetry("comm", "kernel", "dedup", "tier"),
+            **self._telemetry("comm", "kernel", "dedup", "tier", "managed"),
         }
 
     def _telemetry(self, *families: Family) -> dict[str, float]:
