@@ -161,6 +161,25 @@ def _gather_pieces(collection: ShardedTables, local: dict[str, torch.Tensor], *,
     }
 
 
+def gather_id_maps(collection: ShardedTables) -> dict[str, torch.Tensor]:
+    """Every managed table's whole id map, ``(4, rows)``, on every rank (all ranks call)."""
+    shards = collection.local_shards()
+    mine = {
+        name: (m.row_start, m.state.cpu().clone())
+        for name, m in collection.id_maps().items()
+        if shards[name].col_start == 0
+    }
+    everyone = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    names = {n for p in everyone for n in p}
+    return {
+        n: torch.cat([s for _, s in sorted(p[n] for p in everyone if n in p)], dim=1)
+        for n in sorted(names)
+    }
+
+
 @torch.no_grad()
 def gather_full_tables(collection: ShardedTables, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The full, unsharded tables on rank ``dst`` (table name -> ``(num_embeddings, dim)``, in

@@ -11,9 +11,10 @@ on; ``h`` is hashed, beside them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from raydlrm.batch import KeyedJaggedTensor
 from raydlrm.ids import ManagedIds
@@ -22,7 +23,15 @@ from raydlrm.models.managed_ids import ID, IdMap, fresh_rows
 from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
 from raydlrm.sharding.telemetry import local_counters, metrics_of
 from tests._multiprocess import run_distributed
-from tests.sharding._fixtures import EPS, LR, SPLITS, TOL, TinyModel, gather_full_tables
+from tests.sharding._fixtures import (
+    EPS,
+    LR,
+    SPLITS,
+    TOL,
+    TinyModel,
+    gather_full_tables,
+    gather_id_maps,
+)
 
 GLOBAL_BATCH = 13
 STEPS = 4
@@ -102,19 +111,10 @@ def _worker(rank: int, world_size: int, kinds: list[str]) -> dict:
             )
             model.dense.zero_grad()
         collection = model.embedding_bags
-        maps = {
-            name: (m.row_start, m.state.clone())
-            for name, m in collection.id_maps().items()
-            if collection.local_shards()[name].col_start == 0
-        }
-        everyone = [maps]
-        if world_size > 1:
-            everyone = [None] * world_size
-            dist.all_gather_object(everyone, maps)
         out[kind] = {
             "pooled": pooled,
             "tables": gather_full_tables(collection, dst=0),
-            "maps": everyone,
+            "maps": gather_id_maps(collection),
             "stats": {n: m.stats() for n, m in collection.id_maps().items()},
             "counters": local_counters(collection, families=["managed"]),
         }
@@ -123,7 +123,8 @@ def _worker(rank: int, world_size: int, kinds: list[str]) -> dict:
 
 def _reference() -> dict:
     tables = _tables()
-    model = TinyModel(tables)
+    # The reference maps the ids itself and looks the rows up in plain tables.
+    model = TinyModel([dataclasses.replace(t, managed=None) for t in tables])
     ebc = model.embedding_bags
     states = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in tables}
     maps = {
@@ -195,8 +196,7 @@ def _check(results: list[dict], ref: dict, world_size: int) -> None:
         for name, full in ref["tables"].items():
             torch.testing.assert_close(first["tables"][name], full, **TOL, msg=f"{kind} {name}")
         for name, state in ref["maps"].items():
-            pieces = sorted(p[name] for p in first["maps"] if name in p)
-            assert torch.equal(torch.cat([s for _, s in pieces], dim=1), state), (kind, name)
+            assert torch.equal(first["maps"][name], state), (kind, name)
         # The telemetry the run reports: the ranks' counters summed, then made metrics.
         sums: dict[str, float] = {}
         for r in results:

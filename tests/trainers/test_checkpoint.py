@@ -38,7 +38,7 @@ from raydlrm.trainers.model_dir import (
     write_model_weights,
 )
 from tests._multiprocess import run_distributed
-from tests.sharding._fixtures import gather_full_optimizer_states
+from tests.sharding._fixtures import gather_full_optimizer_states, gather_id_maps
 from tests.trainers._fixtures import unsharded_state_dict
 from tests.trainers.test_loop import NEW_ARCHS, _spec
 
@@ -221,20 +221,7 @@ def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> 
 
 def _maps(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every managed table's whole id map ``(4, rows)`` (all ranks call)."""
-    collection = trainer.model.embedding_bags
-    mine = {
-        name: (m.row_start, m.state.clone())
-        for name, m in collection.id_maps().items()
-        if collection.local_shards()[name].col_start == 0
-    }
-    everyone = [mine]
-    if torch.distributed.is_initialized():
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, mine)
-    names = {n for p in everyone for n in p}
-    return {
-        n: torch.cat([s for _, s in sorted(p[n] for p in everyone if n in p)], 1) for n in names
-    }
+    return gather_id_maps(trainer.model.embedding_bags)
 
 
 def _save_managed(rank, world_size, data_dir, ckpt, types) -> dict:
@@ -554,7 +541,12 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("types", "arch"),
-    [("row_wise", "dlrm"), ("table_wise+fp16", "wukong"), ("column_wise", "dhen")],
+    [
+        ("row_wise", "dlrm"),
+        ("table_wise+fp16", "wukong"),
+        ("column_wise", "dhen"),
+        ("row_wise^managed", "dlrm"),
+    ],
 )
 def test_model_loads_mapped_from_training_state(
     data_dir: Path, tmp_path: Path, types: str, arch: str
@@ -562,7 +554,8 @@ def test_model_loads_mapped_from_training_state(
     """The model of a final checkpoint (weights only in the training state's shards) rebuilt
     unsharded, its tables memory-mapped from model.safetensors in their precision, predicts as
     the sharded trainer does, as does its exported model.safetensors. For every architecture:
-    what export and scoring load."""
+    what export and scoring load. Managed tables carry their id maps: eval ids the map never
+    saw read their fallback rows in both, and are counted."""
     model = NEW_ARCHS.get(arch)
     trainer = _trainer(0, 1, str(data_dir), types, "rowwise_adagrad", seed=7, model=model)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
@@ -579,6 +572,9 @@ def test_model_loads_mapped_from_training_state(
     trainer.model.eval()
     with torch.no_grad():
         expected = trainer.model(batch)
+    maps = trainer.model.embedding_bags.id_maps()
+    unknown = {name: m.stats()["unknown"] for name, m in maps.items()}
+    assert not maps or unknown["t_C10"] > 0  # eval ids the two training steps did not see
     exported = tmp_path / "exported"
     write_model_weights(ckpt, exported / "model.safetensors")
     for name in ("spec.json", "plan.json"):
@@ -589,6 +585,7 @@ def test_model_loads_mapped_from_training_state(
         assert {w.dtype for w in model.embedding_bags.weights.values()} == {dtype}
         with torch.no_grad():
             torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
+        assert model.embedding_bags.id_maps.unknown() == unknown
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         write_model_weights(tmp_path, tmp_path / "x.safetensors")
 

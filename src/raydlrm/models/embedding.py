@@ -34,6 +34,7 @@ from torch import nn
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.ids import ManagedIds
+from raydlrm.models.managed_ids import IdMaps
 from raydlrm.models.quantized import code_bytes_per_row, dequantize_blocks, quantized_precision
 
 __all__ = [
@@ -313,6 +314,9 @@ class EmbeddingBagCollection(nn.Module):
         )
         # Tables held quantized (see QuantizedTable): none until a state dict holds some.
         self.quantized = nn.ModuleDict()
+        # Managed tables' id maps, (rows, 4) each (raydlrm.models.managed_ids): what a model
+        # restored from a checkpoint looks its ids up in; empty maps on a fresh model.
+        self.id_maps = IdMaps([t for t in tables if t.managed is not None], device=device)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -427,7 +431,7 @@ class EmbeddingBagCollection(nn.Module):
         self, kjt: KeyedJaggedTensor, table_of: dict[str, EmbeddingBagConfig]
     ) -> dict[str, torch.Tensor]:
         """Feature -> ``(batch, D)`` pooled vectors of every feature of ``kjt``."""
-        limits = [table_of[f].num_embeddings for f in kjt.keys]
+        limits = [table_of[f].id_limit for f in kjt.keys]
         check_id_range(kjt, torch.tensor(limits, device=kjt.values.device), table_of=table_of)
         b = kjt.batch_size
         offsets = kjt.offset_per_key()
@@ -439,6 +443,8 @@ class EmbeddingBagCollection(nn.Module):
             bag_offsets = torch.zeros(b + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=bag_offsets[1:])
             ids = kjt.values[start:end]
+            if table.managed is not None:  # raw ids: their rows, unknown ids the fallback's
+                ids = self.id_maps.rows(table.name, ids)
             per_sample = None if kjt.weights is None else kjt.weights[start:end]
             if table.name in self.quantized:
                 # Only the distinct rows looked up are read and dequantized (fp32), then

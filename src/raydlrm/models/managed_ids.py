@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from raydlrm.ids import MAP_BYTES_PER_ROW, ManagedIds, bucket_bounds
 
@@ -49,6 +50,7 @@ __all__ = [
     "FALLBACK",
     "MAP_BYTES_PER_ROW",
     "IdMap",
+    "IdMaps",
     "ManagedIdsError",
     "bucket_bounds",
     "fresh_rows",
@@ -145,6 +147,8 @@ class IdMap:
         num_embeddings: rows of the whole table.
         row_start, row_end: this shard's rows.
         device: where the state lives.
+        state: the ``(4, rows)`` state to work on (a view, e.g. of a restored model's buffer);
+            default: a new, empty map.
 
     Attributes:
         state: ``(4, row_end - row_start)`` int64: per row its id, last step, lookups and admission
@@ -161,6 +165,7 @@ class IdMap:
         row_start: int,
         row_end: int,
         device: torch.device | str = "cpu",
+        state: torch.Tensor | None = None,
     ):
         self.policy, self.table = policy, table
         self.num_buckets = policy.buckets_for(num_embeddings)
@@ -174,12 +179,15 @@ class IdMap:
         local = [b - row_start for b in bounds[self.first_bucket : bounds.index(row_end) + 1]]
         self.row_start, self.rows = row_start, row_end - row_start
         self.device = torch.device(device)
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
         self._lo = torch.tensor(local[:-1], dtype=torch.int64, device=self.device)
         self._slots = torch.tensor(local[1:], dtype=torch.int64, device=self.device) - self._lo - 1
+        if state is not None:  # a view of state held elsewhere (a restored model's buffer)
+            self.state = state
+            return
         self.state = torch.zeros(4, self.rows, dtype=torch.int64, device=self.device)
         self.state[ID] = EMPTY
         self.state[ID, self._lo] = FALLBACK
-        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
 
     def stats(self) -> dict[str, int]:
         """:data:`COUNTERS` and ``occupied`` (rows holding an id) and ``capacity`` (slots) of
@@ -401,3 +409,53 @@ class IdMap:
                 f"table {self.table}: {int(wrong.sum())} ids were given rows held by other ids "
                 "(a collision); this is a bug"
             )
+
+
+class IdMaps(nn.Module):
+    """The id maps of an unsharded collection's managed tables: buffer ``<table>``, ``(rows,
+    4)`` (the checkpoint's layout: a restored model loads its map with its weights), and their
+    lookups, which never insert: an id the map does not hold reads its bucket's fallback row
+    and is counted (:meth:`unknown`).
+
+    Args:
+        tables: the managed tables (``EmbeddingBagConfig`` with ``managed`` set).
+        device: where the maps live (``meta``: filled by a state dict).
+    """
+
+    def __init__(self, tables: list, *, device: torch.device | str = "cpu"):
+        super().__init__()
+        self._tables = {t.name: t for t in tables}
+        self._maps: dict[str, IdMap] = {}
+        for t in tables:
+            state = torch.empty(t.num_embeddings, 4, dtype=torch.int64, device=device)
+            if state.device.type != "meta":
+                state.copy_(self._fresh(t.name).state.t())
+            self.register_buffer(t.name, state)
+
+    def _fresh(self, name: str, state: torch.Tensor | None = None) -> IdMap:
+        t = self._tables[name]
+        return IdMap(
+            t.managed,
+            table=name,
+            num_embeddings=t.num_embeddings,
+            row_start=0,
+            row_end=t.num_embeddings,
+            device="cpu" if state is None else state.device,
+            state=state,
+        )
+
+    def map(self, name: str) -> IdMap:
+        """Table ``name``'s map over its buffer (rebuilt when a state dict replaced it)."""
+        buffer = getattr(self, name)
+        cached = self._maps.get(name)
+        if cached is None or cached.state.data_ptr() != buffer.data_ptr():
+            self._maps[name] = cached = self._fresh(name, buffer.t())
+        return cached
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of raw ``ids`` of table ``name`` (unknown ids: their fallback rows)."""
+        return self.map(name).assign(ids, now=0, training=False).rows
+
+    def unknown(self) -> dict[str, int]:
+        """Table -> lookups of ids its map does not hold, since the model was restored."""
+        return {name: int(self.map(name).counters[4]) for name in self._tables}

@@ -401,7 +401,8 @@ def patch_model_tensor(
 ) -> None:
     """Writes a delta's rows of ``table`` over a whole table's tensor as a checkpoint of the
     same plan holds it (unsharding a chain in one process): ``part`` ``weight`` ``(N, D)``,
-    ``codes`` ``(N, code bytes)`` or ``qparams`` ``(N, 2 K)`` (column block ``k`` at ``2k``),
+    ``id_map`` ``(N, 4)`` (a managed table's map), ``codes`` ``(N, code bytes)`` or
+    ``qparams`` ``(N, 2 K)`` (column block ``k`` at ``2k``),
     the delta holding the table at ``precision``."""
     blocks = column_blocks(table)
     for s in saved_pieces(table):
@@ -412,6 +413,8 @@ def patch_model_tensor(
         rows, values = got[keys[0]], got[keys[1]]
         if part == "weight":
             tensor[rows, s.col_start : s.col_end] = values.to(tensor.dtype)
+        elif part == "id_map":  # a managed table's (rows, 4) map
+            tensor[rows] = values
         elif part == "codes":
             lo, hi = block_code_columns(s.col_start, s.col_end, precision)
             tensor[rows, lo:hi] = values

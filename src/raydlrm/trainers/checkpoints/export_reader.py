@@ -25,6 +25,7 @@ from raydlrm.sharding.embedding_checkpoint import (
     saved_precisions,
     weight_key,
 )
+from raydlrm.sharding.id_map_checkpoint import id_map_key
 from raydlrm.trainers.checkpoints.chains import open_chain
 from raydlrm.trainers.checkpoints.format import (
     DENSE,
@@ -130,6 +131,11 @@ def _embedding_tensors(
         if key not in metadata:
             raise ValueError(f"checkpoint {directory} has no weights of table {table.name!r}")
         keys[f"embedding_bags.weights.{table.name}"] = (key, metadata[key])
+        if table.buckets:  # a managed table's id map (see raydlrm.sharding.id_map_checkpoint)
+            keys[f"embedding_bags.id_maps.{table.name}"] = (
+                id_map_key(table.name),
+                metadata[id_map_key(table.name)],
+            )
     if deltas:
         precisions = saved_precisions(plan, metadata)
         for name, (key, meta) in keys.items():
@@ -137,6 +143,8 @@ def _embedding_tensors(
                 continue
             if name.startswith("embedding_bags.quantized."):  # .<table>.codes / .qparams
                 table_name, part = name.removeprefix("embedding_bags.quantized.").rsplit(".", 1)
+            elif name.startswith("embedding_bags.id_maps."):
+                table_name, part = name.removeprefix("embedding_bags.id_maps."), "id_map"
             else:  # embedding_bags.weights.<table>
                 table_name, part = name.removeprefix("embedding_bags.weights."), "weight"
             table = plan.table(table_name)
