@@ -43,7 +43,9 @@ class ManagedIds:
     admit_after: int = 1
     """Times an id must be seen (in training batches) before it gets a row of its own; until
     then it reads its bucket's fallback row. 1: at once. Counts are kept in a sketch of one
-    counter pair per row (they may over-count, so an id is admitted early, never late)."""
+    counter pair per row (they may over-count, so an id is admitted early, never late). A
+    column in a RecD dedup group (``data.dedup_groups``) is looked up once per unique row of a
+    batch: its lookups (admission and LFU counts) count those."""
     eviction: Eviction = "lru"
     """See :data:`Eviction`."""
     ttl_steps: int = 0

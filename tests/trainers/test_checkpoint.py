@@ -38,7 +38,11 @@ from raydlrm.trainers.model_dir import (
     write_model_weights,
 )
 from tests._multiprocess import run_distributed
-from tests.sharding._fixtures import gather_full_optimizer_states, gather_id_maps
+from tests.sharding._fixtures import (
+    gather_full_optimizer_states,
+    gather_full_tables,
+    gather_id_maps,
+)
 from tests.trainers._fixtures import unsharded_state_dict
 from tests.trainers.test_loop import NEW_ARCHS, _spec
 
@@ -72,11 +76,15 @@ def _trainer(
 ):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
     ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier;
-    ``"row_wise^managed"``: :data:`MANAGED` tables); with ``model.towers`` and
+    ``"row_wise^managed"``: :data:`MANAGED` tables; ``"...~dedup"``: C3..C10 a dedup group);
+    with ``model.towers`` and
     ``ranks_per_host``, the towers on hosts of that many ranks."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
     )
+    types, _, dedup = types.partition("~")  # "~dedup": C3..C10 a RecD dedup group
+    if dedup:
+        spec.data.dedup_groups = [[f"C{i}" for i in range(3, 11)]]
     types, _, managed = types.partition("^")
     if managed:
         spec.data.table_sizes = {"C10": 72}
@@ -276,6 +284,32 @@ def test_managed_tables_resume_and_reshard(data_dir: Path, tmp_path: Path, saved
     if saved == loaded:  # the same plan goes on bit for bit
         for key, value in a[0]["after"]["state"].items():
             assert torch.equal(value, b[0]["after"]["state"][key]), key
+
+
+def _dedup_pair(rank, world_size, data_dir) -> dict:
+    out = {}
+    for types in ("row_wise^managed", "row_wise^managed~dedup"):
+        trainer = _trainer(rank, world_size, data_dir, types, "adagrad", seed=7)
+        _steps(trainer, _global_batches(data_dir, trainer.spec), world_size)
+        out[types] = {
+            "maps": _maps(trainer),
+            "tables": gather_full_tables(trainer.model.embedding_bags, dst=0),
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_managed_tables_in_a_dedup_group_train_as_without(data_dir: Path) -> None:
+    """A managed table (C10, evicting) whose column is in a RecD dedup group: its ids reach the
+    map as the group's unique rows, and the maps and tables end as without deduplication: the
+    ids and last steps (so LRU's evictions) exactly; the lookup counts are per unique row."""
+    results = run_distributed(_dedup_pair, world_size=2, args=(str(data_dir),))
+    plain, dedup = results[0]["row_wise^managed"], results[0]["row_wise^managed~dedup"]
+    assert torch.equal(plain["maps"]["t_C2"], dedup["maps"]["t_C2"])  # not in the group
+    assert torch.equal(plain["maps"]["t_C10"][:2], dedup["maps"]["t_C10"][:2])
+    assert int((plain["maps"]["t_C10"][2] > dedup["maps"]["t_C10"][2]).sum()) > 0
+    for name, table in plain["tables"].items():
+        torch.testing.assert_close(dedup["tables"][name], table, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # Towers over the synthetic data's 26 features: 3 towers, so 2 hosts hold 2 and 1.
