@@ -54,6 +54,11 @@ class ManagedIds:
     """An evicted row's weights are drawn afresh and its optimizer state zeroed for the new id
     (default). ``false``: the new id inherits them, as a hashed table's colliding ids do (for
     comparison; Meta's MPZCH measured resetting better)."""
+    export_rows: int = 0
+    """``raydlrm export`` cuts the table to this many rows (0: keeps it whole), keeping its
+    ``export_keep`` ids; ``--max-rows`` overrides it (:mod:`raydlrm.trainers.model_prune`)."""
+    export_keep: Literal["recent", "frequent"] = "recent"
+    """The ids a pruned export keeps: the most recently looked up, or the most often."""
     probe_window: int = 128
     """Rows an id may occupy, from its home row on (linear probing, wrapping inside its bucket):
     where an id is looked for and inserted, and among which a victim is chosen."""

@@ -31,6 +31,7 @@ from raydlrm.trainers.checkpoints import (
     save_training_state,
 )
 from raydlrm.trainers.loop import Trainer
+from raydlrm.trainers.model_prune import prune_model_dir, prune_rules
 from raydlrm.trainers.model_dir import (
     ModelWeights,
     load_model_checkpoint,
@@ -573,6 +574,36 @@ def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> No
     assert f"using its newest intact checkpoint {ckpt}" in run.stderr
 
 
+def _check_pruned(exported: Path, target: Path, batch) -> None:
+    """An export cut to 40 rows of t_C10 (of 72) keeps its most recent ids with their rows and
+    map entries; rows whose ids it kept predict as before, the others read the fallback."""
+    full = load_model_checkpoint(exported).model
+    spec = load_model_checkpoint(exported).spec
+    with pytest.raises(ValueError, match="not a managed table"):
+        prune_rules(spec, {"C3": 40})
+    prune_model_dir(exported, target, prune_rules(spec, {"C10": 40}, "recent"))
+    pruned = load_model_checkpoint(target).model
+    old = full.embedding_bags.id_maps.t_C10.t()
+    new = pruned.embedding_bags.id_maps.t_C10.t()
+    assert new.shape == (4, 40)
+    kept = new[0][new[0] >= 0]
+    held = old[0] >= 0
+    assert 0 < kept.numel() < int(held.sum())
+    dropped = old[1][held & ~torch.isin(old[0], kept)]
+    assert old[1][torch.isin(old[0], kept)].float().mean() > dropped.float().mean()  # recent
+    for new_row in (new[0] >= 0).nonzero().flatten().tolist():
+        old_row = int((old[0] == new[0][new_row]).nonzero())
+        assert torch.equal(
+            pruned.embedding_bags.weights["t_C10"][new_row],
+            full.embedding_bags.weights["t_C10"][old_row],
+        )
+    c10 = batch.all_sparse().select(["C10"]).values  # one id a sample
+    same = torch.isin(c10, kept)
+    assert 0 < int(same.sum()) < c10.numel()
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(batch)[same], full(batch)[same])
+
+
 @pytest.mark.parametrize(
     ("types", "arch"),
     [
@@ -620,6 +651,8 @@ def test_model_loads_mapped_from_training_state(
         with torch.no_grad():
             torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
         assert model.embedding_bags.id_maps.unknown() == unknown
+    if maps:
+        _check_pruned(exported, tmp_path / "pruned", batch)
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         write_model_weights(tmp_path, tmp_path / "x.safetensors")
 

@@ -272,6 +272,18 @@ def export(
         str | None,
         typer.Option("--data", help="Data for the signature's example rows (default: config's)."),
     ] = None,
+    max_rows: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--max-rows",
+            help="TABLE=ROWS: cut a managed table to ROWS rows, keeping its most recent (or "
+            "--keep frequent) ids; repeatable (default: data.managed_ids.<table>.export_rows).",
+        ),
+    ] = None,
+    keep: Annotated[
+        str | None,
+        typer.Option("--keep", help="The ids a cut table keeps: recent or frequent."),
+    ] = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Export a checkpoint's model, unsharded, as an MLflow pyfunc model that scores raw rows
@@ -281,10 +293,23 @@ def export(
 
     if output is None and register is None:
         fail("give --output DIR and/or --register NAME")
+    if keep not in (None, "recent", "frequent"):
+        fail(f"--keep must be recent or frequent, got {keep!r}")
+    caps = {}
+    for item in max_rows or []:
+        table, _, rows = item.partition("=")
+        if not rows.isdigit():
+            fail(f"--max-rows {item!r}: give TABLE=ROWS")
+        caps[table] = int(rows)
     try:
         with checkpoint_dir(checkpoint, model_dir_ok=True) as directory:
             out = export_model(
-                directory, output=output, registered_model_name=register, example_path=data
+                directory,
+                output=output,
+                registered_model_name=register,
+                example_path=data,
+                max_rows=caps,
+                keep=keep,
             )
     except (*bad_input_errors(), ValueError) as e:
         fail(str(e))

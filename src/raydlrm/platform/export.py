@@ -59,6 +59,7 @@ from raydlrm.trainers.model_dir import (
     model_metrics,
     write_model_dir,
 )
+from raydlrm.trainers.model_prune import prune_model_dir, prune_rules
 
 __all__ = [
     "RecModelPythonModel",
@@ -186,8 +187,8 @@ def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
 
 def _checked_export(
     checkpoint_dir: str | Path, *, output: str | Path | None, register: str | None
-) -> DataConfig:
-    """The checkpoint's data config, once the export is known to be able to finish: before
+) -> WorkerSpec:
+    """The checkpoint's config, once the export is known to be able to finish: before
     anything is read from the shards or written (a damaged checkpoint, an output directory in
     the way).
 
@@ -205,7 +206,7 @@ def _checked_export(
     spec_file = Path(checkpoint_dir, SPEC_FILE)
     if not spec_file.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no {SPEC_FILE}: not a model")
-    return WorkerSpec(**json.loads(spec_file.read_text())).data
+    return WorkerSpec(**json.loads(spec_file.read_text()))
 
 
 @contextlib.contextmanager
@@ -409,6 +410,8 @@ def export_model(
     example_path: str | None = None,
     tracking_uri: str | None = None,
     experiment_name: str = "raydlrm-export",
+    max_rows: dict[str, int] | None = None,
+    keep: Literal["recent", "frequent"] | None = None,
 ) -> dict[str, str]:
     """Exports a checkpoint's model (a training checkpoint or a model checkpoint) as a
     self-contained, unsharded MLflow pyfunc model: to a directory (``output``) and/or logged on
@@ -422,6 +425,10 @@ def export_model(
             train, data set).
         tracking_uri: MLflow tracking URI for registering (default: MLflow's).
         experiment_name: the experiment of the export run.
+        max_rows: managed tables (or their columns) -> the rows to cut them to, over their
+            ``data.managed_ids.<table>.export_rows`` (:mod:`raydlrm.trainers.model_prune`).
+        keep: the ids a cut table keeps (``recent`` or ``frequent``; default: each table's
+            ``export_keep``, else ``recent``).
 
     Returns:
         ``path`` and/or ``model_uri``, ``run_id`` and ``version``.
@@ -433,7 +440,8 @@ def export_model(
         CheckpointDamagedError: a training checkpoint whose files do not match its manifests.
     """
     quiet_libraries()  # importing MLflow set its INFO lines going again
-    data = _checked_export(checkpoint_dir, output=output, register=registered_model_name)
+    spec = _checked_export(checkpoint_dir, output=output, register=registered_model_name)
+    data, rules = spec.data, prune_rules(spec, max_rows, keep)
     if example_path is None and data.eval_path:
         example = example_rows(data.eval_path, data, role="eval")
     else:
@@ -441,6 +449,8 @@ def export_model(
     out: dict[str, str] = {}
     # The weights are assembled from the checkpoint's shards once, for both destinations.
     with _model_dir(checkpoint_dir) as model_dir:
+        if rules:
+            model_dir = prune_model_dir(model_dir, model_dir.parent / "pruned" / "checkpoint", rules)
         if output is not None:
             out["path"] = str(_save(model_dir, output, example))
         if registered_model_name is not None:

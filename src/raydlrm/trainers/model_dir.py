@@ -62,6 +62,7 @@ __all__ = [
     "save_model_metadata",
     "write_model_dir",
     "write_model_weights",
+    "write_weights",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
@@ -248,6 +249,13 @@ def write_model_weights(directory: str | Path, output: str | Path) -> Path:
     weights = ModelWeights(directory)
     if weights.form == "safetensors" and Path(output).resolve() == weights._safetensors.resolve():
         return Path(output)
+    return write_weights(weights, output, source=directory)
+
+
+def write_weights(weights: Any, output: str | Path, *, source: str | Path) -> Path:
+    """:func:`write_model_weights` of ``weights`` (a :class:`ModelWeights`, or anything with
+    its ``tensors`` and ``load``) read from ``source`` (named in errors)."""
+    directory = source
     order = sorted(weights.tensors, key=lambda t: (-t.dtype.itemsize, t.name))
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
