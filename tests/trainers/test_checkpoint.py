@@ -31,13 +31,13 @@ from raydlrm.trainers.checkpoints import (
     save_training_state,
 )
 from raydlrm.trainers.loop import Trainer
-from raydlrm.trainers.model_prune import prune_model_dir, prune_rules
 from raydlrm.trainers.model_dir import (
     ModelWeights,
     load_model_checkpoint,
     save_model_metadata,
     write_model_weights,
 )
+from raydlrm.trainers.model_prune import prune_model_dir, prune_rules
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import (
     gather_full_optimizer_states,

@@ -450,7 +450,8 @@ def export_model(
     # The weights are assembled from the checkpoint's shards once, for both destinations.
     with _model_dir(checkpoint_dir) as model_dir:
         if rules:
-            model_dir = prune_model_dir(model_dir, model_dir.parent / "pruned" / "checkpoint", rules)
+            pruned = model_dir.parent / "pruned" / "checkpoint"
+            model_dir = prune_model_dir(model_dir, pruned, rules)
         if output is not None:
             out["path"] = str(_save(model_dir, output, example))
         if registered_model_name is not None:
