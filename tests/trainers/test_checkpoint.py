@@ -31,10 +31,12 @@ from raydlrm.trainers.checkpoints import (
     save_training_state,
 )
 from raydlrm.trainers.loop import Trainer
+from raydlrm.trainers.model_delta import apply_model_delta, write_model_delta
 from raydlrm.trainers.model_dir import (
     ModelWeights,
     load_model_checkpoint,
     save_model_metadata,
+    write_model_dir,
     write_model_weights,
 )
 from raydlrm.trainers.model_prune import prune_model_dir, prune_rules
@@ -604,6 +606,29 @@ def _check_pruned(exported: Path, target: Path, batch) -> None:
         torch.testing.assert_close(pruned(batch)[same], full(batch)[same])
 
 
+def _check_delta(trainer: Trainer, base: Path, tmp_path: Path) -> None:
+    """The delta of the model one step later over ``base`` holds only the changed rows (and
+    map entries); applied to ``base`` it gives the later model, tensor for tensor."""
+    later = tmp_path / "later-ckpt"
+    save_training_state(
+        later,
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
+    save_model_metadata(later, spec=trainer.spec, plan=trainer.plan, metrics={})
+    new = write_model_dir(later, tmp_path / "later")
+    info = write_model_delta(new, base, tmp_path / "delta")
+    assert 0 < info["rows"]["t_C10"] < 72 and 0 < info["rows"]["t_C3"] < 1000
+    applied = apply_model_delta(base, tmp_path / "delta", tmp_path / "applied")
+    got, want = ModelWeights(applied), ModelWeights(new)
+    assert [t.name for t in got.tensors] == [t.name for t in want.tensors]
+    for t in want.tensors:
+        assert torch.equal(got.load(t.name), want.load(t.name)), t.name
+    with pytest.raises(ValueError, match="made over another model"):
+        apply_model_delta(new, tmp_path / "delta", tmp_path / "wrong")
+
+
 @pytest.mark.parametrize(
     ("types", "arch"),
     [
@@ -653,6 +678,8 @@ def test_model_loads_mapped_from_training_state(
         assert model.embedding_bags.id_maps.unknown() == unknown
     if maps:
         _check_pruned(exported, tmp_path / "pruned", batch)
+        _steps(trainer, _global_batches(str(data_dir), trainer.spec)[2:3], 1)
+        _check_delta(trainer, exported, tmp_path)
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         write_model_weights(tmp_path, tmp_path / "x.safetensors")
 

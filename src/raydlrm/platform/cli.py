@@ -284,6 +284,14 @@ def export(
         str | None,
         typer.Option("--keep", help="The ids a cut table keeps: recent or frequent."),
     ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            "--since",
+            help="An earlier exported model of the same tables: write only the rows (and id-map "
+            "entries) changed since it, and the dense part, to --output.",
+        ),
+    ] = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Export a checkpoint's model, unsharded, as an MLflow pyfunc model that scores raw rows
@@ -310,10 +318,11 @@ def export(
                 example_path=data,
                 max_rows=caps,
                 keep=keep,
+                since=since,
             )
     except (*bad_input_errors(), ValueError) as e:
         fail(str(e))
-    for key in ("path", "model_uri", "run_id"):
+    for key in ("path", "model_uri", "run_id", "rows"):
         if key in out:
             typer.echo(f"{key}: {out[key]}")
     if "version" in out:

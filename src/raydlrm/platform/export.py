@@ -50,12 +50,15 @@ from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.storage import is_remote, scratch_directory
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
 from raydlrm.trainers.checkpoints import STATE_FILE, check_intact, local_checkpoint
+from raydlrm.trainers.model_delta import write_model_delta
 from raydlrm.trainers.model_dir import (
     FINAL_METRICS_FILE,
     METRICS_FILE,
     PLAN_FILE,
     REFERENCE_FILE,
     SPEC_FILE,
+    WEIGHTS_FILE,
+    find_model_dir,
     model_metrics,
     write_model_dir,
 )
@@ -215,6 +218,24 @@ def _model_dir(checkpoint_dir: str | Path) -> Iterator[Path]:
     time), in a temporary directory for the duration of the block."""
     with scratch_directory("export") as tmp:
         yield write_model_dir(checkpoint_dir, Path(tmp, "checkpoint"))
+
+
+def _export_delta(
+    checkpoint_dir: str | Path, since: str | Path, *, output: str | Path | None, pruned: bool
+) -> dict[str, str]:
+    """A delta export (see :func:`export_model`'s ``since``)."""
+    if output is None or pruned:
+        raise ValueError("a delta export (--since) writes to --output, and cannot be pruned")
+    base = find_model_dir(since)
+    if base is None:
+        raise FileNotFoundError(f"--since {since}: no model directory there")
+    with contextlib.ExitStack() as stack:
+        if not Path(base, WEIGHTS_FILE).is_file():  # a checkpoint: its weights assembled
+            base = stack.enter_context(_model_dir(base))
+        new = stack.enter_context(_model_dir(checkpoint_dir))
+        info = write_model_delta(new, base, output)
+    rows = ", ".join(f"{t} {n:,}" for t, n in sorted(info["rows"].items()))
+    return {"path": str(output), "rows": rows}
 
 
 def save_model(checkpoint_dir: str | Path, path: str | Path, example: pd.DataFrame) -> Path:
@@ -412,6 +433,7 @@ def export_model(
     experiment_name: str = "raydlrm-export",
     max_rows: dict[str, int] | None = None,
     keep: Literal["recent", "frequent"] | None = None,
+    since: str | Path | None = None,
 ) -> dict[str, str]:
     """Exports a checkpoint's model (a training checkpoint or a model checkpoint) as a
     self-contained, unsharded MLflow pyfunc model: to a directory (``output``) and/or logged on
@@ -429,6 +451,8 @@ def export_model(
             ``data.managed_ids.<table>.export_rows`` (:mod:`raydlrm.trainers.model_prune`).
         keep: the ids a cut table keeps (``recent`` or ``frequent``; default: each table's
             ``export_keep``, else ``recent``).
+        since: an earlier exported model (or model directory) of the same tables: write only
+            what changed since it to ``output`` (:mod:`raydlrm.trainers.model_delta`).
 
     Returns:
         ``path`` and/or ``model_uri``, ``run_id`` and ``version``.
@@ -442,6 +466,8 @@ def export_model(
     quiet_libraries()  # importing MLflow set its INFO lines going again
     spec = _checked_export(checkpoint_dir, output=output, register=registered_model_name)
     data, rules = spec.data, prune_rules(spec, max_rows, keep)
+    if since is not None:
+        return _export_delta(checkpoint_dir, since, output=output, pruned=bool(rules))
     if example_path is None and data.eval_path:
         example = example_rows(data.eval_path, data, role="eval")
     else:
