@@ -251,6 +251,38 @@ def retrain(
     )
 
 
+MaxRowsOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--max-rows",
+        help="TABLE=ROWS: cut a managed table to ROWS rows, keeping its most recent (or --keep "
+        "frequent) ids; repeatable (default: data.managed_ids.<table>.export_rows).",
+    ),
+]
+KeepOption = Annotated[
+    str | None, typer.Option("--keep", help="The ids a cut table keeps: recent or frequent.")
+]
+SinceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--since",
+        help="An earlier exported model of the same tables: write only the rows (and id-map "
+        "entries) changed since it, and the dense part, to --output.",
+    ),
+]
+
+
+def _row_caps(items: list[str]) -> dict[str, int]:
+    """``--max-rows TABLE=ROWS`` items as a dict."""
+    caps = {}
+    for item in items:
+        table, _, rows = item.partition("=")
+        if not rows.isdigit():
+            fail(f"--max-rows {item!r}: give TABLE=ROWS")
+        caps[table] = int(rows)
+    return caps
+
+
 @app.command()
 def export(
     checkpoint: Annotated[
@@ -272,26 +304,9 @@ def export(
         str | None,
         typer.Option("--data", help="Data for the signature's example rows (default: config's)."),
     ] = None,
-    max_rows: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--max-rows",
-            help="TABLE=ROWS: cut a managed table to ROWS rows, keeping its most recent (or "
-            "--keep frequent) ids; repeatable (default: data.managed_ids.<table>.export_rows).",
-        ),
-    ] = None,
-    keep: Annotated[
-        str | None,
-        typer.Option("--keep", help="The ids a cut table keeps: recent or frequent."),
-    ] = None,
-    since: Annotated[
-        str | None,
-        typer.Option(
-            "--since",
-            help="An earlier exported model of the same tables: write only the rows (and id-map "
-            "entries) changed since it, and the dense part, to --output.",
-        ),
-    ] = None,
+    max_rows: MaxRowsOption = None,
+    keep: KeepOption = None,
+    since: SinceOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Export a checkpoint's model, unsharded, as an MLflow pyfunc model that scores raw rows
@@ -303,12 +318,7 @@ def export(
         fail("give --output DIR and/or --register NAME")
     if keep not in (None, "recent", "frequent"):
         fail(f"--keep must be recent or frequent, got {keep!r}")
-    caps = {}
-    for item in max_rows or []:
-        table, _, rows = item.partition("=")
-        if not rows.isdigit():
-            fail(f"--max-rows {item!r}: give TABLE=ROWS")
-        caps[table] = int(rows)
+    caps = _row_caps(max_rows or [])
     try:
         with checkpoint_dir(checkpoint, model_dir_ok=True) as directory:
             out = export_model(

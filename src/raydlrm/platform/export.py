@@ -468,10 +468,7 @@ def export_model(
     data, rules = spec.data, prune_rules(spec, max_rows, keep)
     if since is not None:
         return _export_delta(checkpoint_dir, since, output=output, pruned=bool(rules))
-    if example_path is None and data.eval_path:
-        example = example_rows(data.eval_path, data, role="eval")
-    else:
-        example = example_rows(example_path or data.train_path, data)
+    example = _example(data, example_path)
     out: dict[str, str] = {}
     # The weights are assembled from the checkpoint's shards once, for both destinations.
     with _model_dir(checkpoint_dir) as model_dir:
@@ -482,17 +479,29 @@ def export_model(
             out["path"] = str(_save(model_dir, output, example))
         if registered_model_name is not None:
             experiment = set_experiment(experiment_name, tracking_uri=tracking_uri)
-            with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
-                mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
-            info = log_model(
-                run_id=run.info.run_id,
-                model_dir=model_dir,
-                example=example,
-                registered_model_name=registered_model_name,
-            )
-            out.update(
-                model_uri=info.model_uri,
-                run_id=run.info.run_id,
-                version=str(info.registered_model_version),
-            )
+            name = registered_model_name
+            out.update(_register_export(checkpoint_dir, model_dir, example, name, experiment))
     return out
+
+
+def _example(data: DataConfig, path: str | None) -> pd.DataFrame:
+    """The signature's example rows: from ``path``, else the eval data, else the train data."""
+    if path is None and data.eval_path:
+        return example_rows(data.eval_path, data, role="eval")
+    return example_rows(path or data.train_path, data)
+
+
+def _register_export(
+    checkpoint_dir: str | Path, model_dir: Path, example: pd.DataFrame, name: str, experiment: Any
+) -> dict[str, str]:
+    """Logs an exported model on a new run of ``experiment`` and registers it as ``name``."""
+    with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
+        mlflow.set_tag("raydlrm.exported_from", str(checkpoint_dir))
+    info = log_model(
+        run_id=run.info.run_id, model_dir=model_dir, example=example, registered_model_name=name
+    )
+    return {
+        "model_uri": info.model_uri,
+        "run_id": run.info.run_id,
+        "version": str(info.registered_model_version),
+    }

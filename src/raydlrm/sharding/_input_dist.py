@@ -274,16 +274,11 @@ class InputDistributor:
             torch.arange(num_copies, device=device) - first_copy
         )
         ids = kjt.values[source].to(torch.int64)
-        route = ids
-        if self._any_managed:
-            buckets = self._position_buckets[feature[source]]
-            managed = buckets > 0
-            routed = route_rows(ids, buckets.clamp(min=1), self._position_rows[feature[source]])
-            route = torch.where(managed, routed, ids)
+        route, managed = self._routing_rows(ids, feature[source])
         segment = torch.searchsorted(self._seg_keys, group * self._stride + route, right=True) - 1
         unit, order = torch.sort(self._seg_units[segment], stable=True)
         shift = self._unit_row_start[unit]
-        if self._any_managed:
+        if managed is not None:  # a raw id goes as it is
             shift = torch.where(managed[order], 0, shift)
         values = ids[order] - shift
         source = source[order]
@@ -293,6 +288,18 @@ class InputDistributor:
         )
         ids_per_rank = torch.bincount(self._unit_rank[unit], minlength=len(self._num_units))
         return lengths, values, weights, ids_per_rank.tolist()
+
+    def _routing_rows(
+        self, ids: torch.Tensor, position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The row each id is routed by (its own; a managed table's raw id: its bucket's first
+        row) and which ids are managed (None: no managed table)."""
+        if not self._any_managed:
+            return ids, None
+        buckets = self._position_buckets[position]
+        managed = buckets > 0
+        routed = route_rows(ids, buckets.clamp(min=1), self._position_rows[position])
+        return torch.where(managed, routed, ids), managed
 
     def _repeat_bags(
         self, kjt: _Jagged, local_batch: list[int], unit_bags: torch.Tensor, total_bags: int
