@@ -44,6 +44,7 @@ GPU_TEST_FILES = [
     "tests/sharding/test_codecs.py",
     "tests/sharding/test_learned_cost.py",
     "tests/sharding/test_towers.py",
+    "tests/models/test_managed_ids.py",  # the managed-id map on CUDA (and its rate, printed)
 ]
 VARIANTS = "torch-none,torch-sparse_dist,reference"
 RATIOS = [
