@@ -156,3 +156,34 @@ def test_null_ids_and_labels_are_errors_naming_the_column():
     )
     with pytest.raises(ValueError, match="'label'"):
         Preprocessor(_config())(bad_label)
+
+
+def test_a_managed_tables_ids_stay_raw_and_negative_ones_are_bad_input():
+    """Managed tables (data.managed_ids) take raw ids: integers as they are, strings as their
+    63-bit hash; a negative integer id is bad input naming the column."""
+    from raydlrm.ids import ManagedIds
+    from raydlrm.ingestion.badinput import find_bad_rows
+    from raydlrm.ingestion.preprocess import hash_strings
+
+    config = _config(managed_ids={"C2": ManagedIds(), "t_C3": ManagedIds()})
+    raw = _raw_table(num_rows=30)
+    raw = raw.set_column(
+        raw.schema.get_field_index("C3"), "C3", raw.column("C3").cast(pa.list_(pa.string()))
+    )
+    out = Preprocessor(config)(raw)
+    np.testing.assert_array_equal(out.column("C2").to_numpy(), raw.column("C2").to_numpy())
+    strings = raw.column("C3").combine_chunks().flatten()
+    hashed = (hash_strings(strings) & np.uint64(2**63 - 1)).view(np.int64)
+    np.testing.assert_array_equal(out.column("C3").combine_chunks().flatten().to_numpy(), hashed)
+    assert out.column("C1").to_numpy().max() < 97  # hashed as before
+    negative = raw.set_column(
+        raw.schema.get_field_index("C2"), "C2", pa.array(np.arange(30, dtype=np.int32) - 1)
+    )
+    bad = find_bad_rows(negative, config)
+    assert bad is not None and "sparse column 'C2': managed id negative" in str(bad)
+    with pytest.raises(ValueError, match=r"data\.managed_ids\.nope: not a table"):
+        _config(managed_ids={"nope": ManagedIds()})
+    with pytest.raises(ValueError, match="hash = false"):
+        _config(managed_ids={"C2": ManagedIds()}, sparse_specs={"C2": {"hash": False}})
+    with pytest.raises(ValueError, match=r"data.managed_ids.C2: 64 buckets need at least 128"):
+        _config(managed_ids={"C2": ManagedIds(buckets=64)})

@@ -369,3 +369,25 @@ def test_auto_towers_of_a_warm_start_keep_its_towers_and_its_statistics(tmp_path
     resolved = plan_job(job, run_name=None).job
     assert resolved.model.towers == towers
     assert resolved.data.dense_stats == {"I1": (5.0, 2.0)}
+
+
+def test_managed_tables_are_refused_where_they_do_not_work_naming_the_table() -> None:
+    """data.managed_ids reaches the config and --set; what managed tables do not work with
+    (rows behind a row cache, towers, a data_parallel table) is refused before Ray starts."""
+    job = load_config(None, overrides=["data.managed_ids.C1.eviction=lfu"])
+    assert job.data.managed_of("t_C1").eviction == "lfu"
+    assert {t.name: t.managed for t in job.tables()}["t_C1"].eviction == "lfu"
+    managed = ["data.managed_ids.C1.eviction=lru"]
+    for extra, match in (
+        (["sharding.weights_precision=int8"], "table 't_C1' is managed.*int8"),
+        (["sharding.placement.t_C1=ssd"], "table 't_C1' is managed.*off DRAM"),
+        (['model.towers="auto"'], r"data.managed_ids \(t_C1\) with model.towers"),
+        (["data.managed_ids.C1.eviction=ttl"], "ttl_steps"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, overrides=managed + extra)
+    from raydlrm.sharding import plan_sharding
+
+    pinned = load_config(None, overrides=[*managed, "sharding.pinned_types.t_C1=data_parallel"])
+    with pytest.raises(ValueError, match=r"'t_C1' is managed .* cannot be data_parallel"):
+        plan_sharding(pinned.tables(), world_size=2, config=pinned.sharding)

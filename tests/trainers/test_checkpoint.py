@@ -532,6 +532,22 @@ def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) 
         )
     with pytest.raises(FileNotFoundError, match=r"trainer_state\.json"):
         load_training_state(str(tmp_path), parts=trainer.parts())
+    # A hashed table resumed as managed, and the reverse, is refused naming the table.
+    managed = _spec(Path(data_dir), batch_size=8, optimizer="rowwise_adagrad")
+    managed.data.managed_ids = {"C2": ManagedIds(buckets=6)}
+    plan = plan_sharding(managed.tables(), world_size=1, config=managed.sharding)
+    parts = Trainer(managed, plan=plan, rank=0, device=torch.device("cpu")).parts()
+    with pytest.raises(ValueError, match="table 't_C2' is hashed in the checkpoint but managed"):
+        load_training_state(ckpt, parts=parts)
+    managed_ckpt = str(tmp_path / "managed")
+    save_training_state(
+        managed_ckpt,
+        parts=parts,
+        loop_state={},
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
+    with pytest.raises(ValueError, match="table 't_C2' is managed in the checkpoint but hashed"):
+        load_training_state(managed_ckpt, parts=trainer.parts())
 
 
 def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> None:
