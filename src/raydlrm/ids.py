@@ -15,7 +15,25 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-__all__ = ["MAP_BYTES_PER_ROW", "Eviction", "ManagedIds", "auto_buckets", "bucket_bounds"]
+__all__ = [
+    "DAY_SHIFT",
+    "MAP_BYTES_PER_ROW",
+    "Eviction",
+    "ManagedIds",
+    "auto_buckets",
+    "bucket_bounds",
+    "clock",
+]
+
+DAY_SHIFT = 40
+"""A managed table's clock is ``(day << DAY_SHIFT) + step``: the data's day (days since
+1970-01-01, ``data.data_date``; 0 without one) above the training step, so it grows with both:
+LRU compares whole clocks, ``ttl_days`` the days, ``ttl_steps`` the steps."""
+
+
+def clock(step: int, day: int) -> int:
+    """The clock value of training step ``step`` on data day ``day``."""
+    return (day << DAY_SHIFT) + step
 
 MAP_BYTES_PER_ROW = 32
 """Bytes of map state per row of a managed table (four int64 values: the id holding the row,
@@ -28,8 +46,10 @@ Eviction = Literal["none", "lru", "lfu", "ttl"]
   for its ids);
 - ``lru``: the row of the window least recently looked up is given to the new id;
 - ``lfu``: the row looked up least often (ties: least recently);
-- ``ttl``: rows not looked up for ``ttl_steps`` steps are free for new ids; when none in the
-  window is, the least recently used row is evicted as with ``lru``.
+- ``ttl``: rows not looked up for ``ttl_steps`` training steps, or ``ttl_days`` days of data
+  time (``data.data_date``, which ``raydlrm retrain`` sets to the slot's training day), are free
+  for new ids; when none in the window is, the least recently used row is evicted as with
+  ``lru``.
 
 An evicted row's weights are drawn afresh and its optimizer state zeroed: the new id inherits
 nothing of the old one."""
@@ -50,6 +70,9 @@ class ManagedIds:
     """See :data:`Eviction`."""
     ttl_steps: int = 0
     """``eviction = "ttl"``: steps after its last lookup at which an id's row becomes free."""
+    ttl_days: int = 0
+    """``eviction = "ttl"``: days of data time (``data.data_date``) after its last lookup at
+    which an id's row becomes free (instead of ``ttl_steps``)."""
     reset_on_evict: bool = True
     """An evicted row's weights are drawn afresh and its optimizer state zeroed for the new id
     (default). ``false``: the new id inherits them, as a hashed table's colliding ids do (for
@@ -71,11 +94,12 @@ class ManagedIds:
     def __post_init__(self) -> None:
         if self.admit_after < 1:
             raise ValueError(f"admit_after must be at least 1, got {self.admit_after}")
-        if self.eviction == "ttl" and self.ttl_steps < 1:
-            raise ValueError("eviction = 'ttl' needs ttl_steps >= 1")
-        if self.eviction != "ttl" and self.ttl_steps:
+        if self.eviction == "ttl" and (self.ttl_steps >= 1) == (self.ttl_days >= 1):
+            raise ValueError("eviction = 'ttl' needs one of ttl_steps and ttl_days >= 1")
+        if self.eviction != "ttl" and (self.ttl_steps or self.ttl_days):
             raise ValueError(
-                f"ttl_steps is only read with eviction = 'ttl' (got {self.eviction!r})"
+                f"ttl_steps and ttl_days are only read with eviction = 'ttl' (got "
+                f"{self.eviction!r})"
             )
         if self.probe_window < 1:
             raise ValueError(f"probe_window must be at least 1, got {self.probe_window}")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raydlrm.ids import ManagedIds
+from raydlrm.ids import ManagedIds, clock
 from raydlrm.ingestion.preprocess import mix64
 from raydlrm.models.managed_ids import (
     EMPTY,
@@ -212,3 +212,20 @@ def test_the_map_on_cuda_decides_as_on_cpu() -> None:
     torch.cuda.synchronize()
     rate = 5 * batch.numel() / (time.perf_counter() - start) / 1e6
     print(f"managed ids on cuda: {rate:.1f} M ids/s lookup-and-insert at load 0.5")
+
+
+def test_ttl_in_days_of_data_time() -> None:
+    """With ttl_days the clock's day (data.data_date) expires a row: a new id whose probe
+    meets it first takes it (rather than an empty row) once its id went unseen for more than
+    ttl_days days, whatever the steps, and not before."""
+    for ttl, expired in ((2, True), (5, False)):
+        m = _map(9, buckets=1, eviction="ttl", ttl_days=ttl, probe_window=8)
+        m.assign(torch.tensor([100]), now=clock(1, 20000), training=True)
+        row = int((m.state[ID] == 100).nonzero())
+        candidates = torch.arange(1000, 3000)
+        lo, _, home = m._home(candidates)
+        new = int(candidates[lo + 1 + home == row][0])  # an id whose home row is 100's
+        out = m.assign(torch.tensor([new]), now=clock(2, 20003), training=True)
+        assert (out.rows.item() == row) == expired
+        assert (100 in m.state[ID].tolist()) != expired
+        assert m.stats()["evictions"] == int(expired)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import field
 from itertools import pairwise
@@ -143,6 +144,9 @@ class DataConfig:
     eval_partitions: dict[str, PartitionSelector] | None = None
     """Hive partitions of ``eval_path``, when they differ from the training ones (e.g. train on
     the days before the newest, evaluate on the newest). Default: ``partitions``."""
+    data_date: str | None = None
+    """The data's date (``YYYY-MM-DD``): the clock of managed tables' ``ttl_days``. ``raydlrm
+    retrain`` sets it to the newest training partition when the partition values are dates."""
     batch_size: int = 1024
     """Samples per batch on each worker."""
     num_preprocess_actors: int = 0
@@ -172,6 +176,13 @@ class DataConfig:
         self._check_specs()
         self._check_tables()
         self._check_managed()
+        if self.data_date is not None:
+            try:
+                self.data_day()
+            except ValueError:
+                raise ValueError(
+                    f"data.data_date must be a date YYYY-MM-DD, got {self.data_date!r}"
+                ) from None
         self._check_dedup_groups()
         columns = [self.label_column, *self.dense_columns, *self.sparse_columns]
         dupes = sorted({c for c in columns if columns.count(c) > 1})
@@ -302,6 +313,12 @@ class DataConfig:
                         f"data.managed_ids.{key}: column {column!r} has hash = false (its ids are "
                         "row numbers); a managed table takes raw ids"
                     )
+
+    def data_day(self) -> int:
+        """``data_date`` as days since 1970-01-01 (0 without one)."""
+        if self.data_date is None:
+            return 0
+        return (datetime.date.fromisoformat(self.data_date) - datetime.date(1970, 1, 1)).days
 
     def managed_of(self, table: str) -> ManagedIds | None:
         """The managed-ids policy of ``table`` (None: hashed)."""

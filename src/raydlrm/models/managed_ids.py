@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raydlrm.ids import MAP_BYTES_PER_ROW, ManagedIds, bucket_bounds
+from raydlrm.ids import DAY_SHIFT, MAP_BYTES_PER_ROW, ManagedIds, bucket_bounds
 
 __all__ = [
     "EMPTY",
@@ -217,7 +217,7 @@ class IdMap:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each id's row if the map holds it (else -1), and the row it may take (the first
         expired row of its window with ``ttl``, else the first empty one; -1: none)."""
-        ttl = self.policy.ttl_steps if self.policy.eviction == "ttl" else 0
+        expired_at = self._expired if self.policy.eviction == "ttl" else None
         held_ids, last = self.state[ID], self.state[LAST]
         # Round 0 on every id, then the unresolved ids compacted together each round: index,
         # id, the bucket's first slot row and end, the row probed, the free row found so far.
@@ -227,8 +227,8 @@ class IdMap:
         never = held == EMPTY
         found = torch.where(hit, row, -1)
         free = torch.where(never, row, -1)
-        if ttl:
-            expired = (held >= 0) & ~hit & (now - last.index_select(0, row) > ttl)
+        if expired_at is not None:
+            expired = (held >= 0) & ~hit & expired_at(last.index_select(0, row), now)
             free = torch.where(expired, row, free)
         keep = ~(hit | never) & (slots > 1)
         active = keep.nonzero().squeeze(1)
@@ -244,8 +244,8 @@ class IdMap:
             hit = held == a_ids
             never = held == EMPTY
             take = never & (a_free < 0)
-            if ttl:
-                expired = (held >= 0) & ~hit & (now - last.index_select(0, row) > ttl)
+            if expired_at is not None:
+                expired = (held >= 0) & ~hit & expired_at(last.index_select(0, row), now)
                 take |= expired & (a_free < 0)
             a_free = torch.where(take, row, a_free)
             free.index_copy_(0, active, a_free)
@@ -258,9 +258,18 @@ class IdMap:
         self.counters[5] = max(int(self.counters[5]), self.policy.probe_window)
         return found, free
 
+    def _expired(self, last: torch.Tensor, now: int) -> torch.Tensor:
+        """Whether rows last looked up at ``last`` have expired at ``now`` (``ttl``: by days
+        or by steps, :data:`~raydlrm.ids.DAY_SHIFT`)."""
+        if self.policy.ttl_days:
+            return (now >> DAY_SHIFT) - (last >> DAY_SHIFT) > self.policy.ttl_days
+        steps = (1 << DAY_SHIFT) - 1
+        return (now & steps) - (last & steps) > self.policy.ttl_steps
+
     def assign(self, ids: torch.Tensor, *, now: int, training: bool) -> Assignment:
         """The rows of ``ids`` (int64 raw ids of this shard's buckets); in training, admits and
-        places new ids and records the lookups (``now``: the training step).
+        places new ids and records the lookups (``now``: the clock, :func:`raydlrm.ids.clock`
+        of the training step and the data's day).
 
         Raises:
             ManagedIdsError: an admitted id found no row (see :class:`ManagedIdsError`).

@@ -235,10 +235,16 @@ def check_managed_capacity(job: JobConfig, sample: pa.Table, *, where: str) -> N
     """A managed table without eviction must hold every distinct id of the data: refused
     before Ray starts when the data's first rows (``sample``) already hold more distinct ids
     than its rows give (its size less a fallback row per bucket). Beyond the sample, a
-    training step that finds no row stops with an error naming the table."""
+    training step that finds no row stops with an error naming the table. ``ttl_days`` needs
+    the data's date."""
     config = job.data
     for name, columns in config.table_columns().items():
         policy = config.managed_of(name)
+        if policy is not None and policy.ttl_days and config.data_date is None:
+            raise ConfigError(
+                f"data.managed_ids.{name}.ttl_days counts days of data time: set data.data_date "
+                "(raydlrm retrain sets it from date partitions), or use ttl_steps"
+            )
         present = [c for c in columns if c in sample.column_names]
         if policy is None or policy.eviction != "none" or not present:
             continue

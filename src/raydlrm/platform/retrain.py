@@ -26,6 +26,7 @@ when the new model is better.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import math
 import re
@@ -367,6 +368,7 @@ def _slot_job(
         data=dataclasses.replace(
             job.data,
             partitions={key: PartitionSelector(values=list(slot.train))},
+            data_date=_date_of(slot.train[-1]) or job.data.data_date,
             eval_path=job.data.train_path,
             eval_partitions={key: PartitionSelector(values=list(slot.holdout))},
         ),
@@ -379,6 +381,14 @@ def _slot_job(
             job.tracking, tracking_uri=tracking_uri, registered_model_name=None
         ),
     )
+
+
+def _date_of(value: str) -> str | None:
+    """A partition value that is a date (``YYYY-MM-DD``), as it is; else None."""
+    try:
+        return datetime.date.fromisoformat(value).isoformat()
+    except ValueError:
+        return None
 
 
 def _tag(client: MlflowClient, run_id: str, *, tags: dict[str, str], reason: str) -> None:

@@ -139,6 +139,15 @@ class LocalState:
     def managed_clock(self, clock: tuple[int, int]) -> None:
         self._managed.step, self._managed.seed = int(clock[0]), int(clock[1])
 
+    @property
+    def managed_day(self) -> int:
+        """The data's day (days since 1970-01-01) the managed tables' lookups happen on."""
+        return self._managed.day
+
+    @managed_day.setter
+    def managed_day(self, day: int) -> None:
+        self._managed.day = int(day)
+
     def local_shards(self) -> dict[str, Shard]:
         """Table name -> the :class:`Shard` this rank holds, for each of its tables."""
         return {t.name: s for t, s in self._pieces}

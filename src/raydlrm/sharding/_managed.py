@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raydlrm.ids import clock
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.models.managed_ids import IdMap, fresh_rows, mix_ids
 from raydlrm.sharding._layout import TbeGroup
@@ -56,16 +57,21 @@ class ManagedShards:
         groups: the rank's TBE groups.
         seed: the run's seed (fresh values of reset rows).
         device: where the maps live.
-        clock: keep the clock (the collection has managed tables, on this rank or not: every
+        keeps_clock: count steps (the collection has managed tables, on this rank or not: every
             rank keeps the same clock, so any rank's saved clock is the run's).
+
+    Attributes:
+        step: training lookups so far; with ``day`` (the data's day, days since 1970-01-01, set
+            from ``data.data_date``) the maps' clock (:func:`raydlrm.ids.clock`).
     """
 
     def __init__(
-        self, groups: list[TbeGroup], *, seed: int, device: torch.device, clock: bool
+        self, groups: list[TbeGroup], *, seed: int, device: torch.device, keeps_clock: bool
     ) -> None:
         self.seed = seed
         self.step = 0
-        self._clock = clock
+        self.day = 0
+        self._clock = keeps_clock
         self.maps: dict[str, IdMap] = {}
         self._pieces: list[list[_Piece]] = []
         for group in groups:
@@ -119,7 +125,8 @@ class ManagedShards:
         indices = indices.clone()
         for piece in self._pieces[group]:
             lo, hi = bounds[piece.first_unit], bounds[piece.last_unit]
-            out = piece.id_map.assign(indices[lo:hi], now=self.step, training=training)
+            now = clock(self.step, self.day)
+            out = piece.id_map.assign(indices[lo:hi], now=now, training=training)
             indices[lo:hi] = out.rows
             if out.reset.numel():
                 self._reset(tbe, piece, out.reset)

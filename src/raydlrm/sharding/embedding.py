@@ -228,7 +228,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             self._groups,
             seed=ebc.seed,
             device=self._device,
-            clock=any(t.managed is not None for t in self.tables),
+            keeps_clock=any(t.managed is not None for t in self.tables),
         )
         self._init_weights(ebc)
 

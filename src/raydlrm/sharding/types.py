@@ -195,6 +195,10 @@ class ShardedTables(nn.Module, abc.ABC):
         without managed tables, :mod:`raydlrm.models.managed_ids`)."""
         return {}
 
+    managed_day: int = 0
+    """The data's day (days since 1970-01-01, ``data.data_date``; 0: none) of the managed
+    tables' clock (:func:`raydlrm.ids.clock`)."""
+
     managed_clock: tuple[int, int] = (0, 0)
     """The managed tables' clock: (training lookups so far, the seed of the fresh values of
     rows given to new ids); saved and restored with the maps, so a resumed run goes on as the

@@ -159,7 +159,7 @@ class Trainer:
             embedding_device="meta",
             seed=spec.training.seed,
         )
-        return shard_model(
+        sharded = shard_model(
             model,
             plan=self.plan,
             config=spec.sharding,
@@ -168,6 +168,8 @@ class Trainer:
             # Columns are features: the data's dedup groups are the model's.
             dedup_groups=spec.data.dedup_groups,
         )
+        sharded.embedding_bags.managed_day = spec.data.data_day()  # managed tables' ttl_days
+        return sharded
 
     def parts(self) -> TrainingParts:
         """What a training checkpoint of this worker holds (by reference)."""
