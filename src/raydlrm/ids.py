@@ -35,6 +35,7 @@ def clock(step: int, day: int) -> int:
     """The clock value of training step ``step`` on data day ``day``."""
     return (day << DAY_SHIFT) + step
 
+
 MAP_BYTES_PER_ROW = 32
 """Bytes of map state per row of a managed table (four int64 values: the id holding the row,
 its last lookup step, its lookups, an admission counter), on every shard holding the row."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raydlrm.ids import ManagedIds, clock
+from raydlrm.ids import ManagedIds, bucket_bounds, clock
 from raydlrm.ingestion.preprocess import mix64
 from raydlrm.models.managed_ids import (
     EMPTY,
@@ -16,7 +16,7 @@ from raydlrm.models.managed_ids import (
     ID,
     IdMap,
     ManagedIdsError,
-    bucket_bounds,
+    bucket_of,
     fresh_rows,
     mix_ids,
 )
@@ -137,7 +137,7 @@ def test_shards_of_whole_buckets_hold_what_the_whole_table_holds() -> None:
     ]
     for step, ids in enumerate((_ids(1500), _ids(1500, seed=1)), start=1):
         whole.assign(ids, now=step, training=True)
-        bucket = (mix_ids(ids) & ((1 << 62) - 1)) % buckets
+        bucket = bucket_of(mix_ids(ids), buckets)
         for half, mine in zip(halves, (bucket < 3, bucket >= 3), strict=True):
             half.assign(ids[mine], now=step, training=True)
     assert torch.equal(torch.cat([h.state for h in halves], dim=1), whole.state)

@@ -236,13 +236,13 @@ def _maps(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def _save_managed(rank, world_size, data_dir, ckpt, types) -> dict:
-    out = _save(rank, world_size, data_dir, ckpt, types, "adagrad")
+    out = _save(rank, world_size, data_dir, ckpt, types, "rowwise_adagrad")
     return {**out, "maps": _maps_after(rank, world_size, data_dir, ckpt, types, resumed=False)}
 
 
 def _maps_after(rank, world_size, data_dir, ckpt, types, *, resumed: bool) -> dict:
     """The maps at the checkpoint (loaded) and after the run's last steps."""
-    trainer = _trainer(rank, world_size, data_dir, types, "adagrad", seed=99)
+    trainer = _trainer(rank, world_size, data_dir, types, "rowwise_adagrad", seed=99)
     load_training_state(ckpt, parts=trainer.parts())
     at = _maps(trainer)
     _steps(trainer, _global_batches(data_dir, trainer.spec)[STEPS_BEFORE:], world_size)
@@ -251,7 +251,7 @@ def _maps_after(rank, world_size, data_dir, ckpt, types, *, resumed: bool) -> di
 
 
 def _load_managed(rank, world_size, data_dir, ckpt, types) -> dict:
-    out = _load(rank, world_size, data_dir, ckpt, types, "adagrad")
+    out = _load(rank, world_size, data_dir, ckpt, types, "rowwise_adagrad")
     return {**out, "maps": _maps_after(rank, world_size, data_dir, ckpt, types, resumed=True)}
 
 

@@ -10,8 +10,8 @@ as the rows are.
 Layout (fixed for the table's life, independent of the sharding):
 
 - the rows are split into ``B`` *buckets* (:meth:`raydlrm.ids.ManagedIds.buckets_for`), bucket
-  ``b`` holding rows ``[b R // B, (b + 1) R // B)``; an id belongs to bucket ``mix(id) mod B``
-  (``mix``: the splitmix64 finalizer), and a shard holds whole buckets;
+  ``b`` holding rows ``[b R // B, (b + 1) R // B)``; an id belongs to bucket :func:`bucket_of`
+  its ``mix(id)`` (``mix``: the splitmix64 finalizer), and a shard holds whole buckets;
 - a bucket's first row is its *fallback row*: ids not yet admitted (``admit_after``) read it in
   training, and ids the map does not know read it in evaluation and scoring. It trains like
   any row: it learns the mean of the rare and unknown ids of its bucket;
@@ -52,7 +52,7 @@ __all__ = [
     "IdMap",
     "IdMaps",
     "ManagedIdsError",
-    "bucket_bounds",
+    "bucket_of",
     "fresh_rows",
     "mix_ids",
 ]
@@ -74,6 +74,9 @@ _MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MUL2 = 0x94D049BB133111EB - (1 << 64)
 _SKETCH_SALT = 0x5851F42D4C957F2D
 _NEVER = (1 << 63) - 1
+_ROUNDS = 4
+"""Probe rounds one slot at a time (most ids resolve in the first); then the rest of the
+windows of the ids left are read at once."""
 
 
 class ManagedIdsError(RuntimeError):
@@ -93,6 +96,12 @@ def mix_ids(ids: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _MUL1
     z = (z ^ _shr(z, 27)) * _MUL2
     return z ^ _shr(z, 31)
+
+
+def bucket_of(mixed: torch.Tensor, buckets: torch.Tensor | int) -> torch.Tensor:
+    """The bucket of ids whose :func:`mix_ids` are ``mixed``, of ``buckets`` (a multiply-shift
+    of the low 32 bits: no division)."""
+    return ((mixed & 0xFFFFFFFF) * buckets) >> 32
 
 
 def fresh_rows(
@@ -201,7 +210,7 @@ class IdMap:
     def _home(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each id's bucket's fallback row, slot count, and home slot (0-based in the bucket)."""
         m = mix_ids(ids)
-        bucket = (m & ((1 << 62) - 1)) % self.num_buckets - self.first_bucket
+        bucket = bucket_of(m, self.num_buckets) - self.first_bucket
         bad = (bucket < 0) | (bucket >= self._lo.numel())
         if bool(bad.any()):
             raise ValueError(
@@ -210,7 +219,7 @@ class IdMap:
                 f"{int(ids[bad][0])}); the ids were routed with another bucket layout"
             )
         slots = self._slots.index_select(0, bucket)
-        return self._lo.index_select(0, bucket), slots, _shr(m, 32) % slots
+        return self._lo.index_select(0, bucket), slots, (_shr(m, 32) * slots) >> 32
 
     def _probe(
         self, ids: torch.Tensor, lo: torch.Tensor, slots: torch.Tensor, home: torch.Tensor, now: int
@@ -235,7 +244,8 @@ class IdMap:
         a_ids, a_first = ids.index_select(0, active), lo.index_select(0, active) + 1
         a_end = a_first + slots.index_select(0, active)
         row, a_free = row.index_select(0, active) + 1, free.index_select(0, active)
-        for k in range(1, self.policy.probe_window):
+        window = self.policy.probe_window
+        for k in range(1, min(window, _ROUNDS)):
             if active.numel() == 0:
                 self.counters[5] = max(int(self.counters[5]), k)
                 return found, free
@@ -255,7 +265,39 @@ class IdMap:
             active, a_ids = active.index_select(0, index), a_ids.index_select(0, index)
             a_first, a_end = a_first.index_select(0, index), a_end.index_select(0, index)
             row, a_free = row.index_select(0, index) + 1, a_free.index_select(0, index)
-        self.counters[5] = max(int(self.counters[5]), self.policy.probe_window)
+        if active.numel() == 0 or window <= _ROUNDS:
+            self.counters[5] = max(int(self.counters[5]), min(window, _ROUNDS))
+            return found, free
+        self.counters[5] = max(int(self.counters[5]), _ROUNDS)
+        # The ids still unresolved (long runs, full windows): blocks of their windows, twice as
+        # wide each time, read in one gather; each id's first hit, and first empty (or expired)
+        # row, taken by argmax.
+        k, width = _ROUNDS, _ROUNDS
+        while active.numel() and k < window:
+            width = min(width, window - k)
+            offsets = torch.arange(width, device=self.device)
+            span = (a_end - a_first).unsqueeze(1)
+            rows = a_first.unsqueeze(1) + (row.unsqueeze(1) - a_first.unsqueeze(1) + offsets) % span
+            valid = offsets + k < span
+            held = held_ids[rows]
+            hit = (held == a_ids.unsqueeze(1)) & valid
+            never = (held == EMPTY) & valid
+            take = never
+            if expired_at is not None:
+                take = never | ((held >= 0) & ~hit & valid & expired_at(last[rows], now))
+            first = rows.gather(1, take.int().argmax(dim=1, keepdim=True))[:, 0]
+            a_free = torch.where(take.any(dim=1) & (a_free < 0), first, a_free)
+            free.index_copy_(0, active, a_free)
+            at = rows.gather(1, hit.int().argmax(dim=1, keepdim=True))[:, 0]
+            found.index_copy_(0, active, torch.where(hit.any(dim=1), at, -1))
+            done = (hit | never).any(dim=1) | ~valid[:, -1]
+            stop = torch.where(hit | never, offsets + 1, width).amin(dim=1)
+            self.counters[5] = max(int(self.counters[5]), k + int(stop.max()))
+            index = (~done).nonzero().squeeze(1)
+            active, a_ids = active.index_select(0, index), a_ids.index_select(0, index)
+            a_first, a_end = a_first.index_select(0, index), a_end.index_select(0, index)
+            row, a_free = row.index_select(0, index) + width, a_free.index_select(0, index)
+            k, width = k + width, 2 * width
         return found, free
 
     def _expired(self, last: torch.Tensor, now: int) -> torch.Tensor:
@@ -294,7 +336,7 @@ class IdMap:
         admitted = index[self._admitted(ids[index], lo[index], slots[index])]
         self.counters[2] += index.numel() - admitted.numel()
         reset = self._place(ids, admitted, rows, free, lo=lo, slots=slots, home=home, now=now)
-        self._check(ids, rows, lo)
+        self._check(ids[admitted], rows[admitted])
         return Assignment(rows, reset, counted)
 
     def _sketch(self, ids: torch.Tensor, lo: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -409,10 +451,10 @@ class IdMap:
             )
         return rows.gather(1, best.unsqueeze(1)).squeeze(1)
 
-    def _check(self, ids: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor) -> None:
-        """Every id with a row of its own holds it (the collision counter, always 0)."""
-        own = rows != lo
-        wrong = own & (self.state[ID].index_select(0, rows) != ids)
+    def _check(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Every id given a row in this call holds it (the collision counter, always 0; an id
+        found holds its row by the lookup's definition)."""
+        wrong = self.state[ID].index_select(0, rows) != ids
         if bool(wrong.any()):
             raise ManagedIdsError(
                 f"table {self.table}: {int(wrong.sum())} ids were given rows held by other ids "

@@ -22,7 +22,7 @@ import torch
 
 from raydlrm.ids import clock
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.models.managed_ids import IdMap, fresh_rows, mix_ids
+from raydlrm.models.managed_ids import IdMap, bucket_of, fresh_rows, mix_ids
 from raydlrm.sharding._layout import TbeGroup
 from raydlrm.sharding.config import QUANTIZED
 from raydlrm.sharding.delta import ModifiedRows
@@ -34,8 +34,7 @@ __all__ = ["ManagedShards", "route_rows"]
 def route_rows(ids: torch.Tensor, buckets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The first row of each raw id's bucket (what the input distribution routes it by):
     ``buckets`` and ``rows`` are each id's table's bucket count and rows."""
-    bucket = (mix_ids(ids) & ((1 << 62) - 1)) % buckets
-    return bucket * rows // buckets
+    return bucket_of(mix_ids(ids), buckets) * rows // buckets
 
 
 @dataclass

@@ -45,10 +45,13 @@ _CHUNKS = 16
 
 @dataclass(frozen=True)
 class PruneRule:
-    """Cut a managed table to ``rows`` rows, keeping its ``keep`` ids."""
+    """Cut a managed table to ``rows`` rows, keeping its ``keep`` ids; ``policy``: the table's
+    policy in the pruned model (its buckets for ``rows`` rows; its probe window, which the
+    pruned map is built and read with)."""
 
     rows: int
-    keep: Keep = "recent"
+    keep: Keep
+    policy: ManagedIds
 
 
 def prune_rules(
@@ -66,12 +69,13 @@ def prune_rules(
     for table in data.table_columns():
         policy = data.managed_of(table)
         if policy is not None and policy.export_rows:
-            rules[table] = PruneRule(policy.export_rows, keep or policy.export_keep)
+            rules[table] = _rule(policy, policy.export_rows, keep or policy.export_keep)
     for key, rows in (max_rows or {}).items():
         table = key if key in data.table_columns() else data.table_of(key)
-        if data.managed_of(table) is None:
+        policy = data.managed_of(table)
+        if policy is None:
             raise ValueError(f"--max-rows {key}: not a managed table (data.managed_ids)")
-        rules[table] = PruneRule(rows, keep or "recent")
+        rules[table] = _rule(policy, rows, keep or policy.export_keep)
     for table, rule in rules.items():
         size = data.table_size_of(data.table_columns()[table][0])
         if not 2 * auto_buckets(rule.rows) <= rule.rows < size:
@@ -80,6 +84,13 @@ def prune_rules(
                 "and leave ids beside the fallback rows"
             )
     return rules
+
+
+def _rule(policy: ManagedIds, rows: int, keep: Keep) -> PruneRule:
+    pruned = dataclasses.replace(
+        policy, buckets=auto_buckets(rows), export_rows=0, export_keep="recent"
+    )
+    return PruneRule(rows, keep, pruned)
 
 
 class _PrunedWeights:
@@ -112,8 +123,10 @@ class _PrunedWeights:
         held = (old_map[ID] >= 0).nonzero().squeeze(1)
         score = old_map[LAST if rule.keep == "recent" else COUNT][held]
         held = held[torch.sort(score, stable=True).indices]  # least important first
+        # Inserted with the table's probe window (what the pruned model reads with), evicting.
+        policy = dataclasses.replace(rule.policy, eviction="lru", ttl_steps=0, ttl_days=0)
         new = IdMap(
-            ManagedIds(buckets=auto_buckets(rule.rows), eviction="lru"),
+            dataclasses.replace(policy, admit_after=1),
             table=name,
             num_embeddings=rule.rows,
             row_start=0,
@@ -161,9 +174,7 @@ def prune_model_dir(source: str | Path, target: str | Path, rules: dict[str, Pru
         for key in (table, *data.table_columns()[table]):
             sizes.pop(key, None)
             if key in managed:
-                managed[key] = dataclasses.replace(
-                    managed[key], buckets=auto_buckets(rule.rows), export_rows=0
-                )
+                managed[key] = rule.policy
         sizes[table] = rule.rows
     data = dataclasses.replace(data, table_sizes=sizes, managed_ids=managed)
     spec = dataclasses.replace(spec, data=data)
