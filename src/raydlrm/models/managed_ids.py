@@ -129,6 +129,19 @@ def fresh_rows(
 
 
 @dataclass
+class _Probe:
+    """The ids a probe left unresolved: their indices, ids, buckets' first slot rows and ends,
+    the rows they probe next, and the free rows found so far."""
+
+    active: torch.Tensor
+    ids: torch.Tensor
+    first: torch.Tensor
+    end: torch.Tensor
+    row: torch.Tensor
+    free: torch.Tensor
+
+
+@dataclass
 class Assignment:
     """What :meth:`IdMap.assign` decided for a batch of ids.
 
@@ -269,9 +282,21 @@ class IdMap:
             self.counters[5] = max(int(self.counters[5]), min(window, _ROUNDS))
             return found, free
         self.counters[5] = max(int(self.counters[5]), _ROUNDS)
-        # The ids still unresolved (long runs, full windows): blocks of their windows, twice as
-        # wide each time, read in one gather; each id's first hit, and first empty (or expired)
-        # row, taken by argmax.
+        probe = _Probe(active, a_ids, a_first, a_end, row, a_free)
+        self._probe_blocks(probe, found, free, now)
+        return found, free
+
+    def _probe_blocks(
+        self, probe: _Probe, found: torch.Tensor, free: torch.Tensor, now: int
+    ) -> None:
+        """:meth:`_probe` for the ids ``probe`` holds, left unresolved by its single-slot
+        rounds (long runs, full windows): blocks of their windows, twice as wide each time, read
+        in one gather; each id's first hit, and first empty (or expired) row, taken by argmax
+        (in place in ``found`` and ``free``)."""
+        active, a_ids, a_first, a_end = probe.active, probe.ids, probe.first, probe.end
+        row, a_free = probe.row, probe.free
+        expired_at = self._expired if self.policy.eviction == "ttl" else None
+        held_ids, last, window = self.state[ID], self.state[LAST], self.policy.probe_window
         k, width = _ROUNDS, _ROUNDS
         while active.numel() and k < window:
             width = min(width, window - k)
@@ -298,7 +323,6 @@ class IdMap:
             a_first, a_end = a_first.index_select(0, index), a_end.index_select(0, index)
             row, a_free = row.index_select(0, index) + width, a_free.index_select(0, index)
             k, width = k + width, 2 * width
-        return found, free
 
     def _expired(self, last: torch.Tensor, now: int) -> torch.Tensor:
         """Whether rows last looked up at ``last`` have expired at ``now`` (``ttl``: by days
