@@ -43,12 +43,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raydlrm.ids import DAY_SHIFT, MAP_BYTES_PER_ROW, ManagedIds, bucket_bounds
+from raydlrm.ids import DAY_SHIFT, ManagedIds, bucket_bounds
 
 __all__ = [
     "EMPTY",
     "FALLBACK",
-    "MAP_BYTES_PER_ROW",
     "IdMap",
     "IdMaps",
     "ManagedIdsError",
