@@ -63,7 +63,10 @@ class ManagedIds:
 
     admit_after: int = 1
     """Times an id must be seen (in training batches) before it gets a row of its own; until
-    then it reads its bucket's fallback row. 1: at once. Counts are kept in a sketch of one
+    then it reads its bucket's fallback row, which then trains (on the ids below the
+    threshold). 1: at once; no training lookup reads a fallback row, which instead holds the
+    mean of its bucket's rows whenever the model is evaluated, checkpointed or exported (an id
+    the map does not know is scored as the bucket's average id). Counts are kept in a sketch of one
     counter pair per row (they may over-count, so an id is admitted early, never late). A
     column in a RecD dedup group (``data.dedup_groups``) is looked up once per unique row of a
     batch: its lookups (admission and LFU counts) count those."""

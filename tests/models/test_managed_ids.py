@@ -4,6 +4,8 @@ shard independence, and the counter-based fresh values."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -147,6 +149,34 @@ def test_shards_of_whole_buckets_hold_what_the_whole_table_holds() -> None:
         IdMap(ManagedIds(buckets=8), table="t", num_embeddings=rows, row_start=1, row_end=rows)
 
 
+def test_bucket_means_are_the_mean_rows_of_each_buckets_ids_on_any_shard() -> None:
+    rows, buckets = 1024, 8
+    whole = _map(rows, buckets=buckets)
+    whole.assign(_ids(5), now=1, training=True)  # some buckets hold no id
+    weight = torch.randn(rows, 6)
+    fallback, means = whole.bucket_means(lambda r: weight[r])
+    bounds = bucket_bounds(rows, buckets)
+    held = whole.state[ID] >= 0
+    expected = {
+        lo: weight[lo:hi][held[lo:hi]].double().mean(0)
+        for lo, hi in itertools.pairwise(bounds)
+        if held[lo:hi].any()
+    }
+    assert 0 < len(expected) < buckets
+    assert fallback.tolist() == sorted(expected)  # buckets holding no id: left out
+    torch.testing.assert_close(means, torch.stack([expected[lo] for lo in sorted(expected)]))
+    # Shards of whole buckets, column shards too, give the whole table's values bit for bit.
+    split = bounds[3]
+    half = IdMap(
+        ManagedIds(buckets=buckets), table="t", num_embeddings=rows, row_start=split, row_end=rows
+    )
+    half.state.copy_(whole.state[:, split:])
+    rows_half, means_half = half.bucket_means(lambda r: weight[split:, 2:5][r])
+    mine = fallback >= split
+    assert torch.equal(rows_half + split, fallback[mine])
+    assert torch.equal(means_half, means[mine][:, 2:5])
+
+
 def test_fresh_rows_agree_across_column_shards_and_differ_by_salt() -> None:
     rows = torch.tensor([3, 77])
     kwargs = dict(table="t", num_embeddings=1000, seed=0)
@@ -200,6 +230,10 @@ def test_the_map_on_cuda_decides_as_on_cpu() -> None:
         assert torch.equal(out["cpu"].reset.sort().values, out["cuda"].reset.cpu().sort().values)
     assert torch.equal(maps["cpu"].state, maps["cuda"].state.cpu())
     assert maps["cpu"].stats() == maps["cuda"].stats() and maps["cpu"].stats()["evictions"] > 0
+    weight = torch.randn(4096, 8)
+    means = {d: m.bucket_means(lambda r, w=weight.to(d): w[r]) for d, m in maps.items()}
+    assert torch.equal(means["cpu"][0], means["cuda"][0].cpu())
+    torch.testing.assert_close(means["cpu"][1], means["cuda"][1].cpu())
     big = IdMap(
         ManagedIds(), table="t", num_embeddings=1 << 24, row_start=0, row_end=1 << 24, device="cuda"
     )

@@ -13,8 +13,12 @@ Layout (fixed for the table's life, independent of the sharding):
   ``b`` holding rows ``[b R // B, (b + 1) R // B)``; an id belongs to bucket :func:`bucket_of`
   its ``mix(id)`` (``mix``: the splitmix64 finalizer), and a shard holds whole buckets;
 - a bucket's first row is its *fallback row*: ids not yet admitted (``admit_after``) read it in
-  training, and ids the map does not know read it in evaluation and scoring. It trains like
-  any row: it learns the mean of the rare and unknown ids of its bucket;
+  training, and ids the map does not know read it in evaluation and scoring. With
+  ``admit_after > 1`` it trains like any row: it learns the ids below the threshold. With
+  ``admit_after = 1`` no training lookup reads it, so it does not train; instead it is set to
+  the mean of the rows of its bucket's ids (:meth:`IdMap.bucket_means`) before an evaluation's
+  lookups and before a checkpoint or export reads the rows (:mod:`raydlrm.sharding._managed`):
+  an unknown id is scored as the average known id of its bucket, not by random initial values;
 - the other rows are the bucket's slots. An id's *window* is ``probe_window`` slots from its home
   slot on (a hash of the id), wrapping inside the bucket. An id is only ever placed in its
   window, and slots never become empty again, so looking an id up probes its window up to the
@@ -218,6 +222,22 @@ class IdMap:
         out["occupied"] = int((self.state[ID] >= 0).sum())
         out["capacity"] = self.rows - int(self._lo.numel())
         return out
+
+    def bucket_means(self, read) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fallback rows (shard-local) of the buckets holding ids, and the mean of the rows
+        of each one's ids (float64, on the map's device). ``read(rows)``: the values of
+        shard-local ``rows`` (any columns). Summed in float64 in row order: the same values on
+        any sharding (a column shard's means are the columns of the whole rows')."""
+        held = (self.state[ID] >= 0).nonzero().squeeze(1)
+        bucket = torch.searchsorted(self._lo, held, right=True) - 1
+        values = read(held).to(self.device, torch.float64)
+        sums = torch.zeros(
+            self._lo.numel(), values.shape[1], dtype=torch.float64, device=self.device
+        )
+        sums.index_add_(0, bucket, values)
+        counts = torch.bincount(bucket, minlength=self._lo.numel())
+        some = (counts > 0).nonzero().squeeze(1)
+        return self._lo[some], sums[some] / counts[some].unsqueeze(1)
 
     def _home(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each id's bucket's fallback row, slot count, and home slot (0-based in the bucket)."""

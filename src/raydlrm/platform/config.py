@@ -260,26 +260,6 @@ class JobConfig(WorkerSpec):
     def __post_init__(self) -> None:
         self._check_topology()
         self._check_towers()
-        self._check_managed()
-
-    def _check_managed(self) -> None:
-        """What managed tables (``data.managed_ids``) do not work with yet, refused before Ray
-        starts, naming the table: rows behind a row cache (int8/int4 weights, the ssd tier)
-        and towers."""
-        tables = [t for t in self.data.table_columns() if self.data.managed_of(t) is not None]
-        for table in tables:
-            precision = self.sharding.weights_precision_of(table)
-            if precision in ("int8", "int4") or self.sharding.placement_of(table) != "dram":
-                raise ValueError(
-                    f"data.managed_ids: table {table!r} is managed, which does not yet work with "
-                    f"{precision} weights or tables off DRAM (sharding.placement: their rows live "
-                    "behind a row cache); keep it fp32/fp16 in DRAM or hashed"
-                )
-        if tables and self.model.towers is not None:
-            raise ValueError(
-                f"data.managed_ids ({', '.join(tables)}) with model.towers: managed tables do not "
-                "yet work inside towers; unset one of them"
-            )
 
     def topology(self) -> Topology:
         """The hosts of the workers: ``scaling.ranks_per_host`` (or ``sharding.group_size``,

@@ -92,8 +92,10 @@ class LocalState:
 
         Returns:
             Table name -> ``(row_end - row_start, col_end - col_start)`` weights of the shard
-            (see :meth:`local_shards`); a data-parallel table's full replica.
+            (see :meth:`local_shards`); a data-parallel table's full replica. Managed tables'
+            fallback rows are refreshed first (see :mod:`raydlrm.sharding._managed`).
         """
+        self._managed.refresh_fallbacks(list(self.tbes), self._caches, self._modified)
         tables = {}
         for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
             if cache is not None:  # the whole shard is in the file once the cache is flushed
@@ -210,6 +212,7 @@ class LocalState:
         call."""
         if self._modified is None:
             raise RuntimeError("modified rows are not tracked: call track_modified_rows() first")
+        self._managed.refresh_fallbacks(list(self.tbes), self._caches, self._modified)
         replicated = {t.name for t in self.plan.tables if t.sharding_type == "data_parallel"}
         return self._modified.rows(replicated=replicated, pg=self._pg)
 

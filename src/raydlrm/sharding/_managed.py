@@ -10,8 +10,11 @@ same ids in the same order and keep identical maps. A row the map gives to a new
 before the kernel reads it: fresh weights (:func:`~raydlrm.models.managed_ids.fresh_rows`, salted
 with the step) and zero optimizer state.
 
-The maps' state is row-indexed like the weights (see :mod:`raydlrm.models.managed_ids`); the
-step counter (training lookups so far, the maps' clock) is saved with it.
+Tables admitting at the first lookup (``admit_after = 1``) have fallback rows no training lookup
+reads; :meth:`ManagedShards.refresh_fallbacks` sets them to the mean of their buckets' rows
+when the step moved since the last time: before an evaluation's lookups and before a
+checkpoint, an export or a delta reads the rows. Training never reads them, so when this
+happens does not change what training computes (a resumed run trains as the saving one did).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from raydlrm.ids import clock
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.models.managed_ids import IdMap, bucket_of, fresh_rows, mix_ids
 from raydlrm.sharding._layout import TbeGroup
-from raydlrm.sharding.config import QUANTIZED
 from raydlrm.sharding.delta import ModifiedRows
 from raydlrm.sharding.plan import Shard
+from raydlrm.sharding.row_cache import RowCache
 
 __all__ = ["ManagedShards", "route_rows"]
 
@@ -71,6 +74,7 @@ class ManagedShards:
         self.step = 0
         self.day = 0
         self._clock = keeps_clock
+        self._refreshed: int | None = None
         self.maps: dict[str, IdMap] = {}
         self._pieces: list[list[_Piece]] = []
         for group in groups:
@@ -78,11 +82,6 @@ class ManagedShards:
             for j, (table, shard) in enumerate(group.shards):
                 if table.managed is None:
                     continue
-                if group.precision in QUANTIZED or group.placement == "ssd":
-                    raise ValueError(
-                        f"table {table.name}: a managed table is not yet supported with "
-                        f"{group.precision} weights or on ssd (its rows live behind a row cache)"
-                    )
                 units = [u for u, t in enumerate(group.feature_table_map) if t == j]
                 id_map = IdMap(
                     table.managed,
@@ -116,10 +115,12 @@ class ManagedShards:
         *,
         training: bool,
         modified: ModifiedRows | None,
+        cache: RowCache | None = None,
     ) -> torch.Tensor:
         """The group's ``indices`` (units one after another, unit ``u``'s ids from
         ``unit_offsets[u]``) with each managed table's raw ids replaced by their shard-local
-        rows; rows given to new ids are reset in ``tbe`` first."""
+        rows; rows given to new ids are reset first, in ``tbe`` or, for a group behind a row
+        cache (int8/int4 weights, the ssd tier), in the rows behind ``cache``."""
         bounds = unit_offsets.tolist()
         indices = indices.clone()
         for piece in self._pieces[group]:
@@ -128,16 +129,17 @@ class ManagedShards:
             out = piece.id_map.assign(indices[lo:hi], now=now, training=training)
             indices[lo:hi] = out.rows
             if out.reset.numel():
-                self._reset(tbe, piece, out.reset)
+                self._reset(tbe, cache, piece, out.reset)
             if modified is not None and out.counted.numel():
                 modified.mark_table(group, piece.table_index, out.counted)
         return indices
 
     @torch.no_grad()
-    def _reset(self, tbe: torch.nn.Module, piece: _Piece, rows: torch.Tensor) -> None:
+    def _reset(
+        self, tbe: torch.nn.Module, cache: RowCache | None, piece: _Piece, rows: torch.Tensor
+    ) -> None:
         """Fresh weights and zero optimizer state for shard-local ``rows`` of ``piece``."""
         shard = piece.shard
-        weight = tbe.split_embedding_weights()[piece.table_index]
         values = fresh_rows(
             rows + shard.row_start,
             table=piece.table.name,
@@ -147,11 +149,45 @@ class ManagedShards:
             col_start=shard.col_start,
             cols=shard.col_end - shard.col_start,
         )
+        if cache is not None:
+            cache.overwrite(piece.table_index, rows, values)
+            return
+        weight = tbe.split_embedding_weights()[piece.table_index]
         weight[rows] = values.to(device=weight.device, dtype=weight.dtype)
         states = tbe.split_optimizer_states()
         if states:
             for state in states[piece.table_index]:
                 state[rows] = 0
+
+    @torch.no_grad()
+    def refresh_fallbacks(
+        self,
+        tbes: list[torch.nn.Module],
+        caches: list[RowCache | None],
+        modified: ModifiedRows | None,
+    ) -> None:
+        """Sets the fallback rows of the tables admitting at the first lookup to their buckets'
+        mean rows, in each group's TBE ``tbes[group]`` or behind its row cache
+        ``caches[group]``, unless done at this step already; marks them modified."""
+        if self._refreshed == self.step:
+            return
+        self._refreshed = self.step
+        for group, pieces in enumerate(self._pieces):
+            cache = caches[group]
+            for piece in pieces:
+                if piece.id_map.policy.admit_after > 1:
+                    continue
+                if cache is not None:
+                    rows, means = piece.id_map.bucket_means(
+                        lambda r, c=cache, i=piece.table_index: c.read(i, r)
+                    )
+                    cache.overwrite(piece.table_index, rows, means)
+                else:
+                    weight = tbes[group].split_embedding_weights()[piece.table_index]
+                    rows, means = piece.id_map.bucket_means(lambda r, w=weight: w[r])
+                    weight[rows.to(weight.device)] = means.to(weight.device, weight.dtype)
+                if modified is not None and rows.numel():
+                    modified.mark_table(group, piece.table_index, rows)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Table name -> its shard's map counters (:meth:`IdMap.stats`)."""

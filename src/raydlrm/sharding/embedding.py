@@ -133,6 +133,9 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         pg: process group (default: torch.distributed's default group; none initialized or a
             world size of 1 means no communication).
         dedup_groups: the feature names of each dedup group (RecD, see the module docstring).
+        managed_clock: count the managed tables' clock (default: when ``ebc`` has managed
+            tables; a tower host's collection counts it when any host's has, so every rank
+            holds the run's clock).
 
     Attributes:
         kernel: the kernel this rank runs (``fbgemm`` or ``torch``; ``sharding.kernel``
@@ -155,9 +158,12 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         device: torch.device | str,
         pg: ProcessGroup | None = None,
         dedup_groups: Sequence[Sequence[str]] = (),
+        managed_clock: bool | None = None,
     ):
         super().__init__()
         plan.validate(ebc.tables)
+        if managed_clock is None:
+            managed_clock = any(t.managed is not None for t in ebc.tables)
         class_of = batch_classes(ebc.tables, dedup_groups)
         self.dedup_groups = [list(g) for g in dedup_groups]
         self._pg = pg
@@ -202,11 +208,16 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         )
         self._register_feature_buffers()
         self._dedup = DedupCounters(self.tables, class_of, units[self._rank], config, self._rank)
-        self._build_shards(units[self._rank], config, ebc)
         self._modified: ModifiedRows | None = None
+        self._build_shards(units[self._rank], config, ebc, managed_clock=managed_clock)
 
     def _build_shards(
-        self, units: list[LookupUnit], config: ShardingConfig, ebc: EmbeddingBagCollection
+        self,
+        units: list[LookupUnit],
+        config: ShardingConfig,
+        ebc: EmbeddingBagCollection,
+        *,
+        managed_clock: bool,
     ) -> None:
         """The TBE groups of this rank's ``units``, their kernels and caches
         (:mod:`raydlrm.sharding._embedding_kernels`), filled with the tables' first values."""
@@ -228,7 +239,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             self._groups,
             seed=ebc.seed,
             device=self._device,
-            keeps_clock=any(t.managed is not None for t in self.tables),
+            keeps_clock=managed_clock,
         )
         self._init_weights(ebc)
 
@@ -289,6 +300,8 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         id_bounds = offsets[torch.tensor(bounds, device=offsets.device)].tolist()
         pooled: list[list[torch.Tensor]] = [[] for _ in totals]
         self._managed.begin(self.training)
+        if not self.training and self._managed:
+            self._managed.refresh_fallbacks(list(self.tbes), self._caches, self._modified)
         for index, (group, tbe, cache) in enumerate(
             zip(self._groups, self.tbes, self._caches, strict=True)
         ):
@@ -305,6 +318,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
                     offsets[lo : hi + 1 : rows] - id_lo,
                     training=self.training,
                     modified=self._modified if track else None,
+                    cache=cache,
                 )
             # A training step's lookups (the module's mode, not autograd's: an evaluation or a
             # warm-up's measurement runs in eval mode) mark what the optimizer will update.

@@ -251,6 +251,36 @@ class RowCache:
         return victims
 
     @torch.no_grad()
+    def read(self, table: int, rows: torch.Tensor) -> torch.Tensor:
+        """The current fp32 values of rows ``rows`` of table ``table`` (the group's TBE order):
+        a cached row's slot, else the row (dequantized)."""
+        t = self._tables[table]
+        rows = rows.to(t.row_of.device)
+        slots = t.find(rows)
+        values = t.rows[rows].to(device=t.slots.device, dtype=torch.float32)
+        cached = slots >= 0
+        values[cached] = t.slots[slots[cached]].float()
+        return values
+
+    @torch.no_grad()
+    def overwrite(self, table: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes ``values`` (fp32) into rows ``rows`` of table ``table`` (the group's TBE
+        order) and zeroes their optimizer state: a managed table's rows given to new ids. Their
+        cached copies are dropped unwritten (the next lookup reads the new rows in)."""
+        t = self._tables[table]
+        rows = rows.to(t.row_of.device)
+        slots = t.find(rows)
+        cached = slots[slots >= 0]
+        if cached.numel():
+            t.unmap(rows[slots >= 0])
+            t.row_of[cached] = -1
+            t.dirty[cached] = False
+            t.last_used[cached] = _stamp(0, cached, t.slots.shape[0])
+        t.rows[rows] = values.to(device=t.row_of.device, dtype=torch.float32)
+        if t.row_state is not None:
+            t.row_state[rows] = 0
+
+    @torch.no_grad()
     def flush(self) -> None:
         """Writes every cached row (and its optimizer state) a training step looked up back
         and empties the cache."""

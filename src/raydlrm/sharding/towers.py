@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, check_id_range
+from raydlrm.models.managed_ids import IdMap
 from raydlrm.models.towers import TowerDense, run_towers
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
 from raydlrm.sharding.config import ShardingConfig
@@ -271,9 +272,13 @@ class ShardedTowerCollection(ShardedTables):
             config=host_config(config, {t.name for t in mine}, topology, groups.host),
             device=self._device,
             pg=groups.intra,
+            managed_clock=any(t.managed is not None for t in ebc.tables),
         )
         self.kernel = self.host_tables.kernel
-        self._rows = {f: t.num_embeddings for t in ebc.tables for f in t.feature_names}
+        # Managed tables' features carry raw ids (their host's maps turn them into rows).
+        self._rows = {
+            f: t.num_embeddings for t in ebc.tables if t.managed is None for f in t.feature_names
+        }
         self._table_of = {f: t.name for t in ebc.tables for f in t.feature_names}
         self._layout(ebc, modules, output_widths)
         host_towers = _HostTowers([t for t in towers if t.host == groups.host], modules)
@@ -452,6 +457,25 @@ class ShardedTowerCollection(ShardedTables):
 
     def local_tables(self) -> dict[str, torch.Tensor | QuantizedRows]:
         return self.host_tables.local_tables()
+
+    def id_maps(self) -> dict[str, IdMap]:
+        return self.host_tables.id_maps()
+
+    @property
+    def managed_clock(self) -> tuple[int, int]:
+        return self.host_tables.managed_clock
+
+    @managed_clock.setter
+    def managed_clock(self, clock: tuple[int, int]) -> None:
+        self.host_tables.managed_clock = clock
+
+    @property
+    def managed_day(self) -> int:
+        return self.host_tables.managed_day
+
+    @managed_day.setter
+    def managed_day(self, day: int) -> None:
+        self.host_tables.managed_day = day
 
     def local_shards(self) -> dict[str, Shard]:
         return {
