@@ -635,7 +635,8 @@ def _check_delta(trainer: Trainer, base: Path, tmp_path: Path) -> None:
     save_model_metadata(later, spec=trainer.spec, plan=trainer.plan, metrics={})
     new = write_model_dir(later, tmp_path / "later")
     info = write_model_delta(new, base, tmp_path / "delta")
-    assert 0 < info["rows"]["t_C10"] < 72 and 0 < info["rows"]["t_C3"] < 1000
+    if info["rows"]:  # row deltas of fp32/fp16 tables (int8 tables and their maps go whole)
+        assert 0 < info["rows"]["t_C10"] < 72 and 0 < info["rows"]["t_C3"] < 1000
     applied = apply_model_delta(base, tmp_path / "delta", tmp_path / "applied")
     got, want = ModelWeights(applied), ModelWeights(new)
     assert [t.name for t in got.tensors] == [t.name for t in want.tensors]
@@ -652,6 +653,7 @@ def _check_delta(trainer: Trainer, base: Path, tmp_path: Path) -> None:
         ("table_wise+fp16", "wukong"),
         ("column_wise", "dhen"),
         ("row_wise^managed", "dlrm"),
+        ("row_wise+int8^managed", "dlrm"),
     ],
 )
 def test_model_loads_mapped_from_training_state(
@@ -688,16 +690,58 @@ def test_model_loads_mapped_from_training_state(
     dtype = torch.float16 if types.endswith("fp16") else torch.float32
     for directory in (ckpt, exported):
         model = load_model_checkpoint(directory).model
-        assert {w.dtype for w in model.embedding_bags.weights.values()} == {dtype}
+        dtypes = {w.dtype for w in model.embedding_bags.weights.values()}
+        assert dtypes == (set() if "+int8" in types else {dtype})  # int8: codes, no weights
         with torch.no_grad():
             torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-5)
         assert model.embedding_bags.id_maps.unknown() == unknown
-    if maps:
+    if maps and "+int8" in types:
+        spec = load_model_checkpoint(exported).spec
+        with pytest.raises(ValueError, match="table t_C10: pruning an int8/int4 table"):
+            prune_model_dir(exported, tmp_path / "pruned", prune_rules(spec, {"C10": 40}))
+    elif maps:
         _check_pruned(exported, tmp_path / "pruned", batch)
+    if maps:
         _steps(trainer, _global_batches(str(data_dir), trainer.spec)[2:3], 1)
         _check_delta(trainer, exported, tmp_path)
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         write_model_weights(tmp_path, tmp_path / "x.safetensors")
+
+
+@pytest.mark.ray
+def test_scoring_actors_count_the_ids_unknown_to_managed_tables(
+    data_dir: Path, tmp_path: Path, ray_cluster
+) -> None:
+    """Ray scoring actors (raydlrm score / evaluate) add the lookups of ids a managed table's
+    map never saw to one count per job, batch by batch: the in-process model's count over the
+    same rows."""
+    import ray
+
+    from raydlrm.platform.export import score_table
+    from raydlrm.platform.scoring import _model_for_actors, _Scorer, _UnknownIds, model_files
+
+    trainer = _trainer(0, 1, str(data_dir), "row_wise^managed", "rowwise_adagrad", seed=7)
+    _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
+    ckpt = tmp_path / "ckpt"
+    save_training_state(
+        ckpt,
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
+    save_model_metadata(ckpt, spec=trainer.spec, plan=trainer.plan, metrics={})
+    exported = write_model_dir(ckpt, tmp_path / "model")
+    rows = pq.read_table(Path(data_dir) / "eval")
+    counter = ray.remote(num_cpus=0)(_UnknownIds).remote()
+    with model_files(str(exported)) as files:
+        scorer = _Scorer(_model_for_actors(files), keep=[], unknown=counter)
+        for part in (rows.slice(0, 100), rows.slice(100)):
+            scorer(part)
+    counted = ray.get(counter.total.remote())
+    loaded = load_model_checkpoint(exported)
+    score_table(loaded.model, Preprocessor(loaded.spec.data), loaded.spec.data, rows)
+    assert counted == loaded.model.embedding_bags.id_maps.unknown()
+    assert counted.keys() == {"t_C2", "t_C10"} and counted["t_C10"] > 0
 
 
 def test_damaged_checkpoints_are_found_named_and_passed_over(

@@ -165,6 +165,7 @@ def score(
     except (*bad_input_errors(), ValueError) as e:
         fail(str(e))
     typer.echo(f"scored {result.rows} rows in {result.seconds:.1f}s: {result.output}")
+    _echo_unknown_ids(result.unknown_ids)
 
 
 @app.command()
@@ -189,6 +190,14 @@ def evaluate(
     except (*bad_input_errors(), ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(result.metrics, sort_keys=True))
+    _echo_unknown_ids(result.unknown_ids)
+
+
+def _echo_unknown_ids(counts: dict[str, int]) -> None:
+    """The lookups of ids a managed table's map does not hold (scoring and evaluation)."""
+    if counts:
+        listed = ", ".join(f"{t} {n:,}" for t, n in sorted(counts.items()))
+        typer.echo(f"ids unknown to managed tables (read their bucket's fallback row): {listed}")
 
 
 @app.command()

@@ -432,9 +432,13 @@ def _judge(trained: TrainResult, *, job: JobConfig, champion: Any | None, slot: 
     metric = job.retrain.metric
     holdout = {job.retrain.partition_key: PartitionSelector(values=list(slot.holdout))}
 
-    def held_out(model: str | ModelFiles) -> float:
+    def held_out(model: str | ModelFiles, role: str) -> float:
         scored = evaluate(model, job.data.train_path, storage=job.data.storage, partitions=holdout)
+        for table, n in scored.unknown_ids.items():  # ids a managed table's map never saw
+            metrics[f"{role}/unknown_ids.{table}"] = float(n)
         return scored.metrics[metric]
+
+    metrics: dict[str, float] = {}
 
     with model_files(trained.model_uri) as new_model:  # downloaded once: checked, then scored
         bad = non_finite_tensors(new_model)
@@ -442,10 +446,10 @@ def _judge(trained: TrainResult, *, job: JobConfig, champion: Any | None, slot: 
             raise RetrainError(
                 f"the retrained model has non-finite weights in {len(bad)} tensors: {bad[:5]}"
             )
-        metrics = {f"new/{metric}": held_out(new_model)}
+        metrics[f"new/{metric}"] = held_out(new_model, "new")
     champion_metric = None
     if champion is not None:
-        champion_metric = held_out(f"models:/{champion.name}/{champion.version}")
+        champion_metric = held_out(f"models:/{champion.name}/{champion.version}", "champion")
         metrics[f"champion/{metric}"] = champion_metric
     decision, reason = decide(metrics[f"new/{metric}"], champion_metric, job.retrain)
     return Judgement(decision=decision, reason=reason, metrics=metrics)

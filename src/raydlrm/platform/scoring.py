@@ -83,6 +83,9 @@ class ScoreResult:
     """Wall time of reading, scoring and writing."""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """``auc`` and ``log_loss`` (evaluation only)."""
+    unknown_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per managed table (``data.managed_ids``), lookups of ids its map does not hold: they
+    read their bucket's fallback row (empty for a model without managed tables)."""
 
 
 @dataclass
@@ -173,10 +176,26 @@ def _model_for_actors(files: ModelFiles) -> dict[str, Any]:
     }
 
 
-class _Scorer:
-    """A Ray Data actor: the unsharded model, scoring raw Arrow batches."""
+class _UnknownIds:
+    """A Ray actor summing the scoring actors' counts of ids unknown to managed tables."""
 
-    def __init__(self, model: dict[str, Any], keep: list[str]) -> None:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, counts: dict[str, int]) -> None:
+        for table, n in counts.items():
+            self.counts[table] = self.counts.get(table, 0) + n
+
+    def total(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+class _Scorer:
+    """A Ray Data actor: the unsharded model, scoring raw Arrow batches; the lookups of ids
+    its managed tables do not know are added to ``unknown`` (an :class:`_UnknownIds` actor)
+    after each batch."""
+
+    def __init__(self, model: dict[str, Any], keep: list[str], unknown: Any = None) -> None:
         import torch
 
         from raydlrm.ingestion import Preprocessor
@@ -202,6 +221,7 @@ class _Scorer:
         self.data = dataclasses.replace(loaded.spec.data, bad_input="fail")
         self.preprocess = Preprocessor(self.data)
         self.keep = keep
+        self.unknown, self._counted = unknown, None
 
     def __call__(self, table: pa.Table) -> pa.Table:
         from raydlrm.ingestion.badinput import BadInputError
@@ -215,8 +235,21 @@ class _Scorer:
             assert found is not None, "the preprocessor refuses what find_bad_rows finds"
             row, reason = found
             raise BadInputError(f"{table.column(_PATH_COLUMN)[row].as_py()}: {reason}") from None
+        self._count_unknown()
         out = table.select([c for c in self.keep if c in table.column_names])
         return out.append_column(PREDICTION_COLUMN, pa.array(probs, pa.float32()))
+
+    def _count_unknown(self) -> None:
+        """Adds the unknown-id lookups of the batch just scored to the job's count (waiting
+        for it: the driver reads the count once the output is written)."""
+        if self.unknown is None:
+            return
+        import ray
+
+        now = self.model.embedding_bags.id_maps.unknown()
+        before = self._counted or dict.fromkeys(now, 0)
+        self._counted = now
+        ray.get(self.unknown.add.remote({t: n - before[t] for t, n in now.items()}))
 
 
 def _check_sizes(*, batch_size: int, num_actors: int) -> None:
@@ -457,7 +490,15 @@ def _score(
 
         init_ray(load_config(None))
     dataset = source.dataset(list(dict.fromkeys(needed + keep)))
-    scored = _scored(dataset, files=files, keep=keep, batch_size=batch_size, num_actors=num_actors)
+    unknown = ray.remote(num_cpus=0)(_UnknownIds).remote() if data_config.managed_ids else None
+    scored = _scored(
+        dataset,
+        files=files,
+        keep=keep,
+        batch_size=batch_size,
+        num_actors=num_actors,
+        unknown=unknown,
+    )
     out_fs, out_path = filesystem_for(output, storage)
     try:
         scored.write_parquet(out_path, filesystem=out_fs)
@@ -471,13 +512,23 @@ def _score(
     if rows != expected:
         raise RuntimeError(f"scored {rows} rows of {expected} in {data}: output {output}")
     seconds = time.perf_counter() - started
+    counts: dict[str, int] = {}
+    if unknown is not None:
+        counts = ray.get(unknown.total.remote())
+        ray.kill(unknown)
     # (The command line prints the result; an evaluation's output is a directory it deletes.)
     logger.debug("scored %d rows of %s in %.1fs into %s", rows, data, seconds, output)
-    return ScoreResult(rows=rows, output=output, seconds=seconds)
+    return ScoreResult(rows=rows, output=output, seconds=seconds, unknown_ids=counts)
 
 
 def _scored(
-    dataset: Any, *, files: ModelFiles, keep: list[str], batch_size: int, num_actors: int
+    dataset: Any,
+    *,
+    files: ModelFiles,
+    keep: list[str],
+    batch_size: int,
+    num_actors: int,
+    unknown: Any = None,
 ) -> Any:
     """``dataset`` scored by a pool of :class:`_Scorer` actors (a lazy Ray Data dataset)."""
     import ray.data
@@ -489,7 +540,11 @@ def _scored(
         warnings.filterwarnings("ignore", "`ray_remote_args`", RayDeprecationWarning)
         return dataset.map_batches(
             _Scorer,
-            fn_constructor_kwargs={"model": _model_for_actors(files), "keep": keep},
+            fn_constructor_kwargs={
+                "model": _model_for_actors(files),
+                "keep": keep,
+                "unknown": unknown,
+            },
             batch_size=batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, num_actors)),

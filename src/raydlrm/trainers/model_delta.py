@@ -6,9 +6,9 @@ and ``metrics.json``, plus ``delta.json`` (the base model's weights file size an
 the rows per table). In ``delta.safetensors``, per embedding table ``<table>``: ``rows.<table>``
 (int64, the rows whose weights or, for a managed table, id-map entries changed),
 ``weights.<table>`` (those rows' weights) and, for a managed table, ``id_maps.<table>`` (those
-rows' map entries, ``(n, 4)``); every other tensor (the dense part, quantized tables) whole,
-under ``whole.<key>``. :func:`apply_model_delta` rebuilds the new model from the base and the
-delta (what a serving system does), one table at a time.
+rows' map entries, ``(n, 4)``); every other tensor (the dense part, quantized tables and
+their id maps) whole, under ``whole.<key>``. :func:`apply_model_delta` rebuilds the new model
+from the base and the delta (what a serving system does), one table at a time.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def write_model_delta(new_dir: str | Path, base_dir: str | Path, target: str | P
     names = {t.name for t in new.tensors}
     for info in new.tensors:
         name = info.name
-        if name.startswith(_MAPS):
-            continue  # with its table's weights
+        if name.startswith(_MAPS) and _WEIGHTS + name.removeprefix(_MAPS) in names:
+            continue  # with its table's weights (a quantized table's map goes whole with it)
         if not name.startswith(_WEIGHTS):
             out["whole." + name] = new.load(name).contiguous()
             continue

@@ -118,6 +118,11 @@ class _PrunedWeights:
 
     def _prune(self, name: str) -> dict[str, torch.Tensor]:
         rule = self._rules[name]
+        if f"embedding_bags.weights.{name}" not in {t.name for t in self._weights.tensors}:
+            raise ValueError(
+                f"table {name}: pruning an int8/int4 table's export is not supported (its rows "
+                "are codes per column block); export it whole, or train it in fp32/fp16"
+            )
         old_map = self._weights.load(f"embedding_bags.id_maps.{name}").t()
         weight = self._weights.load(f"embedding_bags.weights.{name}")
         held = (old_map[ID] >= 0).nonzero().squeeze(1)

@@ -110,6 +110,11 @@ def _embedding_tensors(
     plan = ShardingPlan.from_json(json.dumps(state["plan"]))
     keys: dict[str, tuple[str, Any]] = {}
     for table in plan.tables:
+        if table.buckets:  # a managed table's id map (see raydlrm.sharding.id_map_checkpoint)
+            keys[f"embedding_bags.id_maps.{table.name}"] = (
+                id_map_key(table.name),
+                metadata[id_map_key(table.name)],
+            )
         codes = metadata.get(codes_key(table.name))
         if codes is not None:
             blocks = state["column_blocks"][table.name]
@@ -131,11 +136,6 @@ def _embedding_tensors(
         if key not in metadata:
             raise ValueError(f"checkpoint {directory} has no weights of table {table.name!r}")
         keys[f"embedding_bags.weights.{table.name}"] = (key, metadata[key])
-        if table.buckets:  # a managed table's id map (see raydlrm.sharding.id_map_checkpoint)
-            keys[f"embedding_bags.id_maps.{table.name}"] = (
-                id_map_key(table.name),
-                metadata[id_map_key(table.name)],
-            )
     if deltas:
         precisions = saved_precisions(plan, metadata)
         for name, (key, meta) in keys.items():
