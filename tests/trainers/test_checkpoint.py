@@ -622,17 +622,22 @@ def _check_pruned(exported: Path, target: Path, batch) -> None:
         torch.testing.assert_close(pruned(batch)[same], full(batch)[same])
 
 
-def _check_delta(trainer: Trainer, base: Path, tmp_path: Path) -> None:
-    """The delta of the model one step later over ``base`` holds only the changed rows (and
-    map entries); applied to ``base`` it gives the later model, tensor for tensor."""
-    later = tmp_path / "later-ckpt"
+def _save_model_checkpoint(trainer: Trainer, path: Path) -> None:
+    """A final checkpoint of ``trainer`` (its training state and model metadata) at ``path``."""
     save_training_state(
-        later,
+        path,
         parts=trainer.parts(),
         loop_state=trainer.state_dict(),
         position={"epoch": 0, "consumed": {}, "totals": {}},
     )
-    save_model_metadata(later, spec=trainer.spec, plan=trainer.plan, metrics={})
+    save_model_metadata(path, spec=trainer.spec, plan=trainer.plan, metrics={})
+
+
+def _check_delta(trainer: Trainer, base: Path, tmp_path: Path) -> None:
+    """The delta of the model one step later over ``base`` holds only the changed rows (and
+    map entries); applied to ``base`` it gives the later model, tensor for tensor."""
+    later = tmp_path / "later-ckpt"
+    _save_model_checkpoint(trainer, later)
     new = write_model_dir(later, tmp_path / "later")
     info = write_model_delta(new, base, tmp_path / "delta")
     if info["rows"]:  # row deltas of fp32/fp16 tables (int8 tables and their maps go whole)
@@ -668,13 +673,7 @@ def test_model_loads_mapped_from_training_state(
     trainer = _trainer(0, 1, str(data_dir), types, "rowwise_adagrad", seed=7, model=model)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
     ckpt = tmp_path / "ckpt"
-    save_training_state(
-        ckpt,
-        parts=trainer.parts(),
-        loop_state=trainer.state_dict(),
-        position={"epoch": 0, "consumed": {}, "totals": {}},
-    )
-    save_model_metadata(ckpt, spec=trainer.spec, plan=trainer.plan, metrics={})
+    _save_model_checkpoint(trainer, ckpt)
     evaluation = Preprocessor(trainer.spec.data)(pq.read_table(Path(data_dir) / "eval"))
     batch = arrow_to_batch(evaluation.slice(0, 64), config=trainer.spec.data)
     trainer.model.eval()
@@ -723,13 +722,7 @@ def test_scoring_actors_count_the_ids_unknown_to_managed_tables(
     trainer = _trainer(0, 1, str(data_dir), "row_wise^managed", "rowwise_adagrad", seed=7)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
     ckpt = tmp_path / "ckpt"
-    save_training_state(
-        ckpt,
-        parts=trainer.parts(),
-        loop_state=trainer.state_dict(),
-        position={"epoch": 0, "consumed": {}, "totals": {}},
-    )
-    save_model_metadata(ckpt, spec=trainer.spec, plan=trainer.plan, metrics={})
+    _save_model_checkpoint(trainer, ckpt)
     exported = write_model_dir(ckpt, tmp_path / "model")
     rows = pq.read_table(Path(data_dir) / "eval")
     counter = ray.remote(num_cpus=0)(_UnknownIds).remote()

@@ -162,8 +162,6 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
     ):
         super().__init__()
         plan.validate(ebc.tables)
-        if managed_clock is None:
-            managed_clock = any(t.managed is not None for t in ebc.tables)
         class_of = batch_classes(ebc.tables, dedup_groups)
         self.dedup_groups = [list(g) for g in dedup_groups]
         self._pg = pg
@@ -217,7 +215,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         config: ShardingConfig,
         ebc: EmbeddingBagCollection,
         *,
-        managed_clock: bool,
+        managed_clock: bool | None,
     ) -> None:
         """The TBE groups of this rank's ``units``, their kernels and caches
         (:mod:`raydlrm.sharding._embedding_kernels`), filled with the tables' first values."""
@@ -239,7 +237,9 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             self._groups,
             seed=ebc.seed,
             device=self._device,
-            keeps_clock=managed_clock,
+            keeps_clock=any(t.managed is not None for t in self.tables)
+            if managed_clock is None
+            else managed_clock,
         )
         self._init_weights(ebc)
 
