@@ -6,10 +6,11 @@ A managed table of ``R`` rows is rewritten as a table of ``cap`` rows with a fre
 up (``keep = "recent"``, the map's last step) or the most often (``"frequent"``, its lookups).
 The ids are inserted into the new map least important first, a chunk per clock tick, with LRU
 eviction, so a probe window that overflows keeps its most important ids; every kept id's row
-carries its weights and its map entry (last step, lookups) over. The new fallback rows hold the
-mean of the old ones (what an unknown id read before); rows no id holds are zero. Nothing else
-changes: the other tables and the dense part are copied as they are, one tensor at a time, and
-``spec.json`` and ``plan.json`` say the new sizes.
+carries its weights (an int8/int4 table: its codes and scales, byte for byte) and its map entry
+(last step, lookups) over. The new fallback rows hold the mean of the old ones (what an unknown
+id read before; quantized block by block for an int8/int4 table); rows no id holds are zero.
+Nothing else changes: the other tables and the dense part are copied as they are, one tensor at
+a time, and ``spec.json`` and ``plan.json`` say the new sizes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ import torch
 
 from raydlrm.ids import ManagedIds, auto_buckets
 from raydlrm.models.managed_ids import COUNT, FALLBACK, ID, LAST, IdMap
+from raydlrm.models.quantized import (
+    block_code_columns,
+    dequantize_blocks,
+    quantize_rows,
+    quantized_precision,
+)
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.trainers.model_dir import (
     METRICS_FILE,
@@ -41,6 +48,7 @@ __all__ = ["PruneRule", "prune_model_dir", "prune_rules"]
 
 Keep = Literal["recent", "frequent"]
 _CHUNKS = 16
+_QUANTIZED = "embedding_bags.quantized."
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,19 @@ def _rule(policy: ManagedIds, rows: int, keep: Keep) -> PruneRule:
     return PruneRule(rows, keep, pruned)
 
 
+def _table_part(name: str) -> tuple[str, str] | None:
+    """(table, part) of a model tensor that holds a table's rows: ``weights`` and ``id_maps``
+    (``embedding_bags.<part>.<table>``), an int8/int4 table's ``codes``, ``qparams`` and
+    ``blocks`` (``embedding_bags.quantized.<table>.<part>``); None for another tensor."""
+    if name.startswith(_QUANTIZED):
+        table, _, part = name.removeprefix(_QUANTIZED).rpartition(".")
+        return table, part
+    for part in ("weights", "id_maps"):
+        if name.startswith(f"embedding_bags.{part}."):
+            return name.removeprefix(f"embedding_bags.{part}."), part
+    return None
+
+
 class _PrunedWeights:
     """A model's weights with its pruned tables rewritten (the interface of
     :class:`~raydlrm.trainers.model_dir.ModelWeights`)."""
@@ -102,29 +123,23 @@ class _PrunedWeights:
         self._done: dict[str, dict[str, torch.Tensor]] = {}
         self.tensors = []
         for info in weights.tensors:
-            table = info.name.rpartition(".")[2]
-            if table in rules and info.name.startswith("embedding_bags."):
-                shape = (rules[table].rows, *info.shape[1:])
-                info = TensorInfo(info.name, info.dtype, shape)
+            found = _table_part(info.name)
+            if found is not None and found[0] in rules and found[1] != "blocks":
+                info = TensorInfo(info.name, info.dtype, (rules[found[0]].rows, *info.shape[1:]))
             self.tensors.append(info)
 
     def load(self, name: str) -> torch.Tensor:
-        prefix, _, table = name.rpartition(".")
-        if table not in self._rules or not prefix.startswith("embedding_bags."):
+        found = _table_part(name)
+        if found is None or found[0] not in self._rules or found[1] == "blocks":
             return self._weights.load(name)
-        if table not in self._done:  # the weight and the map of one table, then freed
+        table, part = found
+        if table not in self._done:  # the rows and the map of one table, then freed
             self._done = {table: self._prune(table)}
-        return self._done[table][prefix]
+        return self._done[table][part]
 
     def _prune(self, name: str) -> dict[str, torch.Tensor]:
         rule = self._rules[name]
-        if f"embedding_bags.weights.{name}" not in {t.name for t in self._weights.tensors}:
-            raise ValueError(
-                f"table {name}: pruning an int8/int4 table's export is not supported (its rows "
-                "are codes per column block); export it whole, or train it in fp32/fp16"
-            )
         old_map = self._weights.load(f"embedding_bags.id_maps.{name}").t()
-        weight = self._weights.load(f"embedding_bags.weights.{name}")
         held = (old_map[ID] >= 0).nonzero().squeeze(1)
         score = old_map[LAST if rule.keep == "recent" else COUNT][held]
         held = held[torch.sort(score, stable=True).indices]  # least important first
@@ -148,14 +163,54 @@ class _PrunedWeights:
             old_map[LAST, old_rows],
             old_map[COUNT, old_rows],
         )
-        out_weight = torch.zeros(rule.rows, weight.shape[1], dtype=weight.dtype)
-        out_weight[kept] = weight[old_rows]
-        fallback = (old_map[ID] == FALLBACK).nonzero().squeeze(1)
-        out_weight[new.state[ID] == FALLBACK] = weight[fallback].float().mean(0).to(weight.dtype)
-        return {
-            "embedding_bags.weights": out_weight,
-            "embedding_bags.id_maps": out_map.t().contiguous(),
-        }
+        rows = _Rows(
+            kept,
+            old_rows,
+            (old_map[ID] == FALLBACK).nonzero().squeeze(1),
+            new.state[ID] == FALLBACK,
+        )
+        quantized = f"{_QUANTIZED}{name}.codes" in {t.name for t in self._weights.tensors}
+        out = self._quantized_rows(name, rule, rows) if quantized else self._rows(name, rule, rows)
+        return {**out, "id_maps": out_map.t().contiguous()}
+
+    def _rows(self, name: str, rule: PruneRule, rows: _Rows) -> dict[str, torch.Tensor]:
+        """An fp32/fp16 table's pruned weights."""
+        weight = self._weights.load(f"embedding_bags.weights.{name}")
+        out = torch.zeros(rule.rows, weight.shape[1], dtype=weight.dtype)
+        out[rows.kept] = weight[rows.old]
+        out[rows.new_fallback] = weight[rows.old_fallback].float().mean(0).to(weight.dtype)
+        return {"weights": out}
+
+    def _quantized_rows(self, name: str, rule: PruneRule, rows: _Rows) -> dict[str, torch.Tensor]:
+        """An int8/int4 table's pruned codes and scales: kept rows byte for byte; the new
+        fallback rows the old ones' mean, quantized block by block."""
+        prefix = f"{_QUANTIZED}{name}."
+        codes, params = self._weights.load(prefix + "codes"), self._weights.load(prefix + "qparams")
+        blocks = [tuple(b) for b in self._weights.load(prefix + "blocks").tolist()]
+        precision = quantized_precision(blocks[-1][1], codes.shape[1])
+        out_codes = torch.zeros(rule.rows, codes.shape[1], dtype=codes.dtype)
+        out_params = torch.zeros(rule.rows, params.shape[1], dtype=params.dtype)
+        out_codes[rows.kept], out_params[rows.kept] = codes[rows.old], params[rows.old]
+        old = rows.old_fallback
+        mean = dequantize_blocks(codes[old], params[old], blocks=blocks, precision=precision)
+        mean = mean.mean(0, keepdim=True)
+        for k, (start, end) in enumerate(blocks):
+            lo, hi = block_code_columns(start, end, precision)
+            block_codes, block_params = quantize_rows(mean[:, start:end], precision=precision)
+            out_codes[rows.new_fallback, lo:hi] = block_codes
+            out_params[rows.new_fallback, 2 * k : 2 * k + 2] = block_params
+        return {"codes": out_codes, "qparams": out_params}
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A pruned table's rows: the new rows of the kept ids and their old rows, the old
+    fallback rows, and (a mask) the new ones."""
+
+    kept: torch.Tensor
+    old: torch.Tensor
+    old_fallback: torch.Tensor
+    new_fallback: torch.Tensor
 
 
 def _rows_of(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
