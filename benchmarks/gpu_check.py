@@ -3,7 +3,8 @@
 On a machine with CUDA (``make gpu-check``, or ``python3 benchmarks/gpu_check.py``): prints the
 device, runs ``pytest -m gpu`` on the two files that hold the GPU tests, then
 ``benchmarks/worker_loop.py --device cuda --world-size 1 --mlperf`` with the torch kernel
-(``torch-none``, ``torch-sparse_dist``) and the plain-PyTorch ``reference``, and writes
+(``torch-none``, ``torch-sparse_dist``; ``torch-none-bf16`` and ``-fp16``: the dense side in
+bf16 / fp16, ``training.precision``) and the plain-PyTorch ``reference``, and writes
 ``gpu-check.md`` and ``gpu-check.json`` (figures, test counts) with the logs to ``--out``
 (default: ``$OUT`` where set, else ``runs/gpu-check``). Exits non-zero if a test or the
 benchmark fails. Without CUDA (or without torch) it says so in one line and exits 0.
@@ -46,11 +47,13 @@ GPU_TEST_FILES = [
     "tests/sharding/test_towers.py",
     "tests/models/test_managed_ids.py",  # the managed-id map on CUDA (and its rate, printed)
 ]
-VARIANTS = "torch-none,torch-sparse_dist,reference"
+VARIANTS = "torch-none,torch-sparse_dist,torch-none-bf16,torch-none-fp16,reference"
 RATIOS = [
     ("torch-sparse_dist", "torch-none"),
     ("torch-none", "reference"),
     ("torch-sparse_dist", "reference"),
+    ("torch-none-bf16", "torch-none"),  # training.precision (issue 49): bf16 against fp32/TF32
+    ("torch-none-fp16", "torch-none"),
 ]
 
 # What the worker side needs beyond a torch image (torch, numpy, pyarrow, pandas, pytest):

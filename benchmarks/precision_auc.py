@@ -11,7 +11,9 @@ shared machine hit both precisions alike. The only difference between the two ru
 the tables' precision, so their AUC difference is its effect plus the run-to-run noise, which the
 spread over seeds bounds.
 
-A precision may name the fp32 cache of a quantized table: ``int8@0.05`` sets
+A precision ``dense:bf16`` or ``dense:fp16`` sets ``training.precision`` (the dense side's
+compute, issue 49) instead, the tables staying fp32. A precision may name the fp32 cache of a
+quantized table: ``int8@0.05`` sets
 ``sharding.weights_precision = "int8"`` and ``sharding.cache_load_factor = 0.05`` (issue 28).
 If such a run stops because a step looks up more distinct rows of a shard than its cache holds
 (the error names ``sharding.cache_load_factor``), it is not retried at that factor: the run goes
@@ -122,11 +124,17 @@ def _job(
     under ``work``."""
     cache = [f"sharding.cache_load_factor={factor}"] if factor is not None else []
     tag = precision if factor is None else f"{precision}-cache{factor}"
+    tag = tag.replace(":", "-")
+    dense = precision.removeprefix("dense:")
+    if dense != precision:  # the dense side's compute (training.precision), fp32 tables
+        setting = f"training.precision={dense}"
+    else:
+        setting = f"sharding.weights_precision={precision}"
     job = _load(
         dataset,
         config,
         [
-            f"sharding.weights_precision={precision}",
+            setting,
             *cache,
             f"training.seed={seed}",
             f"run.name=precision-auc-{dataset}-{tag}-seed{seed}",
@@ -255,7 +263,8 @@ def main() -> None:
     parser.add_argument(
         "--precisions",
         default="fp32,fp16",
-        help="the first is the baseline; int8@0.05: int8 with sharding.cache_load_factor 0.05",
+        help="the first is the baseline; int8@0.05: int8 with sharding.cache_load_factor 0.05; "
+        "dense:bf16 / dense:fp16: training.precision (the dense side's compute) instead",
     )
     parser.add_argument(
         "--fallback-factors",

@@ -9,10 +9,11 @@ shared machine's noise falls on all alike. A step is what ``Trainer.fit`` runs p
 any-rank check, the copy to the device, the input all-to-all, forward, loss, backward with
 the fused embedding update, the dense optimizer step.
 
-Variants (``--variants``), ``<kernel>-<pipeline>``:
+Variants (``--variants``), ``<kernel>-<pipeline>[-<precision>]``:
 
 - ``fbgemm-none``, ``fbgemm-sparse_dist``, ``torch-none``, ``torch-sparse_dist``: raydlrm with
-  ``sharding.kernel`` and ``training.pipeline`` set so;
+  ``sharding.kernel`` and ``training.pipeline`` set so; a third part sets
+  ``training.precision`` (``torch-none-bf16``, ``torch-none-fp16``; default fp32);
 - ``reference`` (world size 1 only): plain PyTorch, one ``nn.EmbeddingBag`` per table (sum),
   the same dense model, one dense optimizer (Adagrad at the fused optimizer's rate for the
   tables, the trainer's for the rest) over all parameters: what a user writes without raydlrm.
@@ -70,7 +71,7 @@ def _knobs(arch: str, mlperf: bool) -> dict:
 def _spec(data_dir: Path, args: argparse.Namespace, arch: str, variant: str):
     from raydlrm.trainers.spec import WorkerSpec
 
-    kernel, _, pipeline = variant.partition("-")
+    kernel, pipeline, precision = [*variant.split("-"), "", ""][:3]
     return WorkerSpec(
         data={
             "train_path": str(data_dir / "train"),
@@ -80,7 +81,12 @@ def _spec(data_dir: Path, args: argparse.Namespace, arch: str, variant: str):
         },
         model=_knobs(arch, args.mlperf),
         sharding={"kernel": kernel if kernel != "reference" else "torch", "learning_rate": 0.05},
-        training={"seed": 0, "learning_rate": 0.001, "pipeline": pipeline or "none"},
+        training={
+            "seed": 0,
+            "learning_rate": 0.001,
+            "pipeline": pipeline or "none",
+            "precision": precision or "fp32",
+        },
     )
 
 

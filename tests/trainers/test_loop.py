@@ -90,10 +90,14 @@ def _run(
     eval_every: int = 0,
     embedding_l2: float = 0.0,
     data: dict | None = None,
+    training: dict | None = None,
+    setup=None,
 ) -> dict[str, object]:
     spec = _spec(Path(data_dir), batch_size=64 // world_size, optimizer=optimizer, model=model)
     for key, value in (data or {}).items():
         setattr(spec.data, key, value)
+    for key, value in (training or {}).items():
+        setattr(spec.training, key, value)
     spec.training.embedding_l2 = embedding_l2
     spec.training.eval_every_steps = eval_every
     spec.sharding.kernel = kernel
@@ -147,6 +151,7 @@ def _run(
         return route(*args, **kwargs)
 
     collection.input_dist = recording_route
+    before = setup(trainer) if setup is not None else None
     final = trainer.fit(
         train_data=_Stream(pa.concat_tables(blocks)),
         eval_data=_Stream(
@@ -165,6 +170,8 @@ def _run(
         "routed_on": routed_on,
         # Input distributions routed ahead and never consumed (none may be left).
         "prefetched_left": len(collection.prefetched),
+        "before": before,
+        "loop_state": trainer.state_dict(),
     }
 
 
@@ -242,6 +249,51 @@ def test_embedding_l2_pulls_the_looked_up_rows_toward_zero(data_dir: Path) -> No
     assert 0 < changed < sum(plain["state"][k].shape[0] for k in tables)
 
 
+@pytest.mark.parametrize(
+    ("precision", "device"),
+    [
+        ("bf16", "cpu"),
+        ("fp16", "cpu"),
+        pytest.param("bf16", "cuda", marks=pytest.mark.gpu),
+        pytest.param("fp16", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_dense_precision_autocasts_the_dense_side_and_keeps_fp32_weights(
+    data_dir: Path, precision: str, device: str
+) -> None:
+    """``training.precision``: the dense side computes in bf16/fp16 (other losses than fp32's,
+    close to them), the weights stay fp32, the loss and metrics are fp32; fp16 counts its
+    skipped steps and keeps its loss scale in the loop's checkpointed state."""
+    plain = _run(0, 1, str(data_dir), max_steps=6, device=device)
+    low = _run(0, 1, str(data_dir), max_steps=6, device=device, training={"precision": precision})
+    assert low["losses"] != plain["losses"]
+    assert low["losses"] == pytest.approx(plain["losses"], rel=0.02)
+    assert {k: v.dtype for k, v in low["state"].items()} == {
+        k: v.dtype for k, v in plain["state"].items()
+    }
+    assert abs(low["final"]["eval/auc"] - plain["final"]["eval/auc"]) < 0.02
+    if precision == "fp16":
+        assert low["final"]["train/skipped_steps"] == 0
+        assert low["loop_state"]["precision"]["scaler"]["scale"] == 2.0**16
+    else:
+        assert "train/skipped_steps" not in low["final"] and "precision" not in low["loop_state"]
+
+
+def test_fp16_steps_that_overflow_move_no_weight(data_dir: Path) -> None:
+    """A loss scale so large that every gradient overflows: each step is skipped (counted),
+    the dense weights and the embedding rows (updated inside the backward pass) stay as they
+    were."""
+
+    def huge_scale(trainer: Trainer) -> dict:
+        trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+        return unsharded_state_dict(trainer)
+
+    run = _run(0, 1, str(data_dir), max_steps=3, training={"precision": "fp16"}, setup=huge_scale)
+    assert run["final"]["train/skipped_steps"] == 3
+    for key, value in run["before"].items():
+        assert torch.equal(run["state"][key], value), key
+
+
 @pytest.mark.distributed
 def _run_new_archs(rank: int, world_size: int, data_dir: str) -> dict[str, dict]:
     return {
@@ -290,8 +342,11 @@ def test_cuda_run_matches_cpu(data_dir: Path, kernel: str) -> None:
     if kernel == "fbgemm":
         pytest.importorskip("fbgemm_gpu", reason="fbgemm-gpu's CUDA build")
     cpu = _run(0, 1, str(data_dir), kernel=kernel)
-    cuda = _run(0, 1, str(data_dir), device="cuda", kernel=kernel)
-    piped = _run(0, 1, str(data_dir), device="cuda", kernel=kernel, pipeline="sparse_dist")
+    fp32 = {"tf32": False}  # TF32 (the GPU default) rounds matmuls to a 10-bit mantissa
+    cuda = _run(0, 1, str(data_dir), device="cuda", kernel=kernel, training=fp32)
+    piped = _run(
+        0, 1, str(data_dir), device="cuda", kernel=kernel, pipeline="sparse_dist", training=fp32
+    )
     assert cuda["losses"] == pytest.approx(cpu["losses"], abs=1e-4)
     assert cuda["final"]["eval/auc"] == pytest.approx(cpu["final"]["eval/auc"], abs=1e-3)
     assert piped["losses"] == pytest.approx(cuda["losses"], abs=1e-6)

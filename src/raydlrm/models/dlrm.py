@@ -115,6 +115,15 @@ class RecModel(nn.Module):
         super().__init__()
         self.embedding_bags = embedding_bags
         self.dense = dense
+        self.dense_dtype: torch.dtype | None = None
+        """Autocast the dense module to this type (``training.precision``; None: fp32)."""
+
+    def _dense(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The dense module's logits, autocast to :attr:`dense_dtype`, returned in fp32."""
+        if self.dense_dtype is None:
+            return self.dense(dense, pooled)
+        with torch.autocast(pooled.device.type, dtype=self.dense_dtype):
+            return self.dense(dense, pooled).float()
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits of shape ``(B,)``."""
@@ -123,12 +132,12 @@ class RecModel(nn.Module):
     def forward_pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Click logits ``(B,)`` and the pooled embeddings ``B x sum D_f`` they came from."""
         pooled = self.embedding_bags(batch.sparse, batch.dedup_groups).values
-        return self.dense(batch.dense, pooled), pooled
+        return self._dense(batch.dense, pooled), pooled
 
     def forward_features(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Click logits of shape ``(B,)`` from dense ``B x num_dense`` and a KJT of batch ``B``."""
         pooled = self.embedding_bags(sparse)
-        return self.dense(dense, pooled.values)
+        return self._dense(dense, pooled.values)
 
 
 def build_model(

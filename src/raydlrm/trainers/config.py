@@ -19,6 +19,18 @@ class TrainingConfig:
     """Optimizer of the data-parallel dense parameters."""
     learning_rate: float = 1e-3
     """Learning rate of the dense optimizer."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision of the dense architecture (the MLPs, cross and interaction layers):
+    ``bf16`` or ``fp16`` run what autocast lowers (matmuls) in that type, on CUDA and on CPU,
+    in training and evaluation; the weights and the dense optimizer's state stay fp32, the
+    loss and metrics are computed in fp32, the embedding tables keep
+    ``sharding.weights_precision``. ``fp16`` scales the loss (a gradient scaler, saved with
+    checkpoints): a step whose gradients overflow skips the dense update, and the embedding
+    update too when the pooled embeddings' gradients overflow (counted:
+    ``train/skipped_steps``). Tower modules (``model.towers``) run in fp32."""
+    tf32: bool = True
+    """On GPUs with TF32 (Ampere and later), fp32 matmuls and convolutions in TF32 (what
+    ``precision = "fp32"`` computes with there); false: full fp32."""
     embedding_l2: float = 0.0
     """L2 regularization of the embeddings: ``embedding_l2 / 2`` times each sample's squared
     pooled embeddings is added to the training loss (its mean over the batch), so every step

@@ -56,6 +56,7 @@ from raydlrm.trainers.hooks import TrainerHook, default_hooks
 from raydlrm.trainers.metrics import MetricsWindow, StepClock, check_finite
 from raydlrm.trainers.model_dir import FINAL_METRICS_FILE
 from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
+from raydlrm.trainers.precision import DensePrecision
 from raydlrm.trainers.reporting import Reporter, ReportFn
 from raydlrm.trainers.sources import BatchSource, EpochSource, empty_batch_of
 from raydlrm.trainers.spec import SourceDescription, WorkerJob, WorkerSpec
@@ -119,7 +120,8 @@ class Trainer:
         self.device = torch.device(device)
         torch.set_num_threads(spec.training.torch_threads)
         self.model = self._sharded_model()
-        self.optimizer = _dense_optimizer(self.model, spec.training)
+        self.optimizer = _dense_optimizer(self.model, spec.training, self.device)
+        self.precision = DensePrecision(spec.training, self.model, self.device)
         self.step, self.epoch, self.samples_seen = 0, 0, 0  # samples: global, all ranks
         self._pending_samples = 0  # trained here, not yet added to samples_seen
         self.clock = StepClock()
@@ -186,12 +188,15 @@ class Trainer:
         """The loop's own state, beside the model's and the optimizers' (which checkpoints
         hold as tensors): ``step``, ``epoch``, ``samples_seen`` (all ranks) and
         ``train_seconds``."""
-        return {
+        state = {
             "step": self.step,
             "epoch": self.epoch,
             "samples_seen": self.samples_seen,
             "train_seconds": self.clock.train_seconds,
         }
+        if precision := self.precision.state_dict():  # fp16: the loss scaler
+            state["precision"] = precision
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned (other keys are ignored)."""
@@ -199,6 +204,7 @@ class Trainer:
         self.epoch = int(state["epoch"])
         self.samples_seen = int(state["samples_seen"])
         self.clock.train_seconds = float(state["train_seconds"])
+        self.precision.load_state_dict(state.get("precision", {}))
 
     def load(self, directory: str, *, stored: Any = None) -> None:
         """Continues from a training checkpoint (any world size or plan); all ranks.
@@ -255,8 +261,8 @@ class Trainer:
             # through every kernel, tier and sharding type; the metrics keep the log loss.
             objective = loss + 0.5 * l2 * pooled.float().square().sum() / samples
         self.optimizer.zero_grad(set_to_none=True)
-        objective.backward()  # also applies the fused embedding optimizer
-        self.optimizer.step()
+        # The backward pass also applies the fused embedding optimizer.
+        self.precision.backward_and_step(objective, pooled, self.optimizer)
         self.step += 1
         loss = loss.detach()
         # On a GPU the loss stays there (no synchronization inside a step): the metrics window
@@ -292,7 +298,11 @@ class Trainer:
         for batch in self._batches(train_data, stream):
             self._train_on(batch)
             log_step = self.window.should_log(self.step)
-            metrics = self.window.compute(step=self.step) if log_step else {}
+            metrics = (
+                {**self.window.compute(step=self.step), **self.precision.metrics()}
+                if log_step
+                else {}
+            )
             if evaluator.should_evaluate(self.step):
                 # eval/step: which evaluation the eval/* metrics of later reports come from.
                 metrics.update({**evaluator.run(), EVAL_STEP: self.step})
@@ -400,6 +410,7 @@ class Trainer:
             "train/samples_per_second": self.samples_seen / max(train_seconds, 1e-9),
             "data/first_batch_seconds": all_reduce_scalar(first_batch, self.device, op="max"),
             **self._telemetry("comm", "kernel", "dedup", "tier", "managed"),
+            **self.precision.metrics(),
         }
 
     def _telemetry(self, *families: Family) -> dict[str, float]:
@@ -416,16 +427,21 @@ class Trainer:
         self._pending_samples = 0
 
 
-def _dense_optimizer(model: RecModel, config: TrainingConfig) -> torch.optim.Optimizer:
+def _dense_optimizer(
+    model: RecModel, config: TrainingConfig, device: torch.device
+) -> torch.optim.Optimizer:
     """The optimizer of the dense parameters (``training.dense_optimizer``): the unsharded
     model's dense part (:func:`~raydlrm.sharding.parallelize.unwrap_dense`), which may hold
-    modules that the sharded collection runs and syncs outside the dense side's DDP."""
+    modules that the sharded collection runs and syncs outside the dense side's DDP. On a GPU,
+    Adam and SGD run torch's fused kernels (one launch a step for all parameters), Adagrad its
+    multi-tensor (``foreach``) one; on CPU, torch's defaults."""
     params = list(unwrap_dense(model).parameters())
+    fused = {"fused": True} if device.type == "cuda" else {}
     if config.dense_optimizer == "adam":
-        return torch.optim.Adam(params, lr=config.learning_rate)
+        return torch.optim.Adam(params, lr=config.learning_rate, **fused)
     if config.dense_optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=config.learning_rate)
-    return torch.optim.SGD(params, lr=config.learning_rate)
+    return torch.optim.SGD(params, lr=config.learning_rate, **fused)
 
 
 def _seam() -> Any:

@@ -1,0 +1,90 @@
+"""The dense side's compute precision in the training loop (``training.precision``, ``tf32``).
+
+``bf16`` and ``fp16`` autocast the dense module (:attr:`RecModel.dense_dtype
+<raydlrm.models.dlrm.RecModel>`); its weights and the dense optimizer stay fp32 and the logits
+come back in fp32, so the loss and the metrics are fp32. ``fp16`` needs the loss scaled (its
+gradients underflow otherwise): :class:`DensePrecision` scales the objective with a
+``torch.amp.GradScaler``, which unscales the dense gradients and skips the dense step when
+they overflow. The embedding tables' fused optimizer updates the rows inside the backward pass,
+before the scaler sees anything, so a hook on the pooled embeddings unscales their gradient
+there, and zeroes it when it overflowed (the rows then do not move: SGD, Adagrad and row-wise
+Adagrad leave a row with a zero gradient as it is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raydlrm.models.dlrm import RecModel
+from raydlrm.trainers.config import TrainingConfig
+
+__all__ = ["DensePrecision"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``grad / scale``, or zeros when any of it is not finite (no host synchronization)."""
+    grad = grad / scale
+    return torch.where(torch.isfinite(grad).all(), grad, torch.zeros_like(grad))
+
+
+class DensePrecision:
+    """``training.precision`` of one worker's model (set on it here) and its backward pass.
+
+    Attributes:
+        skipped_steps: steps whose scaled gradients overflowed (``fp16``; the dense update
+            was skipped, the same on every rank: the dense gradients are all-reduced first).
+    """
+
+    def __init__(self, config: TrainingConfig, model: RecModel, device: torch.device):
+        if (
+            config.precision == "bf16"
+            and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise ValueError(
+                f"training.precision = 'bf16': {torch.cuda.get_device_name(device)} has no bf16; "
+                "set it to 'fp16' or 'fp32'"
+            )
+        model.dense_dtype = _DTYPES.get(config.precision)
+        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        self.skipped_steps = 0
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = config.tf32
+            torch.backends.cudnn.allow_tf32 = config.tf32
+
+    def backward_and_step(
+        self, objective: torch.Tensor, pooled: torch.Tensor, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Backward through the model (the fused embedding optimizer updates the rows) and the
+        dense optimizer's step."""
+        if self.scaler is None:
+            objective.backward()
+            optimizer.step()
+            return
+        scale = self.scaler.get_scale()
+        if pooled.requires_grad:
+            pooled.register_hook(lambda grad: _unscaled(grad, scale))
+        self.scaler.scale(objective).backward()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < scale:  # the scaler backs off after an overflow only
+            self.skipped_steps += 1
+
+    def metrics(self) -> dict[str, float]:
+        """``train/skipped_steps`` with a loss scaler, else nothing."""
+        return {} if self.scaler is None else {"train/skipped_steps": float(self.skipped_steps)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state and the skipped steps (checkpointed with the loop's state)."""
+        if self.scaler is None:
+            return {}
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state["scaler"])
+            self.skipped_steps = int(state["skipped_steps"])
