@@ -732,6 +732,7 @@ def test_scoring_actors_count_the_ids_unknown_to_managed_tables(
         for part in (rows.slice(0, 100), rows.slice(100)):
             scorer(part)
     counted = ray.get(counter.total.remote())
+    ray.kill(counter)
     loaded = load_model_checkpoint(exported)
     score_table(loaded.model, Preprocessor(loaded.spec.data), loaded.spec.data, rows)
     assert counted == loaded.model.embedding_bags.id_maps.unknown()
