@@ -270,9 +270,10 @@ class RowCache:
         t = self._tables[table]
         rows = rows.to(t.row_of.device)
         slots = t.find(rows)
-        cached = slots[slots >= 0]
+        held = slots >= 0
+        cached = slots[held]
         if cached.numel():
-            t.unmap(rows[slots >= 0])
+            t.unmap(rows[held])
             t.row_of[cached] = -1
             t.dirty[cached] = False
             t.last_used[cached] = _stamp(0, cached, t.slots.shape[0])

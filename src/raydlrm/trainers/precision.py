@@ -52,6 +52,7 @@ class DensePrecision:
         model.dense_dtype = _DTYPES.get(config.precision)
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
         self.skipped_steps = 0
+        self._scale: float | None = None  # the scale after the last step (read once a step)
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = config.tf32
             torch.backends.cudnn.allow_tf32 = config.tf32
@@ -65,13 +66,14 @@ class DensePrecision:
             objective.backward()
             optimizer.step()
             return
-        scale = self.scaler.get_scale()
+        scale = self.scaler.get_scale() if self._scale is None else self._scale
         if pooled.requires_grad:
             pooled.register_hook(lambda grad: _unscaled(grad, scale))
         self.scaler.scale(objective).backward()
         self.scaler.step(optimizer)
         self.scaler.update()
-        if self.scaler.get_scale() < scale:  # the scaler backs off after an overflow only
+        self._scale = self.scaler.get_scale()  # one host synchronization a step
+        if self._scale < scale:  # the scaler backs off after an overflow only
             self.skipped_steps += 1
 
     def metrics(self) -> dict[str, float]:
@@ -88,3 +90,4 @@ class DensePrecision:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state["scaler"])
             self.skipped_steps = int(state["skipped_steps"])
+            self._scale = None
