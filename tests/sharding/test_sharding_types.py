@@ -73,6 +73,27 @@ SCENARIOS += [
         "cache": 0.0,
     },
 ]
+# Tables in host memory behind a row cache in device memory (``host``; on CPU the two memories
+# are one, but the cache, its evictions and the rows' state in the host buffers are the same):
+# exactly like tables in DRAM, with a cache of 3/5 to 9/10 of each shard's rows (rows evicted and
+# read back between steps). World sizes 1 and 2: at 3 and 4 the row-wise shards of t1 are too
+# small for a cache that evicts.
+SCENARIOS += [
+    {
+        "name": "mixed/host/rowwise_adagrad",
+        "mixed": True,
+        "optimizer": "rowwise_adagrad",
+        "weighted": False,
+        "host": {"t0": 0.6, "t1": 0.8, "t2": 0.6},
+    },
+    {
+        "name": "mixed/host/adagrad",
+        "mixed": True,
+        "optimizer": "adagrad",
+        "weighted": True,
+        "host": {"t3": 0.9, "t4": 0.9},
+    },
+]
 # int8 / int4 tables (t4 stays fp32) behind an fp32 cache holding every row of a shard: they
 # train exactly as fp32 tables started from the quantized initial rows (each shard's column
 # block quantized on its own, rounded to nearest); the final tables, written back with
@@ -124,7 +145,9 @@ def _config(sc: dict) -> ShardingConfig:
         weights_precision=_precision(sc),
         weights_precision_per_table={"t4": "fp32"} if _precision(sc) != "fp32" else {},
         cache_load_factor=1.0,
-        placement=dict.fromkeys(sc.get("ssd", []), "ssd"),
+        cache_load_factor_per_table=sc.get("host", {}),
+        placement=dict.fromkeys(sc.get("ssd", []), "ssd")
+        | dict.fromkeys(sc.get("host", []), "host"),
         ssd_cache_load_factor=sc.get("cache", 0.2),
         ssd_cache_min_rows=36,
         kernel=sc.get("kernel", "fbgemm"),
@@ -285,6 +308,8 @@ def test_single_process_all_types() -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_multi_process_all_types(world_size: int) -> None:
     scenarios = SCENARIOS + ([GROUPED] if world_size == 4 else [])
+    if world_size > 2:
+        scenarios = [sc for sc in scenarios if "host" not in sc]
     scenarios += TORCH_KERNEL if world_size == 2 else []
     results = run_distributed(_worker, world_size=world_size, args=(scenarios,), timeout_s=300)
     _check(results, scenarios, world_size=world_size)

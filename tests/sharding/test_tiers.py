@@ -272,3 +272,159 @@ def test_a_step_larger_than_the_row_cache_names_the_table(tmp_path: Path) -> Non
         sebc(kjt)
     with pytest.raises(ValueError, match=r"sharding\.ssd_cache_load_factor must be in \[0, 1\]"):
         ShardingConfig(ssd_cache_load_factor=1.5)
+
+
+def test_host_tables_plan_their_gpu_cache_and_their_host_memory() -> None:
+    """A ``host`` table takes its row cache (and a slot per row) of the device's memory, and its
+    rows with their state of the host's; a plan over the host budget names the table; the
+    copies of its cache's misses are in its cost; quantized ``host`` tables are refused."""
+    from raydlrm.sharding import MemoryBudget
+    from raydlrm.sharding.planner.cost import CostConstants, estimate_table_cost
+
+    tables = make_tables()
+    t0 = tables[0]  # 50 x 8
+    config = ShardingConfig(placement={t0.name: "host"}, cache_load_factor_per_table={"t0": 0.2})
+    plan = plan_sharding(tables, world_size=2, config=config)
+    table = plan.table(t0.name)
+    assert table.placement == "host"
+    # 10 slots of weights and row-wise state plus 16 bytes each, and 4 bytes a row.
+    assert table.memory_bytes == 50 * 4 + 10 * (8 * 4 + 4 + 16)
+    assert table.host_bytes == 50 * (8 * 4 + 4)
+    assert sum(plan.per_rank_host()) == table.host_bytes
+    header = plan.format_table().splitlines()[0].split()
+    assert header[-1] == "host" and f"{t0.name} (host)" in plan.format_table()
+    assert ShardingPlan.from_json(plan.to_json()).table(t0.name).host_bytes == table.host_bytes
+    plan.check_host_memory(MemoryBudget(table.host_bytes, "test"))
+    with pytest.raises(ValueError, match=r"host-memory tables \(the largest 't0'\), short by 1 "):
+        plan.check_host_memory(MemoryBudget(table.host_bytes - 1, "sharding.host_memory_bytes"))
+
+    def cost(placement: str) -> float:
+        return estimate_table_cost(
+            t0,
+            sharding_type="table_wise",
+            num_shards=1,
+            world_size=1,
+            batch_size=100,
+            constants=CostConstants(host_copy_bytes_per_s=1e6),
+            placement=placement,
+            cache_rows=10,
+        ).seconds
+
+    # 200 lookups touch about 49 of 50 rows, 4/5 of them missed: ~39 rows of 36 bytes, each way.
+    assert cost("host") - cost("dram") == pytest.approx(2 * 39.3 * 36 / 1e6, rel=0.01)
+    with pytest.raises(ValueError, match=r"sharding\.placement\.t0 = 'host' with int8 weights"):
+        ShardingConfig(placement={"t0": "host"}, weights_precision="int8")
+    with pytest.raises(ValueError, match=r"sharding\.default_placement = 'host' with int4"):
+        ShardingConfig(default_placement="host", weights_precision="int4")
+
+
+def test_a_cpu_job_plans_host_tables_in_dram_and_a_gpu_job_checks_host_memory(caplog) -> None:
+    from raydlrm.platform.config import ConfigError, load_config
+    from raydlrm.platform.preflight import make_plan
+
+    overrides = ['sharding.placement={ t_C1 = "host" }', "sharding.memory_budget=off"]
+    job = load_config("configs/quickstart.toml", overrides=overrides)
+    with caplog.at_level("WARNING", logger="raydlrm.platform.preflight"):
+        plan = make_plan(job)
+    assert plan.table("t_C1").placement == "dram"
+    assert "'host' is for GPU workers (scaling.use_gpu)" in caplog.text
+    gpu = ["scaling.use_gpu=true", "sharding.host_memory_bytes=1000"]
+    with pytest.raises(
+        ConfigError,
+        match=r"'host': rank \d holds \d+ bytes of host-memory "
+        r"tables \(the largest 't_C1'\).*sharding\.host_memory_bytes",
+    ):
+        make_plan(load_config("configs/quickstart.toml", overrides=overrides + gpu))
+    plan = make_plan(load_config("configs/quickstart.toml", overrides=[*overrides, gpu[0]]))
+    assert plan.table("t_C1").placement == "host"
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad"])
+def test_a_host_tables_staged_copies_train_as_its_cache_in_one_memory(optimizer: str) -> None:
+    """The copies of a ``host`` table's cache through its pinned staging buffers (on CPU: to
+    the same memory) train as the cache without them, and reuse the buffers."""
+    from raydlrm.batch import KeyedJaggedTensor
+    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+    from raydlrm.sharding import ShardedEmbeddingBagCollection
+    from raydlrm.sharding.row_cache import _Staging
+
+    tables = [
+        EmbeddingBagConfig(name="big", num_embeddings=400, embedding_dim=8, feature_names=("a",))
+    ]
+    config = ShardingConfig(
+        optimizer=optimizer, default_placement="host", cache_load_factor=0.3, learning_rate=0.1
+    )
+    plan = plan_sharding(tables, world_size=1, config=config)
+
+    def build() -> ShardedEmbeddingBagCollection:
+        ebc = EmbeddingBagCollection(tables, device="meta", seed=1)
+        return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
+
+    plain, staged = build(), build()
+    (table,) = staged._caches[0]._tables
+    table.staging = _Staging(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        ids = torch.randint(0, 400, (60,), generator=gen)
+        outputs = []
+        for collection in (plain, staged):
+            kjt = KeyedJaggedTensor.from_lengths(["a"], ids, torch.full((30,), 2))
+            pooled = collection(kjt).values
+            pooled.square().sum().backward()
+            outputs.append(pooled.detach())
+        assert torch.equal(*outputs)
+    assert torch.equal(plain.local_tables()["big"], staged.local_tables()["big"])
+    for got, want in zip(
+        staged.optimizer_states()["big"], plain.optimizer_states()["big"], strict=True
+    ):
+        assert torch.equal(got, want)
+    assert staged._caches[0].written_rows()["big"] > 120  # evicted and written back
+    assert len(table.staging._buffers) == (1 if optimizer == "adagrad" else 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad"])
+def test_host_tables_on_cuda_train_as_in_gpu_memory(optimizer: str) -> None:
+    """On a GPU (torch kernel) a ``host`` table's rows and state are in pinned host memory,
+    its cache on the GPU, the misses copied through the staging buffers: it trains as the
+    table in GPU memory (the same values within the GPU's summation order)."""
+    from raydlrm.batch import KeyedJaggedTensor
+    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+    from raydlrm.sharding import ShardedEmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(name="big", num_embeddings=5000, embedding_dim=32, feature_names=("a",))
+    ]
+
+    def build(placement: str) -> ShardedEmbeddingBagCollection:
+        config = ShardingConfig(
+            optimizer=optimizer,
+            kernel="torch",
+            default_placement=placement,
+            cache_load_factor=0.1,
+            learning_rate=0.1,
+        )
+        plan = plan_sharding(tables, world_size=1, config=config)
+        ebc = EmbeddingBagCollection(tables, device="meta", seed=1)
+        return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cuda")
+
+    gpu, host = build("dram"), build("host")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        ids = (torch.exp(torch.rand(400, generator=gen) * 8.5) - 1).long().clamp(0, 4999)
+        outputs = []
+        for collection in (gpu, host):
+            kjt = KeyedJaggedTensor.from_lengths(["a"], ids, torch.full((200,), 2)).to("cuda")
+            pooled = collection(kjt).values
+            pooled.square().sum().backward()
+            outputs.append(pooled.detach())
+        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    cache = host._caches[0]
+    rows = cache.rows()["big"]
+    assert rows.device.type == "cpu" and rows.is_pinned()
+    assert cache._tables[0].slots.device.type == "cuda" and cache._tables[0].staging is not None
+    assert cache.written_rows()["big"] > 0  # evictions copied back
+    torch.testing.assert_close(
+        host.local_tables()["big"].cuda(), gpu.local_tables()["big"], atol=1e-5, rtol=1e-5
+    )
+    assert host.memory_bytes() < gpu.memory_bytes() / 5

@@ -78,9 +78,9 @@ def _trainer(
     ranks_per_host: int | None = None,
 ):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
-    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier;
-    ``"row_wise^managed"``: :data:`MANAGED` tables; ``"...~dedup"``: C3..C10 a dedup group);
-    with ``model.towers`` and
+    ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier (``!host``:
+    host tables); ``"row_wise^managed"``: :data:`MANAGED` tables; ``"...~dedup"``: C3..C10 a
+    dedup group); with ``model.towers`` and
     ``ranks_per_host``, the towers on hosts of that many ranks."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
@@ -102,7 +102,7 @@ def _trainer(
     spec.sharding.kernel = kernel or "fbgemm"
     spec.sharding.default_type = types
     spec.sharding.weights_precision = precision or "fp32"
-    spec.sharding.cache_load_factor = 0.5  # int8 / int4: half the rows in the fp32 cache
+    spec.sharding.cache_load_factor = 0.5  # int8 / int4 / host: half the rows in the cache
     topology = Topology.of(world_size, ranks_per_host)
     if spec.model.towers is not None and topology.num_hosts > 1:
         towers = model_towers(spec.model.towers, topology.num_hosts)
@@ -208,14 +208,15 @@ def _check_continued(a: list[dict], b: list[dict], ckpt: str) -> None:
     [
         ((2, "table_wise"), (3, "row_wise")),
         ((3, "row_wise"), (2, "table_wise")),
-        ((2, "table_wise"), (2, "row_wise")),
+        ((2, "table_wise"), (2, "row_wise!host")),
         ((4, "table_wise"), (2, "row_wise")),
-        ((2, "row_wise"), (1, "table_wise")),
+        ((2, "row_wise!host"), (1, "table_wise")),
     ],
 )
 def test_reshard_and_continue(data_dir: Path, tmp_path: Path, saved, loaded) -> None:
     """Loaded into another world size and plan, the model predicts as before saving, its
-    optimizer state is the same, and two more steps give the saving run's weights."""
+    optimizer state is the same, and two more steps give the saving run's weights; also
+    from and into ``host`` tables (their rows behind a row cache of half of them)."""
     ckpt = str(tmp_path / "ckpt")
     a = run_distributed(
         _save, world_size=saved[0], args=(str(data_dir), ckpt, saved[1], "rowwise_adagrad")

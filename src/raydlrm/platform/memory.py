@@ -14,7 +14,12 @@ from raydlrm.platform.ray_init import ray_address
 from raydlrm.sharding import MemoryBudget
 from raydlrm.sharding.plan import format_bytes
 
-__all__ = ["check_shuffle_window", "worker_memory", "worker_memory_budget"]
+__all__ = [
+    "check_shuffle_window",
+    "host_memory_budget",
+    "worker_memory",
+    "worker_memory_budget",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,28 @@ def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
             "machines"
         )
     return MemoryBudget(memory - overhead, source)
+
+
+def host_memory_budget(job: JobConfig) -> MemoryBudget | None:
+    """The bytes of host memory each GPU worker's ``host`` tables may take:
+    ``sharding.host_memory_bytes``, else :func:`worker_memory` less
+    ``sharding.worker_overhead_bytes``; None (with a warning) on a remote cluster without a
+    ``memory`` resource, whose nodes' memory is unknown here."""
+    sharding = job.sharding
+    if sharding.host_memory_bytes is not None:
+        return MemoryBudget(sharding.host_memory_bytes, "sharding.host_memory_bytes")
+    known = worker_memory(job)
+    if known is None:
+        logger.warning(
+            "the host memory of the 'host' tables is not checked: the workers run on the Ray "
+            "cluster at %s, whose memory the driver does not know (set "
+            "sharding.host_memory_bytes or scaling.resources_per_worker.memory)",
+            ray_address(job),
+        )
+        return None
+    memory, source = known
+    overhead = sharding.worker_overhead_bytes
+    return MemoryBudget(max(memory - overhead, 1), f"{source} - {format_bytes(overhead)} overhead")
 
 
 def worker_memory(job: JobConfig) -> tuple[int, str] | None:

@@ -29,7 +29,7 @@ from raydlrm.platform.config import (
     default_tracking_uri,
     replaced,
 )
-from raydlrm.platform.memory import worker_memory_budget
+from raydlrm.platform.memory import host_memory_budget, worker_memory_budget
 from raydlrm.platform.ray_init import ray_address
 from raydlrm.sharding import ShardingPlan, Topology, load_constants
 from raydlrm.sharding.planner.planners import plan_sharding
@@ -156,10 +156,46 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     taken to hold one id and nothing to be deduplicated), at the global batch (every worker's
     samples: what a rank's kernel looks up of a table-wise table).
 
+    ``host`` tables of a CPU job are planned ``dram`` (with a warning); those of a GPU job
+    must fit :func:`host_memory_budget`.
+
     Raises:
         ConfigError: sharding settings that cannot be planned, e.g. a table that does not fit
             the budget (naming the table, the rank, the shortfall and the budget's source).
     """
+    config = _host_tables_of_cpu_job(config)
+    plan = _make_plan(config, shape=shape)
+    if any(t.placement == "host" for t in plan.tables):
+        budget = host_memory_budget(config)
+        try:
+            if budget is not None:
+                plan.check_host_memory(budget)
+        except ValueError as e:
+            raise ConfigError(f"sharding.placement = 'host': {e}") from None
+    return plan
+
+
+def _host_tables_of_cpu_job(job: JobConfig) -> JobConfig:
+    """``job`` with its ``host`` tables placed ``dram`` when its workers have no GPU (their
+    memory is the host's), with a warning; else ``job``."""
+    sharding = job.sharding
+    hosted = sharding.default_placement == "host" or "host" in sharding.placement.values()
+    if job.scaling.use_gpu or not hosted:
+        return job
+    logger.warning(
+        "sharding.placement 'host' is for GPU workers (scaling.use_gpu): the tables of this "
+        "CPU job are in the workers' memory, planned 'dram'"
+    )
+    placement = {t: "dram" if p == "host" else p for t, p in sharding.placement.items()}
+    default = "dram" if sharding.default_placement == "host" else sharding.default_placement
+    return dataclasses.replace(
+        job,
+        sharding=dataclasses.replace(sharding, default_placement=default, placement=placement),
+    )
+
+
+def _make_plan(config: JobConfig, *, shape: DataShape | None) -> ShardingPlan:
+    """:func:`make_plan` of a job whose ``host`` tables are settled."""
     spec = config.worker_spec()
     constants_path = Path(config.sharding.cost_constants_path).expanduser()
     constants = load_constants(constants_path) if constants_path.exists() else None

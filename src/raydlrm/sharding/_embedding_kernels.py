@@ -7,9 +7,12 @@ placed in (:mod:`raydlrm.sharding.tiers`):
 - an ``ssd`` group: over its mapped files, or over the slots of a DRAM row cache in front of
   them (:mod:`raydlrm.sharding.row_cache`; ``sharding.ssd_cache_load_factor``);
 - a quantized (``int8`` / ``int4``) group: an fp32 TBE over the slots of the cache in front of
-  its quantized rows (:mod:`raydlrm.sharding.quantized`), in memory or in mapped files.
+  its quantized rows (:mod:`raydlrm.sharding.quantized`), in memory or in mapped files;
+- a ``host`` group: over the slots of a row cache in the worker's device memory
+  (``sharding.cache_load_factor`` of the rows) in front of its rows and their optimizer state
+  in the host's (pinned) memory.
 
-Memory tiers other than ``dram`` are for CPU workers.
+The ``ssd`` tier is for CPU workers.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class GroupKernels:
     ) -> tuple[nn.Module, RowCache | None]:
         """An fp32 / fp16 group's TBE: over its shards' rows (an uncached ``ssd`` group's in
         mapped files), or over the slots of the DRAM row cache in front of its files."""
+        if group.placement == "host":
+            return self._host_group(group, config)
         buffers = self._tier_buffers(group, config)
         cached = buffers is not None and config.ssd_cache_load_factor > 0
         rows = [
@@ -100,6 +105,34 @@ class GroupKernels:
             group, config, rows=rows, precision=group.precision, buffers=None if cached else buffers
         )
         return tbe, self._row_cache(group, tbe, buffers) if cached else None
+
+    def _host_group(self, group: TbeGroup, config: ShardingConfig) -> tuple[nn.Module, RowCache]:
+        """A ``host`` group's TBE over the slots of its row cache in device memory, in front of
+        its rows (and a per-weight optimizer state) in the host's memory, pinned on a GPU."""
+        slots = [
+            quantized_cache_rows(
+                s.row_end - s.row_start,
+                load_factor=config.cache_load_factor_of(t.name),
+                step_rows=self._step_rows(t.name),
+            )
+            for t, s in group.shards
+        ]
+        tbe = self._build_tbe(group, config, rows=slots, precision=group.precision, buffers=None)
+        numel = _numel(group)
+        backing = {"weights": self._host_buffer(numel, WEIGHT_DTYPES[group.precision])}
+        if config.optimizer == "adagrad":
+            backing["momentum1"] = self._host_buffer(numel, torch.float32)
+        return tbe, self._cache(
+            group,
+            tbe,
+            _split_rows(backing["weights"], group),
+            backing,
+            too_small="sharding.cache_load_factor (or cache_load_factor_per_table)",
+        )
+
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat zeroed buffer in the host's memory (pinned for a GPU worker's copies)."""
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _build_tbe(
         self,
@@ -129,7 +162,7 @@ class GroupKernels:
         )
 
     def _check_tier_device(self, group: TbeGroup) -> None:
-        if group.placement != "dram" and self.device.type != "cpu":
+        if group.placement == "ssd" and self.device.type != "cpu":
             raise TierError(
                 f"tables {[t.name for t, _ in group.shards]}: placement {group.placement!r} is "
                 f"for CPU workers; this worker's device is {self.device}"
@@ -184,10 +217,12 @@ class GroupKernels:
         if self.optimizer != "sgd":
             slot_states = [states[0] for states in tbe.split_optimizer_states()]
             if self.optimizer == "rowwise_adagrad":  # one float per row: in memory
-                row_states = [
-                    torch.zeros(sh.row_end - sh.row_start, device=self.device)
-                    for _, sh in group.shards
-                ]
+                rows_per_shard = [sh.row_end - sh.row_start for _, sh in group.shards]
+                if group.placement == "host":  # in the host's memory with the rows
+                    flat = self._host_buffer(sum(rows_per_shard), torch.float32)
+                    row_states = list(flat.split(rows_per_shard))
+                else:
+                    row_states = [torch.zeros(n, device=self.device) for n in rows_per_shard]
             else:
                 row_states = _split_rows(backing["momentum1"], group)
         return RowCache(

@@ -161,7 +161,8 @@ class LocalState:
     def memory_bytes(self) -> int:
         """Bytes of memory (DRAM or the device's) this rank's tables hold: the kernels'
         weights and optimizer state (the slots of a cache), quantized rows with their scales,
-        caches' bookkeeping and the rows' state in memory; not what lives in mapped files."""
+        caches' bookkeeping and the rows' state in memory; not what lives in mapped files, nor
+        a ``host`` table's rows in the host's memory (:meth:`host_bytes`)."""
         total = 0
         for group, tbe, cache in zip(self._groups, self.tbes, self._caches, strict=True):
             in_files = group.placement == "ssd" and cache is None
@@ -173,12 +174,24 @@ class LocalState:
                 total += cache.memory_bytes(rows_in_memory=group.placement == "dram")
         return total
 
+    def host_bytes(self) -> int:
+        """Bytes of the host's memory this rank's ``host`` tables hold: their rows and their
+        optimizer state."""
+        total = 0
+        for group, cache in zip(self._groups, self._caches, strict=True):
+            if cache is None or group.placement != "host":
+                continue
+            for name, rows in cache.rows().items():
+                states = cache.row_states()[name]
+                total += sum(x.numel() * x.element_size() for x in [rows, *states])
+        return total
+
     def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
-        """Per quantized table of this rank: (distinct ids found in its fp32 cache, distinct
-        ids looked up) so far."""
+        """Per quantized or ``host`` table of this rank: (distinct ids found in its fp32 or
+        GPU cache, distinct ids looked up) so far."""
         out = {}
         for group, cache in zip(self._groups, self._caches, strict=True):
-            if cache is not None and group.precision in QUANTIZED:
+            if cache is not None and (group.precision in QUANTIZED or group.placement == "host"):
                 out.update(cache.hit_rates())
         return out
 

@@ -29,12 +29,16 @@ CommPrecision = Literal["fp32", "fp16", "bf16", "fp8", "int8", "mx4"]
 :mod:`raydlrm.sharding.codecs`): ``fp32`` is uncompressed; ``mx4`` is OCP MX FP4 (4-bit values,
 an 8-bit power-of-two scale per 32)."""
 
-Placement = Literal["dram", "ssd"]
-"""Where a table's weights live on a CPU worker (see :mod:`raydlrm.sharding.tiers`):
+Placement = Literal["dram", "ssd", "host"]
+"""Where a table's weights live (see :mod:`raydlrm.sharding.tiers`):
 
-- ``dram``: in the worker's memory.
+- ``dram``: in the worker's memory (a GPU worker's: its GPU memory).
 - ``ssd``: in a file on local disk (``sharding.ssd_path``), read and updated in place through
-  the operating system's page cache: DRAM holds the hot rows, the disk the rest.
+  the operating system's page cache: DRAM holds the hot rows, the disk the rest (CPU workers).
+- ``host``: a GPU worker's table in its host's pinned memory, trained through a row cache in
+  GPU memory (``sharding.cache_load_factor`` of its rows; :mod:`raydlrm.sharding.row_cache`):
+  the "UVM caching" tier of the Neo paper, for tables larger than the GPU's memory. On a CPU
+  job (no ``scaling.use_gpu``) a ``host`` table is planned ``dram``, with a warning.
 """
 
 WeightsPrecision = Literal["fp32", "fp16", "int8", "int4"]
@@ -119,7 +123,8 @@ class ShardingConfig:
     fp32 with its optimizer state, and quantized back (stochastic rounding) when the cache
     evicts it, least recently used first. One step's distinct rows of the shard must fit. An
     ``ssd`` quantized table uses this cache in front of its file (not
-    ``ssd_cache_load_factor``)."""
+    ``ssd_cache_load_factor``). A ``host`` table's GPU row cache holds this share of its rows
+    (at least the most rows a step looks up) in front of its rows in host memory."""
     cache_load_factor_per_table: dict[str, float] = field(default_factory=dict)
     """Table name -> ``cache_load_factor`` for that table."""
     default_placement: Placement | Literal["auto"] = "dram"
@@ -129,7 +134,14 @@ class ShardingConfig:
     memory moved (the least disk time per byte; from the pooling factors, features, batch size
     and rows), and costs them with their disk time (without a budget: DRAM)."""
     placement: dict[str, Placement | Literal["auto"]] = field(default_factory=dict)
-    """Table name -> ``dram``, ``ssd`` or ``auto``, overriding ``default_placement``."""
+    """Table name -> ``dram``, ``ssd``, ``host`` or ``auto``, overriding
+    ``default_placement``."""
+    host_memory_bytes: int | None = None
+    """Bytes of host memory each worker's ``host`` tables may take (weights and optimizer
+    state). Default: the worker's Ray ``memory`` resource, else this machine's memory shared by
+    the workers of a local Ray cluster, less ``worker_overhead_bytes`` (unknown on a remote
+    cluster: not checked, with a warning). The planner refuses a plan over it, naming the
+    table."""
     ssd_cache_load_factor: float = 0.2
     """Share of each ``ssd`` table shard's rows held in a DRAM cache in front of its file
     (at least ``ssd_cache_min_rows``, at most the whole shard; see
@@ -143,6 +155,22 @@ class ShardingConfig:
     """Directory of the ``ssd`` tables' files on each worker (local disk; created if missing).
     Default: ``raydlrm-ssd`` in the worker's temporary directory. The files are removed as soon
     as they are mapped, so nothing is left behind, even by a killed worker."""
+
+    def _check_host_tables(self) -> None:
+        """Refuses ``host`` tables stored ``int8`` / ``int4``: their rows are already small,
+        behind an fp32 cache of their own."""
+        names = ["", *self.placement, *self.weights_precision_per_table]
+        for name in names:
+            placement = self.placement_of(name) if name else self.default_placement
+            precision = self.weights_precision_of(name) if name else self.weights_precision
+            if placement == "host" and precision in QUANTIZED:
+                key = f"placement.{name}" if name in self.placement else "default_placement"
+                raise ValueError(
+                    f"sharding.{key} = 'host' with {precision} weights"
+                    + (f" (table {name!r})" if name else "")
+                    + ": quantized tables keep their rows in GPU memory behind their own fp32 "
+                    "cache; place them 'dram', or store them fp32 / fp16"
+                )
 
     def placement_of(self, table_name: str) -> Placement | Literal["auto"]:
         """The placement of table ``table_name`` (``auto``: the planner's choice)."""
@@ -186,6 +214,11 @@ class ShardingConfig:
         ]:
             if not 0.0 < factor <= 1.0:
                 raise ValueError(f"sharding.{key} must be in (0, 1], got {factor}")
+        if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
+            raise ValueError(
+                f"sharding.host_memory_bytes must be positive, got {self.host_memory_bytes}"
+            )
+        self._check_host_tables()
         if self.ssd_cache_min_rows < 1:
             raise ValueError(
                 f"sharding.ssd_cache_min_rows must be positive, got {self.ssd_cache_min_rows}"

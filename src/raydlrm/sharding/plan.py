@@ -51,10 +51,13 @@ class TablePlan:
             together (see :mod:`raydlrm.sharding.planner.cost`).
         memory_bytes: worker memory of its weights plus fused optimizer state, in bytes (for
             an ``ssd`` table, the optimizer state kept in memory only).
-        placement: where its weights live: ``dram`` or ``ssd`` (a file on each worker's
-            local disk, through the page cache; see :mod:`raydlrm.sharding.tiers`).
+        placement: where its weights live: ``dram``, ``ssd`` (a file on each worker's
+            local disk, through the page cache; see :mod:`raydlrm.sharding.tiers`) or ``host``
+            (a GPU worker's host memory, behind a row cache in GPU memory).
         disk_bytes: bytes of local disk an ``ssd`` table takes (its weights, and Adagrad's
             per-weight state); 0 in DRAM.
+        host_bytes: bytes of host memory a ``host`` table takes (its weights and optimizer
+            state; :attr:`memory_bytes` is then its GPU row cache); 0 elsewhere.
         step_rows: the most rows of the table a step can look up (the global batch times
             the most ids one sample looks up in it); a row cache (quantized or ``ssd``
             tables) holds at least that many of a shard's rows, so every step fits it. 0:
@@ -72,6 +75,7 @@ class TablePlan:
     memory_bytes: int = 0
     placement: Placement = "dram"
     disk_bytes: int = 0
+    host_bytes: int = 0
     step_rows: int = 0
     buckets: int = 0
 
@@ -87,6 +91,10 @@ class TablePlan:
     def shard_disk(self, shard: Shard) -> int:
         """Bytes of local disk of ``shard`` (its share of the table's area)."""
         return self._share(self.disk_bytes, shard)
+
+    def shard_host(self, shard: Shard) -> int:
+        """Bytes of host memory of ``shard`` (its share of the table's area)."""
+        return self._share(self.host_bytes, shard)
 
     def _share(self, total: int, shard: Shard) -> int:
         area = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start)
@@ -177,6 +185,10 @@ class ShardingPlan:
         """Bytes of local disk per rank: its ``ssd`` shards' files."""
         return self._per_rank(TablePlan.shard_disk)
 
+    def per_rank_host(self) -> list[int]:
+        """Bytes of host memory per rank: its ``host`` shards' rows and optimizer state."""
+        return self._per_rank(TablePlan.shard_host)
+
     def _per_rank(self, bytes_of: Callable[[TablePlan, Shard], int]) -> list[int]:
         total = [0] * self.world_size
         for t in self.tables:
@@ -191,19 +203,32 @@ class ShardingPlan:
             ValueError: naming the rank furthest over the budget, its largest table and the
                 shortfall in bytes.
         """
-        if self.memory_budget is None:
-            return
-        memory = self.per_rank_memory()
+        if self.memory_budget is not None:
+            self._check_budget(TablePlan.shard_memory, self.memory_budget, "tables")
+
+    def check_host_memory(self, budget: MemoryBudget) -> None:
+        """Checks every rank's ``host`` tables against ``budget`` (host memory per worker).
+
+        Raises:
+            ValueError: naming the rank furthest over it, its largest ``host`` table and the
+                shortfall in bytes.
+        """
+        self._check_budget(TablePlan.shard_host, budget, "host-memory tables")
+
+    def _check_budget(
+        self, bytes_of: Callable[[TablePlan, Shard], int], budget: MemoryBudget, what: str
+    ) -> None:
+        memory = self._per_rank(bytes_of)
         rank = max(range(self.world_size), key=lambda r: memory[r])
-        short = memory[rank] - self.memory_budget.bytes_per_rank
+        short = memory[rank] - budget.bytes_per_rank
         if short <= 0:
             return
         largest = max(
-            (t.shard_memory(s), t.name) for t in self.tables for s in t.shards if s.rank == rank
+            (bytes_of(t, s), t.name) for t in self.tables for s in t.shards if s.rank == rank
         )[1]
         raise ValueError(
-            f"rank {rank} holds {memory[rank]} bytes of tables (the largest {largest!r}), "
-            f"short by {short} bytes ({format_bytes(short)}); {self.memory_budget.describe()}"
+            f"rank {rank} holds {memory[rank]} bytes of {what} (the largest {largest!r}), "
+            f"short by {short} bytes ({format_bytes(short)}); {budget.describe()}"
         )
 
     def validate(self, tables: Sequence[EmbeddingBagConfig]) -> None:
@@ -290,19 +315,27 @@ class ShardingPlan:
             tags += ["managed"] if table in managed else []
             return f"{table} ({', '.join(tags)})" if tags else table
 
-        disk = self.per_rank_disk()
+        disk, host = self.per_rank_disk(), self.per_rank_host()
         rows = [
             (
                 str(r),
                 ", ".join(named(t) for t in self.tables_on_rank(r)) or "-",
                 f"{costs[r]:.4g}",
                 memory[r],
+                *([format_bytes(host[r])] if any(host) else []),
                 *([format_bytes(disk[r])] if any(disk) else []),
             )
             for r in range(self.world_size)
         ]
         cost_header = "est. cost" if self.predicted_seconds is None else "predicted s"
-        header = ("rank", "tables", cost_header, memory_header, *(["ssd"] if any(disk) else []))
+        header = (
+            "rank",
+            "tables",
+            cost_header,
+            memory_header,
+            *(["host"] if any(host) else []),
+            *(["ssd"] if any(disk) else []),
+        )
         lines = text_table(header, rows)
         if self.memory_budget is not None:
             lines.append(f"memory {self.memory_budget.describe()}")

@@ -32,6 +32,12 @@ state), since a small cache in front of small rows is the point of quantizing.
 
 Only rows a training step looked up (with autograd on) are written back: an evaluation's rows
 leave the cache as they came, so evaluating never re-rounds a quantized row.
+
+The same cache in GPU memory trains ``host`` tables (``sharding.placement``): the rows and
+their optimizer state live in the host's pinned memory, the slots and the bookkeeping on the
+GPU. A step's missed rows are gathered on the host into a pinned staging buffer and copied in
+asynchronously (the host goes on launching the step's kernels; the GPU's stream orders the copy
+before the lookup); evicted rows come back with one copy per table and step.
 """
 
 from __future__ import annotations
@@ -72,6 +78,28 @@ class _Table:
     sorted_slots: torch.Tensor | None = None  # ... and the slot of each
     hits: int = 0  # distinct ids of the steps so far found in the cache
     misses: int = 0  # distinct ids of the steps so far read in from the file
+    written: int = 0  # rows written back so far
+    staging: _Staging | None = None  # rows in another memory (host) than the slots (GPU)
+
+    @property
+    def home(self) -> torch.device:
+        """Where the rows (and their state) are: the host's memory for a ``host`` table, else
+        the slots' device."""
+        return self.rows.device
+
+    def gather(self, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``source[rows]`` (``rows`` on the slots' device) on the slots' device: through the
+        pinned staging buffer when ``source`` is in the host's memory."""
+        if self.staging is None:
+            return source[rows]
+        return self.staging.copy_in(source, rows.to(self.home))
+
+    def scatter(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """``target[rows] = values`` (``rows`` and ``values`` on the slots' device)."""
+        if self.staging is None:
+            target[rows] = values
+        else:
+            target[rows.to(self.home)] = values.to(self.home)
 
     def find(self, rows: torch.Tensor) -> torch.Tensor:
         """The slot of each of ``rows`` (int64), -1 for a row not in the cache."""
@@ -103,10 +131,40 @@ class _Table:
             return
         rows, order = torch.sort(self.row_of[slots])  # in row order: the file is written in order
         slots = slots[order]
-        self.rows[rows] = self.slots[slots]
+        self.scatter(self.rows, rows, self.slots[slots])
         if self.row_state is not None:
-            self.row_state[rows] = self.slot_state[slots]
+            self.scatter(self.row_state, rows, self.slot_state[slots])
         self.dirty[slots] = False
+        self.written += int(rows.numel())
+
+
+class _Staging:
+    """Pinned host buffers that a ``host`` table's missed rows are gathered into and copied to
+    the GPU from, asynchronously: a buffer is reused once the copy out of it is done (an
+    event), so the host never overwrites rows still in flight."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._events: dict[tuple[torch.dtype, tuple[int, ...]], torch.cuda.Event] = {}
+
+    def copy_in(self, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        key = (source.dtype, tuple(source.shape[1:]))
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < rows.numel():
+            size = max(rows.numel(), 2 * (0 if buffer is None else buffer.shape[0]))
+            pin = self.device.type == "cuda"
+            buffer = torch.empty((size, *key[1]), dtype=source.dtype, pin_memory=pin)
+            self._buffers[key] = buffer
+        elif key in self._events:
+            self._events[key].synchronize()  # the last copy out of it is done
+        part = buffer[: rows.numel()]
+        torch.index_select(source, 0, rows, out=part)
+        if self.device.type != "cuda":
+            return part.to(self.device, copy=True)
+        values = part.to(self.device, non_blocking=True)
+        self._events.setdefault(key, torch.cuda.Event()).record()
+        return values
 
 
 class RowCache:
@@ -145,6 +203,7 @@ class RowCache:
         for i, name in enumerate(names):
             n, c, device = rows[i].shape[0], slots[i].shape[0], slots[i].device
             dense = not isinstance(rows[i], QuantizedRows)
+            elsewhere = dense and rows[i].device != device
             self._tables.append(
                 _Table(
                     name=name,
@@ -158,6 +217,7 @@ class RowCache:
                     row_of=torch.full((c,), -1, dtype=torch.int64, device=device),
                     last_used=_stamp(0, torch.arange(c, device=device), c),
                     dirty=torch.zeros(c, dtype=torch.bool, device=device),
+                    staging=_Staging(device) if elsewhere else None,
                 )
             )
         self._step = 0
@@ -242,9 +302,9 @@ class RowCache:
         if bool(valid.any()):
             t.write_back(victims[valid])
             t.unmap(evicted[valid])
-        t.slots[victims] = t.rows[missing].to(t.slots.dtype)
+        t.slots[victims] = t.gather(t.rows, missing).to(t.slots.dtype)
         if t.row_state is not None:
-            t.slot_state[victims] = t.row_state[missing]
+            t.slot_state[victims] = t.gather(t.row_state, missing)
         t.map(missing, victims)
         t.last_used[victims] = _stamp(self._step, victims, t.slots.shape[0])
         t.dirty[victims] = dirty
@@ -257,7 +317,7 @@ class RowCache:
         t = self._tables[table]
         rows = rows.to(t.row_of.device)
         slots = t.find(rows)
-        values = t.rows[rows].to(device=t.slots.device, dtype=torch.float32)
+        values = t.gather(t.rows, rows).to(dtype=torch.float32)
         cached = slots >= 0
         values[cached] = t.slots[slots[cached]].float()
         return values
@@ -277,9 +337,10 @@ class RowCache:
             t.row_of[cached] = -1
             t.dirty[cached] = False
             t.last_used[cached] = _stamp(0, cached, t.slots.shape[0])
-        t.rows[rows] = values.to(device=t.row_of.device, dtype=torch.float32)
+        t.scatter(t.rows, rows, values.to(device=t.row_of.device, dtype=torch.float32))
         if t.row_state is not None:
-            t.row_state[rows] = 0
+            zeros = (rows.numel(), *t.row_state.shape[1:])
+            t.scatter(t.row_state, rows, torch.zeros(zeros, device=t.row_of.device))
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -302,13 +363,19 @@ class RowCache:
         total = 0
         for t in self._tables:
             parts = [t.row_of, t.last_used, t.dirty, t.slot_of, t.sorted_rows, t.sorted_slots]
-            if rows_in_memory or (t.row_state is not None and t.row_state.dim() == 1):
-                parts.append(t.row_state)  # row-wise Adagrad's state is always in memory
+            state = t.row_state  # row-wise Adagrad's is always in memory (a host table's: host)
+            here = state is not None and state.device == t.slots.device
+            if here and (rows_in_memory or state.dim() == 1):
+                parts.append(state)
             total += sum(x.numel() * x.element_size() for x in parts if x is not None)
             if rows_in_memory:
                 rows = t.rows
                 total += rows.nbytes() if isinstance(rows, QuantizedRows) else 0
         return total
+
+    def written_rows(self) -> dict[str, int]:
+        """Table name -> rows written back (evicted or flushed after training) so far."""
+        return {t.name: t.written for t in self._tables}
 
     def hit_rates(self) -> dict[str, tuple[int, int]]:
         """Table name -> (hits, lookups) of distinct ids per step, so far."""

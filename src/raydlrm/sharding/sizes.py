@@ -27,6 +27,7 @@ __all__ = [
     "quantized_row_bytes",
     "stored_row_bytes",
     "table_disk_bytes",
+    "table_host_bytes",
     "table_memory_bytes",
     "wire_bytes_per_vector",
     "wire_row_overhead",
@@ -107,7 +108,10 @@ def table_memory_bytes(
     cache_rows: int = 0,
 ) -> int:
     """Bytes of worker memory the table takes: its weights plus its fused optimizer state
-    (always fp32); for an ``ssd`` table only what stays in memory: row-wise Adagrad's one float
+    (always fp32); for a ``host`` table only what it takes of the GPU's memory: its row cache
+    of ``cache_rows`` rows with their state, 16 bytes per cached row and 4 per row of
+    bookkeeping (the rows and their state are in host memory, :func:`table_host_bytes`);
+    for an ``ssd`` table only what stays in memory: row-wise Adagrad's one float
     per row (a per-weight state goes to disk with the weights) and, with a DRAM row cache of
     ``cache_rows`` rows, the cached rows with their state, plus 4 bytes per row and 16 per
     cached row of bookkeeping. A quantized table: its rows (codes, scale and bias; on disk for
@@ -120,9 +124,10 @@ def table_memory_bytes(
         optimizer: ``rowwise_adagrad`` (one float per row), ``adagrad`` (one per weight) or
             ``sgd`` (no state).
         weights_precision: ``fp32`` (4 bytes per weight), ``fp16`` (2), ``int8`` or ``int4``.
-        placement: ``dram`` or ``ssd``.
+        placement: ``dram``, ``ssd`` or ``host``.
         cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`), or of a
-            quantized table's fp32 cache (:func:`quantized_cache_rows`).
+            quantized table's fp32 cache or a ``host`` table's GPU cache
+            (:func:`quantized_cache_rows`).
     """
     id_map = table.num_embeddings * MAP_BYTES_PER_ROW if table.managed is not None else 0
     return id_map + _table_memory_bytes(
@@ -155,12 +160,22 @@ def _table_memory_bytes(
             rows * stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer) + cache
         )
     row_bytes = stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer)
+    if placement == "host":  # the GPU row cache: its slots with their state, the slot of each row
+        return rows * FP32_BYTES + cache_rows * (row_bytes + _SSD_CACHE_SLOT_BYTES)
     if placement != "ssd":
         return rows * row_bytes
     in_memory = row_state_in_memory
     if cache_rows:
         in_memory += rows * FP32_BYTES + cache_rows * (row_bytes + _SSD_CACHE_SLOT_BYTES)
     return in_memory
+
+
+def table_host_bytes(
+    table: EmbeddingBagConfig, *, optimizer: str, weights_precision: str = "fp32"
+) -> int:
+    """Bytes of host memory a ``host`` table takes: its rows' weights and optimizer state."""
+    row = stored_row_bytes(table.embedding_dim, precision=weights_precision, optimizer=optimizer)
+    return table.num_embeddings * row
 
 
 def table_disk_bytes(

@@ -65,8 +65,10 @@ def local_counters(tables: ShardedTables, *, families: Collection[Family]) -> di
         counters["sharding/torch_kernel_ranks"] = float(tables.kernel == "torch")
     if "tier" in families and any(t.placement == "ssd" for t in tables.plan.tables):
         counters.update(_tier_counters(tables))
-    if "tier" in families:  # memory held, quantized tables' fp32 caches
+    if "tier" in families:  # memory held, quantized and host tables' caches
         counters["memory/embedding_bytes"] = float(tables.memory_bytes())
+        if any(t.placement == "host" for t in tables.plan.tables):
+            counters["memory/host_embedding_bytes"] = float(tables.host_bytes())
         for name, (hits, lookups) in tables.cache_hit_rates().items():
             counters[f"cache/{name}/cache_hits"] = float(hits)
             counters[f"cache/{name}/cache_lookups"] = float(lookups)

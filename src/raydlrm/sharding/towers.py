@@ -492,6 +492,9 @@ class ShardedTowerCollection(ShardedTables):
     def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
         return self.host_tables.cache_hit_rates()
 
+    def host_bytes(self) -> int:
+        return self.host_tables.host_bytes()
+
     def optimizer_states(self) -> dict[str, list[torch.Tensor]]:
         return self.host_tables.optimizer_states()
 

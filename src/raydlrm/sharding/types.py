@@ -227,9 +227,13 @@ class ShardedTables(nn.Module, abc.ABC):
         """Bytes of memory this rank's tables hold (weights, optimizer state, caches; not
         mapped files)."""
 
+    def host_bytes(self) -> int:
+        """Bytes of the host's memory this rank's ``host`` tables hold (rows and state)."""
+        return 0
+
     def cache_hit_rates(self) -> dict[str, tuple[int, int]]:
-        """Per ``int8`` / ``int4`` table of this rank: (distinct ids found in its fp32 cache,
-        distinct ids looked up) so far."""
+        """Per ``int8`` / ``int4`` or ``host`` table of this rank: (distinct ids found in its
+        fp32 or GPU cache, distinct ids looked up) so far."""
         return {}
 
     @abc.abstractmethod

@@ -43,6 +43,7 @@ from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.sizes import (
     FP32_BYTES,
     LOOKUP_BYTES,
+    stored_row_bytes,
     table_memory_bytes,
     wire_bytes_per_vector,
     wire_row_overhead,
@@ -75,6 +76,9 @@ class CostConstants:
             misses them (random 4 KiB pages faulted in from the disk).
         ssd_row_writes_per_s: updated rows of an ``ssd`` table written back per second
             (random dirty 4 KiB pages synced to the disk).
+        host_copy_bytes_per_s: bytes per second a ``host`` table's row cache copies between
+            host and GPU memory (its misses in, its evictions out; PCIe 4.0 x16 moves about
+            25 GB/s each way, a gathered copy less).
         source: where the numbers come from (``default`` or a calibration note).
         device: where the lookups were timed: ``cpu``, or ``cuda`` (GPU workers' tables).
     """
@@ -84,6 +88,7 @@ class CostConstants:
     collective_latency_s: float = 1e-4
     ssd_row_reads_per_s: float = 5e4
     ssd_row_writes_per_s: float = 2e4
+    host_copy_bytes_per_s: float = 1e10
     source: str = "default"
     device: str = "cpu"
 
@@ -93,6 +98,7 @@ class CostConstants:
             "comm_bytes_per_s",
             "ssd_row_reads_per_s",
             "ssd_row_writes_per_s",
+            "host_copy_bytes_per_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(
@@ -121,7 +127,8 @@ class TableCost:
     disk_rows: float = 0.0
     """Distinct rows the step touches on the ``ssd`` tier (0 in DRAM), all shards."""
     disk_seconds: float = 0.0
-    """The part of ``seconds`` spent reading and writing back those rows."""
+    """The part of ``seconds`` spent reading and writing back those rows (a ``host`` table's:
+    copying the rows its GPU cache misses in and out)."""
 
 
 def expected_distinct_rows(num_rows: int, lookups: float) -> float:
@@ -169,11 +176,13 @@ def estimate_table_cost(
         weights_precision: precision of the weights (their memory and the bytes a lookup reads).
         comm_precision: codec of the pooled vectors on the wire.
         constants: throughputs and latency (defaults if None).
-        placement: ``dram`` or ``ssd`` (adds the disk time of the rows a step touches).
+        placement: ``dram``, ``ssd`` (adds the disk time of the rows a step touches) or
+            ``host`` (adds the copies of the rows its GPU cache misses, in and out, at
+            ``constants.host_copy_bytes_per_s``; counted in ``disk_seconds``).
         page_cache_hit: for ``ssd``, the fraction of touched rows the page cache holds.
-        cache_rows: for ``ssd``, rows of its DRAM row cache (0: none): with ids drawn
-            uniformly, ``cache_rows / rows`` of the touched rows are there, cost no disk time,
-            and each other one is read in and evicts one row, written back.
+        cache_rows: for ``ssd`` (``host``), rows of its DRAM (GPU) row cache (0: none): with
+            ids drawn uniformly, ``cache_rows / rows`` of the touched rows are there, cost no
+            disk time, and each other one is read in and evicts one row, written back.
 
     Returns:
         The table's compute, communication, disk, memory and estimated seconds per step.
@@ -182,8 +191,14 @@ def estimate_table_cost(
     constants = constants or CostConstants()
     compute = step.ids * table.embedding_dim * LOOKUP_BYTES[weights_precision]
     comm = _comm_bytes(step, comm_precision=comm_precision)
-    disk_rows = _disk_rows(step, cache_rows=cache_rows) if placement == "ssd" else 0.0
+    disk_rows = _missed_rows(step, cache_rows=cache_rows) if placement == "ssd" else 0.0
     disk_seconds = disk_rows * ssd_seconds_per_row(constants, page_cache_hit=page_cache_hit)
+    if placement == "host":  # each missed row comes in and (later) one goes out, with its state
+        row_bytes = stored_row_bytes(
+            table.embedding_dim, precision=weights_precision, optimizer=optimizer
+        )
+        missed = _missed_rows(step, cache_rows=cache_rows)
+        disk_seconds = 2 * missed * row_bytes / constants.host_copy_bytes_per_s
     return TableCost(
         compute_bytes=compute,
         input_comm_bytes=comm.inputs,
@@ -259,8 +274,9 @@ def _comm_bytes(step: _Step, *, comm_precision: str) -> _CommBytes:
     return _CommBytes(inputs=ids * _ID_BYTES + bags * _LENGTH_BYTES, outputs=vectors)
 
 
-def _disk_rows(step: _Step, *, cache_rows: int) -> float:
-    """Distinct rows of an ``ssd`` table that ``step`` touches outside its DRAM row cache, all
+def _missed_rows(step: _Step, *, cache_rows: int) -> float:
+    """Distinct rows of an ``ssd`` or ``host`` table that ``step`` touches outside its row
+    cache (with uniform ids), all
     shards: each column shard touches every one, each data-parallel replica its own samples'."""
     rows = step.table.num_embeddings
     if step.sharding_type == "data_parallel":

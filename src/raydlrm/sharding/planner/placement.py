@@ -21,7 +21,12 @@ from raydlrm.sharding.plan import MemoryBudget, Shard, TablePlan, format_bytes
 from raydlrm.sharding.planner.cost import estimate_table_cost
 from raydlrm.sharding.planner.request import BudgetError, PlanRequest
 from raydlrm.sharding.planner.shards import row_shards, table_shards
-from raydlrm.sharding.planner.storage import disk_bytes, memory_bytes, table_cache_rows
+from raydlrm.sharding.planner.storage import (
+    disk_bytes,
+    host_bytes,
+    memory_bytes,
+    table_cache_rows,
+)
 
 __all__ = ["Placement"]
 
@@ -61,6 +66,7 @@ class Placement:
                 ),
                 placement=config.placement_of(t.name),
                 disk_bytes=disk_bytes(t, config),
+                host_bytes=host_bytes(t, config),
                 buckets=t.managed.buckets_for(t.num_embeddings) if t.managed is not None else 0,
             )
         for p in self.plans.values():

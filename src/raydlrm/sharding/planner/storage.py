@@ -22,11 +22,13 @@ from raydlrm.sharding.sizes import (
     cache_rows,
     quantized_cache_rows,
     table_disk_bytes,
+    table_host_bytes,
     table_memory_bytes,
 )
 
 __all__ = [
     "disk_bytes",
+    "host_bytes",
     "memory_bytes",
     "page_cache_hit",
     "spill_order",
@@ -43,8 +45,10 @@ def table_cache_rows(
     """Rows of ``table``'s cache (counted on the whole table): the fp32 cache of a quantized
     table (``cache_load_factor``), else the DRAM row cache it would have on the ``ssd`` tier
     (each shard's has at least ``ssd_cache_min_rows``); either at least ``step_rows``, the
-    most rows a step can look up."""
-    if config.weights_precision_of(table.name) in QUANTIZED:
+    most rows a step can look up. A ``host`` table's GPU cache is sized as a quantized
+    table's (``cache_load_factor``)."""
+    quantized = config.weights_precision_of(table.name) in QUANTIZED
+    if quantized or config.placement_of(table.name) == "host":
         return quantized_cache_rows(
             table.num_embeddings,
             load_factor=config.cache_load_factor_of(table.name),
@@ -68,6 +72,15 @@ def memory_bytes(
         weights_precision=config.weights_precision_of(t.name),
         placement=placement,
         cache_rows=table_cache_rows(t, config, step_rows=step_rows),
+    )
+
+
+def host_bytes(t: EmbeddingBagConfig, config: ShardingConfig) -> int:
+    """Host memory of ``t`` as ``config`` places it (0 unless ``host``)."""
+    if config.placement_of(t.name) != "host":
+        return 0
+    return table_host_bytes(
+        t, optimizer=config.optimizer, weights_precision=config.weights_precision_of(t.name)
     )
 
 
