@@ -1,12 +1,23 @@
 """The GPU check in one step: the ``gpu``-marked tests and the worker-loop benchmark on CUDA.
 
-On a machine with CUDA (``make gpu-check``, or ``python3 benchmarks/gpu_check.py``): prints the
-device, runs ``pytest -m gpu`` on the two files that hold the GPU tests, then
-``benchmarks/worker_loop.py --device cuda --world-size 1 --mlperf`` with the torch kernel
-(``torch-none``, ``torch-sparse_dist``; ``torch-none-bf16`` and ``-fp16``: the dense side in
-bf16 / fp16, ``training.precision``) and the plain-PyTorch ``reference``, and writes
-``gpu-check.md`` and ``gpu-check.json`` (figures, test counts) with the logs to ``--out``
-(default: ``$OUT`` where set, else ``runs/gpu-check``). Exits non-zero if a test or the
+On a machine with CUDA (``make gpu-check``, or ``python3 benchmarks/gpu_check.py``), in this
+order, each stage skipped once ``--budget`` seconds are spent:
+
+1. the device, and ``pytest -m gpu`` on the files that hold the GPU tests;
+2. ``benchmarks/worker_loop.py --device cuda --world-size 1 --mlperf`` (DLRM and DCNv2 at
+   MLPerf's layer sizes) with the torch kernel: ``torch-none``, ``torch-sparse_dist``,
+   ``torch-none-bf16`` and ``-fp16`` (the dense side in bf16 / fp16, ``training.precision``),
+   ``torch-none-bf16+compile`` (``training.compile``) and the plain-PyTorch ``reference``;
+3. the host tier (``sharding.placement = "host"``): DCNv2 in bf16 with 26 tables of
+   ``--host-rows`` rows in GPU memory, and in host memory behind GPU caches of 1/2 and 1/10 of
+   their rows, on power-law ids (``--host-cardinality``): step rate, miss rate, bytes copied;
+   beside them the pinned host-to-GPU copy rate, contiguous and gathered as the cache gathers
+   its rows (what PCIe gives);
+4. the learned sharding search on GPU lookups (``benchmarks/gpu_cost_model.sh``, lookups only,
+   shortened: ``COLLECT_S`` 60 s, 10 tasks).
+
+It writes ``gpu-check.md`` and ``gpu-check.json`` (figures, test counts) with the logs to
+``--out`` (default: ``$OUT`` where set, else ``runs/gpu-check``). Exits non-zero if a test or a
 benchmark fails. Without CUDA (or without torch) it says so in one line and exits 0.
 
 Neither Ray, MLflow nor fbgemm-gpu is needed: the tests and the benchmark import only
@@ -46,14 +57,21 @@ GPU_TEST_FILES = [
     "tests/sharding/test_learned_cost.py",
     "tests/sharding/test_towers.py",
     "tests/models/test_managed_ids.py",  # the managed-id map on CUDA (and its rate, printed)
+    "tests/sharding/test_tiers.py",  # host tables behind a GPU row cache
 ]
-VARIANTS = "torch-none,torch-sparse_dist,torch-none-bf16,torch-none-fp16,reference"
+VARIANTS = (
+    "torch-none,torch-sparse_dist,torch-none-bf16,torch-none-fp16,torch-none-bf16+compile,reference"
+)
+HOST_VARIANTS = "torch-none-bf16,torch-none-bf16+host2,torch-none-bf16+host10"
 RATIOS = [
     ("torch-sparse_dist", "torch-none"),
     ("torch-none", "reference"),
     ("torch-sparse_dist", "reference"),
     ("torch-none-bf16", "torch-none"),  # training.precision (issue 49): bf16 against fp32/TF32
     ("torch-none-fp16", "torch-none"),
+    ("torch-none-bf16+compile", "torch-none-bf16"),  # training.compile
+    ("torch-none-bf16+host2", "torch-none-bf16"),  # host tables, cache of 1/2 (1/10) of the rows
+    ("torch-none-bf16+host10", "torch-none-bf16"),
 ]
 
 # What the worker side needs beyond a torch image (torch, numpy, pyarrow, pandas, pytest):
@@ -245,24 +263,25 @@ def _tests(env, out: Path, timeout: float, cuda: bool) -> dict:
     return {"returncode": rc, "passed": passed, **counts, "ok": ok}
 
 
-def _bench(env, out: Path, args, batch_size: int, timeout: float) -> dict:
+def _bench(env, out: Path, args, batch_size: int, timeout: float, **over) -> dict:
+    """A worker-loop run at ``batch_size``; ``over`` replaces ``variants``, ``archs``,
+    ``rows``, ``steps``, ``repeats`` or adds ``cardinality`` (``name``: its log's suffix)."""
     data_dir = Path(tempfile.mkdtemp(prefix="raydlrm-gpu-check-"))
+    knobs = {k: getattr(args, k) for k in ("variants", "archs", "rows", "steps", "repeats")}
+    name = over.pop("name", "")
+    knobs.update(over)
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "worker_loop.py"),
         f"--device={args.device}",
         "--world-size=1",
-        f"--variants={args.variants}",
-        f"--archs={args.archs}",
-        f"--rows={args.rows}",
+        *(f"--{k}={v}" for k, v in knobs.items()),
         f"--batch-size={batch_size}",
-        f"--steps={args.steps}",
-        f"--repeats={args.repeats}",
         f"--data-dir={data_dir}",
         *(["--mlperf"] if args.mlperf else []),
     ]
     try:
-        rc = _stream(cmd, env, out / f"worker-loop-b{batch_size}.log", timeout)
+        rc = _stream(cmd, env, out / f"worker-loop{name}-b{batch_size}.log", timeout)
         results_file = data_dir / "results.json"
         if rc != 0 or not results_file.exists():
             return {"batch_size": batch_size, "returncode": rc, "ok": False}
@@ -276,9 +295,10 @@ def _bench(env, out: Path, args, batch_size: int, timeout: float) -> dict:
             median = statistics.median(times)
             figures[arch][variant] = {
                 "kernel": r["kernels"][variant],
-                "samples_per_s": batch_size * args.steps / median,
-                "ms_per_step": 1000 * median / args.steps,
+                "samples_per_s": batch_size * knobs["steps"] / median,
+                "ms_per_step": 1000 * median / knobs["steps"],
                 "times_s": times,
+                **({"cache": r["caches"][variant]} if variant in r.get("caches", {}) else {}),
             }
     ratios = {  # median over repeats of the paired times, b / a: >= 1 when a is faster
         f"{arch}: {a} / {b}": statistics.median(
@@ -292,8 +312,66 @@ def _bench(env, out: Path, args, batch_size: int, timeout: float) -> dict:
         "batch_size": batch_size,
         "returncode": 0,
         "ok": True,
+        "knobs": knobs,
         "figures": figures,
         "ratios": ratios,
+    }
+
+
+def _copy_rates(gib: float = 1.0) -> dict:
+    """Pinned host-to-GPU copy rates (GB/s): ``gib`` GiB contiguous, and the same bytes as
+    512-byte rows gathered at random (``index_select`` into a pinned buffer, then copied: what a
+    ``host`` table's cache does with its misses), each the median of 5."""
+    import torch
+
+    n = int(gib * 2**30)
+    rows = n // 512
+    source = torch.randn(rows, 128, pin_memory=True)
+    staging = torch.empty(rows // 4, 128, pin_memory=True)
+    ids = torch.randint(0, rows, (rows // 4,))
+    device = torch.empty(rows // 4, 128, device="cuda")
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    contiguous = timed(lambda: device.copy_(staging, non_blocking=True))
+    gathered = timed(
+        lambda: (
+            torch.index_select(source, 0, ids, out=staging),
+            device.copy_(staging, non_blocking=True),
+        )
+    )
+    out_of = timed(lambda: staging.copy_(device, non_blocking=True))
+    size = staging.numel() * 4
+    return {
+        "bytes": size,
+        "h2d_contiguous_gb_s": size / contiguous / 1e9,
+        "h2d_gathered_gb_s": size / gathered / 1e9,
+        "d2h_contiguous_gb_s": size / out_of / 1e9,
+    }
+
+
+def _cost_model(env, out: Path, timeout: float, device: str) -> dict:
+    """``benchmarks/gpu_cost_model.sh``, shortened (60 s of samples, 10 tasks), into
+    ``out/gpu-cost``."""
+    target = out / "gpu-cost"
+    env = {**env, "OUT_DIR": str(target), "COLLECT_S": "60", "TASKS": "10", "PY": sys.executable}
+    if device == "cpu":  # the check's own plumbing: a dry run
+        env.update(DEVICE="cpu", COLLECT="60", COLLECT_S="20", TASKS="2")
+    cmd = ["bash", str(ROOT / "benchmarks" / "gpu_cost_model.sh")]
+    rc = _stream(cmd, env, out / "gpu-cost-model.log", timeout)
+    tasks = target / "sharding_tasks.json"
+    return {
+        "returncode": rc,
+        "ok": rc == 0,
+        "tasks": json.loads(tasks.read_text()) if tasks.exists() else None,
     }
 
 
@@ -341,12 +419,86 @@ def _markdown(summary: dict) -> str:
             for pair, ratio in run.get("ratios", {}).items():
                 lines.append(f"- batch {run['batch_size']:,}, {pair}: {ratio:.2f}")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _host_lines(summary) + _cost_model_lines(summary))
+
+
+def _host_lines(summary: dict) -> list[str]:
+    host, copy, a = summary.get("host"), summary.get("copy"), summary["args"]
+    if not host:
+        return []
+    lines = [
+        f"Host tier (`worker_loop.py --archs dcnv2 --variants {HOST_VARIANTS} --rows "
+        f"{a['host_rows']} --cardinality {a['host_cardinality']} --steps 10 --repeats 2 "
+        f"--batch-size {a['host_batch_size']}{' --mlperf' if a['mlperf'] else ''}`):",
+        "",
+    ]
+    if not host.get("ok"):
+        return [*lines, "FAILED or skipped.", ""]
+    for variant, f in host["figures"]["dcnv2"].items():
+        cache = f.get("cache")
+        extra = (
+            f"; miss rate {cache['miss_rate']:.3f}, {cache['bytes_in_per_step'] / 1e6:.1f} MB "
+            f"copied in a step, {cache['memory_bytes'] / 2**30:.2f} GiB on the GPU, "
+            f"{cache['host_bytes'] / 2**30:.2f} GiB in host memory"
+            if cache
+            else ""
+        )
+        lines.append(
+            f"- {variant}: {f['samples_per_s']:,.0f} samples/s ({f['ms_per_step']:.2f} ms){extra}"
+        )
+    lines += [f"- {pair}: {ratio:.2f}" for pair, ratio in host["ratios"].items()]
+    if copy:
+        lines.append(
+            f"- pinned host -> GPU: {copy['h2d_contiguous_gb_s']:.1f} GB/s contiguous, "
+            f"{copy['h2d_gathered_gb_s']:.1f} GB/s gathering 512-byte rows; GPU -> host "
+            f"{copy['d2h_contiguous_gb_s']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB)"
+        )
+    return [*lines, ""]
+
+
+def _cost_model_lines(summary: dict) -> list[str]:
+    cost = summary.get("cost_model")
+    if not cost:
+        return []
+    if not cost.get("ok"):
+        return ["Learned sharding search: FAILED or skipped (see gpu-cost-model.log).", ""]
+    return [
+        "Learned sharding search on GPU lookups (`gpu_cost_model.sh`, COLLECT_S=60, TASKS=10): "
+        "see gpu-cost-model.log and gpu-cost/sharding_tasks.json.",
+        "",
+    ]
 
 
 def _write(out: Path, summary: dict) -> None:
     (out / "gpu-check.json").write_text(json.dumps(summary, indent=1))
     (out / "gpu-check.md").write_text(_markdown(summary))
+
+
+def _host_stage(env, out: Path, args, summary: dict, remaining) -> bool:
+    """Stage 3: the host tier's worker-loop run and the copy rates; whether it went well."""
+    if remaining() < 60:
+        _say(f"out of time (--budget {args.budget:.0f} s) before the host tier")
+        summary["host"] = {"ok": False, "skipped": True}
+        return False
+    _say("copy rates between pinned host memory and the GPU")
+    summary["copy"] = _copy_rates() if args.device == "cuda" else None
+    _say(f"host tier: {HOST_VARIANTS}, tables of {args.host_rows:,} rows")
+    summary["host"] = _bench(
+        env,
+        out,
+        args,
+        args.host_batch_size,
+        remaining() - 10,
+        name="-host",
+        variants=HOST_VARIANTS,
+        archs="dcnv2",
+        rows=args.host_rows,
+        cardinality=args.host_cardinality,
+        steps=10,
+        repeats=2,
+    )
+    _write(out, summary)
+    return summary["host"]["ok"]
 
 
 def check(args: argparse.Namespace) -> int:
@@ -382,6 +534,9 @@ def check(args: argparse.Namespace) -> int:
         "args": {k: v for k, v in vars(args).items() if k not in ("command", "dest")},
         "tests": None,
         "bench": [],
+        "host": None,
+        "copy": None,
+        "cost_model": None,
         "finished": None,
         "ok": False,
     }
@@ -414,6 +569,18 @@ def check(args: argparse.Namespace) -> int:
             summary["bench"].append(run)
             ok &= run["ok"]
             _write(out, summary)
+    if not args.no_host:
+        ok &= _host_stage(env, out, args, summary, remaining)
+    if not args.no_cost_model:
+        if remaining() < 120:
+            _say(f"out of time (--budget {args.budget:.0f} s) before the learned sharding search")
+            summary["cost_model"] = {"ok": False, "skipped": True}
+            ok = False
+        else:
+            _say("the learned sharding search on GPU lookups (gpu_cost_model.sh, shortened)")
+            summary["cost_model"] = _cost_model(env, out, remaining() - 5, args.device)
+            ok &= summary["cost_model"]["ok"]
+        _write(out, summary)
     summary["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     summary["ok"] = ok
     summary["seconds"] = round(time.monotonic() - start, 1)
@@ -434,15 +601,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dest", default=str(WHEEL_DIR), help="wheels: where they are saved")
     parser.add_argument("--variants", default=VARIANTS)
     parser.add_argument("--archs", default="dlrm,dcnv2")
-    parser.add_argument("--batch-sizes", default="2048,8192", help="samples per step, a run each")
+    parser.add_argument("--batch-sizes", default="8192", help="samples per step, a run each")
     parser.add_argument("--rows", type=int, default=100_000, help="rows per table")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-mlperf", dest="mlperf", action="store_false")
     parser.add_argument("--no-tests", action="store_true")
     parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--no-host", action="store_true", help="skip the host-tier stage")
+    parser.add_argument("--host-rows", type=int, default=500_000, help="host stage: rows a table")
+    parser.add_argument("--host-cardinality", type=int, default=5_000_000)
+    parser.add_argument("--host-batch-size", type=int, default=8192)
     parser.add_argument(
-        "--budget", type=float, default=480.0, help="seconds: later runs are skipped past it"
+        "--no-cost-model", action="store_true", help="skip the learned sharding search"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=540.0, help="seconds: later runs are skipped past it"
     )
     parser.add_argument(
         "--device",

@@ -9,11 +9,16 @@ shared machine's noise falls on all alike. A step is what ``Trainer.fit`` runs p
 any-rank check, the copy to the device, the input all-to-all, forward, loss, backward with
 the fused embedding update, the dense optimizer step.
 
-Variants (``--variants``), ``<kernel>-<pipeline>[-<precision>]``:
+Variants (``--variants``), ``<kernel>-<pipeline>[-<precision>][+<option>...]``:
 
 - ``fbgemm-none``, ``fbgemm-sparse_dist``, ``torch-none``, ``torch-sparse_dist``: raydlrm with
   ``sharding.kernel`` and ``training.pipeline`` set so; a third part sets
   ``training.precision`` (``torch-none-bf16``, ``torch-none-fp16``; default fp32);
+- options: ``+compile`` sets ``training.compile`` (the dense architecture compiled; its
+  compilation happens in the warm-up steps, untimed), ``+host<N>`` places every table
+  ``host`` with a row cache of 1/N of its rows (``sharding.cache_load_factor``; at least a
+  step's rows), e.g. ``torch-none-bf16+host10``; a ``host`` variant's row also records its
+  caches' miss rate and the rows copied in per step (the JSON's ``caches``);
 - ``reference`` (world size 1 only): plain PyTorch, one ``nn.EmbeddingBag`` per table (sum),
   the same dense model, one dense optimizer (Adagrad at the fused optimizer's rate for the
   tables, the trainer's for the rest) over all parameters: what a user writes without raydlrm.
@@ -27,6 +32,7 @@ Usage::
     python benchmarks/worker_loop.py [--world-size 2] [--device cpu|cuda] [--archs dlrm,dcnv2]
         [--variants fbgemm-none,fbgemm-sparse_dist,torch-none,torch-sparse_dist]
         [--rows 100000] [--batch-size 2048] [--steps 20] [--repeats 3] [--mlperf]
+        [--cardinality 100000]
 """
 
 from __future__ import annotations
@@ -71,7 +77,13 @@ def _knobs(arch: str, mlperf: bool) -> dict:
 def _spec(data_dir: Path, args: argparse.Namespace, arch: str, variant: str):
     from raydlrm.trainers.spec import WorkerSpec
 
-    kernel, pipeline, precision = [*variant.split("-"), "", ""][:3]
+    base, *options = variant.split("+")
+    kernel, pipeline, precision = [*base.split("-"), "", ""][:3]
+    host = [int(o[4:]) for o in options if o.startswith("host")]
+    unknown = [o for o in options if o != "compile" and not o.startswith("host")]
+    if unknown:
+        raise SystemExit(f"variant {variant!r}: unknown options {unknown}")
+    tiers = {"default_placement": "host", "cache_load_factor": 1 / host[0]} if host else {}
     return WorkerSpec(
         data={
             "train_path": str(data_dir / "train"),
@@ -80,12 +92,17 @@ def _spec(data_dir: Path, args: argparse.Namespace, arch: str, variant: str):
             "batch_size": args.batch_size,
         },
         model=_knobs(arch, args.mlperf),
-        sharding={"kernel": kernel if kernel != "reference" else "torch", "learning_rate": 0.05},
+        sharding={
+            "kernel": kernel if kernel != "reference" else "torch",
+            "learning_rate": 0.05,
+            **tiers,
+        },
         training={
             "seed": 0,
             "learning_rate": 0.001,
             "pipeline": pipeline or "none",
             "precision": precision or "fp32",
+            "compile": "compile" in options,
         },
     )
 
@@ -157,12 +174,29 @@ def _reference_step(spec, device):
     return run
 
 
-def _raydlrm_step(spec, device, rank, world_size):
+def _max_bag_sizes(spec, batches: list) -> dict[str, int]:
+    """Table name -> the most ids one sample of ``batches`` looks up in it (all its features)."""
+    longest: dict[str, int] = {}
+    for batch in batches:
+        kjt = batch.sparse
+        lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size).amax(1).tolist()
+        for key, n in zip(kjt.keys, lengths, strict=True):
+            longest[key] = max(longest.get(key, 0), int(n))
+    return {t.name: sum(longest.get(f, 0) for f in t.feature_names) for t in spec.tables()}
+
+
+def _raydlrm_step(spec, device, rank, world_size, batches):
     from raydlrm.sharding import plan_sharding
     from raydlrm.trainers.loop import Trainer
     from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
 
-    plan = plan_sharding(spec.tables(), world_size=world_size, config=spec.sharding)
+    plan = plan_sharding(  # a row cache holds at least a step's rows (its most, as planned)
+        spec.tables(),
+        world_size=world_size,
+        config=spec.sharding,
+        batch_size=spec.data.batch_size * world_size,
+        max_bag_sizes=_max_bag_sizes(spec, batches),
+    )
     trainer = Trainer(spec, plan=plan, rank=rank, device=device)
     if spec.training.pipeline == "sparse_dist":
         stream = SparseDistPipeline(trainer.model, device=device, rank=rank)
@@ -174,7 +208,31 @@ def _raydlrm_step(spec, device, rank, world_size):
             trainer.train_step(batch)
 
     run.kernel = trainer.model.embedding_bags.kernel  # type: ignore[attr-defined]
+    run.trainer = trainer  # type: ignore[attr-defined]
     return run
+
+
+def _cache_figures(run, plan_tables, steps: int) -> dict | None:
+    """A ``host`` variant's caches after its runs: distinct ids looked up and missed, the miss
+    rate, rows (and bytes, with their row-wise state) copied in per step, cache and table
+    rows."""
+    if not any(t.placement == "host" for t in plan_tables):
+        return None
+    ebc = run.trainer.model.embedding_bags
+    rates = ebc.cache_hit_rates()
+    hits = sum(h for h, _ in rates.values())
+    lookups = sum(n for _, n in rates.values())
+    dims = {t.name: t.embedding_dim for t in plan_tables}
+    missed_bytes = sum((n - h) * (dims[name] * 4 + 4) for name, (h, n) in rates.items())
+    return {
+        "lookups": lookups,
+        "misses": lookups - hits,
+        "miss_rate": (lookups - hits) / max(lookups, 1),
+        "bytes_in_per_step": missed_bytes / steps,
+        "table_rows": sum(t.num_embeddings for t in plan_tables),
+        "memory_bytes": ebc.memory_bytes(),
+        "host_bytes": ebc.host_bytes(),
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -201,13 +259,14 @@ def _rank_main(rank: int, args: argparse.Namespace, data_dir: str, port: int, ou
         for arch in args.archs.split(","):
             variants = args.variants.split(",")
             runs = {}
+            spec = _spec(Path(data_dir), args, arch, variants[0])
+            batches = _batches(Path(data_dir), spec, rank, args.world_size, args.steps + 2)
             for variant in variants:
                 spec = _spec(Path(data_dir), args, arch, variant)
                 if variant == "reference":
                     runs[variant] = _reference_step(spec, device)
                 else:
-                    runs[variant] = _raydlrm_step(spec, device, rank, args.world_size)
-            batches = _batches(Path(data_dir), spec, rank, args.world_size, args.steps + 2)
+                    runs[variant] = _raydlrm_step(spec, device, rank, args.world_size, batches)
             times = {v: [] for v in variants}
             for repeat in range(args.repeats):
                 order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
@@ -218,9 +277,16 @@ def _rank_main(rank: int, args: argparse.Namespace, data_dir: str, port: int, ou
                     runs[variant](batches[2:])
                     _sync(device)
                     times[variant].append(time.perf_counter() - start)
+            steps = args.repeats * (args.steps + 2)
+            caches = {
+                v: _cache_figures(r, r.trainer.plan.tables, steps)
+                for v, r in runs.items()
+                if hasattr(r, "trainer")
+            }
             results[arch] = {
                 "times": times,
                 "kernels": {v: getattr(r, "kernel", "torch") for v, r in runs.items()},
+                "caches": {v: c for v, c in caches.items() if c is not None},
             }
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -247,6 +313,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--mlperf", action="store_true", help="MLPerf DCNv2 layer sizes")
     parser.add_argument("--data-dir", default=None, help="where the synthetic rows are kept")
+    parser.add_argument(
+        "--cardinality", type=int, default=100_000, help="most distinct raw ids of a feature"
+    )
     args = parser.parse_args()
     if "reference" in args.variants and args.world_size != 1:
         parser.error("the reference variant is unsharded: use --world-size 1")
@@ -256,7 +325,13 @@ def main() -> None:
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="raydlrm-loop-"))
     rows = (args.steps + 2) * args.batch_size * args.world_size
     generate_synthetic(
-        SyntheticConfig(num_train_rows=rows, num_eval_rows=0, rows_per_file=rows, seed=5),
+        SyntheticConfig(
+            num_train_rows=rows,
+            num_eval_rows=0,
+            rows_per_file=rows,
+            seed=5,
+            max_cardinality=args.cardinality,
+        ),
         out_dir=data_dir,
         overwrite=True,
     )
@@ -296,10 +371,19 @@ def main() -> None:
         ("torch-sparse_dist", "reference"),
     ]
     for arch, r in results.items():
-        for a, b in pairs:
+        # Each variant with options against the same one without (a /: >= 1, it is faster).
+        optioned = [(v, v.split("+")[0]) for v in r["times"] if "+" in v]
+        for a, b in pairs + optioned:
             if a in r["times"] and b in r["times"]:
                 paired = [tb / ta for ta, tb in zip(r["times"][a], r["times"][b], strict=True)]
                 print(f"{arch}: {a} / {b}: {statistics.median(paired):.2f}")
+        for variant, c in r.get("caches", {}).items():
+            print(
+                f"{arch}: {variant}: miss rate {c['miss_rate']:.3f} of {c['lookups']:,} distinct "
+                f"ids looked up, {c['bytes_in_per_step'] / 1e6:.1f} MB copied in per step; "
+                f"{c['memory_bytes'] / 2**30:.2f} GiB on the device, "
+                f"{c['host_bytes'] / 2**30:.2f} GiB in host memory"
+            )
 
 
 if __name__ == "__main__":

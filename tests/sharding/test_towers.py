@@ -362,3 +362,23 @@ def test_towers_on_cuda_match_the_reference() -> None:
     bad = global_batch(0, weighted=False, rows={**feature_rows(tables), "f3": 41}).to("cuda")
     with pytest.raises(ValueError, match=r"table 't2' \(feature 'f3'\): id 40 not in \[0, 40\)"):
         collection(bad)
+
+
+def test_tower_modules_on_hosts_autocast_to_the_dense_precision() -> None:
+    """``training.precision`` reaches the tower modules a tower collection runs on their hosts:
+    they compute in bf16 (other values than fp32's, close to them) and hand fp32 on."""
+    from raydlrm.sharding.towers import _HostTowers
+    from raydlrm.trainers.config import TrainingConfig
+    from raydlrm.trainers.precision import DensePrecision
+
+    torch.manual_seed(0)
+    host = _HostTowers([Tower("a", ("f0", "f1"), host=0)], {"a": nn.Linear(8, 4)})
+    pooled = {"f0": torch.randn(5, 4), "f1": torch.randn(5, 4)}
+    fp32 = host(pooled)
+    holder = nn.Module()
+    holder.towers = host
+    DensePrecision(TrainingConfig(precision="bf16"), holder, torch.device("cpu"))
+    assert host.dense_dtype == torch.bfloat16
+    low = host(pooled)
+    assert low.dtype == torch.float32 and not torch.equal(low, fp32)
+    torch.testing.assert_close(low, fp32, atol=0.05, rtol=0.05)

@@ -279,6 +279,45 @@ def test_dense_precision_autocasts_the_dense_side_and_keeps_fp32_weights(
         assert "train/skipped_steps" not in low["final"] and "precision" not in low["loop_state"]
 
 
+def test_compile_setting_compiles_the_dense_module_in_place(data_dir: Path) -> None:
+    """``training.compile`` compiles the dense module in place (its first call compiles it;
+    the GPU check trains with it): the parameters keep their names, so checkpoints do not
+    change."""
+    spec = _spec(data_dir, batch_size=64, optimizer="sgd")
+    plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+    eager = Trainer(spec, plan=plan, rank=0, device=torch.device("cpu"))
+    spec.training.compile = True
+    compiled = Trainer(spec, plan=plan, rank=0, device=torch.device("cpu"))
+    assert eager.model.dense._compiled_call_impl is None
+    assert compiled.model.dense._compiled_call_impl is not None
+    assert compiled.model.state_dict().keys() == eager.model.state_dict().keys()
+
+
+@pytest.mark.gpu
+def test_compiled_dense_side_trains_as_eager_with_the_same_checkpoint_keys(
+    data_dir: Path,
+) -> None:
+    """``training.compile``: the dense architecture compiled in place (on CUDA, what the GPU
+    check measures) trains as the eager one, within the compiled kernels' rounding, and its
+    parameters keep their names."""
+
+    def compiled(trainer: Trainer) -> None:
+        assert trainer.model.dense._compiled_call_impl is not None
+
+    eager = _run(0, 1, str(data_dir), max_steps=4, device="cuda", training={"tf32": False})
+    fast = _run(
+        0,
+        1,
+        str(data_dir),
+        max_steps=4,
+        device="cuda",
+        training={"tf32": False, "compile": True},
+        setup=compiled,
+    )
+    assert fast["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    assert fast["state"].keys() == eager["state"].keys()
+
+
 def test_fp16_steps_that_overflow_move_no_weight(data_dir: Path) -> None:
     """A loss scale so large that every gradient overflows: each step is skipped (counted),
     the dense weights and the embedding rows (updated inside the backward pass) stay as they

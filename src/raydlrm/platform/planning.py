@@ -38,6 +38,7 @@ from raydlrm.platform.job_data import (
 )
 from raydlrm.platform.job_statistics import data_id_kinds, with_id_kinds, with_recorded_statistics
 from raydlrm.platform.preflight import (
+    check_dense_precision,
     check_resumable,
     check_run_storage,
     check_ssd_space,
@@ -91,6 +92,7 @@ def plan_job(
     if run_name is None:
         return _dry_plan(job)
     job = resolve_job(job, run_name=run_name, scaling_config=scaling_config)
+    check_dense_precision(job)
     data = validate_job_data(job)
     check_run_storage(job, run_name)
     check_resumable(job, run_name)

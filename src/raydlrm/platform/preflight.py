@@ -38,6 +38,7 @@ from raydlrm.storage import filesystem_for, is_remote, join
 from raydlrm.trainers.checkpoints import resume_blocker
 
 __all__ = [
+    "check_dense_precision",
     "check_resumable",
     "check_run_storage",
     "check_ssd_space",
@@ -299,6 +300,25 @@ def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
         return str(Path(path.removeprefix("file://")).resolve()), None
     filesystem, resolved = filesystem_for(path, job.run.storage_or(job.data.storage))
     return resolved, filesystem
+
+
+def check_dense_precision(job: JobConfig) -> None:
+    """Refuses ``training.precision = "bf16"`` on GPU workers when this machine's GPU (the
+    driver's: a local cluster runs the workers here) has no bf16, before Ray starts. Without a
+    GPU here (a remote cluster's nodes) each worker checks its own.
+
+    Raises:
+        ConfigError: naming the key and the GPU.
+    """
+    if job.training.precision != "bf16" or not job.scaling.use_gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"training.precision = 'bf16': {torch.cuda.get_device_name(0)} has no bf16; set "
+            "it to 'fp16' or 'fp32'"
+        )
 
 
 def check_resumable(job: JobConfig, run_name: str) -> None:

@@ -70,11 +70,17 @@ class _HostTowers(nn.Module):
         self.blocks = nn.ModuleDict(
             {t.name: modules[t.name] for t in towers if modules.get(t.name) is not None}
         )
+        self.dense_dtype: torch.dtype | None = None
+        """Autocast the tower modules to this type (``training.precision``; None: fp32); their
+        outputs come back in fp32."""
 
     def forward(self, pooled: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = [torch.cat([pooled[f] for f in t.features], dim=1) for t in self.towers]
         blocks = dict(self.blocks.items())
-        return run_towers(inputs, [blocks.get(t.name) for t in self.towers])
+        if self.dense_dtype is None or not blocks:
+            return run_towers(inputs, [blocks.get(t.name) for t in self.towers])
+        with torch.autocast(inputs[0].device.type, dtype=self.dense_dtype):
+            return run_towers(inputs, [blocks.get(t.name) for t in self.towers]).float()
 
 
 class _CrossHostOutputs(torch.autograd.Function):

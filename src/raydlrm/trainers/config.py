@@ -27,10 +27,14 @@ class TrainingConfig:
     ``sharding.weights_precision``. ``fp16`` scales the loss (a gradient scaler, saved with
     checkpoints): a step whose gradients overflow skips the dense update, and the embedding
     update too when the pooled embeddings' gradients overflow (counted:
-    ``train/skipped_steps``). Tower modules (``model.towers``) run in fp32."""
+    ``train/skipped_steps``). Tower modules (``model.towers``) are autocast alike."""
     tf32: bool = True
     """On GPUs with TF32 (Ampere and later), fp32 matmuls and convolutions in TF32 (what
     ``precision = "fp32"`` computes with there); false: full fp32."""
+    compile: bool = False
+    """``torch.compile`` the dense architecture (``nn.Module.compile``, in place: checkpoints
+    are unchanged). The first steps (and the first evaluation, and a last smaller batch) wait
+    for the compilation. See ``benchmarks/RESULTS.md`` for when it pays."""
     embedding_l2: float = 0.0
     """L2 regularization of the embeddings: ``embedding_l2 / 2`` times each sample's squared
     pooled embeddings is added to the training loss (its mean over the batch), so every step

@@ -1,4 +1,5 @@
-"""The dense side's compute precision in the training loop (``training.precision``, ``tf32``).
+"""The dense side's compute in the training loop: its precision (``training.precision``,
+``tf32``) and its compilation (``training.compile``).
 
 ``bf16`` and ``fp16`` autocast the dense module (:attr:`RecModel.dense_dtype
 <raydlrm.models.dlrm.RecModel>`); its weights and the dense optimizer stay fp32 and the logits
@@ -9,6 +10,11 @@ they overflow. The embedding tables' fused optimizer updates the rows inside the
 before the scaler sees anything, so a hook on the pooled embeddings unscales their gradient
 there, and zeroes it when it overflowed (the rows then do not move: SGD, Adagrad and row-wise
 Adagrad leave a row with a zero gradient as it is).
+
+Tower modules that a tower collection runs on their hosts (``model.towers`` on several hosts)
+are autocast alike (their ``dense_dtype``). ``training.compile`` compiles the module that runs
+the dense architecture (the one DDP wraps) in place with ``nn.Module.compile``, so its
+parameters keep their names and checkpoints do not change.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.models.dlrm import RecModel
 from raydlrm.trainers.config import TrainingConfig
@@ -29,6 +36,14 @@ def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     """``grad / scale``, or zeros when any of it is not finite (no host synchronization)."""
     grad = grad / scale
     return torch.where(torch.isfinite(grad).all(), grad, torch.zeros_like(grad))
+
+
+def _compile_dense(model: RecModel) -> None:
+    """Compiles, in place, the module that runs ``model``'s dense architecture (inside DDP)."""
+    dense = model.dense
+    if isinstance(dense, DistributedDataParallel):
+        dense = dense.module
+    dense.compile()
 
 
 class DensePrecision:
@@ -49,7 +64,11 @@ class DensePrecision:
                 f"training.precision = 'bf16': {torch.cuda.get_device_name(device)} has no bf16; "
                 "set it to 'fp16' or 'fp32'"
             )
-        model.dense_dtype = _DTYPES.get(config.precision)
+        for module in model.modules():  # the model, and tower modules run on their hosts
+            if hasattr(module, "dense_dtype"):
+                module.dense_dtype = _DTYPES.get(config.precision)
+        if config.compile:
+            _compile_dense(model)
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
         self.skipped_steps = 0
         self._scale: float | None = None  # the scale after the last step (read once a step)
