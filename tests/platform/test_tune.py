@@ -64,6 +64,9 @@ def test_the_space_is_checked_against_the_config_before_any_trial() -> None:
         check_space(job, parse_search(list(expressions)))
 
     check("training.learning_rate=loguniform(1e-4, 1e-2)", "model.arch=choice(dlrm, dcnv2)")
+    check("training.precision=choice(fp32, bf16, fp16)", "training.compile=choice(true, false)")
+    with pytest.raises(ConfigError, match=r"tune\.search\.training\.precision = 'fp8'"):
+        check("training.precision=choice(fp32, fp8)")
     with pytest.raises(ConfigError, match=r"tune.search.training.learnin_rate: unknown config key"):
         check("training.learnin_rate=uniform(0.1, 0.2)")
     with pytest.raises(ConfigError, match=r"tune.search.model.arch: uniform\(\) needs a numeric"):

@@ -176,29 +176,21 @@ def estimate_table_cost(
         weights_precision: precision of the weights (their memory and the bytes a lookup reads).
         comm_precision: codec of the pooled vectors on the wire.
         constants: throughputs and latency (defaults if None).
-        placement: ``dram``, ``ssd`` (adds the disk time of the rows a step touches) or
-            ``host`` (adds the copies of the rows its GPU cache misses, in and out, at
-            ``constants.host_copy_bytes_per_s``; counted in ``disk_seconds``).
+        placement: ``dram``, ``ssd`` or ``host``, whose time :func:`_tier_time` adds.
         page_cache_hit: for ``ssd``, the fraction of touched rows the page cache holds.
-        cache_rows: for ``ssd`` (``host``), rows of its DRAM (GPU) row cache (0: none): with
-            ids drawn uniformly, ``cache_rows / rows`` of the touched rows are there, cost no
-            disk time, and each other one is read in and evicts one row, written back.
+        cache_rows: for ``ssd`` and ``host``, rows of its row cache (0: none).
 
     Returns:
         The table's compute, communication, disk, memory and estimated seconds per step.
     """
     step = _Step(table, sharding_type, num_shards, world_size, batch_size, pooling_factor)
     constants = constants or CostConstants()
-    compute = step.ids * table.embedding_dim * LOOKUP_BYTES[weights_precision]
+    dim = table.embedding_dim
+    compute = step.ids * dim * LOOKUP_BYTES[weights_precision]
     comm = _comm_bytes(step, comm_precision=comm_precision)
-    disk_rows = _missed_rows(step, cache_rows=cache_rows) if placement == "ssd" else 0.0
-    disk_seconds = disk_rows * ssd_seconds_per_row(constants, page_cache_hit=page_cache_hit)
-    if placement == "host":  # each missed row comes in and (later) one goes out, with its state
-        row_bytes = stored_row_bytes(
-            table.embedding_dim, precision=weights_precision, optimizer=optimizer
-        )
-        missed = _missed_rows(step, cache_rows=cache_rows)
-        disk_seconds = 2 * missed * row_bytes / constants.host_copy_bytes_per_s
+    row_bytes = stored_row_bytes(dim, precision=weights_precision, optimizer=optimizer)
+    tier = _tier_time(step, placement, cache_rows, row_bytes, constants, page_cache_hit)
+    disk_rows, disk_seconds = tier
     return TableCost(
         compute_bytes=compute,
         input_comm_bytes=comm.inputs,
@@ -272,6 +264,29 @@ def _comm_bytes(step: _Step, *, comm_precision: str) -> _CommBytes:
         )
     assert step.sharding_type == "table_wise", step.sharding_type
     return _CommBytes(inputs=ids * _ID_BYTES + bags * _LENGTH_BYTES, outputs=vectors)
+
+
+def _tier_time(
+    step: _Step,
+    placement: str,
+    cache_rows: int,
+    row_bytes: int,
+    constants: CostConstants,
+    page_cache_hit: float,
+) -> tuple[float, float]:
+    """The rows a step of a table touches on disk and the seconds its tier adds, from the
+    distinct rows it touches outside its row cache of ``cache_rows`` rows (with ids drawn
+    uniformly, ``cache_rows / rows`` of the touched rows are cached): an ``ssd`` table reads
+    each (when the page cache misses it too) and evicts one row, written back; a ``host``
+    table copies each in from host memory with its state (``row_bytes``) and one evicted row
+    out, at ``constants.host_copy_bytes_per_s``. (0, 0) in ``dram``."""
+    if placement == "ssd":
+        rows = _missed_rows(step, cache_rows=cache_rows)
+        return rows, rows * ssd_seconds_per_row(constants, page_cache_hit=page_cache_hit)
+    if placement == "host":
+        missed = _missed_rows(step, cache_rows=cache_rows)
+        return 0.0, 2 * missed * row_bytes / constants.host_copy_bytes_per_s
+    return 0.0, 0.0
 
 
 def _missed_rows(step: _Step, *, cache_rows: int) -> float:
