@@ -15,6 +15,18 @@ from raydlrm.sharding.tiers import TierError, mapped_buffer
 from tests.sharding._fixtures import make_tables
 
 
+def _collection(tables: list, *, seed: int, device: str = "cpu", **settings):
+    """A sharded collection of ``tables`` on one rank, created from ``seed``, with the
+    :class:`ShardingConfig` of ``settings``."""
+    from raydlrm.models.embedding import EmbeddingBagCollection
+    from raydlrm.sharding import ShardedEmbeddingBagCollection
+
+    config = ShardingConfig(**settings)
+    plan = plan_sharding(tables, world_size=1, config=config)
+    ebc = EmbeddingBagCollection(tables, device="meta", seed=seed)
+    return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device=device)
+
+
 def test_mapped_buffer_is_a_file_on_disk_gone_from_the_directory(tmp_path: Path) -> None:
     buffer = mapped_buffer(tmp_path, 1000, torch.float16, tables=["t0"])
     assert buffer.dtype == torch.float16 and buffer.shape == (1000,)
@@ -190,8 +202,7 @@ def test_the_dram_row_cache_trains_exactly_like_dram(tmp_path: Path, optimizer: 
     every step, checkpoint-style reads (``local_tables``) flush the cache mid-run, and the
     outputs, rows and optimizer state equal the DRAM table's bit for bit."""
     from raydlrm.batch import KeyedJaggedTensor
-    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-    from raydlrm.sharding import ShardedEmbeddingBagCollection
+    from raydlrm.models.embedding import EmbeddingBagConfig
 
     tables = [
         EmbeddingBagConfig(
@@ -200,8 +211,10 @@ def test_the_dram_row_cache_trains_exactly_like_dram(tmp_path: Path, optimizer: 
         EmbeddingBagConfig(name="small", num_embeddings=40, embedding_dim=8, feature_names=("c",)),
     ]
 
-    def build(placement: str) -> ShardedEmbeddingBagCollection:
-        config = ShardingConfig(
+    def build(placement: str):
+        return _collection(
+            tables,
+            seed=3,
             optimizer=optimizer,
             learning_rate=0.1,
             default_placement=placement,
@@ -209,9 +222,6 @@ def test_the_dram_row_cache_trains_exactly_like_dram(tmp_path: Path, optimizer: 
             ssd_cache_load_factor=0.1,
             ssd_cache_min_rows=150,
         )
-        plan = plan_sharding(tables, world_size=1, config=config)
-        ebc = EmbeddingBagCollection(tables, device="meta", seed=3)
-        return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
 
     dram, ssd = build("dram"), build("ssd")
     gen = torch.Generator().manual_seed(0)
@@ -344,21 +354,22 @@ def test_a_host_tables_staged_copies_train_as_its_cache_in_one_memory(optimizer:
     """The copies of a ``host`` table's cache through its pinned staging buffers (on CPU: to
     the same memory) train as the cache without them, and reuse the buffers."""
     from raydlrm.batch import KeyedJaggedTensor
-    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-    from raydlrm.sharding import ShardedEmbeddingBagCollection
+    from raydlrm.models.embedding import EmbeddingBagConfig
     from raydlrm.sharding.row_cache import _Staging
 
     tables = [
         EmbeddingBagConfig(name="big", num_embeddings=400, embedding_dim=8, feature_names=("a",))
     ]
-    config = ShardingConfig(
-        optimizer=optimizer, default_placement="host", cache_load_factor=0.3, learning_rate=0.1
-    )
-    plan = plan_sharding(tables, world_size=1, config=config)
 
-    def build() -> ShardedEmbeddingBagCollection:
-        ebc = EmbeddingBagCollection(tables, device="meta", seed=1)
-        return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cpu")
+    def build():
+        return _collection(
+            tables,
+            seed=1,
+            optimizer=optimizer,
+            default_placement="host",
+            cache_load_factor=0.3,
+            learning_rate=0.1,
+        )
 
     plain, staged = build(), build()
     (table,) = staged._caches[0]._tables
@@ -389,24 +400,23 @@ def test_host_tables_on_cuda_train_as_in_gpu_memory(optimizer: str) -> None:
     its cache on the GPU, the misses copied through the staging buffers: it trains as the
     table in GPU memory (the same values within the GPU's summation order)."""
     from raydlrm.batch import KeyedJaggedTensor
-    from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-    from raydlrm.sharding import ShardedEmbeddingBagCollection
+    from raydlrm.models.embedding import EmbeddingBagConfig
 
     tables = [
         EmbeddingBagConfig(name="big", num_embeddings=5000, embedding_dim=32, feature_names=("a",))
     ]
 
-    def build(placement: str) -> ShardedEmbeddingBagCollection:
-        config = ShardingConfig(
+    def build(placement: str):
+        return _collection(
+            tables,
+            seed=1,
+            device="cuda",
             optimizer=optimizer,
             kernel="torch",
             default_placement=placement,
             cache_load_factor=0.1,
             learning_rate=0.1,
         )
-        plan = plan_sharding(tables, world_size=1, config=config)
-        ebc = EmbeddingBagCollection(tables, device="meta", seed=1)
-        return ShardedEmbeddingBagCollection(ebc, plan=plan, config=config, device="cuda")
 
     gpu, host = build("dram"), build("host")
     gen = torch.Generator().manual_seed(0)

@@ -109,14 +109,7 @@ class GroupKernels:
     def _host_group(self, group: TbeGroup, config: ShardingConfig) -> tuple[nn.Module, RowCache]:
         """A ``host`` group's TBE over the slots of its row cache in device memory, in front of
         its rows (and a per-weight optimizer state) in the host's memory, pinned on a GPU."""
-        slots = [
-            quantized_cache_rows(
-                s.row_end - s.row_start,
-                load_factor=config.cache_load_factor_of(t.name),
-                step_rows=self._step_rows(t.name),
-            )
-            for t, s in group.shards
-        ]
+        slots = self._cache_slots(group, config)
         tbe = self._build_tbe(group, config, rows=slots, precision=group.precision, buffers=None)
         numel = _numel(group)
         backing = {"weights": self._host_buffer(numel, WEIGHT_DTYPES[group.precision])}
@@ -235,6 +228,18 @@ class GroupKernels:
             too_small=too_small,
         )
 
+    def _cache_slots(self, group: TbeGroup, config: ShardingConfig) -> list[int]:
+        """Slots of the cache of each of a quantized or ``host`` group's shards
+        (``sharding.cache_load_factor``, at least a step's rows)."""
+        return [
+            quantized_cache_rows(
+                s.row_end - s.row_start,
+                load_factor=config.cache_load_factor_of(t.name),
+                step_rows=self._step_rows(t.name),
+            )
+            for t, s in group.shards
+        ]
+
     def _step_rows(self, table: str) -> int:
         """The most rows of ``table`` a step can look up, as planned (0: unknown); see
         :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`."""
@@ -246,14 +251,7 @@ class GroupKernels:
         """A quantized group's fp32 TBE over the slots of the cache (see :mod:`.quantized`) in
         front of its quantized rows: in memory (``dram``) or in mapped files (``ssd``)."""
         self._check_tier_device(group)
-        slots = [
-            quantized_cache_rows(
-                s.row_end - s.row_start,
-                load_factor=config.cache_load_factor_of(t.name),
-                step_rows=self._step_rows(t.name),
-            )
-            for t, s in group.shards
-        ]
+        slots = self._cache_slots(group, config)
         tbe = self._build_tbe(group, config, rows=slots, precision="fp32", buffers=None)
         rows: list[torch.Tensor | QuantizedRows] = []
         for t, s in group.shards:
