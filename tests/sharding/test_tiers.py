@@ -4,6 +4,7 @@ placements. (Training on the SSD tier equals training in DRAM:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,10 @@ def test_auto_placement_spills_the_coldest_rows_to_ssd_until_the_plan_fits() -> 
     assert placements(1_000_000) == {"hot": "dram", "warm": "ssd", "cold": "ssd"}
     with pytest.raises(BudgetError, match=r"does not fit|cannot fit"):
         placements(100_000)  # even on SSD, 240 KB of row-wise state stays in DRAM on rank 0
+    # GPU workers spill to host memory: a cache of 1/20 of the rows and 4 bytes a row stay.
+    config = dataclasses.replace(config, spill_placement="host", cache_load_factor=0.05)
+    assert placements(2_000_000) == {"hot": "dram", "warm": "dram", "cold": "host"}
+    assert placements(1_000_000) == {"hot": "dram", "warm": "host", "cold": "host"}
 
 
 def test_the_plan_costs_ssd_tables_with_their_disk_time_and_spreads_them() -> None:
@@ -328,7 +333,9 @@ def test_host_tables_plan_their_gpu_cache_and_their_host_memory() -> None:
         ShardingConfig(default_placement="host", weights_precision="int4")
 
 
-def test_a_cpu_job_plans_host_tables_in_dram_and_a_gpu_job_checks_host_memory(caplog) -> None:
+def test_tiers_for_cpu_and_gpu_jobs(caplog) -> None:
+    """A CPU job plans ``host`` tables ``dram`` (warned) and refuses a ``host`` spill; a GPU
+    job refuses ``ssd``, spills ``auto`` tables to ``host`` and checks their host memory."""
     from raydlrm.platform.config import ConfigError, load_config
     from raydlrm.platform.preflight import make_plan
 
@@ -338,7 +345,18 @@ def test_a_cpu_job_plans_host_tables_in_dram_and_a_gpu_job_checks_host_memory(ca
         plan = make_plan(job)
     assert plan.table("t_C1").placement == "dram"
     assert "'host' is for GPU workers (scaling.use_gpu)" in caplog.text
+    with pytest.raises(ConfigError, match=r"spill_placement = 'host' is for GPU workers"):
+        make_plan(
+            load_config("configs/quickstart.toml", overrides=["sharding.spill_placement=host"])
+        )
     gpu = ["scaling.use_gpu=true", "sharding.host_memory_bytes=1000"]
+    ssd = ['sharding.placement={ t_C1 = "ssd" }', gpu[0]]
+    with pytest.raises(ConfigError, match=r"'ssd' \(or spill_placement\) is for CPU workers"):
+        make_plan(load_config("configs/quickstart.toml", overrides=ssd))
+    # A GPU job's auto tables spill to host memory when the GPU's budget is short.
+    auto = ["sharding.default_placement=auto", "sharding.device_memory_bytes=40000000", gpu[0]]
+    plan = make_plan(load_config("configs/quickstart.toml", overrides=auto))
+    assert {t.placement for t in plan.tables} == {"dram", "host"}
     with pytest.raises(
         ConfigError,
         match=r"'host': rank \d holds \d+ bytes of host-memory "

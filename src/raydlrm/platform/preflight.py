@@ -157,14 +157,14 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     taken to hold one id and nothing to be deduplicated), at the global batch (every worker's
     samples: what a rank's kernel looks up of a table-wise table).
 
-    ``host`` tables of a CPU job are planned ``dram`` (with a warning); those of a GPU job
-    must fit :func:`host_memory_budget`.
+    Memory tiers are settled for the workers (:func:`_tiers_for_workers`); the ``host``
+    tables of a GPU job must fit :func:`host_memory_budget`.
 
     Raises:
         ConfigError: sharding settings that cannot be planned, e.g. a table that does not fit
             the budget (naming the table, the rank, the shortfall and the budget's source).
     """
-    config = _host_tables_of_cpu_job(config)
+    config = _tiers_for_workers(config)
     plan = _make_plan(config, shape=shape)
     if any(t.placement == "host" for t in plan.tables):
         budget = host_memory_budget(config)
@@ -176,12 +176,32 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     return plan
 
 
-def _host_tables_of_cpu_job(job: JobConfig) -> JobConfig:
-    """``job`` with its ``host`` tables placed ``dram`` when its workers have no GPU (their
-    memory is the host's), with a warning; else ``job``."""
+def _tiers_for_workers(job: JobConfig) -> JobConfig:
+    """``job`` with its memory tiers settled for its workers: on GPU workers ``auto`` tables
+    spill to ``host`` (``sharding.spill_placement = "auto"``) and ``ssd`` is refused; on CPU
+    workers ``host`` tables are planned ``dram`` (their memory is the host's), with a warning,
+    and a ``host`` spill is refused.
+
+    Raises:
+        ConfigError: an ``ssd`` table or spill on GPU workers, a ``host`` spill on CPU ones.
+    """
     sharding = job.sharding
-    hosted = sharding.default_placement == "host" or "host" in sharding.placement.values()
-    if job.scaling.use_gpu or not hosted:
+    placements = {sharding.default_placement, *sharding.placement.values()}
+    if job.scaling.use_gpu:
+        if "ssd" in placements or sharding.spill_placement == "ssd":
+            raise ConfigError(
+                "sharding.placement 'ssd' (or spill_placement) is for CPU workers; GPU workers "
+                "(scaling.use_gpu) keep large tables in host memory: 'host'"
+            )
+        if sharding.spill_placement == "auto":
+            sharding = dataclasses.replace(sharding, spill_placement="host")
+        return dataclasses.replace(job, sharding=sharding)
+    if sharding.spill_placement == "host":
+        raise ConfigError(
+            "sharding.spill_placement = 'host' is for GPU workers (scaling.use_gpu): set it to "
+            "'ssd' or 'auto'"
+        )
+    if "host" not in placements:
         return job
     logger.warning(
         "sharding.placement 'host' is for GPU workers (scaling.use_gpu): the tables of this "

@@ -129,10 +129,11 @@ class ShardingConfig:
     """Table name -> ``cache_load_factor`` for that table."""
     default_placement: Placement | Literal["auto"] = "dram"
     """Where every table not named in ``placement`` lives (see :data:`Placement`). ``auto``:
-    in DRAM while the plan fits the memory budget; when it does not, the planner moves tables to
-    ``ssd`` until it fits, first those whose steps touch the fewest distinct rows per byte of
-    memory moved (the least disk time per byte; from the pooling factors, features, batch size
-    and rows), and costs them with their disk time (without a budget: DRAM)."""
+    in DRAM (a GPU worker's memory) while the plan fits the memory budget; when it does not,
+    the planner moves tables to ``spill_placement`` until it fits, first those whose steps cost
+    the least tier time per byte of memory moved (disk time, or copies between host and GPU;
+    from the pooling factors, features, batch size and rows), and costs them with that time
+    (without a budget: DRAM)."""
     placement: dict[str, Placement | Literal["auto"]] = field(default_factory=dict)
     """Table name -> ``dram``, ``ssd``, ``host`` or ``auto``, overriding
     ``default_placement``."""
@@ -142,6 +143,11 @@ class ShardingConfig:
     the workers of a local Ray cluster, less ``worker_overhead_bytes`` (unknown on a remote
     cluster: not checked, with a warning). The planner refuses a plan over it, naming the
     table."""
+    spill_placement: Literal["auto", "ssd", "host"] = "auto"
+    """Where ``auto`` tables go when the plan does not fit the memory budget: ``ssd`` (CPU
+    workers' local disk) or ``host`` (GPU workers' host memory, behind their GPU caches);
+    ``auto``: ``host`` for a job with ``scaling.use_gpu``, else ``ssd`` (the planner on its
+    own, without a job: ``ssd``)."""
     ssd_cache_load_factor: float = 0.2
     """Share of each ``ssd`` table shard's rows held in a DRAM cache in front of its file
     (at least ``ssd_cache_min_rows``, at most the whole shard; see
@@ -171,6 +177,11 @@ class ShardingConfig:
                     + ": quantized tables keep their rows in GPU memory behind their own fp32 "
                     "cache; place them 'dram', or store them fp32 / fp16"
                 )
+
+    def spill_tier(self) -> Placement:
+        """Where ``auto`` tables go when the plan does not fit (``spill_placement``; ``auto``
+        is ``ssd`` here, a GPU job resolves it to ``host``)."""
+        return "ssd" if self.spill_placement == "auto" else self.spill_placement
 
     def placement_of(self, table_name: str) -> Placement | Literal["auto"]:
         """The placement of table ``table_name`` (``auto``: the planner's choice)."""

@@ -113,7 +113,8 @@ def _placed(plan: ShardingPlan, request: PlanRequest) -> ShardingPlan:
 
 def _plan_spilling(request: PlanRequest) -> ShardingPlan:
     """The plan of ``request`` with its ``auto`` tables in DRAM or, while that does not fit the
-    budget, with one more of them on SSD at a time, in :func:`~.storage.spill_order`."""
+    budget, with one more of them on the spill tier (``ssd`` or ``host``) at a time, in
+    :func:`~.storage.spill_order`."""
     config = request.config
     placement = {t.name: config.placement_of(t.name) for t in request.tables}
     auto = [t for t in request.tables if placement[t.name] == "auto"]
@@ -126,7 +127,7 @@ def _plan_spilling(request: PlanRequest) -> ShardingPlan:
         except BudgetError:
             if request.memory_budget is None or not spill:
                 raise
-            placement = {**placement, spill.pop(0).name: "ssd"}
+            placement = {**placement, spill.pop(0).name: config.spill_tier()}
 
 
 def _plan(request: PlanRequest, *, config: ShardingConfig) -> ShardingPlan:

@@ -40,7 +40,11 @@ logger = logging.getLogger(__name__)
 
 
 def table_cache_rows(
-    table: EmbeddingBagConfig, config: ShardingConfig, *, step_rows: int = 0
+    table: EmbeddingBagConfig,
+    config: ShardingConfig,
+    *,
+    step_rows: int = 0,
+    placement: str | None = None,
 ) -> int:
     """Rows of ``table``'s cache (counted on the whole table): the fp32 cache of a quantized
     table (``cache_load_factor``), else the DRAM row cache it would have on the ``ssd`` tier
@@ -48,7 +52,7 @@ def table_cache_rows(
     most rows a step can look up. A ``host`` table's GPU cache is sized as a quantized
     table's (``cache_load_factor``)."""
     quantized = config.weights_precision_of(table.name) in QUANTIZED
-    if quantized or config.placement_of(table.name) == "host":
+    if quantized or (placement or config.placement_of(table.name)) == "host":
         return quantized_cache_rows(
             table.num_embeddings,
             load_factor=config.cache_load_factor_of(table.name),
@@ -71,7 +75,7 @@ def memory_bytes(
         optimizer=config.optimizer,
         weights_precision=config.weights_precision_of(t.name),
         placement=placement,
-        cache_rows=table_cache_rows(t, config, step_rows=step_rows),
+        cache_rows=table_cache_rows(t, config, step_rows=step_rows, placement=placement),
     )
 
 
@@ -122,28 +126,33 @@ def page_cache_hit(
 def spill_order(
     tables: Sequence[EmbeddingBagConfig], *, request: PlanRequest
 ) -> list[EmbeddingBagConfig]:
-    """The order in which ``tables`` (placed ``auto``) go to SSD: those whose steps touch the
-    fewest rows on disk per byte of memory freed first (the least disk time per byte)."""
+    """The order in which ``tables`` (placed ``auto``) go to the spill tier
+    (``sharding.spill_placement``: ``ssd`` or ``host``): those whose steps cost the least tier
+    time (disk time, or copies between host and GPU) per byte of memory freed first."""
     config = request.config
+    tier = config.spill_tier()
     keyed = []
     for t in tables:
         step_rows = request.step_rows(t.name)
         freed = memory_bytes(t, config, "dram", step_rows) - memory_bytes(
-            t, config, "ssd", step_rows
+            t, config, tier, step_rows
         )
-        if freed <= 0:  # smaller than its row cache: it would take more memory on SSD
+        if freed <= 0:  # smaller than its row cache: it would take more memory there
             continue
-        disk_rows = estimate_table_cost(
+        seconds = estimate_table_cost(
             t,
             sharding_type="table_wise",
             num_shards=1,
             world_size=request.world_size,
             batch_size=request.rows(t.name),
             pooling_factor=request.pooling_factors.get(t.name, 1.0),
-            placement="ssd",
-            cache_rows=table_cache_rows(t, config, step_rows=step_rows),
-        ).disk_rows
-        keyed.append(((disk_rows / freed, t.name), t))
+            optimizer=config.optimizer,
+            weights_precision=config.weights_precision_of(t.name),
+            constants=request.constants,
+            placement=tier,
+            cache_rows=table_cache_rows(t, config, step_rows=step_rows, placement=tier),
+        ).disk_seconds
+        keyed.append(((seconds / freed, t.name), t))
     return [t for _, t in sorted(keyed, key=lambda pair: pair[0])]
 
 
