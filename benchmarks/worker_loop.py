@@ -79,10 +79,10 @@ def _spec(data_dir: Path, args: argparse.Namespace, arch: str, variant: str):
 
     base, *options = variant.split("+")
     kernel, pipeline, precision = [*base.split("-"), "", ""][:3]
-    host = [int(o[4:]) for o in options if o.startswith("host")]
-    unknown = [o for o in options if o != "compile" and not o.startswith("host")]
+    host = [int(o[4:]) for o in options if o[:4] == "host" and o[4:].isdigit() and int(o[4:])]
+    unknown = [o for o in options if o != "compile" and o not in (f"host{n}" for n in host)]
     if unknown:
-        raise SystemExit(f"variant {variant!r}: unknown options {unknown}")
+        raise SystemExit(f"variant {variant!r}: unknown options {unknown} (compile, host<N>)")
     tiers = {"default_placement": "host", "cache_load_factor": 1 / host[0]} if host else {}
     return WorkerSpec(
         data={
@@ -174,15 +174,22 @@ def _reference_step(spec, device):
     return run
 
 
-def _max_bag_sizes(spec, batches: list) -> dict[str, int]:
-    """Table name -> the most ids one sample of ``batches`` looks up in it (all its features)."""
+def _max_bag_sizes(spec, batches: list, device: torch.device) -> dict[str, int]:
+    """Table name -> the most ids one sample of ``batches`` (every rank's) looks up in it (all
+    its features): every rank plans the same caches."""
     longest: dict[str, int] = {}
     for batch in batches:
         kjt = batch.sparse
         lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size).amax(1).tolist()
         for key, n in zip(kjt.keys, lengths, strict=True):
             longest[key] = max(longest.get(key, 0), int(n))
-    return {t.name: sum(longest.get(f, 0) for f in t.feature_names) for t in spec.tables()}
+    tables = spec.tables()
+    sizes = torch.tensor(
+        [sum(longest.get(f, 0) for f in t.feature_names) for t in tables], device=device
+    )
+    if dist.is_initialized():
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    return {t.name: int(n) for t, n in zip(tables, sizes.tolist(), strict=True)}
 
 
 def _raydlrm_step(spec, device, rank, world_size, batches):
@@ -195,7 +202,7 @@ def _raydlrm_step(spec, device, rank, world_size, batches):
         world_size=world_size,
         config=spec.sharding,
         batch_size=spec.data.batch_size * world_size,
-        max_bag_sizes=_max_bag_sizes(spec, batches),
+        max_bag_sizes=_max_bag_sizes(spec, batches, device),
     )
     trainer = Trainer(spec, plan=plan, rank=rank, device=device)
     if spec.training.pipeline == "sparse_dist":

@@ -396,17 +396,16 @@ def test_managed_tables_are_refused_where_they_do_not_work_naming_the_table() ->
 
 
 def test_bf16_on_a_gpu_without_it_is_refused_before_ray_starts(monkeypatch) -> None:
-    """The driver's GPU (a local cluster's workers') without bf16: one line naming the key and
-    the GPU. (This machine has no GPU: torch's answers are those of a V100.)"""
-    import torch
+    """The driver's GPU (a local cluster's workers') without bf16 units: one line naming the
+    key and the GPU. (This machine has no GPU: the child process that asks says so, and a V100
+    stands in for the answer of one without bf16.)"""
+    from raydlrm.platform import preflight
 
-    from raydlrm.platform.preflight import check_dense_precision
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
+    assert preflight.gpu_without_bf16() is None  # no GPU here
+    monkeypatch.setattr(preflight, "gpu_without_bf16", lambda: "Tesla V100-SXM2-16GB")
     overrides = ["training.precision=bf16", "scaling.use_gpu=true"]
     with pytest.raises(ConfigError, match=r"^training\.precision = 'bf16': Tesla V100-SXM2-16GB "):
-        check_dense_precision(load_config(None, overrides=overrides))
-    check_dense_precision(load_config(None, overrides=["training.precision=fp16", overrides[1]]))
-    check_dense_precision(load_config(None, overrides=overrides[:1]))  # CPU workers
+        preflight.check_dense_precision(load_config(None, overrides=overrides))
+    fp16 = ["training.precision=fp16", overrides[1]]
+    preflight.check_dense_precision(load_config(None, overrides=fp16))
+    preflight.check_dense_precision(load_config(None, overrides=overrides[:1]))  # CPU workers

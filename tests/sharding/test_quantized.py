@@ -251,7 +251,7 @@ def test_planner_counts_quantized_rows_and_warns_of_a_small_cache(caplog) -> Non
             config=ShardingConfig(weights_precision="int4", cache_load_factor=0.001),
             batch_size=4096,
         )
-    assert "quantized tables ['t']: a step may look up more distinct rows" in caplog.text
+    assert "quantized or host tables ['t']: a step may look up more distinct rows" in caplog.text
     assert "(table t: about 4087 of a 1000000-row shard, 1000 slots)" in caplog.text
     with pytest.raises(ValueError, match="cache_load_factor_per_table names unknown tables"):
         plan_sharding(

@@ -367,10 +367,15 @@ def test_tiers_for_cpu_and_gpu_jobs(caplog) -> None:
     assert plan.table("t_C1").placement == "host"
 
 
-@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad"])
-def test_a_host_tables_staged_copies_train_as_its_cache_in_one_memory(optimizer: str) -> None:
+@pytest.mark.parametrize(
+    ("optimizer", "precision"), [("rowwise_adagrad", "fp32"), ("adagrad", "fp16")]
+)
+def test_a_host_tables_staged_copies_train_as_its_cache_in_one_memory(
+    optimizer: str, precision: str
+) -> None:
     """The copies of a ``host`` table's cache through its pinned staging buffers (on CPU: to
-    the same memory) train as the cache without them, and reuse the buffers."""
+    the same memory) train as the cache without them, reuse the buffers (one for the rows, one
+    for their state), and read and overwrite rows (a managed table's) alike, in fp16 too."""
     from raydlrm.batch import KeyedJaggedTensor
     from raydlrm.models.embedding import EmbeddingBagConfig
     from raydlrm.sharding.row_cache import _Staging
@@ -384,6 +389,7 @@ def test_a_host_tables_staged_copies_train_as_its_cache_in_one_memory(optimizer:
             tables,
             seed=1,
             optimizer=optimizer,
+            weights_precision=precision,
             default_placement="host",
             cache_load_factor=0.3,
             learning_rate=0.1,
@@ -402,21 +408,35 @@ def test_a_host_tables_staged_copies_train_as_its_cache_in_one_memory(optimizer:
             pooled.square().sum().backward()
             outputs.append(pooled.detach())
         assert torch.equal(*outputs)
+    rows, values = torch.tensor([3, 77, 399]), torch.randn(3, 8, generator=gen)
+    held = int((table.find(rows) >= 0).sum())
+    reads = [c._caches[0].read(0, rows) for c in (plain, staged)]
+    assert torch.equal(*reads) and reads[0].dtype == torch.float32
+    for collection in (plain, staged):
+        collection._caches[0].overwrite(0, rows, values)
+    assert held and not bool((table.find(rows) >= 0).any())  # cached copies dropped
+    reads = [c._caches[0].read(0, rows) for c in (plain, staged)]
+    assert torch.equal(*reads)
+    torch.testing.assert_close(reads[0], values, atol=1e-2 if precision == "fp16" else 0, rtol=0)
     assert torch.equal(plain.local_tables()["big"], staged.local_tables()["big"])
     for got, want in zip(
         staged.optimizer_states()["big"], plain.optimizer_states()["big"], strict=True
     ):
         assert torch.equal(got, want)
+        assert not bool(got[rows].any())  # the overwritten rows' state is zeroed
     assert staged._caches[0].written_rows()["big"] > 120  # evicted and written back
-    assert len(table.staging._buffers) == (1 if optimizer == "adagrad" else 2)
+    assert len(table.staging._buffers) == 2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad"])
-def test_host_tables_on_cuda_train_as_in_gpu_memory(optimizer: str) -> None:
-    """On a GPU (torch kernel) a ``host`` table's rows and state are in pinned host memory,
-    its cache on the GPU, the misses copied through the staging buffers: it trains as the
-    table in GPU memory (the same values within the GPU's summation order)."""
+@pytest.mark.parametrize(
+    ("optimizer", "precision"), [("rowwise_adagrad", "fp32"), ("adagrad", "fp16")]
+)
+def test_host_tables_on_cuda_train_as_in_gpu_memory(optimizer: str, precision: str) -> None:
+    """On a GPU (torch kernel) a ``host`` table's rows and state are in page-locked host
+    memory, its cache on the GPU, the misses copied through the staging buffers: it trains as
+    the table in GPU memory (the same values within the GPU's summation order), and reads and
+    overwrites rows (a managed table's) across the two memories."""
     from raydlrm.batch import KeyedJaggedTensor
     from raydlrm.models.embedding import EmbeddingBagConfig
 
@@ -431,12 +451,15 @@ def test_host_tables_on_cuda_train_as_in_gpu_memory(optimizer: str) -> None:
             device="cuda",
             optimizer=optimizer,
             kernel="torch",
+            weights_precision=precision,
             default_placement=placement,
             cache_load_factor=0.1,
             learning_rate=0.1,
         )
 
     gpu, host = build("dram"), build("host")
+    # fp16 rows: a summation-order difference can flip an update's rounding.
+    close = {"atol": 1e-5, "rtol": 1e-5} if precision == "fp32" else {"atol": 5e-3, "rtol": 1e-2}
     gen = torch.Generator().manual_seed(0)
     for _ in range(10):
         ids = (torch.exp(torch.rand(400, generator=gen) * 8.5) - 1).long().clamp(0, 4999)
@@ -446,13 +469,22 @@ def test_host_tables_on_cuda_train_as_in_gpu_memory(optimizer: str) -> None:
             pooled = collection(kjt).values
             pooled.square().sum().backward()
             outputs.append(pooled.detach())
-        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outputs[1], outputs[0], **close)
     cache = host._caches[0]
     rows = cache.rows()["big"]
     assert rows.device.type == "cpu" and rows.is_pinned()
     assert cache._tables[0].slots.device.type == "cuda" and cache._tables[0].staging is not None
     assert cache.written_rows()["big"] > 0  # evictions copied back
     torch.testing.assert_close(
-        host.local_tables()["big"].cuda(), gpu.local_tables()["big"], atol=1e-5, rtol=1e-5
+        host.local_tables()["big"].cuda(), gpu.local_tables()["big"], **close
     )
     assert host.memory_bytes() < gpu.memory_bytes() / 5
+    rows = torch.tensor([0, 9, 4999], device="cuda")
+    torch.testing.assert_close(
+        cache.read(0, rows), gpu.local_tables()["big"][rows].float(), **close
+    )
+    values = torch.randn(3, 32, device="cuda")
+    cache.overwrite(0, rows, values)
+    tol = 1e-2 if precision == "fp16" else 0.0
+    torch.testing.assert_close(cache.read(0, rows), values, atol=tol, rtol=0)
+    assert cache.read(0, rows).device.type == "cuda"

@@ -72,11 +72,14 @@ def worker_memory_budget(job: JobConfig) -> MemoryBudget | None:
 def host_memory_budget(job: JobConfig) -> MemoryBudget | None:
     """The bytes of host memory each GPU worker's ``host`` tables may take:
     ``sharding.host_memory_bytes``, else :func:`worker_memory` less
-    ``sharding.worker_overhead_bytes``; None (with a warning) on a remote cluster without a
-    ``memory`` resource, whose nodes' memory is unknown here."""
+    ``sharding.worker_overhead_bytes``; None with ``sharding.memory_budget = "off"`` (a plan
+    for other machines), and (with a warning) on a remote cluster without a ``memory``
+    resource, whose nodes' memory is unknown here."""
     sharding = job.sharding
     if sharding.host_memory_bytes is not None:
         return MemoryBudget(sharding.host_memory_bytes, "sharding.host_memory_bytes")
+    if sharding.memory_budget == "off":
+        return None
     known = worker_memory(job)
     if known is None:
         logger.warning(

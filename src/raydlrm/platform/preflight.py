@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -324,21 +326,35 @@ def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
 
 def check_dense_precision(job: JobConfig) -> None:
     """Refuses ``training.precision = "bf16"`` on GPU workers when this machine's GPU (the
-    driver's: a local cluster runs the workers here) has no bf16, before Ray starts. Without a
-    GPU here (a remote cluster's nodes) each worker checks its own.
+    driver's: a local cluster runs the workers here) has no bf16 units (compute capability
+    below 8.0; torch's emulation does not count), before Ray starts. Without a GPU here (a
+    remote cluster's nodes) each worker checks its own.
 
     Raises:
         ConfigError: naming the key and the GPU.
     """
     if job.training.precision != "bf16" or not job.scaling.use_gpu:
         return
-    import torch
-
-    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+    name = gpu_without_bf16()
+    if name is not None:
         raise ConfigError(
-            f"training.precision = 'bf16': {torch.cuda.get_device_name(0)} has no bf16; set "
-            "it to 'fp16' or 'fp32'"
+            f"training.precision = 'bf16': {name} has no bf16; set it to 'fp16' or 'fp32'"
         )
+
+
+def gpu_without_bf16() -> str | None:
+    """The name of this machine's first GPU if it has no bf16 units, else None (or no GPU).
+    Asked in a child process, so that the driver holds no CUDA context of its own on the GPU
+    its local workers train on."""
+    code = (
+        "import torch\n"
+        "if torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] < 8:\n"
+        "    print(torch.cuda.get_device_name(0))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    return done.stdout.strip() or None
 
 
 def check_resumable(job: JobConfig, run_name: str) -> None:

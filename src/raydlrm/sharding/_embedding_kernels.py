@@ -30,7 +30,7 @@ from raydlrm.sharding.plan import ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows, table_key
 from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.sizes import cache_rows, quantized_cache_rows
-from raydlrm.sharding.tiers import TierError, mapped_buffer
+from raydlrm.sharding.tiers import TierError, host_buffer, mapped_buffer
 
 __all__ = ["GroupKernels"]
 
@@ -124,8 +124,8 @@ class GroupKernels:
         )
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat zeroed buffer in the host's memory (pinned for a GPU worker's copies)."""
-        return torch.zeros(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
+        """A flat zeroed buffer in the host's memory (page-locked for a GPU worker's copies)."""
+        return host_buffer(numel, dtype, pinned=self.device.type == "cuda")
 
     def _build_tbe(
         self,

@@ -92,7 +92,8 @@ class _Table:
         pinned staging buffer when ``source`` is in the host's memory."""
         if self.staging is None:
             return source[rows]
-        return self.staging.copy_in(source, rows.to(self.home))
+        role = "state" if source is self.row_state else "rows"
+        return self.staging.copy_in(source, rows.to(self.home), role=role)
 
     def scatter(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
         """``target[rows] = values`` (``rows`` and ``values`` on the slots' device)."""
@@ -145,16 +146,18 @@ class _Staging:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._buffers: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-        self._events: dict[tuple[torch.dtype, tuple[int, ...]], torch.cuda.Event] = {}
+        self._buffers: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._events: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.cuda.Event] = {}
 
-    def copy_in(self, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        key = (source.dtype, tuple(source.shape[1:]))
+    def copy_in(self, source: torch.Tensor, rows: torch.Tensor, *, role: str) -> torch.Tensor:
+        """``source[rows]`` on the device, through the buffer of ``role`` (rows, state: each its
+        own, so neither waits for the other's copy)."""
+        key = (role, source.dtype, tuple(source.shape[1:]))
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape[0] < rows.numel():
             size = max(rows.numel(), 2 * (0 if buffer is None else buffer.shape[0]))
             pin = self.device.type == "cuda"
-            buffer = torch.empty((size, *key[1]), dtype=source.dtype, pin_memory=pin)
+            buffer = torch.empty((size, *key[2]), dtype=source.dtype, pin_memory=pin)
             self._buffers[key] = buffer
         elif key in self._events:
             self._events[key].synchronize()  # the last copy out of it is done
@@ -324,9 +327,10 @@ class RowCache:
 
     @torch.no_grad()
     def overwrite(self, table: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Writes ``values`` (fp32) into rows ``rows`` of table ``table`` (the group's TBE
-        order) and zeroes their optimizer state: a managed table's rows given to new ids. Their
-        cached copies are dropped unwritten (the next lookup reads the new rows in)."""
+        """Writes ``values`` (fp32; rounded to the rows' precision) into rows ``rows`` of table
+        ``table`` (the group's TBE order) and zeroes their optimizer state: a managed table's
+        rows given to new ids. Their cached copies are dropped unwritten (the next lookup reads
+        the new rows in)."""
         t = self._tables[table]
         rows = rows.to(t.row_of.device)
         slots = t.find(rows)
@@ -337,10 +341,12 @@ class RowCache:
             t.row_of[cached] = -1
             t.dirty[cached] = False
             t.last_used[cached] = _stamp(0, cached, t.slots.shape[0])
-        t.scatter(t.rows, rows, values.to(device=t.row_of.device, dtype=torch.float32))
+        dtype = t.rows.dtype if isinstance(t.rows, torch.Tensor) else torch.float32
+        t.scatter(t.rows, rows, values.to(device=t.row_of.device, dtype=dtype))
         if t.row_state is not None:
-            zeros = (rows.numel(), *t.row_state.shape[1:])
-            t.scatter(t.row_state, rows, torch.zeros(zeros, device=t.row_of.device))
+            shape = (rows.numel(), *t.row_state.shape[1:])
+            zeros = torch.zeros(shape, dtype=t.row_state.dtype, device=t.row_of.device)
+            t.scatter(t.row_state, rows, zeros)
 
     @torch.no_grad()
     def flush(self) -> None:

@@ -1,4 +1,6 @@
-"""Memory tiers of a worker's embedding tables: ``dram`` and, on CPU workers, ``ssd``.
+"""Memory tiers of a worker's embedding tables: ``dram``, on CPU workers ``ssd``, and on GPU
+workers ``host`` (rows in the host's page-locked memory behind a GPU row cache,
+:func:`host_buffer`).
 
 An ``ssd`` table's weights live in a file on the worker's local disk, memory-mapped shared:
 fbgemm's TBE reads and updates them in place (its CPU kernels take the host weights as one
@@ -28,6 +30,7 @@ import os
 import resource
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,7 @@ from raydlrm.sharding.plan import format_bytes
 __all__ = [
     "TierError",
     "check_space",
+    "host_buffer",
     "major_page_faults",
     "mapped_buffer",
     "resident_bytes",
@@ -48,6 +52,28 @@ __all__ = [
 class TierError(ValueError):
     """A table's tier cannot be set up: an unknown or unavailable tier, a directory that cannot
     be written, a disk too small. The message names the tables and the path."""
+
+
+def host_buffer(numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """A flat zeroed buffer in the host's memory, page-locked when ``pinned`` (a GPU worker's
+    ``host`` tables, copied to and from the GPU): registered with CUDA in place
+    (``cudaHostRegister``) rather than taken from torch's pinned-memory allocator, which rounds
+    each allocation up to a power of two (a 20 GiB table would lock 32 GiB, beyond what the
+    planner counts); unregistered when the buffer (and every view of it) is gone."""
+    buffer = torch.zeros(numel, dtype=dtype)
+    if not pinned or not numel:
+        return buffer
+    cudart = torch.cuda.cudart()
+    pointer, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    error = cudart.cudaHostRegister(pointer, nbytes, 0)
+    if int(error) != 0:
+        raise TierError(
+            f"cannot page-lock {format_bytes(nbytes)} of host memory for a 'host' table "
+            f"(cudaHostRegister error {int(error)}): lower sharding.host_memory_bytes, or the "
+            "tables' placement 'host'"
+        )
+    weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
+    return buffer
 
 
 def ssd_directory(ssd_path: str | None) -> Path:

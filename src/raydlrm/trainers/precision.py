@@ -58,7 +58,7 @@ class DensePrecision:
         if (
             config.precision == "bf16"
             and device.type == "cuda"
-            and not torch.cuda.is_bf16_supported()
+            and torch.cuda.get_device_capability(device)[0] < 8  # emulation does not count
         ):
             raise ValueError(
                 f"training.precision = 'bf16': {torch.cuda.get_device_name(device)} has no bf16; "

@@ -164,8 +164,8 @@ def warn_cache_sizes(plan: ShardingPlan, request: PlanRequest) -> None:
 
 
 def _warn_small_quantized_caches(plan: ShardingPlan, request: PlanRequest) -> None:
-    """Warns, in one line, of the quantized tables planned without the most rows a step can
-    look up (:attr:`~.plan.TablePlan.step_rows`, from the data) whose fp32 cache is smaller
+    """Warns, in one line, of the quantized (and ``host``) tables planned without the most rows
+    a step can look up (:attr:`~.plan.TablePlan.step_rows`, from the data) whose cache is smaller
     than the distinct rows a step would look up in a shard were its ids uniform (the most it
     can touch; skewed ids touch fewer): a step that does need more slots stops with an error
     naming the table."""
@@ -173,7 +173,8 @@ def _warn_small_quantized_caches(plan: ShardingPlan, request: PlanRequest) -> No
     configs = {t.name: t for t in request.tables}
     short = []  # (shortfall, table, distinct rows, shard rows, slots)
     for table in plan.tables:
-        if config.weights_precision_of(table.name) not in QUANTIZED or table.step_rows:
+        cached = config.weights_precision_of(table.name) in QUANTIZED or table.placement == "host"
+        if not cached or table.step_rows:
             continue  # a cache of the most rows a step looks up holds every step
         t = configs[table.name]
         ids = request.rows(t.name) * request.pooling_factors.get(t.name, 1.0)
@@ -188,8 +189,8 @@ def _warn_small_quantized_caches(plan: ShardingPlan, request: PlanRequest) -> No
     if short:
         _, name, touched, rows, slots = max(short)
         logger.warning(
-            "quantized tables %s: a step may look up more distinct rows of a shard than their "
-            "fp32 cache holds if the ids are uniform (table %s: about %d of a %d-row shard, "
+            "quantized or host tables %s: a step may look up more distinct rows of a shard "
+            "than their cache holds if the ids are uniform (table %s: about %d of a %d-row shard, "
             "%d slots); a step that needs more stops with an error: raise "
             "sharding.cache_load_factor (or cache_load_factor_per_table) unless the ids are "
             "skewed",
