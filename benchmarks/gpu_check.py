@@ -6,15 +6,17 @@ order, each stage skipped once ``--budget`` seconds are spent:
 1. the device, and ``pytest -m gpu`` on the files that hold the GPU tests;
 2. ``benchmarks/worker_loop.py --device cuda --world-size 1 --mlperf`` (DLRM and DCNv2 at
    MLPerf's layer sizes) with the torch kernel: ``torch-none``, ``torch-sparse_dist``,
-   ``torch-none-bf16`` and ``-fp16`` (the dense side in bf16 / fp16, ``training.precision``),
-   ``torch-none-bf16+compile`` (``training.compile``) and the plain-PyTorch ``reference``;
+   ``torch-none-bf16`` and ``-fp16`` (the dense side in bf16 / fp16, ``training.precision``)
+   and the plain-PyTorch ``reference``;
 3. the host tier (``sharding.placement = "host"``): DCNv2 in bf16 with 26 tables of
    ``--host-rows`` rows in GPU memory, and in host memory behind GPU caches of 1/2 and 1/10 of
    their rows, on power-law ids (``--host-cardinality``): step rate, miss rate, bytes copied;
    beside them the pinned host-to-GPU copy rate, contiguous and gathered as the cache gathers
    its rows (what PCIe gives);
-4. the learned sharding search on GPU lookups (``benchmarks/gpu_cost_model.sh``, lookups only,
-   shortened: ``COLLECT_S`` 60 s, 10 tasks).
+4. ``training.compile``: bf16 with and without it (``torch-none-bf16+compile``), a run of its
+   own (a run killed at the budget records nothing, and compiling takes what it takes);
+5. the learned sharding search on GPU lookups (``benchmarks/gpu_cost_model.sh``, lookups only,
+   shortened: ``COLLECT_S`` 45 s, 8 tasks).
 
 It writes ``gpu-check.md`` and ``gpu-check.json`` (figures, test counts) with the logs to
 ``--out`` (default: ``$OUT`` where set, else ``runs/gpu-check``). Exits non-zero if a test or a
@@ -59,9 +61,10 @@ GPU_TEST_FILES = [
     "tests/models/test_managed_ids.py",  # the managed-id map on CUDA (and its rate, printed)
     "tests/sharding/test_tiers.py",  # host tables behind a GPU row cache
 ]
-VARIANTS = (
-    "torch-none,torch-sparse_dist,torch-none-bf16,torch-none-fp16,torch-none-bf16+compile,reference"
-)
+VARIANTS = "torch-none,torch-sparse_dist,torch-none-bf16,torch-none-fp16,reference"
+# training.compile, a stage of its own after the host tier: its compilation time is unknown,
+# and a run killed at the budget records nothing.
+COMPILE_VARIANTS = "torch-none-bf16,torch-none-bf16+compile"
 HOST_VARIANTS = "torch-none-bf16,torch-none-bf16+host2,torch-none-bf16+host10"
 RATIOS = [
     ("torch-sparse_dist", "torch-none"),
@@ -359,10 +362,10 @@ def _copy_rates(gib: float = 1.0) -> dict:
 
 
 def _cost_model(env, out: Path, timeout: float, device: str) -> dict:
-    """``benchmarks/gpu_cost_model.sh``, shortened (60 s of samples, 10 tasks), into
+    """``benchmarks/gpu_cost_model.sh``, shortened (45 s of samples, 8 tasks), into
     ``out/gpu-cost``."""
     target = out / "gpu-cost"
-    env = {**env, "OUT_DIR": str(target), "COLLECT_S": "60", "TASKS": "10", "PY": sys.executable}
+    env = {**env, "OUT_DIR": str(target), "COLLECT_S": "45", "TASKS": "8", "PY": sys.executable}
     if device == "cpu":  # the check's own plumbing: a dry run
         env.update(DEVICE="cpu", COLLECT="60", COLLECT_S="20", TASKS="2")
     cmd = ["bash", str(ROOT / "benchmarks" / "gpu_cost_model.sh")]
@@ -419,7 +422,27 @@ def _markdown(summary: dict) -> str:
             for pair, ratio in run.get("ratios", {}).items():
                 lines.append(f"- batch {run['batch_size']:,}, {pair}: {ratio:.2f}")
         lines.append("")
-    return "\n".join(lines + _host_lines(summary) + _cost_model_lines(summary))
+    return "\n".join(
+        lines + _host_lines(summary) + _compile_lines(summary) + _cost_model_lines(summary)
+    )
+
+
+def _compile_lines(summary: dict) -> list[str]:
+    run = summary.get("compile")
+    if not run:
+        return []
+    head = f"training.compile (`worker_loop.py --variants {COMPILE_VARIANTS} --repeats 2`):"
+    if not run.get("ok"):
+        return [head, "", "FAILED or skipped.", ""]
+    lines = [head, ""]
+    for arch, per in run["figures"].items():
+        for variant, f in per.items():
+            lines.append(
+                f"- batch {run['batch_size']:,}, {arch}, {variant}: "
+                f"{f['samples_per_s']:,.0f} samples/s ({f['ms_per_step']:.2f} ms)"
+            )
+    lines += [f"- {pair}: {ratio:.2f}" for pair, ratio in run["ratios"].items()]
+    return [*lines, ""]
 
 
 def _host_lines(summary: dict) -> list[str]:
@@ -463,7 +486,7 @@ def _cost_model_lines(summary: dict) -> list[str]:
     if not cost.get("ok"):
         return ["Learned sharding search: FAILED or skipped (see gpu-cost-model.log).", ""]
     return [
-        "Learned sharding search on GPU lookups (`gpu_cost_model.sh`, COLLECT_S=60, TASKS=10): "
+        "Learned sharding search on GPU lookups (`gpu_cost_model.sh`, COLLECT_S=45, TASKS=8): "
         "see gpu-cost-model.log and gpu-cost/sharding_tasks.json.",
         "",
     ]
@@ -501,6 +524,28 @@ def _host_stage(env, out: Path, args, summary: dict, remaining) -> bool:
     return summary["host"]["ok"]
 
 
+def _compile_stage(env, out: Path, args, summary: dict, remaining) -> bool:
+    """Stage 4: bf16 with and without ``training.compile``, at the largest batch size."""
+    if remaining() < 120:
+        _say(f"out of time (--budget {args.budget:.0f} s) before training.compile")
+        summary["compile"] = {"ok": False, "skipped": True}
+        return False
+    batch_size = max(int(b) for b in args.batch_sizes.split(","))
+    _say(f"training.compile: {COMPILE_VARIANTS}, batch {batch_size}")
+    summary["compile"] = _bench(
+        env,
+        out,
+        args,
+        batch_size,
+        remaining() - 10,
+        name="-compile",
+        variants=COMPILE_VARIANTS,
+        repeats=2,
+    )
+    _write(out, summary)
+    return summary["compile"]["ok"]
+
+
 def check(args: argparse.Namespace) -> int:
     try:
         import torch
@@ -536,6 +581,7 @@ def check(args: argparse.Namespace) -> int:
         "bench": [],
         "host": None,
         "copy": None,
+        "compile": None,
         "cost_model": None,
         "finished": None,
         "ok": False,
@@ -571,6 +617,8 @@ def check(args: argparse.Namespace) -> int:
             _write(out, summary)
     if not args.no_host:
         ok &= _host_stage(env, out, args, summary, remaining)
+    if not args.no_compile:
+        ok &= _compile_stage(env, out, args, summary, remaining)
     if not args.no_cost_model:
         if remaining() < 120:
             _say(f"out of time (--budget {args.budget:.0f} s) before the learned sharding search")
@@ -612,11 +660,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-rows", type=int, default=500_000, help="host stage: rows a table")
     parser.add_argument("--host-cardinality", type=int, default=5_000_000)
     parser.add_argument("--host-batch-size", type=int, default=8192)
+    parser.add_argument("--no-compile", action="store_true", help="skip training.compile")
     parser.add_argument(
         "--no-cost-model", action="store_true", help="skip the learned sharding search"
     )
     parser.add_argument(
-        "--budget", type=float, default=540.0, help="seconds: later runs are skipped past it"
+        "--budget", type=float, default=570.0, help="seconds: later runs are skipped past it"
     )
     parser.add_argument(
         "--device",
