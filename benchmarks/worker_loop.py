@@ -79,11 +79,13 @@ def _spec(data_dir: Path, args: argparse.Namespace, arch: str, variant: str):
 
     base, *options = variant.split("+")
     kernel, pipeline, precision = [*base.split("-"), "", ""][:3]
-    host = [int(o[4:]) for o in options if o[:4] == "host" and o[4:].isdigit() and int(o[4:])]
-    unknown = [o for o in options if o != "compile" and o not in (f"host{n}" for n in host)]
-    if unknown:
-        raise SystemExit(f"variant {variant!r}: unknown options {unknown} (compile, host<N>)")
-    tiers = {"default_placement": "host", "cache_load_factor": 1 / host[0]} if host else {}
+    tiers = {}
+    for option in options:
+        share = option.removeprefix("host")
+        if share != option and share.isdigit() and int(share) > 0:
+            tiers = {"default_placement": "host", "cache_load_factor": 1 / int(share)}
+        elif option != "compile":
+            raise SystemExit(f"variant {variant!r}: unknown option {option!r} (compile, host<N>)")
     return WorkerSpec(
         data={
             "train_path": str(data_dir / "train"),
@@ -219,24 +221,35 @@ def _raydlrm_step(spec, device, rank, world_size, batches):
     return run
 
 
-def _cache_figures(run, plan_tables, steps: int) -> dict | None:
-    """A ``host`` variant's caches after its runs: distinct ids looked up and missed, the miss
-    rate, rows (and bytes, with their row-wise state) copied in per step, cache and table
-    rows."""
-    if not any(t.placement == "host" for t in plan_tables):
+def _cache_figures(run, steps: int) -> dict | None:
+    """A ``host`` variant's caches after its ``steps`` steps: distinct ids looked up and
+    missed, the miss rate, bytes copied in per step (rows with their optimizer state), the
+    tables' rows, device and host memory; None for a variant without ``host`` tables."""
+    from raydlrm.sharding.sizes import stored_row_bytes
+
+    trainer = run.trainer
+    tables = trainer.plan.tables
+    if not any(t.placement == "host" for t in tables):
         return None
-    ebc = run.trainer.model.embedding_bags
+    ebc, sharding = trainer.model.embedding_bags, trainer.spec.sharding
     rates = ebc.cache_hit_rates()
     hits = sum(h for h, _ in rates.values())
     lookups = sum(n for _, n in rates.values())
-    dims = {t.name: t.embedding_dim for t in plan_tables}
-    missed_bytes = sum((n - h) * (dims[name] * 4 + 4) for name, (h, n) in rates.items())
+    row_bytes = {
+        t.name: stored_row_bytes(
+            t.embedding_dim,
+            precision=sharding.weights_precision_of(t.name),
+            optimizer=sharding.optimizer,
+        )
+        for t in tables
+    }
+    missed_bytes = sum((n - h) * row_bytes[name] for name, (h, n) in rates.items())
     return {
         "lookups": lookups,
         "misses": lookups - hits,
         "miss_rate": (lookups - hits) / max(lookups, 1),
         "bytes_in_per_step": missed_bytes / steps,
-        "table_rows": sum(t.num_embeddings for t in plan_tables),
+        "table_rows": sum(t.num_embeddings for t in tables),
         "memory_bytes": ebc.memory_bytes(),
         "host_bytes": ebc.host_bytes(),
     }
@@ -285,11 +298,7 @@ def _rank_main(rank: int, args: argparse.Namespace, data_dir: str, port: int, ou
                     _sync(device)
                     times[variant].append(time.perf_counter() - start)
             steps = args.repeats * (args.steps + 2)
-            caches = {
-                v: _cache_figures(r, r.trainer.plan.tables, steps)
-                for v, r in runs.items()
-                if hasattr(r, "trainer")
-            }
+            caches = {v: _cache_figures(r, steps) for v, r in runs.items() if hasattr(r, "trainer")}
             results[arch] = {
                 "times": times,
                 "kernels": {v: getattr(r, "kernel", "torch") for v, r in runs.items()},

@@ -397,12 +397,17 @@ def test_managed_tables_are_refused_where_they_do_not_work_naming_the_table() ->
 
 def test_bf16_on_a_gpu_without_it_is_refused_before_ray_starts(monkeypatch) -> None:
     """The driver's GPU (a local cluster's workers') without bf16 units: one line naming the
-    key and the GPU. (This machine has no GPU: the child process that asks says so, and a V100
-    stands in for the answer of one without bf16.)"""
-    from raydlrm.platform import preflight
+    key and the GPU. (This machine has no GPU: the child process that asks says so, and torch's
+    answers for a V100 stand in for one without bf16.)"""
+    import torch
 
-    assert preflight.gpu_without_bf16() is None  # no GPU here
-    monkeypatch.setattr(preflight, "gpu_without_bf16", lambda: "Tesla V100-SXM2-16GB")
+    from raydlrm.platform import preflight
+    from raydlrm.trainers.precision import bf16_refusal
+
+    assert preflight.bf16_refusal_here() is None  # no GPU here
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(preflight, "bf16_refusal_here", lambda: bf16_refusal(0))
     overrides = ["training.precision=bf16", "scaling.use_gpu=true"]
     with pytest.raises(ConfigError, match=r"^training\.precision = 'bf16': Tesla V100-SXM2-16GB "):
         preflight.check_dense_precision(load_config(None, overrides=overrides))

@@ -23,7 +23,7 @@ from raydlrm.batch import Batch, KeyedJaggedTensor
 from raydlrm.models.config import ModelConfig
 from raydlrm.models.dhen import DHENDense
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-from raydlrm.models.layers import CrossNet, mlp
+from raydlrm.models.layers import CrossNet, autocast_fp32, mlp
 from raydlrm.models.towers import TowerDense, tower_vectors
 from raydlrm.models.wukong import WukongDense
 
@@ -120,10 +120,7 @@ class RecModel(nn.Module):
 
     def _dense(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """The dense module's logits, autocast to :attr:`dense_dtype`, returned in fp32."""
-        if self.dense_dtype is None:
-            return self.dense(dense, pooled)
-        with torch.autocast(pooled.device.type, dtype=self.dense_dtype):
-            return self.dense(dense, pooled).float()
+        return autocast_fp32(self.dense_dtype, pooled.device.type, self.dense, dense, pooled)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits of shape ``(B,)``."""

@@ -1,15 +1,35 @@
 """Building blocks the dense arches share: MLPs, DCNv2's low-rank cross layers, the linear
 compress block (Wukong, DHEN) and the stack of layers over embedding-wide vectors that Wukong and
-DHEN are built from."""
+DHEN are built from; and how they run in a lower precision (:func:`autocast_fp32`)."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CrossNet", "FeatureVectors", "LinearCompressBlock", "VectorStack", "mlp"]
+__all__ = [
+    "CrossNet",
+    "FeatureVectors",
+    "LinearCompressBlock",
+    "VectorStack",
+    "autocast_fp32",
+    "mlp",
+]
+
+
+def autocast_fp32(
+    dtype: torch.dtype | None, device_type: str, fn: Callable[..., torch.Tensor], *args: Any
+) -> torch.Tensor:
+    """``fn(*args)`` autocast to ``dtype`` (``training.precision``) on ``device_type``, its
+    result back in fp32; None: ``fn(*args)`` as it is (fp32)."""
+    if dtype is None:
+        return fn(*args)
+    with torch.autocast(device_type, dtype=dtype):
+        return fn(*args).float()
 
 
 def mlp(sizes: list[int], *, final_activation: bool) -> nn.Sequential:

@@ -168,11 +168,11 @@ def make_plan(config: JobConfig, *, shape: DataShape | None = None) -> ShardingP
     """
     config = _tiers_for_workers(config)
     plan = _make_plan(config, shape=shape)
-    if any(t.placement == "host" for t in plan.tables):
-        budget = host_memory_budget(config)
+    hosted = any(t.placement == "host" for t in plan.tables)
+    budget = host_memory_budget(config) if hosted else None
+    if budget is not None:
         try:
-            if budget is not None:
-                plan.check_host_memory(budget)
+            plan.check_host_memory(budget)
         except ValueError as e:
             raise ConfigError(f"sharding.placement = 'host': {e}") from None
     return plan
@@ -326,34 +326,36 @@ def run_storage(job: JobConfig) -> tuple[str, pafs.FileSystem | None]:
 
 def check_dense_precision(job: JobConfig) -> None:
     """Refuses ``training.precision = "bf16"`` on GPU workers when this machine's GPU (the
-    driver's: a local cluster runs the workers here) has no bf16 units (compute capability
-    below 8.0; torch's emulation does not count), before Ray starts. Without a GPU here (a
-    remote cluster's nodes) each worker checks its own.
+    driver's: a local cluster runs the workers here) has no bf16 units
+    (:func:`~raydlrm.trainers.precision.bf16_refusal`), before Ray starts. Without a GPU here
+    (a remote cluster's nodes) each worker checks its own.
 
     Raises:
         ConfigError: naming the key and the GPU.
     """
     if job.training.precision != "bf16" or not job.scaling.use_gpu:
         return
-    name = gpu_without_bf16()
-    if name is not None:
-        raise ConfigError(
-            f"training.precision = 'bf16': {name} has no bf16; set it to 'fp16' or 'fp32'"
-        )
+    refusal = bf16_refusal_here()
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
-def gpu_without_bf16() -> str | None:
-    """The name of this machine's first GPU if it has no bf16 units, else None (or no GPU).
-    Asked in a child process, so that the driver holds no CUDA context of its own on the GPU
-    its local workers train on."""
+def bf16_refusal_here() -> str | None:
+    """:func:`~raydlrm.trainers.precision.bf16_refusal` of this machine's first GPU (None
+    without one), asked in a child process, so that the driver holds no CUDA context of its
+    own on the GPU its local workers train on. A child that fails answers None: each worker
+    checks again."""
     code = (
         "import torch\n"
-        "if torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] < 8:\n"
-        "    print(torch.cuda.get_device_name(0))\n"
+        "from raydlrm.trainers.precision import bf16_refusal\n"
+        "print((torch.cuda.is_available() and bf16_refusal(0)) or '')\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
     )
+    if done.returncode != 0:
+        logger.debug("the bf16 check's child process failed: %s", done.stderr.strip())
+        return None
     return done.stdout.strip() or None
 
 

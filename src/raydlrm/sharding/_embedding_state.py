@@ -181,9 +181,9 @@ class LocalState:
         for group, cache in zip(self._groups, self._caches, strict=True):
             if cache is None or group.placement != "host":
                 continue
+            states = cache.row_states()
             for name, rows in cache.rows().items():
-                states = cache.row_states()[name]
-                total += sum(x.numel() * x.element_size() for x in [rows, *states])
+                total += sum(x.numel() * x.element_size() for x in [rows, *states[name]])
         return total
 
     def cache_hit_rates(self) -> dict[str, tuple[int, int]]:

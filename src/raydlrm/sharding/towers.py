@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, check_id_range
+from raydlrm.models.layers import autocast_fp32
 from raydlrm.models.managed_ids import IdMap
 from raydlrm.models.towers import TowerDense, run_towers
 from raydlrm.sharding._comm import CommBytes, all_to_all, rank_and_world_size
@@ -77,10 +78,9 @@ class _HostTowers(nn.Module):
     def forward(self, pooled: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = [torch.cat([pooled[f] for f in t.features], dim=1) for t in self.towers]
         blocks = dict(self.blocks.items())
-        if self.dense_dtype is None or not blocks:
-            return run_towers(inputs, [blocks.get(t.name) for t in self.towers])
-        with torch.autocast(inputs[0].device.type, dtype=self.dense_dtype):
-            return run_towers(inputs, [blocks.get(t.name) for t in self.towers]).float()
+        modules = [blocks.get(t.name) for t in self.towers]
+        dtype = self.dense_dtype if blocks else None  # identity towers compute nothing
+        return autocast_fp32(dtype, inputs[0].device.type, run_towers, inputs, modules)
 
 
 class _CrossHostOutputs(torch.autograd.Function):

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raydlrm.models.dlrm import RecModel
 from raydlrm.trainers.config import TrainingConfig
 
-__all__ = ["DensePrecision"]
+__all__ = ["DensePrecision", "bf16_refusal"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +36,15 @@ def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     """``grad / scale``, or zeros when any of it is not finite (no host synchronization)."""
     grad = grad / scale
     return torch.where(torch.isfinite(grad).all(), grad, torch.zeros_like(grad))
+
+
+def bf16_refusal(device: torch.device | int) -> str | None:
+    """Why ``training.precision = "bf16"`` cannot run on CUDA device ``device``: it has no bf16
+    units (compute capability below 8.0; torch's emulation does not count), else None."""
+    if torch.cuda.get_device_capability(device)[0] >= 8:
+        return None
+    name = torch.cuda.get_device_name(device)
+    return f"training.precision = 'bf16': {name} has no bf16; set it to 'fp16' or 'fp32'"
 
 
 def _compile_dense(model: RecModel) -> None:
@@ -55,15 +64,10 @@ class DensePrecision:
     """
 
     def __init__(self, config: TrainingConfig, model: RecModel, device: torch.device):
-        if (
-            config.precision == "bf16"
-            and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] < 8  # emulation does not count
-        ):
-            raise ValueError(
-                f"training.precision = 'bf16': {torch.cuda.get_device_name(device)} has no bf16; "
-                "set it to 'fp16' or 'fp32'"
-            )
+        if config.precision == "bf16" and device.type == "cuda":
+            refusal = bf16_refusal(device)
+            if refusal is not None:
+                raise ValueError(refusal)
         for module in model.modules():  # the model, and tower modules run on their hosts
             if hasattr(module, "dense_dtype"):
                 module.dense_dtype = _DTYPES.get(config.precision)

@@ -291,8 +291,8 @@ def _tier_time(
 
 def _missed_rows(step: _Step, *, cache_rows: int) -> float:
     """Distinct rows of an ``ssd`` or ``host`` table that ``step`` touches outside its row
-    cache (with uniform ids), all
-    shards: each column shard touches every one, each data-parallel replica its own samples'."""
+    cache (with uniform ids), all shards: each column shard touches every one, each
+    data-parallel replica its own samples'."""
     rows = step.table.num_embeddings
     if step.sharding_type == "data_parallel":
         touched = step.world_size * expected_distinct_rows(rows, step.ids / step.world_size)
