@@ -427,56 +427,53 @@ def _markdown(summary: dict) -> str:
     )
 
 
-def _compile_lines(summary: dict) -> list[str]:
-    run = summary.get("compile")
+def _run_lines(head: str, run: dict | None) -> list[str]:
+    """A stage's worker-loop run in Markdown: ``head``, each variant's rate (and a ``host``
+    variant's caches), the ratios; or that it failed or was skipped."""
     if not run:
         return []
-    head = f"training.compile (`worker_loop.py --variants {COMPILE_VARIANTS} --repeats 2`):"
     if not run.get("ok"):
         return [head, "", "FAILED or skipped.", ""]
     lines = [head, ""]
     for arch, per in run["figures"].items():
         for variant, f in per.items():
+            cache = f.get("cache")
+            extra = (
+                f"; miss rate {cache['miss_rate']:.3f}, {cache['bytes_in_per_step'] / 1e6:.1f} "
+                f"MB copied in a step, {cache['memory_bytes'] / 2**30:.2f} GiB on the GPU, "
+                f"{cache['host_bytes'] / 2**30:.2f} GiB in host memory"
+                if cache
+                else ""
+            )
             lines.append(
                 f"- batch {run['batch_size']:,}, {arch}, {variant}: "
-                f"{f['samples_per_s']:,.0f} samples/s ({f['ms_per_step']:.2f} ms)"
+                f"{f['samples_per_s']:,.0f} samples/s ({f['ms_per_step']:.2f} ms){extra}"
             )
     lines += [f"- {pair}: {ratio:.2f}" for pair, ratio in run["ratios"].items()]
     return [*lines, ""]
 
 
+def _compile_lines(summary: dict) -> list[str]:
+    head = f"training.compile (`worker_loop.py --variants {COMPILE_VARIANTS} --repeats 2`):"
+    return _run_lines(head, summary.get("compile"))
+
+
 def _host_lines(summary: dict) -> list[str]:
-    host, copy, a = summary.get("host"), summary.get("copy"), summary["args"]
-    if not host:
-        return []
-    lines = [
+    copy, a = summary.get("copy"), summary["args"]
+    head = (
         f"Host tier (`worker_loop.py --archs dcnv2 --variants {HOST_VARIANTS} --rows "
         f"{a['host_rows']} --cardinality {a['host_cardinality']} --steps 10 --repeats 2 "
-        f"--batch-size {a['host_batch_size']}{' --mlperf' if a['mlperf'] else ''}`):",
-        "",
-    ]
-    if not host.get("ok"):
-        return [*lines, "FAILED or skipped.", ""]
-    for variant, f in host["figures"]["dcnv2"].items():
-        cache = f.get("cache")
-        extra = (
-            f"; miss rate {cache['miss_rate']:.3f}, {cache['bytes_in_per_step'] / 1e6:.1f} MB "
-            f"copied in a step, {cache['memory_bytes'] / 2**30:.2f} GiB on the GPU, "
-            f"{cache['host_bytes'] / 2**30:.2f} GiB in host memory"
-            if cache
-            else ""
-        )
-        lines.append(
-            f"- {variant}: {f['samples_per_s']:,.0f} samples/s ({f['ms_per_step']:.2f} ms){extra}"
-        )
-    lines += [f"- {pair}: {ratio:.2f}" for pair, ratio in host["ratios"].items()]
-    if copy:
-        lines.append(
+        f"--batch-size {a['host_batch_size']}{' --mlperf' if a['mlperf'] else ''}`):"
+    )
+    lines = _run_lines(head, summary.get("host"))
+    if copy and lines:
+        lines.insert(
+            -1,
             f"- pinned host -> GPU: {copy['h2d_contiguous_gb_s']:.1f} GB/s contiguous, "
             f"{copy['h2d_gathered_gb_s']:.1f} GB/s gathering 512-byte rows; GPU -> host "
-            f"{copy['d2h_contiguous_gb_s']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB)"
+            f"{copy['d2h_contiguous_gb_s']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB)",
         )
-    return [*lines, ""]
+    return lines
 
 
 def _cost_model_lines(summary: dict) -> list[str]:
