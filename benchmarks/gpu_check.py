@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEEL_DIR = ROOT / ".whl"
 GPU_TEST_FILES = [
     "tests/trainers/test_loop.py",
+    "tests/trainers/test_precision.py",  # bf16/fp16 and compile on CUDA
     "tests/sharding/test_kernel.py",
     "tests/sharding/test_quantized.py",
     "tests/sharding/test_codecs.py",

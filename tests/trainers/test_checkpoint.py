@@ -76,12 +76,13 @@ def _trainer(
     checkpoint: dict | None = None,
     report: Any = None,
     ranks_per_host: int | None = None,
+    training: dict | None = None,
 ):
     """A trainer sharding every table ``types`` (``"row_wise+fp16"``: with fp16 tables;
     ``"row_wise@torch"``: on the torch kernel; ``"row_wise!ssd"``: on the SSD tier (``!host``:
     host tables); ``"row_wise^managed"``: :data:`MANAGED` tables; ``"...~dedup"``: C3..C10 a
     dedup group); with ``model.towers`` and
-    ``ranks_per_host``, the towers on hosts of that many ranks."""
+    ``ranks_per_host``, the towers on hosts of that many ranks; ``training``: training keys."""
     spec = _spec(
         Path(data_dir), batch_size=GLOBAL_BATCH // world_size, optimizer=optimizer, model=model
     )
@@ -93,6 +94,8 @@ def _trainer(
         spec.data.table_sizes = {"C10": 72}
         spec.data.managed_ids = MANAGED
     spec.training.seed = seed
+    for key, value in (training or {}).items():
+        setattr(spec.training, key, value)
     for key, value in (checkpoint or {}).items():
         setattr(spec.checkpoint, key, value)
     types, _, placement = types.partition("!")  # "row_wise!ssd": tables on the SSD tier

@@ -398,6 +398,8 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         for c, (kjt, inverse) in enumerate(zip(routed.kjts, routed.inverses, strict=True)):
             if kjt is not None and inverse is not None:
                 self._dedup.count(c, kjt, inverse, bags.batch_sizes)
+        if self.embedding_cut is not None and self.training and values.requires_grad:
+            values = self.embedding_cut(values)
         return KeyedTensor(
             keys=list(self.feature_names), dims=list(self.feature_dims), values=values
         )

@@ -56,7 +56,7 @@ from raydlrm.sharding.quantized import QuantizedRows
 from raydlrm.sharding.topology import Topology, TopologyGroups, topology_groups
 from raydlrm.sharding.tower_hosts import host_config, host_plan, host_tables
 from raydlrm.sharding.tower_spec import Tower, check_towers
-from raydlrm.sharding.types import ShardedTables
+from raydlrm.sharding.types import EmbeddingCut, ShardedTables
 
 __all__ = ["ShardedTowerCollection", "TowerOutputsDense", "shard_tower_model"]
 
@@ -454,6 +454,12 @@ class ShardedTowerCollection(ShardedTables):
         check_id_range(features, limits, table_of=self._table_of)
 
     # -- the rest of ShardedTables: this host's collection, shards named by global rank ------
+
+    def cut_embeddings(self, cut: EmbeddingCut | None) -> None:
+        """The cut of the host collection's pooled rows, before the tower modules: their
+        parameters are trained by the dense optimizer, so their backward belongs to the part
+        of the step above the lookups."""
+        self.host_tables.cut_embeddings(cut)
 
     def comm_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes this rank sent to other ranks: inside its host (the host collection's

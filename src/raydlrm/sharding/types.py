@@ -31,7 +31,7 @@ from raydlrm.models.managed_ids import IdMap
 from raydlrm.sharding.plan import Shard, ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows
 
-__all__ = ["PrefetchQueue", "Routed", "ShardedTables"]
+__all__ = ["EmbeddingCut", "PrefetchQueue", "Routed", "ShardedTables"]
 
 
 class Routed(Protocol):
@@ -92,6 +92,47 @@ class PrefetchQueue:
 
     def clear(self) -> None:
         self._queue.clear()
+
+
+class EmbeddingCut:
+    """Splits a training step's backward pass at the embedding lookups' output, so that a
+    decision taken between its two halves (fp16's overflow check, :mod:`raydlrm.trainers.precision`)
+    can hold back the fused embedding update, which the lookups' backward applies.
+
+    A collection given a cut (:meth:`ShardedTables.cut_embeddings`) hands the rest of the model
+    a detached copy of each training forward's pooled rows (a leaf that requires grad) and keeps
+    the pair. ``loss.backward()`` then stops at those copies: it runs everything above the
+    lookups (the dense side, tower modules and their collectives) and leaves the gradient
+    of the pooled rows in :meth:`gradients`. :meth:`backward` runs the lookups' backward (the
+    output all-to-all's and the kernels' fused update) with them; :meth:`discard` drops the
+    step's lookups unapplied. Every rank must do the same, since the lookups' backward is a
+    collective.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The copy of ``pooled`` (``B x sum(D_f)``) the model goes on with."""
+        copy = pooled.detach().requires_grad_()
+        self._pairs.append((pooled, copy))
+        return copy
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradient of each copy handed out since the last :meth:`backward` (zeros for a
+        copy the loss did not reach)."""
+        return [torch.zeros_like(c) if c.grad is None else c.grad for _, c in self._pairs]
+
+    def backward(self, gradients: Sequence[torch.Tensor]) -> None:
+        """Runs the lookups' backward with ``gradients`` (one per copy, in order)."""
+        pooled = [p for p, _ in self._pairs]
+        self._pairs = []
+        if pooled:
+            torch.autograd.backward(pooled, list(gradients))
+
+    def discard(self) -> None:
+        """Forgets the step's lookups: their backward never runs, nothing is updated."""
+        self._pairs = []
 
 
 class ShardedTables(nn.Module, abc.ABC):
@@ -163,6 +204,14 @@ class ShardedTables(nn.Module, abc.ABC):
         if routed is None:
             routed = self.input_dist(features, dedup_groups)
         return self.compute_and_output_dist(routed)
+
+    embedding_cut: EmbeddingCut | None = None
+    """Where training forwards hand out their pooled rows (:meth:`cut_embeddings`)."""
+
+    def cut_embeddings(self, cut: EmbeddingCut | None) -> None:
+        """Hands the pooled rows of every training forward from now on through ``cut`` (None:
+        no cut), the output of the lookups, wherever that is inside the collection."""
+        self.embedding_cut = cut
 
     def prefetch(
         self,

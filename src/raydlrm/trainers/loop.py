@@ -262,7 +262,7 @@ class Trainer:
             objective = loss + 0.5 * l2 * pooled.float().square().sum() / samples
         self.optimizer.zero_grad(set_to_none=True)
         # The backward pass also applies the fused embedding optimizer.
-        self.precision.backward_and_step(objective, pooled, self.optimizer)
+        self.precision.backward_and_step(objective, self.optimizer)
         self.step += 1
         loss = loss.detach()
         # On a GPU the loss stays there (no synchronization inside a step): the metrics window

@@ -3,13 +3,22 @@
 
 ``bf16`` and ``fp16`` autocast the dense module (:attr:`RecModel.dense_dtype
 <raydlrm.models.dlrm.RecModel>`); its weights and the dense optimizer stay fp32 and the logits
-come back in fp32, so the loss and the metrics are fp32. ``fp16`` needs the loss scaled (its
-gradients underflow otherwise): :class:`DensePrecision` scales the objective with a
-``torch.amp.GradScaler``, which unscales the dense gradients and skips the dense step when
-they overflow. The embedding tables' fused optimizer updates the rows inside the backward pass,
-before the scaler sees anything, so a hook on the pooled embeddings unscales their gradient
-there, and zeroes it when it overflowed (the rows then do not move: SGD, Adagrad and row-wise
-Adagrad leave a row with a zero gradient as it is).
+come back in fp32, so the loss and the metrics are fp32.
+
+``fp16`` needs the loss scaled (its gradients underflow otherwise), and a step whose scaled
+gradients overflow must move nothing. The embedding tables' fused optimizer updates the rows
+inside the backward pass, so the backward is split at the lookups' output
+(:class:`~raydlrm.sharding.types.EmbeddingCut`): the scaled loss's backward first runs
+everything above the lookups (the dense side, and tower modules that a tower collection runs
+on their hosts), then every rank checks its dense and pooled gradients, and one all-reduce
+makes the decision the same on every rank. Unless some rank found an overflow, the gradients
+are unscaled once, the lookups' backward updates the rows and the dense optimizer steps;
+otherwise nothing is updated on any rank, in any table (no row, no optimizer state), and the
+step is counted (``train/skipped_steps``). What a skipped step's forward pass did stays done:
+managed tables admitted, counted and evicted its ids, row caches hold its rows, and
+differential checkpoints write its rows (unchanged). The scale follows ``torch.amp.GradScaler``'s
+rule (halved after a skipped step, doubled after 2,000 in a row without one) and is
+checkpointed in its state format.
 
 Tower modules that a tower collection runs on their hosts (``model.towers`` on several hosts)
 are autocast alike (their ``dense_dtype``). ``training.compile`` compiles the module that runs
@@ -19,23 +28,92 @@ parameters keep their names and checkpoints do not change.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from raydlrm.models.dlrm import RecModel
+from raydlrm.sharding.types import EmbeddingCut, ShardedTables
+from raydlrm.trainers._dist import distributed
 from raydlrm.trainers.config import TrainingConfig
 
-__all__ = ["DensePrecision", "bf16_refusal"]
+__all__ = ["DensePrecision", "LossScale", "bf16_refusal"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
-    """``grad / scale``, or zeros when any of it is not finite (no host synchronization)."""
-    grad = grad / scale
-    return torch.where(torch.isfinite(grad).all(), grad, torch.zeros_like(grad))
+class LossScale:
+    """fp16's dynamic loss scale: ``torch.amp.GradScaler``'s rule and state dict, with the
+    decision taken by the caller (every rank the same).
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: the scale's factor after ``growth_interval`` steps in a row that did not
+            overflow.
+        backoff_factor: its factor after a step that overflowed.
+        growth_interval: see ``growth_factor``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0  # steps in a row without an overflow
+
+    def update(self, *, overflow: bool) -> None:
+        """The scale after a step that did (or did not) overflow."""
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's state dict (checkpoints of either load into the other)."""
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self.growth_tracker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self.growth_tracker = int(state["_growth_tracker"])
+
+
+def _unscale(grads: Sequence[torch.Tensor], scale: float, device: torch.device) -> torch.Tensor:
+    """Divides ``grads`` by ``scale`` in place; 1 (on ``device``) when any was not finite."""
+    found = torch.zeros(1, device=device)
+    inverse = torch.full((1,), 1.0 / scale, device=device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_kind[g.device, g.dtype].append(g)
+    for (where, _), tensors in by_kind.items():
+        # One fused kernel a kind (GradScaler's): unscales and flags non-finite values.
+        flag = found if where == device else torch.zeros(1, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inverse.to(where))
+        if flag is not found:
+            found += flag.to(device)
+    return found
 
 
 def bf16_refusal(device: torch.device | int) -> str | None:
@@ -59,8 +137,9 @@ class DensePrecision:
     """``training.precision`` of one worker's model (set on it here) and its backward pass.
 
     Attributes:
-        skipped_steps: steps whose scaled gradients overflowed (``fp16``; the dense update
-            was skipped, the same on every rank: the dense gradients are all-reduced first).
+        loss_scale: fp16's loss scale (None otherwise).
+        skipped_steps: steps whose scaled gradients overflowed on some rank (``fp16``): nothing
+            was updated, on any rank.
     """
 
     def __init__(self, config: TrainingConfig, model: RecModel, device: torch.device):
@@ -73,44 +152,57 @@ class DensePrecision:
                 module.dense_dtype = _DTYPES.get(config.precision)
         if config.compile:
             _compile_dense(model)
-        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        self.device = device
+        self.loss_scale = LossScale() if config.precision == "fp16" else None
+        self._cut: EmbeddingCut | None = None
+        if self.loss_scale is not None:
+            assert isinstance(model.embedding_bags, ShardedTables), "fp16 needs sharded tables"
+            self._cut = EmbeddingCut()
+            model.embedding_bags.cut_embeddings(self._cut)
         self.skipped_steps = 0
-        self._scale: float | None = None  # the scale after the last step (read once a step)
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = config.tf32
             torch.backends.cudnn.allow_tf32 = config.tf32
 
-    def backward_and_step(
-        self, objective: torch.Tensor, pooled: torch.Tensor, optimizer: torch.optim.Optimizer
-    ) -> None:
+    def backward_and_step(self, objective: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Backward through the model (the fused embedding optimizer updates the rows) and the
-        dense optimizer's step."""
-        if self.scaler is None:
+        dense optimizer's step; with fp16, both or neither, the same on every rank (see the
+        module docstring)."""
+        if self.loss_scale is None:
             objective.backward()
             optimizer.step()
             return
-        scale = self.scaler.get_scale() if self._scale is None else self._scale
-        if pooled.requires_grad:
-            pooled.register_hook(lambda grad: _unscaled(grad, scale))
-        self.scaler.scale(objective).backward()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        self._scale = self.scaler.get_scale()  # one host synchronization a step
-        if self._scale < scale:  # the scaler backs off after an overflow only
+        assert self._cut is not None
+        scale = self.loss_scale.scale
+        (objective * scale).backward()  # stops at the lookups' output (the cut)
+        dense = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        pooled = self._cut.gradients()
+        found = _unscale([*dense, *pooled], scale, self.device)
+        if distributed():  # one decision: the pooled gradients differ across ranks
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        overflow = bool(found.item())  # one host synchronization a step
+        if overflow:
+            self._cut.discard()
             self.skipped_steps += 1
+        else:
+            self._cut.backward(pooled)
+            optimizer.step()
+        self.loss_scale.update(overflow=overflow)
 
     def metrics(self) -> dict[str, float]:
-        """``train/skipped_steps`` with a loss scaler, else nothing."""
-        return {} if self.scaler is None else {"train/skipped_steps": float(self.skipped_steps)}
+        """``train/skipped_steps`` with a loss scale, else nothing."""
+        if self.loss_scale is None:
+            return {}
+        return {"train/skipped_steps": float(self.skipped_steps)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state and the skipped steps (checkpointed with the loop's state)."""
-        if self.scaler is None:
+        """The loss scale's state (``torch.amp.GradScaler``'s format) and the skipped steps
+        (checkpointed with the loop's state)."""
+        if self.loss_scale is None:
             return {}
-        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+        return {"scaler": self.loss_scale.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state["scaler"])
+        if self.loss_scale is not None and state:
+            self.loss_scale.load_state_dict(state["scaler"])
             self.skipped_steps = int(state["skipped_steps"])
-            self._scale = None
