@@ -154,7 +154,7 @@ def test_bucket_means_are_the_mean_rows_of_each_buckets_ids_on_any_shard() -> No
     whole = _map(rows, buckets=buckets)
     whole.assign(_ids(5), now=1, training=True)  # some buckets hold no id
     weight = torch.randn(rows, 6)
-    fallback, means = whole.bucket_means(lambda r: weight[r])
+    fallback, means = whole.bucket_means(lambda r: weight[r], chunk_rows=rows)
     bounds = bucket_bounds(rows, buckets)
     held = whole.state[ID] >= 0
     expected = {
@@ -171,11 +171,35 @@ def test_bucket_means_are_the_mean_rows_of_each_buckets_ids_on_any_shard() -> No
         ManagedIds(buckets=buckets), table="t", num_embeddings=rows, row_start=split, row_end=rows
     )
     half.state.copy_(whole.state[:, split:])
-    rows_half, means_half = half.bucket_means(lambda r: weight[split:, 2:5][r])
+    rows_half, means_half = half.bucket_means(lambda r: weight[split:, 2:5][r], chunk_rows=300)
     mine = fallback >= split
     assert mine.any()  # the half holds buckets with ids: the comparison compares something
     assert torch.equal(rows_half + split, fallback[mine])
     assert torch.equal(means_half, means[mine][:, 2:5])
+
+
+def test_bucket_means_read_the_shard_in_chunks_with_the_same_values() -> None:
+    """A refresh never reads the shard at once: ``read`` gets at most ``chunk_rows``
+    consecutive rows' held ones, and the means are those of one read, bit for bit; a map
+    holding no id reads nothing and gives no rows."""
+    rows = 1024
+    m = _map(rows, buckets=8)
+    m.assign(_ids(700), now=1, training=True)
+    weight = torch.randn(rows, 5).half()  # read in the table's precision
+    whole = m.bucket_means(lambda r: weight[r], chunk_rows=rows)
+    calls: list[torch.Tensor] = []
+
+    def read(r: torch.Tensor) -> torch.Tensor:
+        calls.append(r)
+        return weight[r]
+
+    chunked = m.bucket_means(read, chunk_rows=64)
+    assert len(calls) == rows // 64 and all(int(c.max() - c.min()) < 64 for c in calls)
+    assert torch.equal(torch.cat(calls), (m.state[ID] >= 0).nonzero().squeeze(1))
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    assert whole[1].dtype == torch.float64 and whole[0].numel() == 8
+    empty = _map(rows, buckets=8).bucket_means(lambda r: weight[r], chunk_rows=64)
+    assert empty[0].numel() == 0 and empty[1].shape == (0, 5)
 
 
 def test_fresh_rows_agree_across_column_shards_and_differ_by_salt() -> None:
@@ -232,7 +256,9 @@ def test_the_map_on_cuda_decides_as_on_cpu() -> None:
     assert torch.equal(maps["cpu"].state, maps["cuda"].state.cpu())
     assert maps["cpu"].stats() == maps["cuda"].stats() and maps["cpu"].stats()["evictions"] > 0
     weight = torch.randn(4096, 8)
-    means = {d: m.bucket_means(lambda r, w=weight.to(d): w[r]) for d, m in maps.items()}
+    means = {
+        d: m.bucket_means(lambda r, w=weight.to(d): w[r], chunk_rows=1000) for d, m in maps.items()
+    }
     assert torch.equal(means["cpu"][0], means["cuda"][0].cpu())
     torch.testing.assert_close(means["cpu"][1], means["cuda"][1].cpu())
     big = IdMap(

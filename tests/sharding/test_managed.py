@@ -11,7 +11,9 @@ on; ``h`` is hashed, beside them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.models.managed_ids import ID, IdMap, fresh_rows
 from raydlrm.sharding import ShardingConfig, plan_sharding, shard_model
 from raydlrm.sharding.planner.tower_plan import plan_towers
+from raydlrm.sharding.row_cache import RowCache
 from raydlrm.sharding.telemetry import local_counters, metrics_of
 from raydlrm.sharding.topology import Topology, topology_groups
 from raydlrm.sharding.tower_spec import Tower
@@ -46,6 +49,8 @@ TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
 # equals the uncached table's bit for bit) and int8 rows (trained in an fp32 cache, stored
 # rounded: the tables within a few quantization steps, the maps exact).
 CACHED = ["row_wise+ssd", "column_wise+int8"]
+# On fbgemm's TBE too (the others run the torch kernel), plain and behind the int8 cache.
+FBGEMM = ["row_wise@fbgemm", "table_row_wise+int8@fbgemm"]
 # Managed tables in towers (2 hosts): m0's features in one, m1's and h's in the other; the
 # identity towers' output is the flat collection's.
 TOWERS = [Tower("a", ("f0", "f1"), host=0), Tower("b", ("f2", "f3"), host=1)]
@@ -95,6 +100,7 @@ def _model(kind: str, world_size: int) -> TinyModel:
 
 
 def _config(kind: str, world_size: int) -> ShardingConfig:
+    kind, _, kernel = kind.partition("@")
     kind, _, tier = kind.replace("towers", "row_wise").partition("+")
     managed = ("m0", "m1")
     return ShardingConfig(
@@ -103,7 +109,7 @@ def _config(kind: str, world_size: int) -> ShardingConfig:
         optimizer="adagrad",
         learning_rate=LR,
         eps=EPS,
-        kernel="torch",
+        kernel=kernel or "torch",
         placement=dict.fromkeys(managed, "ssd") if tier == "ssd" else {},
         ssd_cache_load_factor=0.1,
         ssd_cache_min_rows=90,  # m0's shards cache a few of their rows: the cache evicts
@@ -136,6 +142,23 @@ def _step(model, kjt: KeyedJaggedTensor, targets: torch.Tensor, world_size: int)
     return pooled.detach().clone()
 
 
+@contextlib.contextmanager
+def _recorded_cache_reads() -> Iterator[list[tuple[int, int]]]:
+    """Records (rows read, slots of the table's cache) of every :meth:`RowCache.read`."""
+    reads: list[tuple[int, int]] = []
+    read = RowCache.read
+
+    def recording(cache: RowCache, table: int, rows: torch.Tensor) -> torch.Tensor:
+        reads.append((rows.numel(), cache.slot_count(table)))
+        return read(cache, table, rows)
+
+    RowCache.read = recording
+    try:
+        yield reads
+    finally:
+        RowCache.read = read
+
+
 def _worker(rank: int, world_size: int, kinds: list[str]) -> dict:
     start = sum(SPLITS[world_size][:rank])
     rows = torch.arange(start, start + SPLITS[world_size][rank])
@@ -149,9 +172,12 @@ def _worker(rank: int, world_size: int, kinds: list[str]) -> dict:
             )
             model.dense.zero_grad()
         collection = model.embedding_bags
+        with _recorded_cache_reads() as reads:  # the fallback refresh reads through the cache
+            tables = gather_full_tables(collection, dst=0)
         out[kind] = {
             "pooled": pooled,
-            "tables": gather_full_tables(collection, dst=0),
+            "tables": tables,
+            "cache_reads": reads,
             "maps": gather_id_maps(collection),
             "stats": {n: m.stats() for n, m in collection.id_maps().items()},
             "counters": local_counters(collection, families=["managed"]),
@@ -214,7 +240,9 @@ def _reference() -> dict:
         model.dense.zero_grad()
     with torch.no_grad():  # admitting at once: the fallback rows hold their buckets' means
         for name, id_map in maps.items():
-            rows, means = id_map.bucket_means(lambda r, n=name: ebc.weights[n][r])
+            rows, means = id_map.bucket_means(
+                lambda r, n=name: ebc.weights[n][r], chunk_rows=id_map.rows
+            )
             assert rows.numel() > 0
             ebc.weights[name][rows] = means.float()
     return {
@@ -228,7 +256,7 @@ def _reference() -> dict:
 def _check(results: list[dict], ref: dict, world_size: int, kinds: list[str]) -> None:
     assert ref["stats"]["m1"]["evictions"] > 0 and ref["stats"]["m0"]["evictions"] == 0
     for kind in kinds:
-        tol = INT8_TOL if kind.endswith("+int8") else TOL
+        tol = INT8_TOL if "+int8" in kind else TOL
         for rank, got in enumerate(results):
             start = sum(SPLITS[world_size][:rank])
             rows = slice(start, start + SPLITS[world_size][rank])
@@ -243,6 +271,11 @@ def _check(results: list[dict], ref: dict, world_size: int, kinds: list[str]) ->
             )
         for name, state in ref["maps"].items():
             assert torch.equal(first["maps"][name], state), (kind, name)
+        # Behind a cache the refresh streams through it: never more rows at once than its
+        # slots (m0's shards hold more ids than their caches do).
+        reads = [r for got in results for r in got[kind]["cache_reads"]]
+        assert bool(reads) == ("+" in kind), kind
+        assert all(rows <= slots for rows, slots in reads), (kind, reads)
         # The telemetry the run reports: the ranks' counters summed, then made metrics.
         sums: dict[str, float] = {}
         for r in results:
@@ -265,5 +298,6 @@ def _check(results: list[dict], ref: dict, world_size: int, kinds: list[str]) ->
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_managed_tables_sharded_match_one_whole_table_map(world_size: int) -> None:
     kinds = TYPES + (CACHED if world_size in (2, 3) else []) + (["towers"] * (world_size % 2 == 0))
+    kinds += FBGEMM if world_size == 2 else []
     results = run_distributed(_worker, world_size=world_size, args=(kinds,), timeout_s=300)
     _check(results, _reference(), world_size, kinds)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from raydlrm.ids import MAP_BYTES_PER_ROW, ManagedIds
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding import (
     MemoryBudget,
@@ -18,7 +19,7 @@ from raydlrm.sharding import (
     plan_sharding,
 )
 from raydlrm.sharding.planner.planners import table_cost
-from raydlrm.sharding.sizes import table_memory_bytes
+from raydlrm.sharding.sizes import refresh_bytes, table_memory_bytes
 from tests.sharding._fixtures import make_tables
 
 
@@ -74,6 +75,31 @@ def test_fp16_weights_halve_the_weights_not_the_optimizer_state() -> None:
         assert table_memory_bytes(t0, optimizer=optimizer) == weights_fp32 + state
         fp16 = table_memory_bytes(t0, optimizer=optimizer, weights_precision="fp16")
         assert fp16 == weights_fp16 + state, optimizer
+
+
+def test_a_managed_table_counts_its_map_and_its_refresh_peak_not_a_copy_of_itself() -> None:
+    """A managed table adds its id map (32 bytes a row) and, admitting at the first lookup, the
+    bounded peak of its fallback refresh: a few chunks of float64 rows (streamed), the same
+    for a table 100x larger, never a float64 copy of the table (3x it, as it once was)."""
+
+    def managed(rows: int, admit_after: int = 1) -> EmbeddingBagConfig:
+        policy = ManagedIds(buckets=8, admit_after=admit_after)
+        return EmbeddingBagConfig(
+            name="m", num_embeddings=rows, embedding_dim=64, feature_names=("f",), managed=policy
+        )
+
+    def extra(rows: int) -> int:  # beside the same table hashed
+        plain = dataclasses.replace(managed(rows), managed=None)
+        return table_memory_bytes(managed(rows), optimizer="sgd") - table_memory_bytes(
+            plain, optimizer="sgd"
+        )
+
+    small, large = 10**5, 10**7
+    assert table_memory_bytes(managed(small, 2), optimizer="sgd") == small * (64 * 4 + 32)
+    assert extra(small) - refresh_bytes(managed(small)) == small * MAP_BYTES_PER_ROW
+    assert refresh_bytes(managed(large)) == refresh_bytes(managed(small)) < 64 << 20
+    assert refresh_bytes(managed(large)) < large * 64 * 8 // 100
+    assert refresh_bytes(managed(small, admit_after=2)) == 0
 
 
 def test_planner_counts_each_table_at_its_weights_precision() -> None:

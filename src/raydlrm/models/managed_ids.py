@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -223,19 +224,32 @@ class IdMap:
         out["capacity"] = self.rows - int(self._lo.numel())
         return out
 
-    def bucket_means(self, read) -> tuple[torch.Tensor, torch.Tensor]:
+    def bucket_means(
+        self, read: Callable[[torch.Tensor], torch.Tensor], *, chunk_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fallback rows (shard-local) of the buckets holding ids, and the mean of the rows
-        of each one's ids (float64, on the map's device). ``read(rows)``: the values of
-        shard-local ``rows`` (any columns). Summed in float64 in row order: the same values on
-        any sharding (a column shard's means are the columns of the whole rows')."""
-        held = (self.state[ID] >= 0).nonzero().squeeze(1)
-        bucket = torch.searchsorted(self._lo, held, right=True) - 1
-        values = read(held).to(self.device, torch.float64)
-        sums = torch.zeros(
-            self._lo.numel(), values.shape[1], dtype=torch.float64, device=self.device
-        )
-        sums.index_add_(0, bucket, values)
-        counts = torch.bincount(bucket, minlength=self._lo.numel())
+        of each one's ids (float64, on the map's device).
+
+        The rows are read in chunks, in row order: ``read(rows)`` gets the held ones of at most
+        ``chunk_rows`` consecutive rows (shard-local, any columns, in the table's precision),
+        so the pass holds one chunk (and its float64 copy) and the buckets' sums, never the
+        shard. Summed in float64 in row order: the same values on any sharding and any chunk
+        size (a column shard's means are the columns of the whole rows')."""
+        sums: torch.Tensor | None = None
+        counts = torch.zeros(self._lo.numel(), dtype=torch.int64, device=self.device)
+        for start in range(0, self.rows, chunk_rows):
+            ids = self.state[ID, start : start + chunk_rows]
+            held = (ids >= 0).nonzero().squeeze(1) + start
+            if held.numel() == 0:
+                continue
+            bucket = torch.searchsorted(self._lo, held, right=True) - 1
+            values = read(held).to(self.device, torch.float64)
+            if sums is None:
+                sums = values.new_zeros(self._lo.numel(), values.shape[1])
+            sums.index_add_(0, bucket, values)
+            counts += torch.bincount(bucket, minlength=self._lo.numel())
+        if sums is None:  # no id held: no rows, of the table's width
+            return self._lo[:0], read(self._lo[:0]).to(self.device, torch.float64)
         some = (counts > 0).nonzero().squeeze(1)
         return self._lo[some], sums[some] / counts[some].unsqueeze(1)
 

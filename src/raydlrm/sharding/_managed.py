@@ -30,6 +30,7 @@ from raydlrm.sharding._layout import TbeGroup
 from raydlrm.sharding.delta import ModifiedRows
 from raydlrm.sharding.plan import Shard
 from raydlrm.sharding.row_cache import RowCache
+from raydlrm.sharding.sizes import refresh_chunk_rows
 
 __all__ = ["ManagedShards", "route_rows"]
 
@@ -168,7 +169,10 @@ class ManagedShards:
     ) -> None:
         """Sets the fallback rows of the tables admitting at the first lookup to their buckets'
         mean rows, in each group's TBE ``tbes[group]`` or behind its row cache
-        ``caches[group]``, unless done at this step already; marks them modified."""
+        ``caches[group]``, unless done at this step already; marks them modified. Each shard is
+        read in chunks through its tier (:func:`~raydlrm.sharding.sizes.refresh_chunk_rows`;
+        behind a cache, through the cache, a chunk at most its slots), in its precision: the
+        pass's peak is a chunk, not the shard (:func:`~raydlrm.sharding.sizes.refresh_bytes`)."""
         if self._refreshed == self.step:
             return
         self._refreshed = self.step
@@ -177,14 +181,20 @@ class ManagedShards:
             for piece in pieces:
                 if piece.id_map.policy.admit_after > 1:
                     continue
+                dim = piece.shard.col_end - piece.shard.col_start
                 if cache is not None:
+                    i = piece.table_index
+                    chunk = refresh_chunk_rows(dim, cache_rows=cache.slot_count(i))
                     rows, means = piece.id_map.bucket_means(
-                        lambda r, c=cache, i=piece.table_index: c.read(i, r)
+                        lambda r, c=cache, i=i: c.read(i, r), chunk_rows=chunk
                     )
-                    cache.overwrite(piece.table_index, rows, means)
+                    if rows.numel():
+                        cache.overwrite(i, rows, means)
                 else:
                     weight = tbes[group].split_embedding_weights()[piece.table_index]
-                    rows, means = piece.id_map.bucket_means(lambda r, w=weight: w[r])
+                    rows, means = piece.id_map.bucket_means(
+                        lambda r, w=weight: w[r.to(w.device)], chunk_rows=refresh_chunk_rows(dim)
+                    )
                     weight[rows.to(weight.device)] = means.to(weight.device, weight.dtype)
                 if modified is not None and rows.numel():
                     modified.mark_table(group, piece.table_index, rows)

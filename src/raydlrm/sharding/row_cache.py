@@ -313,6 +313,10 @@ class RowCache:
         t.dirty[victims] = dirty
         return victims
 
+    def slot_count(self, table: int) -> int:
+        """Slots of table ``table``'s cache (the group's TBE order)."""
+        return self._tables[table].slots.shape[0]
+
     @torch.no_grad()
     def read(self, table: int, rows: torch.Tensor) -> torch.Tensor:
         """The current fp32 values of rows ``rows`` of table ``table`` (the group's TBE order):

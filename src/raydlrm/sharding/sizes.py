@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from raydlrm.ids import MAP_BYTES_PER_ROW
+from raydlrm.ids import MAP_BYTES_PER_ROW, auto_buckets
 from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.models.quantized import QUANTIZED_BITS, code_bytes_per_row
 
@@ -22,9 +22,12 @@ __all__ = [
     "CACHE_SLOT_BYTES",
     "FP32_BYTES",
     "LOOKUP_BYTES",
+    "REFRESH_CHUNK_BYTES",
     "cache_rows",
     "quantized_cache_rows",
     "quantized_row_bytes",
+    "refresh_bytes",
+    "refresh_chunk_rows",
     "stored_row_bytes",
     "table_disk_bytes",
     "table_host_bytes",
@@ -41,6 +44,10 @@ _QUANTIZED_PARAM_BYTES = 4  # an fp16 scale and bias per row
 CACHE_SLOT_BYTES = 33
 """Bookkeeping of one slot of a quantized table's cache: its row and last step (int64 each),
 its dirty flag, and the sorted index of the slots' rows (two int64)."""
+REFRESH_CHUNK_BYTES = 4 << 20
+"""Bytes of the float64 values of one chunk of a whole-shard pass over a managed table's rows
+(its fallback rows' refresh, :meth:`~raydlrm.models.managed_ids.IdMap.bucket_means`): the
+pass holds one chunk at a time, whatever the shard's size."""
 _SSD_CACHE_SLOT_BYTES = 16  # its row and last step; the slot of each row is counted per row
 # (bytes per value, bytes per row, bytes per block of _WIRE_BLOCK values) on the wire of each
 # codec in :mod:`raydlrm.sharding.codecs` (a row's values round up to whole bytes; mx4: 4-bit
@@ -117,7 +124,8 @@ def table_memory_bytes(
     cached row of bookkeeping. A quantized table: its rows (codes, scale and bias; on disk for
     ``ssd``), its optimizer state as above, and its fp32 cache of ``cache_rows`` rows with
     their state and :data:`CACHE_SLOT_BYTES` each. A managed table adds its id map,
-    :data:`~raydlrm.ids.MAP_BYTES_PER_ROW` a row.
+    :data:`~raydlrm.ids.MAP_BYTES_PER_ROW` a row, and the peak of its fallback refresh
+    (:func:`refresh_bytes`).
 
     Args:
         table: the table.
@@ -130,12 +138,16 @@ def table_memory_bytes(
             (:func:`quantized_cache_rows`).
     """
     id_map = table.num_embeddings * MAP_BYTES_PER_ROW if table.managed is not None else 0
-    return id_map + _table_memory_bytes(
-        table,
-        optimizer=optimizer,
-        weights_precision=weights_precision,
-        placement=placement,
-        cache_rows=cache_rows,
+    return (
+        id_map
+        + refresh_bytes(table)
+        + _table_memory_bytes(
+            table,
+            optimizer=optimizer,
+            weights_precision=weights_precision,
+            placement=placement,
+            cache_rows=cache_rows,
+        )
     )
 
 
@@ -168,6 +180,28 @@ def _table_memory_bytes(
     if cache_rows:
         in_memory += rows * FP32_BYTES + cache_rows * (row_bytes + _SSD_CACHE_SLOT_BYTES)
     return in_memory
+
+
+def refresh_chunk_rows(dim: int, *, cache_rows: int = 0) -> int:
+    """Rows of one chunk of a managed shard's fallback refresh for rows of ``dim`` columns
+    (:data:`REFRESH_CHUNK_BYTES`); behind a row cache of ``cache_rows`` rows, at most that many,
+    so a ``host`` table's pinned staging buffer never grows past what a step's misses need."""
+    rows = max(1, REFRESH_CHUNK_BYTES // (8 * dim))
+    return min(rows, cache_rows) if cache_rows else rows
+
+
+def refresh_bytes(table: EmbeddingBagConfig) -> int:
+    """The peak memory of a managed table's fallback refresh (``admit_after = 1``; else 0):
+    six times a chunk's float64 values (the chunk read at up to fp32, its float64 copy, its
+    indices, and what the allocator keeps of the chunks before: 4-5.5x measured on CPU,
+    ``benchmarks/refresh_memory.py``), and the buckets' float64 sums and means."""
+    managed = table.managed
+    if managed is None or managed.admit_after > 1:
+        return 0
+    dim = table.embedding_dim
+    chunk = min(table.num_embeddings, refresh_chunk_rows(dim))
+    buckets = managed.buckets or auto_buckets(table.num_embeddings)
+    return 6 * chunk * dim * 8 + buckets * dim * 8 * 2
 
 
 def table_host_bytes(
