@@ -552,6 +552,48 @@ def test_load_rejects_other_tables_or_optimizer(data_dir: Path, tmp_path: Path) 
     )
     with pytest.raises(ValueError, match="table 't_C2' is managed in the checkpoint but hashed"):
         load_training_state(managed_ckpt, parts=trainer.parts())
+    # A smaller probe window would hide the ids placed past it: refused; a larger one loads.
+    for window, refused in ((64, True), (256, False)):
+        managed.data.managed_ids = {"C2": ManagedIds(buckets=6, probe_window=window)}
+        plan = plan_sharding(managed.tables(), world_size=1, config=managed.sharding)
+        parts = Trainer(managed, plan=plan, rank=0, device=torch.device("cpu")).parts()
+        if refused:
+            match = r"table 't_C2' placed its ids within probe windows of 128 rows.*is 64"
+            with pytest.raises(ValueError, match=match):
+                load_training_state(managed_ckpt, parts=parts)
+        else:
+            load_training_state(managed_ckpt, parts=parts)
+
+
+def test_the_managed_clock_never_goes_back_on_a_warm_start(data_dir: Path, tmp_path: Path) -> None:
+    """Maps trained on a data day, warm-started without ``data.data_date`` (or on an earlier
+    day): the run's clock stays on the maps' day, after every loaded row's last lookup, so LRU
+    sees the loaded rows as older than this run's lookups (on day 0 it evicted the hot ones)."""
+    from raydlrm.ids import DAY_SHIFT, clock
+    from raydlrm.models.managed_ids import LAST
+
+    ckpt = str(tmp_path / "dated")
+    dated = _trainer(0, 1, str(data_dir), "row_wise^managed", "rowwise_adagrad", seed=7)
+    dated.spec.data.data_date = "2026-01-05"
+    dated.model.embedding_bags.managed_day = dated.spec.data.data_day()
+    _steps(dated, _global_batches(str(data_dir), dated.spec)[:2], 1)
+    save_training_state(
+        ckpt,
+        parts=dated.parts(),
+        loop_state=dated.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
+    for date in (None, "2026-01-02"):
+        warm = _trainer(0, 1, str(data_dir), "row_wise^managed", "rowwise_adagrad", seed=7)
+        warm.spec.data.data_date = date
+        warm.model.embedding_bags.managed_day = warm.spec.data.data_day()
+        warm.warm_start(ckpt)
+        collection = warm.model.embedding_bags
+        assert collection.managed_day == dated.spec.data.data_day()
+        newest = max(int(m.state[LAST].max()) for m in collection.id_maps().values())
+        assert newest >> DAY_SHIFT == collection.managed_day
+        step, _ = collection.managed_clock
+        assert clock(step + 1, collection.managed_day) > newest
 
 
 def test_checkpoint_cli_shows_and_unshards(data_dir: Path, tmp_path: Path) -> None:

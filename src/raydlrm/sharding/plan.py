@@ -64,6 +64,9 @@ class TablePlan:
             unknown (a plan made without the data).
         buckets: a managed table's buckets (:meth:`raydlrm.ids.ManagedIds.buckets_for`): its
             row-split shards are runs of whole buckets; 0: a hashed table.
+        probe_window: a managed table's probe window (``ManagedIds.probe_window``): its ids
+            sit within that many rows of their home rows; 0: a hashed table, or a plan
+            written before it was recorded.
     """
 
     name: str
@@ -78,6 +81,7 @@ class TablePlan:
     host_bytes: int = 0
     step_rows: int = 0
     buckets: int = 0
+    probe_window: int = 0
 
     @property
     def ranks(self) -> list[int]:
@@ -426,11 +430,21 @@ def _replica_ranks(ranks: list[int], world_size: int) -> bool:
 def managed_mismatches(saved: ShardingPlan, ours: ShardingPlan) -> list[str]:
     """What a resume or warm start from a checkpoint planned ``saved`` cannot change about
     managed tables: a table hashed there and managed here or the reverse (hashed rows hold no
-    ids; a managed table's rows are not where the hash puts ids), or another bucket layout."""
-    theirs = {t.name: t.buckets for t in saved.tables}
+    ids; a managed table's rows are not where the hash puts ids), another bucket layout, or a
+    smaller probe window (the ids placed past it would not be found: they would take fresh
+    rows, their learned ones lost)."""
+    theirs = {t.name: t for t in saved.tables}
     out = []
     for t in ours.tables:
-        buckets = theirs.get(t.name)
+        old = theirs.get(t.name)
+        if old is not None and old.buckets and t.buckets and t.probe_window < old.probe_window:
+            out.append(
+                f"table {t.name!r} placed its ids within probe windows of {old.probe_window} "
+                f"rows in the checkpoint, data.managed_ids.{t.name}.probe_window is "
+                f"{t.probe_window}: the ids placed past it would not be found (they would take "
+                f"fresh rows); keep it at {old.probe_window} or more"
+            )
+        buckets = None if old is None else old.buckets
         if buckets is None or buckets == t.buckets:
             continue
         if not buckets:

@@ -40,9 +40,11 @@ import torch
 
 from raydlrm._logs import configure_worker
 from raydlrm.batch import Batch
+from raydlrm.ids import DAY_SHIFT
 from raydlrm.ingestion.loader import iter_train_batches
 from raydlrm.ingestion.reader import EpochProgress, WorkerSource
 from raydlrm.models import RecModel, build_model
+from raydlrm.models.managed_ids import LAST
 from raydlrm.sharding import ShardingPlan, shard_model
 from raydlrm.sharding.parallelize import unwrap_dense
 from raydlrm.sharding.telemetry import Family, local_counters, metrics_of
@@ -218,6 +220,7 @@ class Trainer:
         if restored.final_metrics is not None:
             self.finished = FinishedRun(self.step, restored.final_metrics, stored)
         self.resume, self.resume_world_size = restored.position, restored.world_size
+        self._keep_managed_clock()
         self.reporter.note(
             {
                 "restore/from_step": float(self.step),
@@ -239,8 +242,34 @@ class Trainer:
         epoch, sample count, data position and random state start afresh, as for a new run.
         All ranks. The reports that follow carry ``warm_start/from_step``."""
         step = self.checkpointer.warm_start(directory, stored=stored)
+        self._keep_managed_clock()
         self.reporter.note({"warm_start/from_step": float(step)})
         logger.info("rank %d warm-started from %s (step %d of its run)", self.rank, directory, step)
+
+    def _keep_managed_clock(self) -> None:
+        """The managed tables' clock never goes back (all ranks): loaded maps whose newest
+        lookup is on a later data day than the job's (a warm start without
+        ``data.data_date``, a backfill of an older slot) keep that day, so LRU still sees the
+        loaded rows as older than this run's lookups and ``ttl_days`` ages stay positive.
+        Their steps go on from the checkpoint's."""
+        if not any(t.buckets for t in self.plan.tables):
+            return
+        collection = self.model.embedding_bags
+        last = [int(m.state[LAST].max()) for m in collection.id_maps().values() if m.rows]
+        newest = int(
+            all_reduce_scalar(float(max(last, default=0) >> DAY_SHIFT), self.device, op="max")
+        )
+        if newest > collection.managed_day:
+            if self.rank == 0:
+                logger.warning(
+                    "managed tables: the loaded id maps were last looked up on data day %d, "
+                    "after this run's (data.data_date: %s); their clock stays on day %d (it "
+                    "never goes back)",
+                    newest,
+                    self.spec.data.data_date,
+                    newest,
+                )
+            collection.managed_day = newest
 
     def train_step(self, batch: Batch) -> StepResult:
         """One optimization step on ``batch``; returns its logits and mean loss."""

@@ -68,6 +68,7 @@ class Placement:
                 disk_bytes=disk_bytes(t, config),
                 host_bytes=host_bytes(t, config),
                 buckets=t.managed.buckets_for(t.num_embeddings) if t.managed is not None else 0,
+                probe_window=t.managed.probe_window if t.managed is not None else 0,
             )
         for p in self.plans.values():
             p.cost = self.cost(p, "table_wise", 1)
