@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from raydlrm.storage import scratch_origin
 from tests import _leftovers
 
 
@@ -60,8 +61,9 @@ def test_a_running_programs_scratch_directory_is_not_the_sessions() -> None:
     env = {k: v for k, v in os.environ.items() if k != _leftovers.MARK}
     other = subprocess.Popen(["sleep", "60"], env=env)
     tmp = Path(tempfile.gettempdir())
-    theirs = tmp / f"raydlrm-ckpt-{other.pid}-abcdefgh"
-    ours = tmp / f"raydlrm-ckpt-{os.getpid()}-abcdefgh"
+    origin = scratch_origin()
+    theirs = tmp / f"raydlrm-ckpt-{other.pid}-{origin}-abcdefgh"
+    ours = tmp / f"raydlrm-ckpt-{os.getpid()}-{origin}-abcdefgh"
     try:
         for path in (theirs, ours):
             path.mkdir()

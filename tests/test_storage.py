@@ -220,23 +220,29 @@ def test_resume_check_of_a_run_on_s3(s3) -> None:
 def test_scratch_of_a_killed_process_is_removed_by_the_next(tmp_path) -> None:
     """A process killed inside a scratch block (a worker lost while it checkpoints, a driver
     stopped while it logs a model) leaves its directory: the next scratch directory made on the
-    machine removes those whose process is gone, and nothing else."""
+    machine removes those whose process is gone, and nothing else: not a running process's, and
+    not one made in another PID namespace or on another host sharing the temporary directory
+    (its process id means nothing here: a live job's checkpoint staging was removed)."""
     import os
     import subprocess
 
-    from raydlrm.storage import remove_orphaned_scratch, scratch_directory
+    from raydlrm.storage import remove_orphaned_scratch, scratch_directory, scratch_origin
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dead = tmp_path / f"raydlrm-export-{gone.pid}-abcd_123"
-    live = tmp_path / f"raydlrm-export-{os.getpid()}-abcd_123"
+    here = scratch_origin()
+    elsewhere = f"{(int(here, 16) + 1) % 2**32:08x}"
+    dead = tmp_path / f"raydlrm-export-{gone.pid}-{here}-abcd_123"
+    live = tmp_path / f"raydlrm-export-{os.getpid()}-{here}-abcd_123"
+    foreign = tmp_path / f"raydlrm-ckpt-{gone.pid}-{elsewhere}-abcd_123"
+    older = tmp_path / f"raydlrm-ckpt-{gone.pid}-abcd_123"  # an earlier release's: no origin
     other = tmp_path / "raydlrm-kill-resume-2x3lfs81"  # a benchmark's working dir: not scratch
-    for path in (dead, live, other):
+    for path in (dead, live, foreign, older, other):
         (path / "checkpoint").mkdir(parents=True)
     assert remove_orphaned_scratch(tmp_path) == [dead]
-    assert not dead.exists() and live.exists() and other.exists()
+    assert not dead.exists() and all(p.exists() for p in (live, foreign, older, other))
     with scratch_directory("export") as tmp:
-        assert Path(tmp).name.startswith(f"raydlrm-export-{os.getpid()}-")
+        assert Path(tmp).name.startswith(f"raydlrm-export-{os.getpid()}-{here}-")
     assert not Path(tmp).exists()
     with pytest.raises(ValueError, match="lower-case letters only"), scratch_directory("a-b"):
         pass

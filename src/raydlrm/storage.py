@@ -37,7 +37,9 @@ import functools
 import os
 import re
 import shutil
+import socket
 import tempfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import field
 from pathlib import Path
@@ -65,6 +67,7 @@ __all__ = [
     "remove_orphaned_scratch",
     "scheme_of",
     "scratch_directory",
+    "scratch_origin",
     "scratch_owner",
     "with_scheme",
 ]
@@ -225,34 +228,51 @@ def local_directory(uri: str, storage: StorageConfig) -> Iterator[Path]:
         yield Path(tmp)
 
 
-# ``raydlrm-<kind>-<pid>-<tempfile's 8 characters>``
-_SCRATCH = re.compile(r"raydlrm-[a-z]+-(\d{1,9})-[a-z0-9_]{8}")
+# ``raydlrm-<kind>-<pid>-<origin>-<tempfile's 8 characters>``
+_SCRATCH = re.compile(r"raydlrm-[a-z]+-(\d{1,9})-([0-9a-f]{8})-[a-z0-9_]{8}")
 
 
 @contextlib.contextmanager
 def scratch_directory(kind: str) -> Iterator[str]:
-    """A temporary directory for the block (``raydlrm-<kind>-<pid>-*`` in the temporary
-    directory), removed after it. A process killed inside such a block (a worker lost while it
-    checkpoints, a driver stopped by its scheduler while it logs a model) cannot remove its own:
-    the next one made on the machine removes those whose process is gone
-    (:func:`remove_orphaned_scratch`)."""
+    """A temporary directory for the block (``raydlrm-<kind>-<pid>-<origin>-*`` in the
+    temporary directory), removed after it. A process killed inside such a block (a worker lost
+    while it checkpoints, a driver stopped by its scheduler while it logs a model) cannot
+    remove its own: the next one made on the machine, in the same PID namespace, removes those
+    whose process is gone (:func:`remove_orphaned_scratch`)."""
     if not kind.isalpha() or not kind.islower():
         raise ValueError(f"scratch kind {kind!r}: lower-case letters only")
     remove_orphaned_scratch()
-    with tempfile.TemporaryDirectory(prefix=f"raydlrm-{kind}-{os.getpid()}-") as tmp:
+    prefix = f"raydlrm-{kind}-{os.getpid()}-{scratch_origin()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield tmp
 
 
+def scratch_origin() -> str:
+    """Where this process's ids mean something: its host and PID namespace, hashed (8 hex
+    digits). Containers that share a temporary directory (a mounted ``/tmp``, a network file
+    system) see other processes under the same ids, or none: a scratch directory is judged
+    only by a process of its own origin."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        namespace = ""  # no procfs (macOS): the host alone
+    return f"{zlib.crc32(f'{socket.gethostname()}/{namespace}'.encode()):08x}"
+
+
 def scratch_owner(name: str) -> int | None:
-    """The process id in a scratch directory's name (:func:`scratch_directory`); None for
-    another name."""
+    """The process id in a scratch directory's name (:func:`scratch_directory`) when that
+    directory was made here (this host and PID namespace, :func:`scratch_origin`); None for
+    another name, or one made elsewhere (its id is not this namespace's)."""
     match = _SCRATCH.fullmatch(name)
-    return int(match.group(1)) if match else None
+    if match is None or match.group(2) != scratch_origin():
+        return None
+    return int(match.group(1))
 
 
 def remove_orphaned_scratch(directory: str | Path | None = None) -> list[Path]:
     """Removes the scratch directories (:func:`scratch_directory`) in ``directory`` (default:
-    the temporary directory) whose process is no longer running; returns them."""
+    the temporary directory) made here whose process is no longer running; returns them.
+    Those made in another PID namespace or on another host are left to their own."""
     removed = []
     for path in Path(directory or tempfile.gettempdir()).glob("raydlrm-*"):
         pid = scratch_owner(path.name)
@@ -264,6 +284,7 @@ def remove_orphaned_scratch(directory: str | Path | None = None) -> list[Path]:
 
 
 def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this PID namespace runs (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

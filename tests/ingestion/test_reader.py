@@ -164,6 +164,114 @@ def test_a_resumed_epoch_keeps_the_window_it_began_with(data: Path) -> None:
     assert unshuffled.window_rows(0) == 0
 
 
+def _read_epoch(source: WorkerSource, epoch: int) -> pa.Table:
+    """A worker's rows of ``epoch`` (after :meth:`WorkerSource.start`), read as its actors would
+    read them, in order, without Ray."""
+    reader = RowGroupReader(source.config, **source._reader_kwargs(epoch))
+    tables = [reader(pa.Table.from_pylist([item])) for item in source.window_items(epoch)]
+    return pa.concat_tables(tables) if tables else reader.empty_table()
+
+
+def _trained(heads: list[pa.Table], *, began: EpochProgress) -> EpochProgress:
+    """A checkpoint's merged progress in the epoch that ``began`` after each worker trained
+    the rows ``heads``."""
+    parts = []
+    for head in heads:
+        part = EpochProgress(began.epoch, window_rows=began.window_rows, files=began.files)
+        part.add(EpochProgress.rows_of(head))
+        parts.append(part)
+    return EpochProgress.merged(parts)
+
+
+@pytest.mark.parametrize("resumed_world_size", [2, 1])
+def test_a_resumed_epoch_reads_with_a_smaller_window_every_row_once(
+    data: Path, resumed_world_size: int
+) -> None:
+    """A window whose actors ran out of memory can be lowered on resume: the rest of the epoch
+    is read with the smaller window (in other batches), and every row is still trained once
+    (keys are drawn per row group; the trained rows are a head of each). A larger window waits
+    for the next epoch."""
+    config = DataConfig(
+        train_path=str(data), eval_path=None, table_size=1000, shuffle_window_rows=600
+    )
+    summary = validate_data(str(data), config)
+
+    def sources(config: DataConfig, world_size: int) -> list[WorkerSource]:
+        return [
+            _source(summary, config=config, rank=r, world_size=world_size, seed=7, shuffle=True)
+            for r in range(world_size)
+        ]
+
+    before = sources(config, 2)
+    progress = [s.start(1, resume=None, world_size=None) for s in before]
+    assert progress[0].window_rows == 600
+    heads = [_read_epoch(s, 1).slice(0, n) for s, n in zip(before, (250, 90), strict=True)]
+    saved = _trained(heads, began=progress[0])
+    smaller = dataclasses.replace(config, shuffle_window_rows=150)
+    after = sources(smaller, resumed_world_size)
+    resumed = [s.start(1, resume=saved, world_size=2) for s in after]
+    assert {p.window_rows for p in resumed} == {150}  # what the next checkpoint records
+    rest = []
+    for source in after:
+        assert source.window_rows(1) == 150
+        for window in source.windows(1):
+            rows = sum(summary.row_groups[i].num_rows - skip for i, skip in window)
+            assert len(window) == 1 or rows <= 150
+        rest.append(_read_epoch(source, 1))
+    ids = [i for t in (*heads, *rest) for i in t.column("sample_id").to_pylist()]
+    assert sorted(ids) == list(range(summary.num_rows))  # every row once
+    larger = _source(
+        summary,
+        config=dataclasses.replace(config, shuffle_window_rows=10**6),
+        rank=0,
+        world_size=2,
+        seed=7,
+        shuffle=True,
+    )
+    assert larger.start(1, resume=saved, world_size=2).window_rows == 600
+    assert larger.start(2, resume=saved, world_size=2).window_rows == 10**6
+
+
+def test_a_resumed_epoch_reads_the_files_it_began_with(data: Path, tmp_path: Path) -> None:
+    """Files added to the data set after an epoch began (a late file in a partition, a new
+    one at the end) are not dealt into its rest: the checkpoint's position counts rows by
+    place in the epoch's list of files, which the resumed epoch reads again (every row of it
+    once); the next epoch reads them. A file of the epoch that is gone cannot be read."""
+    import shutil
+
+    files = sorted(data.glob("*.parquet"))
+    root = tmp_path / "train"
+    root.mkdir()
+    for name, file in (("a", files[0]), ("c", files[2])):
+        shutil.copy(file, root / f"{name}.parquet")
+    config = DataConfig(
+        train_path=str(root), eval_path=None, table_size=1000, shuffle_window_rows=150
+    )
+    first = validate_data(str(root), config)
+    source = _source(first, config=config, rank=0, world_size=1, seed=3, shuffle=True)
+    began = source.start(1, resume=None, world_size=None)
+    assert began.files == [["a.parquet", [64, 64, 64, 8]], ["c.parquet", [200]]]
+    epoch = _read_epoch(source, 1)
+    head = epoch.slice(0, 150)
+    for name, file in (("b", files[1]), ("d", files[3])):
+        shutil.copy(file, root / f"{name}.parquet")
+    later = validate_data(str(root), config)
+    assert len(later.row_groups) == len(first.row_groups) + 2
+    source = _source(later, config=config, rank=0, world_size=1, seed=3, shuffle=True)
+    resumed = source.start(1, resume=_trained([head], began=began), world_size=1)
+    assert resumed.files == began.files
+    rest = _read_epoch(source, 1)
+    ids = head.column("sample_id").to_pylist() + rest.column("sample_id").to_pylist()
+    assert ids == epoch.column("sample_id").to_pylist()  # the very rows it would have had
+    assert len(source.start(2, resume=None, world_size=None).files) == 4
+    assert _read_epoch(source, 2).num_rows == later.num_rows  # the next epoch: all four
+    (root / "c.parquet").unlink()
+    gone = validate_data(str(root), config)
+    source = _source(gone, config=config, rank=0, world_size=1, seed=3, shuffle=True)
+    with pytest.raises(ValueError, match=r"data file c\.parquet of the resumed epoch is gone"):
+        source.start(1, resume=_trained([head], began=began), world_size=1)
+
+
 def test_session_order_permutes_whole_sessions() -> None:
     sessions = pa.table({"s": pa.array([1, 1, 1, 2, 3, 3, 4, 5, 5, 5, 5])})
     order = session_order(sessions, "s", np.random.default_rng(0))
@@ -428,3 +536,16 @@ def test_a_window_over_half_a_workers_memory_is_refused_before_ray_starts(data: 
     check_shuffle_window(
         job("data.shuffle_window_rows=0", "scaling.resources_per_worker={ memory = 1 }"), summary
     )
+    # A resumed run reads its last epoch with the window it began with, or a smaller configured
+    # one: that is the window checked; with an epoch after it, the configured one is read too.
+    began = {"position": {"epoch": 0, "window_rows": 100}}
+    check_shuffle_window(small, summary, resumed=began)
+    later = job(f"scaling.resources_per_worker={{ memory = {need} }}", "training.num_epochs=2")
+    with pytest.raises(ConfigError, match=r"data\.shuffle_window_rows = 262144: 2 preprocessing"):
+        check_shuffle_window(later, summary, resumed=began)
+    began["position"]["window_rows"] = 1000
+    with pytest.raises(
+        ConfigError,
+        match=r"262144 \(the resumed last epoch 0 reads with 1000 rows\): .* at most 600 ",
+    ):
+        check_shuffle_window(small, summary, resumed=began)

@@ -160,6 +160,9 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     run_dir = Path(root, "runs", "resubmitted")
     complete = [p for p in run_dir.glob("checkpoint_*") if Path(p, "trainer_state.json").is_file()]
     assert [read_state_file(p)["step"] for p in complete] == [9]
+    # Its data position counts rows by row group of the files the epoch began with, listed.
+    files = [[f"part-{i:05d}.parquet", [512]] for i in range(ROWS // 512)]
+    assert read_state_file(complete[0])["position"]["files"] == files
     snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     assert len(snapshot["checkpoint_results"]) == 3
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

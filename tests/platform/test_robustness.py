@@ -194,6 +194,93 @@ def test_resuming_with_another_model_or_features_is_refused_before_ray_starts(
     assert not (tmp_path / "mlflow.db").exists()  # no run, no tags from a refused attempt
 
 
+def _saved_position(tiny_data: Path) -> tuple[list, object]:
+    """The training data's list of files, as a checkpoint's position records it, and its
+    summary."""
+    from raydlrm.ingestion import DataConfig, validate_data
+    from raydlrm.ingestion.epoch_files import file_list
+
+    summary = validate_data(str(tiny_data / "train"), DataConfig())
+    return file_list(summary.row_groups, root=str(tiny_data / "train")), summary
+
+
+def test_resuming_with_another_data_order_is_refused_before_ray_starts(
+    tiny_data: Path, tmp_path: Path, no_ray: None
+) -> None:
+    """A checkpoint's data position counts the rows trained per row group of the files its
+    epoch began with, a head of each row group's order: a resume with another seed, session
+    column, bad-row rule under quarantine, or with a file of that epoch gone or rewritten, is
+    refused in one line naming each."""
+    job = load_config(overrides=_train_args(tiny_data, tmp_path)[2::2] + _small_model(8))
+    spec = job.worker_spec()
+    plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+    trainer = Trainer(spec, plan=plan, rank=0, device=torch.device("cpu"))
+    (first, rows), (second, _) = _saved_position(tiny_data)[0]
+    files = [[first, rows], ["gone.parquet", [10]], [second, [200, 100]]]
+    save_training_state(
+        tmp_path / "runs" / "the-run" / "checkpoint_2026-11-24_10-00-00.000000",
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {"0": 5}, "totals": {"0": 300}, "files": files},
+    )
+    changes = [
+        "training.seed=5",
+        "data.session_column=C1",
+        "data.bad_input=quarantine",
+        "data.sparse_specs={ C2 = { max_length = 3 } }",
+    ]
+    result = runner.invoke(app, _train_args(tiny_data, tmp_path, *_small_model(8), *changes))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert "run the-run would resume from" in line
+    assert "training.seed: 0 in the checkpoint, 5 in the config" in line
+    assert "data.session_column: 'session_id' in the checkpoint, 'C1' in the config" in line
+    assert "data.sparse_specs.C2.max_length: None in the checkpoint, 3 in the config" in line
+    assert "file gone.parquet is gone" in line
+    assert (
+        f"file {second} has 1 row group (300 rows) now, 2 row groups (200, 100 rows) in the "
+        "checkpoint's epoch" in line
+    )
+    assert "data.bad_input:" not in line  # fail to quarantine: how a stopped run goes on
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_resume_logs_what_its_epoch_reads_otherwise(
+    tiny_data: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files added since the epoch began are read from the next epoch on (or by no epoch of
+    the run), a smaller shuffle window is taken for the rest of the epoch and a larger one
+    waits for the next, each said in one line; a checkpoint of an earlier release, without its
+    list of files, resumes with a warning that it could not be checked."""
+    import logging
+
+    from raydlrm.platform.recorded import check_resume
+
+    files, summary = _saved_position(tiny_data)
+    job = load_config(overrides=[f"data.train_path={tiny_data / 'train'}", "data.eval_path=null"])
+    spec = job.worker_spec()
+    plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
+
+    def resume(position: dict) -> str:
+        state = {"spec": spec.to_dict(), "plan": json.loads(plan.to_json()), "position": position}
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="raydlrm.platform.recorded"):
+            check_resume(job, plan, "r", ("ckpt", state), train=summary)
+        return caplog.text
+
+    began = {"epoch": 0, "consumed": {}, "totals": {}, "window_rows": 1000}
+    text = resume({**began, "files": files[:1]})
+    assert f"1 file(s) added to data.train_path since epoch 0 began ({files[1][0]})" in text
+    assert "not read by this run (training.num_epochs = 1)" in text
+    assert "epoch 0 keeps the shuffle window it began with (1000 rows)" in text
+    assert "without the list of its files" in resume(began)
+    smaller = resume({**began, "window_rows": 10**6, "files": files})
+    assert "epoch 0 resumes with data.shuffle_window_rows = 262144, smaller than the 1000000" in (
+        smaller
+    )
+    assert "added" not in smaller
+
+
 def test_a_resumed_or_warm_started_run_keeps_the_statistics_its_model_was_trained_with() -> None:
     """Dense statistics and bucket boundaries recorded by a checkpoint (a resumed run's, a warm
     start's) win over the training data's, a config's own win over both, and a resume whose

@@ -39,11 +39,13 @@ are counted by their tag.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import uuid
 import zlib
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +53,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydlrm.ingestion._arrow import decode_dictionaries, is_list
+from raydlrm.ingestion.column_specs import SparseSpec
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.storage import filesystem_for
 
@@ -61,6 +64,7 @@ __all__ = [
     "BadInputError",
     "apply_policy",
     "apply_session_policy",
+    "bad_row_rules",
     "drop_tagging_columns",
     "find_bad_ids",
     "find_bad_rows",
@@ -184,6 +188,28 @@ def find_bad_rows(
     for column in config.sparse_columns if sparse_columns is None else sparse_columns:
         _check_sparse(table, column, config, flag)
     return reasons.result()
+
+
+_RULES = {
+    f.name: f.default
+    for f in dataclasses.fields(SparseSpec)
+    if f.name in ("hash", "min_length", "max_length", "weight_column")
+}
+"""The keys of a sparse column's spec that :func:`find_bad_rows` judges its ids by, with
+their defaults."""
+
+
+def bad_row_rules(data: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`find_bad_rows` judges a row by, but the columns and the tables' sizes and
+    kinds: the label column and each sparse column's id rule, list lengths and weight column,
+    by dotted config key (``data.sparse_specs.C1.max_length``), from a data config as a dict
+    (``dataclasses.asdict``, or as a checkpoint stores it)."""
+    specs = data.get("sparse_specs") or {}
+    rules: dict[str, Any] = {"data.label_column": data["label_column"]}
+    for column in data["sparse_columns"]:
+        spec = specs.get(column) or {}
+        rules.update((f"data.sparse_specs.{column}.{k}", spec.get(k, d)) for k, d in _RULES.items())
+    return rules
 
 
 def find_bad_ids(

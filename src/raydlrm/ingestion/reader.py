@@ -26,8 +26,14 @@ the same order every time: the shuffle and the merge keys are seeded by the row 
 worker, and a window's trained rows are a head of each of its row groups). With the world size
 of the checkpoint each worker keeps its own windows, so the run continues with exactly the
 batches it would have had; with another world size the remaining rows are dealt and cut into
-windows anew, still each row once. A resumed epoch is read with the window it began with
-(:attr:`EpochProgress.window_rows`).
+windows anew, still each row once.
+
+A resumed epoch is dealt from the list of files it began with (:attr:`EpochProgress.files`,
+:mod:`raydlrm.ingestion.epoch_files`): files added to the data set since are read from the next
+epoch on. It is read with the shuffle window it began with, or with a smaller
+``data.shuffle_window_rows`` (:func:`resumed_window`): any cut into windows reads every
+remaining row once (a row group's merge keys are its own and its trained rows a head of its
+order), only the rest of the epoch then comes in other batches than it would have.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import pyarrow.parquet as pq
 
 from raydlrm.ingestion._shuffle import epoch_rng
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.epoch_files import FileList, epoch_groups, file_list
 from raydlrm.ingestion.layout import layout_of
 from raydlrm.ingestion.row_group_reader import (
     RG_ID_COLUMN,
@@ -62,6 +69,7 @@ __all__ = [
     "assign_row_groups",
     "assign_windows",
     "default_num_actors",
+    "resumed_window",
     "window_bytes",
 ]
 
@@ -92,8 +100,9 @@ class EpochProgress:
     ``consumed[id]`` counts the rows of row group ``id`` trained on so far (including rows
     skipped because an earlier run trained on them); ``totals[id]`` is its row count after
     preprocessing, known once one of its rows was seen; ``window_rows`` is the shuffle window
-    the epoch is read with (``data.shuffle_window_rows`` when it started: a resumed epoch
-    keeps it, so that its rows keep their order).
+    the epoch is read with (see :func:`resumed_window`); ``files`` the list of files the epoch
+    is dealt from, which the ids index (:func:`~raydlrm.ingestion.epoch_files.file_list`; None:
+    not known, as in a checkpoint of an earlier release: the data set's current list).
     """
 
     def __init__(
@@ -103,9 +112,11 @@ class EpochProgress:
         totals: dict | None = None,
         *,
         window_rows: int = 0,
+        files: FileList | None = None,
     ):
         self.epoch = epoch
         self.window_rows = window_rows
+        self.files = files
         self.consumed: dict[int, int] = {int(k): int(v) for k, v in (consumed or {}).items()}
         self.totals: dict[int, int] = {int(k): int(v) for k, v in (totals or {}).items()}
 
@@ -132,32 +143,60 @@ class EpochProgress:
     def finished(self) -> set[int]:
         return {i for i, n in self.consumed.items() if n >= self.totals.get(i, n + 1)}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, files: bool = True) -> dict[str, Any]:
+        """As JSON; without the list of files unless ``files`` (the same on every worker: the
+        workers' counts are gathered without it)."""
+        out: dict[str, Any] = {
             "epoch": self.epoch,
             "window_rows": self.window_rows,
             "consumed": {str(k): v for k, v in sorted(self.consumed.items())},
             "totals": {str(k): v for k, v in sorted(self.totals.items())},
         }
+        if files and self.files is not None:
+            out["files"] = self.files
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpochProgress:
         # A checkpoint made before shuffle windows read its epoch without one.
         return cls(
-            d["epoch"], d.get("consumed"), d.get("totals"), window_rows=d.get("window_rows", 0)
+            d["epoch"],
+            d.get("consumed"),
+            d.get("totals"),
+            window_rows=d.get("window_rows", 0),
+            files=d.get("files"),
         )
 
     @classmethod
-    def merged(cls, parts: list[EpochProgress]) -> EpochProgress:
+    def merged(cls, parts: list[EpochProgress], *, files: FileList | None = None) -> EpochProgress:
         """The progress of all workers (each row group is read by one worker per epoch; a
         worker may also hold an older count of another's row group, from the checkpoint it
-        resumed: the largest count wins)."""
-        out = cls(parts[0].epoch if parts else 0, window_rows=parts[0].window_rows if parts else 0)
+        resumed: the largest count wins), with ``files`` (default: the first part's)."""
+        first = parts[0] if parts else cls()
+        out = cls(
+            first.epoch,
+            window_rows=first.window_rows,
+            files=first.files if files is None else files,
+        )
         for p in parts:
             for i, n in p.consumed.items():
                 out.consumed[i] = max(out.consumed.get(i, 0), n)
             out.totals.update(p.totals)
         return out
+
+
+def resumed_window(saved: int, *, configured: int) -> int:
+    """The shuffle window the rest of an epoch begun with ``saved`` rows is read with, when
+    ``data.shuffle_window_rows`` is now ``configured``: the one it began with, unless the
+    configured one is smaller (a window whose actors ran out of memory can be lowered). Every
+    remaining row is still read once (see the module docstring), only in other batches than the
+    interrupted run's. A larger configured window applies from the next epoch; an epoch begun
+    without a window (0) goes on without one; one begun with a window and resumed with 0 is
+    read one row group per window (1), each in the order it had (0 would read them in
+    another)."""
+    if saved == 0 or saved <= configured:
+        return saved
+    return max(configured, 1)
 
 
 def _deal(
@@ -334,15 +373,42 @@ class WorkerSource:
         self.epoch = 0
         self.resume: EpochProgress | None = None
         self.resume_world_size: int | None = None
+        self.epoch_groups = groups  # the list the next epoch is dealt from
 
-    def start(self, epoch: int, *, resume: EpochProgress | None, world_size: int | None) -> None:
+    def start(
+        self, epoch: int, *, resume: EpochProgress | None, world_size: int | None
+    ) -> EpochProgress:
         """Makes the next :meth:`iter_batches` read ``epoch``, resuming a checkpoint's progress
-        in it (made by ``world_size`` workers) when given."""
-        self.epoch, self.resume, self.resume_world_size = epoch, resume, world_size
+        in it (made by ``world_size`` workers) when given; returns the progress to count its
+        trained rows in: the checkpoint's when resuming (its files, its window or a smaller
+        configured one, :func:`resumed_window`), else a fresh one of the data set's files.
+
+        Raises:
+            ValueError: a file of the resumed epoch is gone or changed, named (the driver
+                refuses such a resume before Ray starts).
+        """
+        configured = self.config.shuffle_window_rows if self.shuffle else 0
+        root = filesystem_for(self.source_path, self.config.storage)[1]
+        if resume is None or resume.epoch != epoch:
+            files = file_list(self.groups, root=root)
+            self.epoch, self.resume, self.resume_world_size = epoch, None, None
+            self.epoch_groups = self.groups
+            return EpochProgress(epoch, window_rows=configured, files=files)
+        window = resumed_window(resume.window_rows, configured=configured)
+        if resume.files is None:  # a checkpoint of an earlier release: today's list
+            files, self.epoch_groups = file_list(self.groups, root=root), self.groups
+        else:
+            files = resume.files
+            self.epoch_groups = epoch_groups(files, self.groups, root=root)
+        progress = EpochProgress.merged([resume], files=files)
+        progress.window_rows = window
+        self.epoch, self.resume, self.resume_world_size = epoch, progress, world_size
+        # A copy: the caller counts its batches in the progress returned.
+        return EpochProgress.merged([progress])
 
     def window_rows(self, epoch: int) -> int:
         """The shuffle window ``epoch`` is read with: ``data.shuffle_window_rows``, or the
-        window of the checkpoint's progress when resuming in it (0 when not shuffling)."""
+        resumed epoch's (:meth:`start`; 0 when not shuffling)."""
         if not self.shuffle:
             return 0
         if self.resume is not None and self.resume.epoch == epoch:
@@ -351,9 +417,9 @@ class WorkerSource:
 
     def windows(self, epoch: int) -> list[list[tuple[int, int]]]:
         """This worker's shuffle windows of ``epoch``, each its ``(row group id, rows to
-        skip)``, in reading order (:func:`assign_windows`)."""
+        skip)``, in reading order (:func:`assign_windows`); ids index :attr:`epoch_groups`."""
         return assign_windows(
-            self.groups,
+            self.epoch_groups,
             world_size=self.world_size,
             seed=self.seed,
             epoch=epoch,
@@ -362,6 +428,19 @@ class WorkerSource:
             resume=self.resume,
             resume_world_size=self.resume_world_size,
         )[self.rank]
+
+    def window_items(self, epoch: int) -> list[dict[str, Any]]:
+        """This worker's windows of ``epoch`` as its readers take them, one item each:
+        ``{"window": [{"group", "id", "skip"}, ...]}`` (see ``RowGroupReader``)."""
+        groups = self.epoch_groups
+        return [
+            {
+                "window": [
+                    {"group": groups[i].to_dict(), "id": i, "skip": skip} for i, skip in window
+                ]
+            }
+            for window in self.windows(epoch)
+        ]
 
     def empty_table(self) -> pa.Table:
         """A preprocessed table of 0 rows (the structure of this data's batches)."""
@@ -384,30 +463,19 @@ class WorkerSource:
         worker has no row groups in it)."""
         import ray.data
 
-        mine = self.windows(epoch)
-        if not mine:
+        items = self.window_items(epoch)
+        if not items:
             return None
         # Windows come out in the order they were dealt, so a run is reproducible.
         ray.data.DataContext.get_current().execution_options.preserve_order = True
-        refs = ray.data.from_items(
-            [
-                {
-                    "window": [
-                        {"group": self.groups[i].to_dict(), "id": i, "skip": skip}
-                        for i, skip in window
-                    ]
-                }
-                for window in mine
-            ],
-            override_num_blocks=len(mine),
-        )
+        refs = ray.data.from_items(items, override_num_blocks=len(items))
         return refs.map_batches(
             reader_class(self.schema),
             fn_constructor_kwargs={"config": self.config, **self._reader_kwargs(epoch)},
             batch_size=1,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(
-                min_size=1, max_size=max(1, min(self.num_actors, len(mine))), initial_size=1
+                min_size=1, max_size=max(1, min(self.num_actors, len(items))), initial_size=1
             ),
             num_cpus=PREPROCESS_ACTOR_CPUS,
         )
@@ -422,7 +490,8 @@ class WorkerSource:
         """
         epoch, self.epoch = self.epoch, self.epoch + 1
         dataset = self.dataset(epoch)
-        self.resume = None  # a checkpoint's progress applies to its own epoch only
+        # A checkpoint's progress and list of files apply to its own epoch only.
+        self.resume, self.epoch_groups = None, self.groups
         if dataset is None:
             return
         if not self.clustered:

@@ -22,7 +22,6 @@ from raydlrm.ingestion import (
 )
 from raydlrm.ingestion.order import OrderFinding, order_findings
 from raydlrm.platform.config import BASE_DIR_ENV, ConfigError, JobConfig
-from raydlrm.platform.memory import check_shuffle_window
 from raydlrm.storage import is_remote
 
 __all__ = [
@@ -96,7 +95,8 @@ class JobData:
 def validate_job_data(job: JobConfig) -> JobData:
     """The training and held-out data, generated if synthetic and checked (paths, rows,
     columns) before anything starts; the training data's file order is sampled for what it is
-    correlated with (a warning each, never an error).
+    correlated with (a warning each, never an error). Its shuffle window is checked by the
+    caller (:func:`~raydlrm.platform.memory.check_shuffle_window`: a resumed run's may differ).
 
     Raises:
         DataValidationError: missing or malformed data, named.
@@ -105,7 +105,6 @@ def validate_job_data(job: JobConfig) -> JobData:
     _check_exists(job, "data.eval_path", job.data.eval_path)
     data = job.data
     train = validate_data(data.train_path, data, role="train")
-    check_shuffle_window(job, train)
     warn_file_order(train, config=data)
     return JobData(
         train=train,

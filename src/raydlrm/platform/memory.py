@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
 import psutil
 
 from raydlrm.ingestion import DataSummary
-from raydlrm.ingestion.reader import WINDOW_COPIES, default_num_actors, window_bytes
+from raydlrm.ingestion.reader import (
+    WINDOW_COPIES,
+    default_num_actors,
+    resumed_window,
+    window_bytes,
+)
 from raydlrm.platform.config import ConfigError, JobConfig
 from raydlrm.platform.ray_init import ray_address
 from raydlrm.sharding import MemoryBudget
@@ -111,10 +118,15 @@ def worker_memory(job: JobConfig) -> tuple[int, str] | None:
     )
 
 
-def check_shuffle_window(job: JobConfig, train: DataSummary) -> None:
-    """Refuses a shuffle window (``data.shuffle_window_rows``) whose preprocessing actors
-    would hold over half a worker's memory (:func:`worker_memory`): each actor of a worker's
-    pool reads one window at a time (:func:`~raydlrm.ingestion.reader.window_bytes`).
+def check_shuffle_window(
+    job: JobConfig, train: DataSummary, *, resumed: dict[str, Any] | None = None
+) -> None:
+    """Refuses a shuffle window whose preprocessing actors would hold over half a worker's
+    memory (:func:`worker_memory`): each actor of a worker's pool reads one window at a time
+    (:func:`~raydlrm.ingestion.reader.window_bytes`). The window checked is the largest the run
+    reads with: ``data.shuffle_window_rows``, or, when the run resumes (``resumed``: its
+    checkpoint's ``trainer_state.json``) in its last epoch, that epoch's
+    (:func:`~raydlrm.ingestion.reader.resumed_window`: never larger).
 
     Raises:
         ConfigError: naming the key, the memory it needs and the largest window that fits.
@@ -122,21 +134,38 @@ def check_shuffle_window(job: JobConfig, train: DataSummary) -> None:
     memory = worker_memory(job)
     if memory is None:
         return
-    need = window_bytes(train, job.data)  # a footer read: only when there is a budget
+    rows, which = _largest_window(job, resumed)
+    data = job.data
+    if rows != data.shuffle_window_rows:
+        data = dataclasses.replace(data, shuffle_window_rows=rows)
+    need = window_bytes(train, data)  # a footer read: only when there is a budget
     if not need:
         return
     actors = job.data.num_preprocess_actors or default_num_actors()
     budget, source = memory
     if need * actors <= budget // 2:
         return
-    rows = job.data.shuffle_window_rows
     fits = int(min(rows, train.num_rows) * (budget // 2) / (need * actors))
     raise ConfigError(
-        f"data.shuffle_window_rows = {rows}: {actors} preprocessing actor(s) per worker would "
-        f"each hold about {format_bytes(need)} of window rows ({WINDOW_COPIES} copies of the "
-        f"rows of {train.path} it mixes), over half a worker's memory ({source}); set it to "
-        f"at most {fits} (0: off), or lower data.num_preprocess_actors"
+        f"data.shuffle_window_rows = {job.data.shuffle_window_rows}{which}: {actors} "
+        f"preprocessing actor(s) per worker would each hold about {format_bytes(need)} of "
+        f"window rows ({WINDOW_COPIES} copies of the rows of {train.path} it mixes), over half "
+        f"a worker's memory ({source}); set it to at most {fits} (0: off), or lower "
+        "data.num_preprocess_actors"
     )
+
+
+def _largest_window(job: JobConfig, resumed: dict[str, Any] | None) -> tuple[int, str]:
+    """The largest shuffle window the run reads with, and how it differs from the config's
+    (a phrase, empty when it is the config's)."""
+    configured = job.data.shuffle_window_rows
+    position = (resumed or {}).get("position")
+    if position is None or position["epoch"] + 1 < job.training.num_epochs:
+        return configured, ""
+    window = resumed_window(position.get("window_rows", 0), configured=configured)
+    if window == configured:
+        return configured, ""
+    return window, f" (the resumed last epoch {position['epoch']} reads with {window} rows)"
 
 
 def _no_budget(why: str) -> None:

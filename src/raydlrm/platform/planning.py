@@ -5,15 +5,17 @@ order. ``train``, ``tune``, ``plan`` and ``retrain`` (which trains through ``tra
 1. the job resolved (a caller's ``ScalingConfig``, paths, the quarantine path);
 2. its data present, valid and its file order sampled;
 3. for a run: its storage writable, and a run with checkpoints resumable;
-4. what the run continues from: the checkpoint it resumes, the warm start's;
+4. what the run continues from: the checkpoint it resumes (and the shuffle window it reads
+   with), the warm start's;
 5. the statistics its model means, in one order: the resumed checkpoint's, then the warm
    start's, then the training data's
    (:func:`~raydlrm.platform.job_statistics.with_recorded_statistics`);
 6. the dedup groups ``data.dedup = "infer"`` asks for, and the data's shape;
 7. ``model.towers = "auto"`` resolved (the recorded checkpoint's towers, else a warm-up);
 8. the sharding plan;
-9. the checks that need the plan (SSD space, the warm start's tables, a resume's settings), the
-   id kinds of every sparse column, and the tracking server.
+9. the checks that need the plan (SSD space, the warm start's tables, a resume's settings and
+   what its epoch's order depends on), the id kinds of every sparse column, and the tracking
+   server.
 
 A dry plan (``raydlrm plan``: no run) stops after step 8 and skips what needs a run or the whole
 data's statistics.
@@ -37,6 +39,7 @@ from raydlrm.platform.job_data import (
     validate_job_data,
 )
 from raydlrm.platform.job_statistics import data_id_kinds, with_id_kinds, with_recorded_statistics
+from raydlrm.platform.memory import check_shuffle_window
 from raydlrm.platform.preflight import (
     check_dense_precision,
     check_resumable,
@@ -97,6 +100,7 @@ def plan_job(
     check_run_storage(job, run_name)
     check_resumable(job, run_name)
     resumed = resumed_state(job, run_name)
+    check_shuffle_window(job, data.train, resumed=_state(resumed))
     warm = warm_start_state(job) if job.run.warm_start else None
     job = with_recorded_statistics(job, resumed=_state(resumed), warm=_state(warm))
     job = resolve_dedup_groups(job, data)
@@ -109,7 +113,7 @@ def plan_job(
         job = with_id_kinds(job, warm.data.get("id_kinds") or {})
     job = with_id_kinds(job, data_id_kinds(job, data))
     if resumed is not None:
-        check_resume(job, plan, run_name, resumed)
+        check_resume(job, plan, run_name, resumed, train=data.train)
     check_tracking_of(job)
     return PlannedJob(
         job=job,
@@ -128,6 +132,7 @@ def _dry_plan(job: JobConfig) -> PlannedJob:
     data = shape = None
     if is_remote(job.data.train_path) or Path(job.data.train_path).exists():
         data = validate_job_data(job)
+        check_shuffle_window(job, data.train)
         job = resolve_dedup_groups(job, data)
         shape = data_shape(job, data)
         if job.model.towers == "auto":

@@ -4,6 +4,7 @@ model the job must be)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -12,6 +13,11 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray.train
 
+from raydlrm.ingestion.badinput import bad_row_rules
+from raydlrm.ingestion.epoch_files import FileList, file_changes, file_list
+from raydlrm.ingestion.layout import layout_of
+from raydlrm.ingestion.reader import resumed_window
+from raydlrm.ingestion.schema import DataSummary
 from raydlrm.platform.config import ConfigError, JobConfig, default_tracking_uri
 from raydlrm.platform.preflight import run_storage
 from raydlrm.platform.tracking import registered_checkpoint
@@ -24,6 +30,8 @@ __all__ = [
     "WarmStart",
     "check_resume",
     "check_warm_start",
+    "data_order_differences",
+    "log_resumed_epoch",
     "model_differences",
     "resume_differences",
     "resumed_state",
@@ -57,10 +65,18 @@ def resumed_state(job: JobConfig, run_name: str) -> tuple[str, dict[str, Any]] |
 
 
 def check_resume(
-    job: JobConfig, plan: ShardingPlan, run_name: str, resumed: tuple[str, dict[str, Any]]
+    job: JobConfig,
+    plan: ShardingPlan,
+    run_name: str,
+    resumed: tuple[str, dict[str, Any]],
+    *,
+    train: DataSummary,
 ) -> None:
     """A run that resumes from ``resumed`` (its newest readable checkpoint: path and state)
-    must keep the model and features that checkpoint was trained with.
+    must keep the model and features that checkpoint was trained with, and what the order of
+    its epoch's rows depends on (:func:`data_order_differences`; the training data
+    ``train``). What the rest of the epoch reads otherwise is logged
+    (:func:`log_resumed_epoch`).
 
     Raises:
         ConfigError: naming the run, the checkpoint and every setting that differs, with both
@@ -68,11 +84,131 @@ def check_resume(
     """
     path, state = resumed
     differences = resume_differences(state, job=job, plan=plan)
+    differences += data_order_differences(state, job=job, train=train)
     if differences:
         raise ConfigError(
             f"run {run_name} would resume from {path}, trained with other settings: "
             f"{'; '.join(differences)} (keep the checkpoint's settings to resume, or "
             "start a new run with another run.name)"
+        )
+    log_resumed_epoch(state, job=job, train=train)
+
+
+def data_order_differences(
+    state: dict[str, Any], *, job: JobConfig, train: DataSummary
+) -> list[str]:
+    """What the rest of a checkpoint's epoch would be read in another order with: its data
+    position counts the rows trained per row group, a head of each row group's order, which
+    ``training.seed``, the session column and the rows ``data.bad_input`` sets aside decide, of
+    the files the epoch began with (each by its place in their list). One phrase each.
+
+    ``data.bad_input`` itself may change (``fail`` to ``quarantine`` is how a run stopped by
+    bad input goes on): a row group read under ``fail`` had no bad row, and one read under
+    ``quarantine`` fails loudly under ``fail`` if it had any. What it judges rows by may not,
+    unless both are ``fail``.
+    """
+    spec = state["spec"]
+    out = []
+    seed = spec["training"]["seed"]
+    if seed != job.training.seed:
+        out.append(
+            f"training.seed: {seed!r} in the checkpoint, {job.training.seed!r} in the config "
+            "(it draws the epoch's row order)"
+        )
+    theirs = spec["data"].get("session_column")
+    if _order_column(theirs, train) != _order_column(job.data.session_column, train):
+        out.append(
+            f"data.session_column: {theirs!r} in the checkpoint, "
+            f"{job.data.session_column!r} in the config (its sessions are the units shuffled)"
+        )
+    if {spec["data"].get("bad_input", "fail"), job.data.bad_input} != {"fail"}:
+        saved, ours = bad_row_rules(spec["data"]), bad_row_rules(dataclasses.asdict(job.data))
+        out += [
+            f"{key}: {saved[key]!r} in the checkpoint, {rule!r} in the config (data.bad_input "
+            "= 'quarantine' sets other rows aside before the order is drawn)"
+            for key, rule in ours.items()
+            if key in saved and _plain(saved[key]) != _plain(rule)
+        ]
+    files = state.get("position", {}).get("files")
+    if files is not None:
+        problems = file_changes(files, _file_list(job, train)).problems()
+        if problems:
+            more = f"; {len(problems) - 4} more" if problems[4:] else ""
+            out.append(
+                f"data.train_path: {'; '.join(problems[:4])}{more} (the checkpoint's data "
+                "position counts the rows trained by row group of the files its epoch began "
+                "with: restore them to resume)"
+            )
+    return out
+
+
+def _order_column(column: str | None, train: DataSummary) -> str | None:
+    """The column whose sessions the reader shuffles as units: ``data.session_column`` when
+    the sample-level data has it (session-clustered data: its own, whatever the config says)."""
+    if layout_of(train.schema) is not None or column not in train.schema.names:
+        return None
+    return column
+
+
+def _file_list(job: JobConfig, train: DataSummary) -> FileList:
+    return file_list(train.row_groups, root=filesystem_for(train.path, job.data.storage)[1])
+
+
+def log_resumed_epoch(state: dict[str, Any], *, job: JobConfig, train: DataSummary) -> None:
+    """Logs what the rest of a checkpoint's epoch reads otherwise than it began: files added to
+    the data set since (read from the next epoch on), the shuffle window (a smaller configured
+    one is taken, a larger one waits for the next epoch), and that a checkpoint of an earlier
+    release could not be checked for its files."""
+    position = state.get("position", {})
+    epoch = position.get("epoch", state.get("epoch", 0))
+    files = position.get("files")
+    if files is None:
+        logger.warning(
+            "resuming epoch %d from a checkpoint without the list of its files (an earlier "
+            "release): cannot check that data.train_path still holds the files it began with "
+            "(a file added, removed or rewritten since would shift its data position)",
+            epoch,
+        )
+    else:
+        added = file_changes(files, _file_list(job, train)).added
+        if added:
+            later = (
+                f"read from epoch {epoch + 1} on"
+                if epoch + 1 < job.training.num_epochs
+                else f"not read by this run (training.num_epochs = {job.training.num_epochs})"
+            )
+            logger.warning(
+                "%d file(s) added to data.train_path since epoch %d began (%s%s): the rest of "
+                "the epoch reads the files it began with; these are %s",
+                len(added),
+                epoch,
+                ", ".join(added[:3]),
+                f" and {len(added) - 3} more" if added[3:] else "",
+                later,
+            )
+    _log_resumed_window(position.get("window_rows", 0), epoch=epoch, job=job)
+
+
+def _log_resumed_window(saved: int, *, epoch: int, job: JobConfig) -> None:
+    configured = job.data.shuffle_window_rows
+    window = resumed_window(saved, configured=configured)
+    if window < saved:
+        logger.warning(
+            "epoch %d resumes with data.shuffle_window_rows = %d%s, smaller than the %d rows it "
+            "began with: the rest of the epoch comes in other batches than the interrupted "
+            "run's would have (each row still once)",
+            epoch,
+            configured,
+            "" if configured else " (one row group a window, each in the order it had)",
+            saved,
+        )
+    elif window < configured:
+        logger.info(
+            "epoch %d keeps the shuffle window it began with (%s): data.shuffle_window_rows = "
+            "%d applies from the next epoch",
+            epoch,
+            f"{window} rows" if window else "none",
+            configured,
         )
 
 

@@ -149,7 +149,8 @@ class Checkpointer:
         ``final``, rank 0 also writes the model's config, plan and metrics. Returns the
         checkpoint as stored."""
         merged = EpochProgress.merged(
-            [EpochProgress.from_dict(p) for p in all_gather_object(progress.to_dict())]
+            [EpochProgress.from_dict(p) for p in all_gather_object(progress.to_dict(files=False))],
+            files=progress.files,  # the same on every rank
         )
         link = self._next_link() if self.config.differential else None
         try:

@@ -363,14 +363,17 @@ class Trainer:
         self.epoch = epoch
         self.window.start_epoch()
         resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
-        # Each rank starts from the progress of every rank (merging takes the maximum).
-        # A resumed epoch keeps the shuffle window it began with (its rows keep their order).
-        window = self.spec.data.shuffle_window_rows
-        self.progress = (
-            EpochProgress.merged([resume]) if resume else EpochProgress(epoch, window_rows=window)
-        )
+        # Each rank starts from the progress of every rank (merging takes the maximum). The
+        # source says what the epoch is read from: a resumed one, its files and window.
         if isinstance(train_data, EpochSource):
-            train_data.start(epoch, resume=resume, world_size=self.resume_world_size)
+            self.progress = train_data.start(
+                epoch, resume=resume, world_size=self.resume_world_size
+            )
+        elif resume is not None:
+            self.progress = EpochProgress.merged([resume])
+        else:
+            window = self.spec.data.shuffle_window_rows
+            self.progress = EpochProgress(epoch, window_rows=window)
 
     def _train_on(self, batch: Batch) -> None:
         result = self.train_step(batch)

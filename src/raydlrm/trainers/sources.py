@@ -30,11 +30,13 @@ class BatchSource(Protocol):
 
 @runtime_checkable
 class EpochSource(BatchSource, Protocol):
-    """A source that knows epochs and can make empty batches of its schema."""
+    """A source that knows epochs and can make empty batches of its schema: :meth:`start`
+    deals an epoch (resuming a checkpoint's progress in it) and returns the progress its
+    trained rows are counted in (``raydlrm.ingestion.reader.WorkerSource.start``)."""
 
     def start(
         self, epoch: int, *, resume: EpochProgress | None, world_size: int | None
-    ) -> None: ...
+    ) -> EpochProgress: ...
 
     def empty_table(self) -> pa.Table: ...
 

@@ -8,7 +8,8 @@ since gloo's all-reduce need not round alike on every rank: an exact resume rest
 rank's own; another world size starts every rank from rank 0's); plus ``trainer_state.json``
 from rank 0 with the loop's own state (step, epoch, samples seen, training time), the plan,
 the resolved worker config and the data position (which rows of the current epoch every worker
-has trained on; see ``raydlrm.ingestion.reader.EpochProgress``); then the rank's manifest.
+has trained on, and the list of files the epoch is dealt from; see
+``raydlrm.ingestion.reader.EpochProgress``); then the rank's manifest.
 :func:`load_training_state` restores it into any plan or world size, a delta with its chain
 read as one checkpoint. ``checkpoint.embedding_precision`` saves fp32 tables at fp16 or int8
 (:func:`~raydlrm.sharding.embedding_checkpoint.checkpoint_precision`).
