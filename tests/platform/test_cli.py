@@ -401,6 +401,20 @@ def test_a_config_typo_stops_before_torch_and_ray_load(command: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["score", "evaluate"])
+def test_a_local_model_that_does_not_exist_is_named_by_its_full_path(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(MLflow read a relative path as an artifact URI: "No such artifact: 'model'".)"""
+    monkeypatch.chdir(tmp_path)
+    args = [command, "runs/nope/model", str(tmp_path / "data")]
+    result = _invoke(*args, *([str(tmp_path / "out")] if command == "score" else []))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith(f"error: model {tmp_path / 'runs/nope/model'} does not exist: ")
+    assert "artifact" not in line
+
+
+@pytest.mark.parametrize("command", ["score", "evaluate"])
 def test_scoring_sizes_below_one_name_the_option(command: str, tmp_path: Path) -> None:
     """(Ray Data's own message named no option.) Checked before the model is read."""
     args = [command, str(tmp_path / "model"), str(tmp_path / "data")]

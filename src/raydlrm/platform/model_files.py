@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from raydlrm.storage import StorageConfig, StorageError, is_remote, scratch_directory
 from raydlrm.trainers.checkpoints import local_checkpoint
@@ -56,7 +57,8 @@ def model_files(model: str) -> ModelFiles:
     ``model.safetensors`` (see :class:`ModelFiles`).
 
     Raises:
-        FileNotFoundError: naming the model when it holds no raydlrm model.
+        FileNotFoundError: naming the model (a local one by its absolute path) when it does
+            not exist or holds no raydlrm model.
     """
     copies = contextlib.ExitStack()
 
@@ -69,17 +71,10 @@ def model_files(model: str) -> ModelFiles:
                 root = copies.enter_context(local_checkpoint(model, StorageConfig()))
             except (StorageError, FileNotFoundError) as exc:
                 raise FileNotFoundError(f"model {exc}") from exc
-        elif Path(model).is_dir():
-            root = Path(model)
+        elif not urlsplit(model).scheme:
+            root = _local_model(model)
         else:
-            import mlflow
-
-            try:
-                root = Path(
-                    mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=scratch())
-                )
-            except Exception as exc:  # MlflowException, OSError: a model that is not there
-                raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
+            root = _downloaded(model, scratch())
         directory = find_model_dir(root) or root
         for name in (SPEC_FILE, PLAN_FILE):
             if not (directory / name).is_file():
@@ -93,3 +88,35 @@ def model_files(model: str) -> ModelFiles:
         copies.close()
         raise
     return ModelFiles(directory=directory, spec=spec, _copies=copies)
+
+
+def _local_model(model: str) -> Path:
+    """A local model directory, by its absolute path.
+
+    Raises:
+        FileNotFoundError: naming the absolute path when it is not a directory (MLflow would
+            read it as a relative artifact URI, and name only its last part).
+    """
+    path = Path(model).expanduser().resolve()
+    if path.is_dir():
+        return path
+    what = "is not a directory" if path.exists() else "does not exist"
+    raise FileNotFoundError(
+        f"model {path} {what}: give a model checkpoint or exported model directory, or an "
+        "MLflow model URI (models:/<name>@<alias>, models:/<name>/<version>, runs:/<id>/model)"
+    )
+
+
+def _downloaded(model: str, directory: str) -> Path:
+    """The MLflow model ``model`` downloaded into ``directory``.
+
+    Raises:
+        FileNotFoundError: naming ``model`` and MLflow's reason, on one line.
+    """
+    import mlflow
+
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=directory))
+    except Exception as exc:  # MlflowException, OSError: a model that is not there
+        reason = "; ".join(line.strip("# ") for line in str(exc).splitlines() if line.strip())
+        raise FileNotFoundError(f"model {model} cannot be loaded: {reason}") from exc
