@@ -105,6 +105,38 @@ def test_missing_column(tmp_path: Path, tiny_data: Path) -> None:
     assert "C7" in _error_line(result)
 
 
+def test_a_statistic_the_data_cannot_give_is_bad_input_before_ray(tmp_path: Path) -> None:
+    """``data.dense_fill = "mean"`` on a column with no present value: the plain ValueError of
+    the statistics pass, before Ray starts, is exit 2 and one line naming the column and the
+    data (it was exit 1, "training failed" and a traceback: the command line tells bad input
+    by its type, and planning now gives every such error that type)."""
+    import ray
+
+    data = tmp_path / "data"
+    data.mkdir()
+    nulls = pa.array([None] * 100, pa.float64())
+    pq.write_table(
+        pa.table({"label": [i % 2 for i in range(100)], "I1": nulls, "C1": list(range(100))}),
+        data / "part-0.parquet",
+    )
+    result = _invoke(
+        "train",
+        f"--set=data.train_path={data}",
+        f"--set=data.eval_path={data}",
+        '--set=data.dense_columns=["I1"]',
+        '--set=data.sparse_columns=["C1"]',
+        "--set=data.dense_fill=mean",
+        f"--set=run.storage_path={tmp_path / 'runs'}",
+        f"--set=tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    )
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith("error: data.dense_fill = 'mean': dense column 'I1' has no present")
+    assert f"in the data at {data} " in line
+    assert "Traceback" not in result.output and "failed" not in line
+    assert not ray.is_initialized()
+
+
 def test_unknown_subcommand_and_option() -> None:
     assert _invoke("trian").exit_code == 2
     assert _invoke("train", "--no-such-option").exit_code == 2
