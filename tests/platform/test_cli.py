@@ -410,6 +410,37 @@ def test_checkpoint_commands_name_a_path_that_does_not_exist(tmp_path: Path) -> 
         assert result.stderr.strip() == f"error: checkpoint {missing} does not exist"
 
 
+def test_export_of_a_run_without_a_checkpoint_says_why(tmp_path: Path) -> None:
+    """A run directory with no checkpoint: the run has none, why (its job ended or still runs,
+    how far it trained) and what to do; not the advice to give the run directory it was
+    given."""
+    import os
+    import socket
+    import time
+
+    from raydlrm.platform.run_lock import LOCK_FILE
+    from raydlrm.trainers.hooks import PROGRESS_FILE
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    progress = {"step": 40, "epoch": 0, "samples": 5120, "restored": 0, "time": time.time()}
+    (run / PROGRESS_FILE).write_text(json.dumps(progress))
+    result = _invoke("export", str(run), "--output", str(tmp_path / "model"))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith(f"error: run {run} has no checkpoint: its job ended before its first")
+    assert "it trained 40 steps (5,120 samples" in line and "checkpoint.every_steps" in line
+    assert "runs/<run>" not in line
+    holder = {"token": "t", "host": socket.gethostname(), "pid": os.getpid()}
+    (run / LOCK_FILE).write_text(json.dumps({**holder, "started": 0.0, "heartbeat": time.time()}))
+    running = _error_line(_invoke("export", str(run), "--output", str(tmp_path / "model")))
+    assert f"its job still runs (pid {os.getpid()} on {socket.gethostname()}" in running
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    line = _error_line(_invoke("export", str(other), "--output", str(tmp_path / "model")))
+    assert "holds no run's files: give a checkpoint directory" in line
+
+
 @pytest.mark.parametrize("command", ["train", "retrain"])
 def test_a_config_typo_stops_before_torch_and_ray_load(command: str) -> None:
     """The config is validated before the command imports what it runs (seconds of torch, Ray
