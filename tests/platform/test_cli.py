@@ -137,6 +137,58 @@ def test_a_statistic_the_data_cannot_give_is_bad_input_before_ray(tmp_path: Path
     assert not ray.is_initialized()
 
 
+def _managed_run(tmp_path: Path, *, batch_size: int) -> list[str]:
+    """A data set of 2,000 rows whose ids of C1 are nearly all distinct, and the settings of
+    a run whose managed table of C1 holds 199 of them (200 rows, one bucket)."""
+    import numpy as np
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    table = {"label": rng.integers(0, 2, 2000), "I1": rng.random(2000)}
+    pq.write_table(pa.table({**table, "C1": rng.integers(0, 10**6, 2000)}), data / "p.parquet")
+    return [
+        f"--set=data.train_path={data}",
+        f"--set=data.eval_path={data}",
+        '--set=data.dense_columns=["I1"]',
+        '--set=data.sparse_columns=["C1"]',
+        "--set=data.table_sizes.C1=200",
+        "--set=data.managed_ids.C1.eviction=lru",
+        f"--set=data.batch_size={batch_size}",
+        f"--set=run.storage_path={tmp_path / 'runs'}",
+        f"--set=tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
+
+
+def test_a_managed_table_below_one_steps_ids_stops_before_ray(tmp_path: Path) -> None:
+    """One step's distinct ids (512 rows, about 512 ids) outnumber the table's 199 slots: no
+    eviction can make room, since a row looked up in a step stays its id's for the step. It
+    was found by the first step, after Ray started, suggesting a wider probe_window (here 128,
+    already wider than the bucket's 199 slots... of which none can be freed)."""
+    import ray
+
+    from raydlrm.platform.config import load_config
+    from raydlrm.platform.job_data import check_managed_capacity
+
+    result = _invoke("train", *_managed_run(tmp_path, batch_size=512))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith(
+        "error: data.managed_ids.t_C1: one training step looks up more distinct ids of table "
+        "'t_C1' than the 199 it holds (200 rows less a fallback row per bucket): 1,024 rows "
+        "drawn at random from the first 2,000 of"
+    )
+    assert "hold 1,024 (a step trains 1,024: data.batch_size 512 x 2 workers)" in line
+    assert "raise data.table_sizes.t_C1 well above 1,024" in line
+    # About 199 of the rows drawn hold 199 ids: a worker's batch of 99 (of the 2 workers).
+    assert line.endswith("or lower data.batch_size to at most 99")
+    assert not ray.is_initialized()
+    # A batch whose ids fit passes the check (it reads only the sample).
+    sets = [s.removeprefix("--set=") for s in _managed_run(tmp_path, batch_size=64)]
+    sample = pq.read_table(tmp_path / "data")
+    check_managed_capacity(load_config(None, overrides=sets), sample, where="data")
+
+
 def test_unknown_subcommand_and_option() -> None:
     assert _invoke("trian").exit_code == 2
     assert _invoke("train", "--no-such-option").exit_code == 2
