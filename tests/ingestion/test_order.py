@@ -114,6 +114,41 @@ def test_sessions_are_the_units(tmp_path: Path) -> None:
     assert found == {("runs", "user_id"), ("trend", "position"), ("trend", "session_id")}
 
 
+def _users_sessions(*, shuffled: bool) -> pa.Table:
+    """About 4,900 rows of 500 users' whole sessions (3 to 7 rows), a user holding 1 to 3
+    sessions (1.85 on average), sorted by user (or the sessions shuffled)."""
+    rng = np.random.default_rng(4)
+    per_user = rng.choice([1, 2, 3], size=500, p=[0.4, 0.35, 0.25])
+    session_user = np.repeat(np.arange(500), per_user)
+    if shuffled:
+        session_user = rng.permutation(session_user)
+    sessions = np.repeat(np.arange(len(session_user)), rng.integers(3, 8, len(session_user)))
+    n = len(sessions)
+    return pa.table(
+        {
+            "label": pa.array((rng.random(n) < 0.3).astype(np.int64)),
+            "I1": pa.array(rng.random(n)),
+            "user_id": pa.array(session_user[sessions]),
+            "item_id": pa.array(rng.integers(0, 5_000, size=n)),
+            "session_id": pa.array(sessions),
+        }
+    )
+
+
+def test_a_sort_by_user_with_whole_sessions_is_found_by_significance(tmp_path: Path) -> None:
+    """Sorted by user, sessions whole: runs of a user's sessions, 1.85 sessions on average,
+    below twice a random order's but far beyond chance, are found; the sessions shuffled are
+    not."""
+    config = dataclasses.replace(CONFIG, session_column="session_id")
+    found = _findings(_write(_users_sessions(shuffled=False), tmp_path / "sorted"), config)
+    assert [(f.kind, f.column) for f in found] == [("runs", "user_id")]
+    assert 1.6 < found[0].value < 2.0
+    assert "sessions on average" in found[0].statistic
+    assert "standard deviations away" in found[0].statistic
+    shuffled = _write(_users_sessions(shuffled=True), tmp_path / "shuffled")
+    assert _findings(shuffled, config) == []
+
+
 def test_inspect_lists_the_file_order(tmp_path: Path) -> None:
     report = inspect_data(_write(_logs(), tmp_path / "sorted"), CONFIG)
     columns = {(f["kind"], f["column"]) for f in report["file_order"]}

@@ -118,9 +118,21 @@ def test_eviction_none_refuses_a_full_window_naming_the_table() -> None:
 
 
 def test_rows_of_one_step_are_never_evicted_in_that_step() -> None:
-    m = _map(5, buckets=1, eviction="lru")
-    with pytest.raises(ManagedIdsError, match="looked up in this step"):
+    """The error suggests a wider probe_window only where the window is narrower than the
+    bucket (it once did when it covered the whole bucket, where it cannot help)."""
+    m = _map(5, buckets=1, eviction="lru")  # 4 slots, all in the window of 128
+    with pytest.raises(ManagedIdsError, match="looked up in this step") as whole:
         m.assign(torch.arange(5), now=1, training=True)
+    assert "probe_window" not in str(whole.value)
+    assert "raise data.table_sizes.t (the table's rows), or lower data.batch_size" in str(
+        whole.value
+    )
+    m = _map(9, buckets=1, eviction="lru", probe_window=2)  # 8 slots, windows of 2
+    with pytest.raises(ManagedIdsError, match="looked up in this step") as narrow:
+        m.assign(torch.arange(8), now=1, training=True)
+    assert "raise data.managed_ids.t.probe_window (up to 8), data.table_sizes.t" in str(
+        narrow.value
+    )
 
 
 def test_shards_of_whole_buckets_hold_what_the_whole_table_holds() -> None:

@@ -105,6 +105,90 @@ def test_missing_column(tmp_path: Path, tiny_data: Path) -> None:
     assert "C7" in _error_line(result)
 
 
+def test_a_statistic_the_data_cannot_give_is_bad_input_before_ray(tmp_path: Path) -> None:
+    """``data.dense_fill = "mean"`` on a column with no present value: the plain ValueError of
+    the statistics pass, before Ray starts, is exit 2 and one line naming the column and the
+    data (it was exit 1, "training failed" and a traceback: the command line tells bad input
+    by its type, and planning now gives every such error that type)."""
+    import ray
+
+    data = tmp_path / "data"
+    data.mkdir()
+    nulls = pa.array([None] * 100, pa.float64())
+    pq.write_table(
+        pa.table({"label": [i % 2 for i in range(100)], "I1": nulls, "C1": list(range(100))}),
+        data / "part-0.parquet",
+    )
+    result = _invoke(
+        "train",
+        f"--set=data.train_path={data}",
+        f"--set=data.eval_path={data}",
+        '--set=data.dense_columns=["I1"]',
+        '--set=data.sparse_columns=["C1"]',
+        "--set=data.dense_fill=mean",
+        f"--set=run.storage_path={tmp_path / 'runs'}",
+        f"--set=tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    )
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith("error: data.dense_fill = 'mean': dense column 'I1' has no present")
+    assert f"in the data at {data} " in line
+    assert "Traceback" not in result.output and "failed" not in line
+    assert not ray.is_initialized()
+
+
+def _managed_run(tmp_path: Path, *, batch_size: int) -> list[str]:
+    """A data set of 2,000 rows whose ids of C1 are nearly all distinct, and the settings of
+    a run whose managed table of C1 holds 199 of them (200 rows, one bucket)."""
+    import numpy as np
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    table = {"label": rng.integers(0, 2, 2000), "I1": rng.random(2000)}
+    pq.write_table(pa.table({**table, "C1": rng.integers(0, 10**6, 2000)}), data / "p.parquet")
+    return [
+        f"--set=data.train_path={data}",
+        f"--set=data.eval_path={data}",
+        '--set=data.dense_columns=["I1"]',
+        '--set=data.sparse_columns=["C1"]',
+        "--set=data.table_sizes.C1=200",
+        "--set=data.managed_ids.C1.eviction=lru",
+        f"--set=data.batch_size={batch_size}",
+        f"--set=run.storage_path={tmp_path / 'runs'}",
+        f"--set=tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
+
+
+def test_a_managed_table_below_one_steps_ids_stops_before_ray(tmp_path: Path) -> None:
+    """One step's distinct ids (512 rows, about 512 ids) outnumber the table's 199 slots: no
+    eviction can make room, since a row looked up in a step stays its id's for the step. It
+    was found by the first step, after Ray started, suggesting a wider probe_window (here 128,
+    already wider than the bucket's 199 slots... of which none can be freed)."""
+    import ray
+
+    from raydlrm.platform.config import load_config
+    from raydlrm.platform.job_data import check_managed_capacity
+
+    result = _invoke("train", *_managed_run(tmp_path, batch_size=512))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith(
+        "error: data.managed_ids.t_C1: one training step looks up more distinct ids of table "
+        "'t_C1' than the 199 it holds (200 rows less a fallback row per bucket): 1,024 rows "
+        "drawn at random from the first 2,000 of"
+    )
+    assert "hold 1,024 (a step trains 1,024: data.batch_size 512 x 2 workers)" in line
+    assert "raise data.table_sizes.t_C1 well above 1,024" in line
+    # About 199 of the rows drawn hold 199 ids: a worker's batch of 99 (of the 2 workers).
+    assert line.endswith("or lower data.batch_size to at most 99")
+    assert not ray.is_initialized()
+    # A batch whose ids fit passes the check (it reads only the sample).
+    sets = [s.removeprefix("--set=") for s in _managed_run(tmp_path, batch_size=64)]
+    sample = pq.read_table(tmp_path / "data")
+    check_managed_capacity(load_config(None, overrides=sets), sample, where="data")
+
+
 def test_unknown_subcommand_and_option() -> None:
     assert _invoke("trian").exit_code == 2
     assert _invoke("train", "--no-such-option").exit_code == 2
@@ -378,6 +462,37 @@ def test_checkpoint_commands_name_a_path_that_does_not_exist(tmp_path: Path) -> 
         assert result.stderr.strip() == f"error: checkpoint {missing} does not exist"
 
 
+def test_export_of_a_run_without_a_checkpoint_says_why(tmp_path: Path) -> None:
+    """A run directory with no checkpoint: the run has none, why (its job ended or still runs,
+    how far it trained) and what to do; not the advice to give the run directory it was
+    given."""
+    import os
+    import socket
+    import time
+
+    from raydlrm.platform.run_lock import LOCK_FILE
+    from raydlrm.trainers.hooks import PROGRESS_FILE
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    progress = {"step": 40, "epoch": 0, "samples": 5120, "restored": 0, "time": time.time()}
+    (run / PROGRESS_FILE).write_text(json.dumps(progress))
+    result = _invoke("export", str(run), "--output", str(tmp_path / "model"))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith(f"error: run {run} has no checkpoint: its job ended before its first")
+    assert "it trained 40 steps (5,120 samples" in line and "checkpoint.every_steps" in line
+    assert "runs/<run>" not in line
+    holder = {"token": "t", "host": socket.gethostname(), "pid": os.getpid()}
+    (run / LOCK_FILE).write_text(json.dumps({**holder, "started": 0.0, "heartbeat": time.time()}))
+    running = _error_line(_invoke("export", str(run), "--output", str(tmp_path / "model")))
+    assert f"its job still runs (pid {os.getpid()} on {socket.gethostname()}" in running
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    line = _error_line(_invoke("export", str(other), "--output", str(tmp_path / "model")))
+    assert "holds no run's files: give a checkpoint directory" in line
+
+
 @pytest.mark.parametrize("command", ["train", "retrain"])
 def test_a_config_typo_stops_before_torch_and_ray_load(command: str) -> None:
     """The config is validated before the command imports what it runs (seconds of torch, Ray
@@ -398,6 +513,20 @@ def test_a_config_typo_stops_before_torch_and_ray_load(command: str) -> None:
     )
     assert done.stdout.strip() == "exit 2 []", done.stdout + done.stderr
     assert "training.max_stesp: unknown key" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["score", "evaluate"])
+def test_a_local_model_that_does_not_exist_is_named_by_its_full_path(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(MLflow read a relative path as an artifact URI: "No such artifact: 'model'".)"""
+    monkeypatch.chdir(tmp_path)
+    args = [command, "runs/nope/model", str(tmp_path / "data")]
+    result = _invoke(*args, *([str(tmp_path / "out")] if command == "score" else []))
+    assert result.exit_code == 2, result.output
+    line = _error_line(result)
+    assert line.startswith(f"error: model {tmp_path / 'runs/nope/model'} does not exist: ")
+    assert "artifact" not in line
 
 
 @pytest.mark.parametrize("command", ["score", "evaluate"])

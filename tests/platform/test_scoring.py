@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from raydlrm.ingestion import Preprocessor, SyntheticConfig, generate_synthetic
-from raydlrm.ingestion.badinput import BadInputError
+from raydlrm.ingestion.badinput import BadInputError, locate_unscorable_row
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.platform.scoring import _PATH_COLUMN, _bad_row_located, _Scorer, _Source
+from raydlrm.platform.score_source import PATH_COLUMN, ScoreSource
+from raydlrm.platform.scorer import Scorer
 from raydlrm.storage import StorageConfig
 
 
@@ -34,12 +35,12 @@ def _with_nan(table: pa.Table, row: int, column: str = "I2") -> pa.Table:
 
 def test_an_actor_names_the_file_of_the_first_bad_row(rows: pa.Table) -> None:
     data = DataConfig()
-    scorer = _Scorer.__new__(_Scorer)  # the model is not reached: the rows are checked first
+    scorer = Scorer.__new__(Scorer)  # the model is not reached: the rows are checked first
     scorer.model, scorer.data, scorer.keep = None, data, []
     scorer.preprocess = Preprocessor(data)
     batch = _with_nan(rows.slice(0, 20), 15)
     paths = ["data/a.parquet"] * 10 + ["data/b.parquet"] * 10  # a batch over two files
-    batch = batch.append_column(_PATH_COLUMN, pa.array(paths))
+    batch = batch.append_column(PATH_COLUMN, pa.array(paths))
     with pytest.raises(BadInputError) as caught:
         scorer(batch)
     assert str(caught.value) == "data/b.parquet: dense column 'I2': NaN or infinite value"
@@ -52,9 +53,11 @@ def test_the_driver_names_the_row_group_row_and_column(rows: pa.Table, tmp_path:
     pq.write_table(_with_nan(rows, 130), bad, row_group_size=100)
     cause = BadInputError(f"{bad}: dense column 'I2': NaN or infinite value")
     columns = [c for c in data.input_columns() if c != data.label_column]
-    source = _Source.of(str(tmp_path), StorageConfig(), {})
+    source = ScoreSource.of(str(tmp_path), StorageConfig(), {})
     assert source.paths == sorted([good, bad]) and source.num_rows == 2 * rows.num_rows
-    located = _bad_row_located(cause, source=source, data=data, columns=columns)
+    located = locate_unscorable_row(
+        cause, files=source.paths, row_groups=lambda f: source.row_groups(f, columns), config=data
+    )
     message = str(located)
     assert message.startswith(
         f"bad input in {bad}, row group 1, row 30: dense column 'I2': NaN or infinite value"

@@ -764,7 +764,8 @@ def test_scoring_actors_count_the_ids_unknown_to_managed_tables(
     import ray
 
     from raydlrm.platform.export import score_table
-    from raydlrm.platform.scoring import _model_for_actors, _Scorer, _UnknownIds, model_files
+    from raydlrm.platform.scorer import Scorer, UnknownIds, model_for_actors
+    from raydlrm.platform.scoring import model_files
 
     trainer = _trainer(0, 1, str(data_dir), "row_wise^managed", "rowwise_adagrad", seed=7)
     _steps(trainer, _global_batches(str(data_dir), trainer.spec)[:2], 1)
@@ -772,9 +773,9 @@ def test_scoring_actors_count_the_ids_unknown_to_managed_tables(
     _save_model_checkpoint(trainer, ckpt)
     exported = write_model_dir(ckpt, tmp_path / "model")
     rows = pq.read_table(Path(data_dir) / "eval")
-    counter = ray.remote(num_cpus=0)(_UnknownIds).remote()
+    counter = ray.remote(num_cpus=0)(UnknownIds).remote()
     with model_files(str(exported)) as files:
-        scorer = _Scorer(_model_for_actors(files), keep=[], unknown=counter)
+        scorer = Scorer(model_for_actors(files), keep=[], unknown=counter)
         for part in (rows.slice(0, 100), rows.slice(100)):
             scorer(part)
     counted = ray.get(counter.total.remote())

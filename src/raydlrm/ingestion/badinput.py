@@ -30,6 +30,10 @@ file's rows, the others per sample. A sample is bad when its own columns are, wh
 session's are (the message names the sessions file, row group, row and session), or when its
 session has no row in the sessions file; a bad session sets all its samples aside.
 
+Scoring takes every row, whatever the policy: a scoring actor names the file of the first
+bad row of its batch (:func:`first_unscorable_row`), and the driver finds its row group and row
+in that file again (:func:`locate_unscorable_row`).
+
 Records written while training reads the data are named after their source (file, row group)
 and their pass (``<run>.<role>-e<epoch>``, :func:`run_tag`): a row group read again after a
 restart (a resumed epoch re-reads the row groups it had not finished) overwrites its own record
@@ -45,6 +49,7 @@ import os
 import re
 import uuid
 import zlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -64,10 +69,13 @@ __all__ = [
     "BadInputError",
     "apply_policy",
     "apply_session_policy",
+    "bad_input_in",
     "bad_row_rules",
     "drop_tagging_columns",
     "find_bad_ids",
     "find_bad_rows",
+    "first_unscorable_row",
+    "locate_unscorable_row",
     "quarantine_counts",
     "quarantine_rows",
     "quarantine_source",
@@ -151,7 +159,11 @@ class _Reasons:
 
 
 def find_bad_rows(
-    table: pa.Table, config: DataConfig, *, sparse_columns: list[str] | None = None
+    table: pa.Table,
+    config: DataConfig,
+    *,
+    sparse_columns: list[str] | None = None,
+    labelled: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a raw batch that training cannot use, and why.
 
@@ -160,6 +172,7 @@ def find_bad_rows(
         config: the data config (column roles, hashing, list lengths, table sizes).
         sparse_columns: the sparse columns to check (with their weight columns); default: all
             of ``config.sparse_columns``.
+        labelled: whether the label is checked (scoring reads no label: it may be absent).
 
     Returns:
         ``bad``: bool array, one per row; ``reasons``: object array of the same length, the
@@ -168,16 +181,8 @@ def find_bad_rows(
     table = decode_dictionaries(table)
     reasons = _Reasons(table.num_rows)
     flag = reasons.flag
-    label = _array(table, config.label_column)
-    if label.null_count:
-        flag(np.asarray(label.is_null()), f"label column {config.label_column!r}: null label")
-    if pa.types.is_floating(label.type) or pa.types.is_integer(label.type):
-        flag(_not_finite(label), f"label column {config.label_column!r}: NaN or infinite label")
-        values = label.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
-        flag(
-            (values < 0) | (values > 1),
-            f"label column {config.label_column!r}: label outside [0, 1]",
-        )
+    if labelled:
+        _check_label(_array(table, config.label_column), config.label_column, flag)
     for column in config.dense_columns:
         dense = _array(table, column)
         flag(_not_finite(dense), f"dense column {column!r}: NaN or infinite value")
@@ -210,6 +215,16 @@ def bad_row_rules(data: dict[str, Any]) -> dict[str, Any]:
         spec = specs.get(column) or {}
         rules.update((f"data.sparse_specs.{column}.{k}", spec.get(k, d)) for k, d in _RULES.items())
     return rules
+
+
+def _check_label(label: pa.Array, column: str, flag) -> None:
+    """Flags null, NaN, infinite and out-of-[0, 1] labels."""
+    if label.null_count:
+        flag(np.asarray(label.is_null()), f"label column {column!r}: null label")
+    if pa.types.is_floating(label.type) or pa.types.is_integer(label.type):
+        flag(_not_finite(label), f"label column {column!r}: NaN or infinite label")
+        values = label.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        flag((values < 0) | (values > 1), f"label column {column!r}: label outside [0, 1]")
 
 
 def find_bad_ids(
@@ -536,3 +551,49 @@ def apply_session_policy(
     rows = pa.Table.from_arrays([*rows.columns, *user.columns], names)
     quarantine_rows(rows, reasons[all_bad], config, tag=tag)
     return ~all_bad
+
+
+def bad_input_in(exc: BaseException) -> BadInputError | None:
+    """The :class:`BadInputError` behind an error of Ray Data's actors, if any. Ray Data
+    re-raises a UDF's error as a ``UserCodeException`` that keeps only its text, so the error
+    is found by its name in the message and made again with its own message."""
+    marker = f"{BadInputError.__name__}: "
+    for line in str(exc).splitlines():
+        if marker in line:
+            return BadInputError(line.split(marker, 1)[1].strip())
+    return None
+
+
+def first_unscorable_row(table: pa.Table, config: DataConfig) -> tuple[int, str] | None:
+    """The index and reason of the first row of raw ``table`` that cannot be scored (its label
+    is not scored, so not checked), or None."""
+    bad, reasons = find_bad_rows(table, config, labelled=False)
+    if not bad.any():
+        return None
+    first = int(np.flatnonzero(bad)[0])
+    return first, str(reasons[first])
+
+
+def locate_unscorable_row(
+    cause: BadInputError,
+    *,
+    files: list[str],
+    row_groups: Callable[[str], Iterable[pa.Table]],
+    config: DataConfig,
+) -> BadInputError:
+    """The bad row a scoring actor named by its file (``<file>: <reason>``), with its row
+    group and row, found by reading that file's row groups (``row_groups(file)``) again;
+    ``cause`` as it is when it names none of ``files``. Scoring refuses bad rows whatever
+    ``data.bad_input`` says (it applies to training), so the message suggests no quarantine."""
+    file = next((p for p in files if str(cause).startswith(f"{p}: ")), None)
+    if file is None:
+        return cause
+    for group, table in enumerate(row_groups(file)):
+        found = first_unscorable_row(table, config)
+        if found is not None:
+            row, reason = found
+            return BadInputError(
+                f"bad input in {file}, row group {group}, row {row}: {reason} (scoring "
+                "takes every row: fix or remove it)"
+            )
+    return cause

@@ -47,10 +47,13 @@ __all__ = ["OrderFinding", "order_findings"]
 
 logger = logging.getLogger(__name__)
 
-RUN_RATIO = 2.0
-"""A column has runs when its mean run is this many times what a random order gives..."""
 RUN_Z = 5.0
-"""...and its run count this many standard deviations below a random order's."""
+"""A column has runs when its run count is this many standard deviations below a random
+order's (the significance: a random order's ratio below is 1 give or take ``1/sqrt(units)``)..."""
+RUN_RATIO = 1.5
+"""...and its mean run is at least this many times what a random order gives (the minimum
+effect: a large sample makes a trivial order significant). Data sorted by a user whose sessions
+stay whole has runs of about the sessions a user has: 1.85 is common, and is found."""
 MIN_UNITS = 200
 """Rows (or sessions) a check needs in the sample to say anything."""
 RUN_SHARE = 0.01
@@ -346,8 +349,8 @@ def _runs_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Orde
         lengths.append(np.bincount(np.cumsum(np.append(0, change)), weights=rows))
     if units < MIN_UNITS or runs == 0:
         return None
-    ratio = expected / runs
-    if ratio < RUN_RATIO or (expected - runs) / math.sqrt(expected) < RUN_Z:
+    ratio, z = expected / runs, (expected - runs) / math.sqrt(expected)
+    if z < RUN_Z or ratio < RUN_RATIO:
         return None
     lengths = np.concatenate(lengths)
     typical = float(np.sum(lengths**2) / np.sum(lengths))  # the run a row is in, on average
@@ -360,8 +363,8 @@ def _runs_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Orde
         value=ratio,
         statistic=(
             f"equal ids come in runs of {units / runs:.1f} {what} on average "
-            f"({units / expected:.2f} in a random order; a row's run holds {typical:.0f} rows "
-            f"on average, the longest seen {lengths.max():.0f})"
+            f"({units / expected:.2f} in a random order, {z:.1f} standard deviations away; a "
+            f"row's run holds {typical:.0f} rows on average, the longest seen {lengths.max():.0f})"
         ),
         mixed=mixed,
         suggestion=_advice(mixing, mixed=mixed, needed_rows=needed),

@@ -210,17 +210,18 @@ class _Pass:
         self.moments.add(batch)
         self.distinct.add(batch)
 
-    def result(self) -> TrainingStatistics:
+    def result(self, *, source: str = "the data") -> TrainingStatistics:
+        """The statistics of the batches added; ``source`` names them in an error."""
         config = self.config
         stats = {}
         for column in self.standardized:
             stats[column] = self.moments.mean_std(column)
             if stats[column] is None:
                 raise ValueError(
-                    f"cannot compute the mean of standardized dense column {column!r}: the "
-                    "data set has no present (non-null), finite value of it"
+                    f"cannot compute the mean of standardized dense column {column!r}: "
+                    f"{source} has no present (non-null), finite value of it"
                 )
-        fill_values = {c: self._fill_value(c) for c in self.filled}
+        fill_values = {c: self._fill_value(c, source=source) for c in self.filled}
         fill_of = {**fill_values, **config.dense_fill_values}
         return TrainingStatistics(
             dense_stats=stats,
@@ -230,7 +231,7 @@ class _Pass:
             },
         )
 
-    def _fill_value(self, column: str) -> float:
+    def _fill_value(self, column: str, *, source: str) -> float:
         policy = self.config.dense_fill_of(column)
         if policy == "mean":
             moments = self.moments.mean_std(column)
@@ -240,8 +241,8 @@ class _Pass:
         if value is None:
             raise ValueError(
                 f"{self.config.fill_key_of(column)} = {policy!r}: dense column {column!r} has "
-                f"no present (non-null, finite) value in the training data to take the {policy} "
-                'of; fill it with "zero" or leave the column out'
+                f"no present (non-null, finite) value in {source} to take the {policy} of; "
+                'fill it with "zero" or leave the column out'
             )
         return value
 
@@ -331,7 +332,7 @@ def training_statistics(
         dataset = pads.dataset(files, format="parquet", filesystem=filesystem)
         for batch in dataset.to_batches(columns=accumulators.columns):
             accumulators.add(batch)
-    return accumulators.result()
+    return accumulators.result(source=f"the data at {path}")
 
 
 def dense_stats_of(path: str, config: DataConfig) -> dict[str, tuple[float, float]]:

@@ -500,13 +500,27 @@ class IdMap:
         usable = within & (last < now)
         score = torch.where(usable, score, torch.full_like(score, _NEVER))
         best = score.argmin(dim=1)
-        if not bool(usable.any(dim=1).all()):
-            raise ManagedIdsError(
-                f"table {self.table}: every row in an id's probe window "
-                f"({self.policy.probe_window}) was looked up in this step, none can be evicted; "
-                f"raise data.managed_ids.{self.table}.probe_window or the table's rows"
-            )
+        stuck = ~usable.any(dim=1)
+        if bool(stuck.any()):
+            raise self._full_window(int(slots[pending][stuck].min()))
         return rows.gather(1, best.unsqueeze(1)).squeeze(1)
+
+    def _full_window(self, slots: int) -> ManagedIdsError:
+        """The error of an id whose window (in a bucket of ``slots`` slots) holds only rows
+        looked up in this step: a wider window helps only while it is narrower than the
+        bucket; more rows or a smaller batch always help."""
+        window, table = self.policy.probe_window, self.table
+        if window >= slots:
+            where = f"every row of an id's bucket ({slots} slots, all in its probe window)"
+            wider = ""
+        else:
+            where = f"every row in an id's probe window ({window} of its bucket's {slots} slots)"
+            wider = f"data.managed_ids.{table}.probe_window (up to {slots}), "
+        return ManagedIdsError(
+            f"table {table}: {where} was looked up in this step, none can be evicted: this "
+            f"step's ids outnumber the rows they may take; raise {wider}data.table_sizes.{table} "
+            "(the table's rows), or lower data.batch_size"
+        )
 
     def _check(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Every id given a row in this call holds it (the collision counter, always 0; an id

@@ -46,13 +46,71 @@ def checkpoint_dir(checkpoint: str, *, model_dir_ok: bool = False) -> Iterator[P
             return
         newest = _newest_checkpoint(directory) if directory.is_dir() else None
         if newest is None:
-            fail(
-                f"{checkpoint} is not a checkpoint directory (it holds no {STATE_FILE}): give "
-                "runs/<run>/checkpoint_<time>/, or the run directory runs/<run> for its newest "
-                "intact checkpoint"
-            )
+            fail(_no_checkpoint(checkpoint, directory))
         typer.echo(f"{checkpoint}: using its newest intact checkpoint {newest}", err=True)
         yield newest
+
+
+def _no_checkpoint(given: str, directory: Path) -> str:
+    """Why ``directory`` (the command's argument ``given``) yields no checkpoint, and what to
+    do: it is no run's directory, or its run has checkpoints but none intact, or none yet."""
+    import pyarrow.fs as pafs
+
+    from raydlrm.platform.run_lock import LOCK_FILE
+    from raydlrm.platform.run_snapshot import SNAPSHOT_FILE
+    from raydlrm.trainers.checkpoints import STATE_FILE, checkpoint_names, resume_blocker
+    from raydlrm.trainers.hooks import PROGRESS_FILE
+
+    local = pafs.LocalFileSystem()
+    names = checkpoint_names(local, str(directory)) if directory.is_dir() else []
+    if names:
+        return (
+            f"run {given} has {len(names)} checkpoints, none intact: "
+            f"{resume_blocker(str(directory), local) or 'each is damaged'}"
+        )
+    run_files = (LOCK_FILE, PROGRESS_FILE, SNAPSHOT_FILE)
+    if not directory.is_dir() or not any((directory / n).exists() for n in run_files):
+        return (
+            f"{given} is not a checkpoint directory (it holds no {STATE_FILE}) and holds no "
+            "run's files: give a checkpoint directory runs/<run>/checkpoint_<time>/, or a run "
+            "directory runs/<run> for its newest intact checkpoint"
+        )
+    return f"run {given} has no checkpoint: {_why_no_checkpoint(directory)}"
+
+
+def _why_no_checkpoint(run: Path) -> str:
+    """What the run directory ``run`` tells of why its run has no checkpoint (its lock: a job
+    that still runs, or died; its progress: how far it trained), and what to do."""
+    import time
+
+    import pyarrow.fs as pafs
+
+    from raydlrm.platform.run_lock import RunLock
+    from raydlrm.trainers.hooks import PROGRESS_FILE
+
+    now = time.time()
+    holder = RunLock(pafs.LocalFileSystem(), str(run), run_name=run.name).read()
+    if holder is not None and not holder.is_stale(now):
+        return (
+            f"its job still runs ({holder.describe(now)}) and has written none yet: export it "
+            "once it has (every checkpoint.every_steps steps or checkpoint.every_minutes "
+            "minutes, and at the end of the run)"
+        )
+    try:
+        progress = json.loads((run / PROGRESS_FILE).read_text())
+        trained = (
+            f"it trained {progress['step']} steps ({progress['samples']:,} samples, last "
+            f"progress {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(progress['time']))})"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        trained = "it recorded no training step"
+    ended = "its job ended" if holder is None else f"its job died ({holder.describe(now)})"
+    return (
+        f"{ended} before its first checkpoint, {trained}; a run writes one every "
+        "checkpoint.every_steps steps or checkpoint.every_minutes minutes (both 0 by default: "
+        "only at its end). Submit the run again to train it (it starts over), with "
+        "checkpoint.every_steps or checkpoint.every_minutes set to keep a failed run's work"
+    )
 
 
 def _newest_checkpoint(run: Path) -> Path | None:

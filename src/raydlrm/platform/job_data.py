@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -231,11 +232,20 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
 
 
 def check_managed_capacity(job: JobConfig, sample: pa.Table, *, where: str) -> None:
-    """A managed table without eviction must hold every distinct id of the data: refused
-    before Ray starts when the data's first rows (``sample``) already hold more distinct ids
-    than its rows give (its size less a fallback row per bucket). Beyond the sample, a
-    training step that finds no row stops with an error naming the table. ``ttl_days`` needs
-    the data's date."""
+    """What a managed table must hold, checked against the data's first rows (``sample``, of
+    the data set ``where``) before Ray starts; beyond them, a training step that finds no row
+    stops with an error naming the table.
+
+    - Without eviction, every distinct id of the data: refused when the sample already holds
+      more distinct ids than the table's rows give (its size less a fallback row per bucket).
+    - With eviction and ``admit_after = 1`` (every id looked up takes a row), one step's
+      distinct ids: a row looked up in a step cannot be evicted in it
+      (:func:`_check_step_ids`).
+    - ``ttl_days`` needs the data's date.
+
+    Raises:
+        ConfigError: naming the table, the counts and what to change.
+    """
     config = job.data
     for name, columns in config.table_columns().items():
         policy = config.managed_of(name)
@@ -245,14 +255,18 @@ def check_managed_capacity(job: JobConfig, sample: pa.Table, *, where: str) -> N
                 "(raydlrm retrain sets it from date partitions), or use ttl_steps"
             )
         present = [c for c in columns if c in sample.column_names]
-        if policy is None or policy.eviction != "none" or not present:
+        if policy is None or not present:
             continue
+        if policy.eviction != "none":
+            if policy.admit_after == 1:
+                _check_step_ids(job, sample, table=name, columns=present, where=where)
+            continue
+        rows = config.table_size_of(columns[0])
+        capacity = rows - policy.buckets_for(rows)
         ids = [_flat_ids(sample.column(c)) for c in present]
         if len({a.type for a in ids}) > 1:
             ids = [a.cast(pa.string()) for a in ids]
         distinct = pc.count_distinct(pa.concat_arrays(ids)).as_py()
-        rows = config.table_size_of(columns[0])
-        capacity = rows - policy.buckets_for(rows)
         if distinct > capacity:
             raise ConfigError(
                 f"data.managed_ids.{name}: table {name!r} holds {capacity:,} ids ({rows:,} rows "
@@ -260,6 +274,72 @@ def check_managed_capacity(job: JobConfig, sample: pa.Table, *, where: str) -> N
                 f"{where} already have {distinct:,} distinct ids in {present}, and eviction is "
                 f"'none': raise data.table_sizes.{name} or set an eviction policy"
             )
+
+
+def _check_step_ids(
+    job: JobConfig, sample: pa.Table, *, table: str, columns: list[str], where: str
+) -> None:
+    """Refuses a managed table that one training step's distinct ids outnumber: every id a
+    step looks up takes a row (``admit_after = 1``) that no other id of the step may take, so
+    the step would stop whatever the eviction policy and ``probe_window``. A step's ids are
+    measured on the sample's rows drawn in a random order (training shuffles): ``k`` rows of
+    a step (the global batch, or the whole sample when it is smaller: a lower bound) hold
+    ``D`` distinct ids, at most ``min(k x ids per sample, the data's distinct ids)``.
+
+    Raises:
+        ConfigError: naming the table, the step's ids against its capacity, and the table
+            size and batch size that would hold them.
+    """
+    config = job.data
+    rows = config.table_size_of(config.table_columns()[table][0])
+    policy = config.managed_of(table)
+    assert policy is not None
+    capacity = rows - policy.buckets_for(rows)
+    first = _first_draws(sample, columns=columns, seed=job.training.seed)
+    step = job.global_batch_size()
+    drawn = min(step, sample.num_rows)
+    distinct = int(np.searchsorted(first, drawn))
+    if distinct <= capacity:
+        return
+    # The first first[capacity] rows drawn hold `capacity` distinct ids: a step that fits.
+    fits = max(1, int(first[capacity]) // job.scaling.num_workers)
+    raise ConfigError(
+        f"data.managed_ids.{table}: one training step looks up more distinct ids of table "
+        f"{table!r} than the {capacity:,} it holds ({rows:,} rows less a fallback row per "
+        f"bucket): {drawn:,} rows drawn at random from the first {sample.num_rows:,} of {where} "
+        f"hold {distinct:,} (a step trains {step:,}: data.batch_size {config.batch_size:,} x "
+        f"{job.scaling.num_workers} workers), and a row looked up in a step cannot be given to "
+        "another id in it, whatever the eviction policy or probe_window: raise "
+        f"data.table_sizes.{table} well above {distinct:,} (a fallback row per bucket more, and "
+        f"room for buckets that fill unevenly), or lower data.batch_size to at most {fits:,}"
+    )
+
+
+def _first_draws(sample: pa.Table, *, columns: list[str], seed: int) -> np.ndarray:
+    """For each distinct id of ``columns`` (id lists flattened, nulls left out), the position
+    of the first row holding it when the rows of ``sample`` are drawn in a random order
+    (``seed``), ascending: the first ``k`` rows drawn hold ``searchsorted(result, k)`` distinct
+    ids."""
+    position = np.empty(sample.num_rows, dtype=np.int64)
+    position[np.random.default_rng(seed).permutation(sample.num_rows)] = np.arange(sample.num_rows)
+    values, parents = [], []
+    for column in columns:
+        array = sample.column(column).combine_chunks()
+        if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+            parents.append(pc.list_parent_indices(array).to_numpy(zero_copy_only=False))
+            array = array.flatten()
+        else:
+            parents.append(np.arange(len(array)))
+        values.append(array)
+    if len({a.type for a in values}) > 1:
+        values = [a.cast(pa.string()) for a in values]
+    codes = pc.dictionary_encode(pa.concat_arrays(values)).indices.fill_null(-1)
+    codes = codes.to_numpy(zero_copy_only=False)
+    drawn_at = position[np.concatenate(parents)][codes >= 0]
+    codes = codes[codes >= 0]
+    order = np.argsort(drawn_at, kind="stable")
+    _, firsts = np.unique(codes[order], return_index=True)
+    return np.sort(drawn_at[order][firsts])
 
 
 def table_stats(job: JobConfig, batch: pa.Table) -> dict[str, TableStats]:

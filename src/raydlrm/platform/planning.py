@@ -23,6 +23,7 @@ data's statistics.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from typing import Any
 import ray.train
 from ray.train import ScalingConfig
 
-from raydlrm.platform.config import JobConfig
+from raydlrm.ingestion import DataValidationError
+from raydlrm.platform.config import ConfigError, JobConfig
 from raydlrm.platform.job_data import (
     DataShape,
     JobData,
@@ -62,6 +64,8 @@ from raydlrm.storage import is_remote
 
 __all__ = ["PlannedJob", "plan_job"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class PlannedJob:
@@ -88,12 +92,27 @@ def plan_job(
 ) -> PlannedJob:
     """The job planned in the module docstring's order; ``run_name`` None: a dry plan.
 
+    Every ``ValueError`` of the pipeline (bad input, by the project's convention: a statistic
+    the data cannot give, a plan over the budget, ...) leaves as a :class:`ConfigError`, with
+    its message, unless it is a ``DataValidationError``: nothing has run yet, and a caller (the
+    command line: exit 2 and one line) tells bad input apart by these two types.
+
     Raises:
-        ConfigError: naming the key whose setting cannot work (and why).
+        ConfigError: naming the key whose setting cannot work (and why), or any other bad
+            input found before Ray starts (the original error chained).
         DataValidationError: missing or malformed data, named.
     """
-    if run_name is None:
-        return _dry_plan(job)
+    try:
+        return _dry_plan(job) if run_name is None else _planned(job, run_name, scaling_config)
+    except (ConfigError, DataValidationError):
+        raise
+    except ValueError as exc:
+        logger.debug("planning the job failed", exc_info=exc)  # with -v: where it came from
+        raise ConfigError(str(exc)) from exc
+
+
+def _planned(job: JobConfig, run_name: str, scaling_config: ScalingConfig | None) -> PlannedJob:
+    """A run's plan (see :func:`plan_job`)."""
     job = resolve_job(job, run_name=run_name, scaling_config=scaling_config)
     check_dense_precision(job)
     data = validate_job_data(job)

@@ -6,27 +6,20 @@ same preprocessing as training: stable id hashing, dense transforms), and writes
 the kept columns (by default ``sample_id`` and the label, when present) and ``prediction``, the
 click probability. :func:`evaluate` scores a labelled data set and returns AUC and log loss.
 
-The model is a registered or logged MLflow model (``models:/name@champion``, ``models:/name/3``,
-``runs:/<id>/model``) or a model checkpoint directory (``runs/<run>/checkpoint_...``), made
-ready once on the driver as a local directory with ``model.safetensors`` (downloaded, or written
-table by table from a training checkpoint: one given, or the one a model registered by
-reference names). On a single-node cluster the actors map that file
-(every actor shares the page cache; a model larger than RAM scores, its hot rows in memory); on
-several nodes its files travel to the actors through Ray's object store, so the actors need
-neither MLflow nor the driver's disk (the model must then fit the object store). Every row
-gets a prediction: a bad row (null id, NaN dense value, ...) stops the job with a message
-naming its file and column, instead of being dropped.
+The model is a registered or logged MLflow model or a model checkpoint directory, made ready
+once on the driver as a local directory (:mod:`raydlrm.platform.model_files`); the data set is
+read by :mod:`raydlrm.platform.score_source`, and scored by the actors of
+:mod:`raydlrm.platform.scorer`. Every row gets a prediction: a bad row (null id, NaN dense
+value, ...) stops the job with a message naming its file, row group, row and column
+(:func:`raydlrm.ingestion.badinput.locate_unscorable_row`), instead of being dropped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,40 +28,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 
-from raydlrm.ingestion.clustered import file_row_groups
+from raydlrm.ingestion.badinput import bad_input_in, locate_unscorable_row
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.layout import ClusteredLayout, read_layout, sessions_file_of
 from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
 from raydlrm.ingestion.schema import check_id_kinds
-from raydlrm.storage import (
-    PartitionSelector,
-    StorageConfig,
-    StorageError,
-    filesystem_for,
-    is_remote,
-    list_files,
-    scratch_directory,
-)
-from raydlrm.trainers.checkpoints import local_checkpoint
+from raydlrm.platform.model_files import ModelFiles, model_files
+from raydlrm.platform.score_source import ScoreSource
+from raydlrm.platform.scorer import PREDICTION_COLUMN, Scorer, UnknownIds, model_for_actors
+from raydlrm.storage import PartitionSelector, StorageConfig, filesystem_for, scratch_directory
 from raydlrm.trainers.metrics import binary_metrics
-from raydlrm.trainers.model_dir import (
-    METADATA_FILES,
-    PLAN_FILE,
-    SPEC_FILE,
-    WEIGHTS_FILE,
-    find_model_dir,
-    write_model_dir,
-)
 
 __all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]
 
 logger = logging.getLogger(__name__)
-
-PREDICTION_COLUMN = "prediction"
-_PATH_COLUMN = "path"  # Ray Data's include_paths column
 
 
 @dataclass
@@ -86,170 +60,6 @@ class ScoreResult:
     unknown_ids: dict[str, int] = dataclasses.field(default_factory=dict)
     """Per managed table (``data.managed_ids``), lookups of ids its map does not hold: they
     read their bucket's fallback row (empty for a model without managed tables)."""
-
-
-@dataclass
-class ModelFiles:
-    """A model ready to score: a local directory with ``model.safetensors``, its config, plan
-    and metrics (a temporary copy when the model was downloaded or converted, removed by
-    :meth:`close`). A context manager."""
-
-    directory: Path
-    """The model directory."""
-    spec: dict[str, Any]
-    """Its worker config (``spec.json``)."""
-    _copies: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
-
-    def close(self) -> None:
-        self._copies.close()
-
-    def __enter__(self) -> ModelFiles:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-
-def model_files(model: str) -> ModelFiles:
-    """The model of a checkpoint or exported model directory (local or ``s3://``, the store
-    from the standard AWS variables), or of an MLflow model URI, as a local directory with
-    ``model.safetensors`` (see :class:`ModelFiles`).
-
-    Raises:
-        FileNotFoundError: naming the model when it holds no raydlrm model.
-    """
-    copies = contextlib.ExitStack()
-
-    def scratch() -> str:
-        return copies.enter_context(scratch_directory("model"))
-
-    try:
-        if is_remote(model):
-            try:
-                root = copies.enter_context(local_checkpoint(model, StorageConfig()))
-            except (StorageError, FileNotFoundError) as exc:
-                raise FileNotFoundError(f"model {exc}") from exc
-        elif Path(model).is_dir():
-            root = Path(model)
-        else:
-            import mlflow
-
-            try:
-                root = Path(
-                    mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=scratch())
-                )
-            except Exception as exc:  # MlflowException, OSError: a model that is not there
-                raise FileNotFoundError(f"model {model} cannot be loaded: {exc}") from exc
-        directory = find_model_dir(root) or root
-        for name in (SPEC_FILE, PLAN_FILE):
-            if not (directory / name).is_file():
-                raise FileNotFoundError(f"model {model} has no {name}")
-        if not (directory / WEIGHTS_FILE).is_file():
-            # A training checkpoint (or a model referencing one): its tables, one at a time,
-            # into a safetensors file that the actors can map.
-            directory = write_model_dir(directory, Path(scratch(), "model"))
-        spec = json.loads((directory / SPEC_FILE).read_text())
-    except BaseException:
-        copies.close()
-        raise
-    return ModelFiles(directory=directory, spec=spec, _copies=copies)
-
-
-def _model_for_actors(files: ModelFiles) -> dict[str, Any]:
-    """How the scoring actors get the model: its directory, and on a cluster of several nodes
-    (where an actor may not see the driver's disk) its files through the object store."""
-    import ray
-
-    weights = files.directory / WEIGHTS_FILE
-    shipped = None
-    if sum(1 for node in ray.nodes() if node.get("Alive")) > 1:
-        blobs = {
-            p.name: p.read_bytes()
-            for p in files.directory.iterdir()
-            if p.name in (WEIGHTS_FILE, *METADATA_FILES)
-        }
-        shipped = [ray.put(blobs)]  # in a list: Ray Data passes the reference, not its value
-    return {
-        "directory": str(files.directory),
-        "weights_bytes": weights.stat().st_size,
-        "files_ref": shipped,
-    }
-
-
-class _UnknownIds:
-    """A Ray actor summing the scoring actors' counts of ids unknown to managed tables."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-
-    def add(self, counts: dict[str, int]) -> None:
-        for table, n in counts.items():
-            self.counts[table] = self.counts.get(table, 0) + n
-
-    def total(self) -> dict[str, int]:
-        return dict(self.counts)
-
-
-class _Scorer:
-    """A Ray Data actor: the unsharded model, scoring raw Arrow batches; the lookups of ids
-    its managed tables do not know are added to ``unknown`` (an :class:`_UnknownIds` actor)
-    after each batch."""
-
-    def __init__(self, model: dict[str, Any], keep: list[str], unknown: Any = None) -> None:
-        import torch
-
-        from raydlrm.ingestion import Preprocessor
-        from raydlrm.trainers.model_dir import load_model_checkpoint
-
-        torch.set_num_threads(1)
-        weights = Path(model["directory"], WEIGHTS_FILE)
-        if weights.is_file() and weights.stat().st_size == model["weights_bytes"]:
-            # The driver's file, mapped: actors on this node share its pages.
-            loaded = load_model_checkpoint(model["directory"])
-        else:
-            import ray
-
-            if model["files_ref"] is None:
-                raise FileNotFoundError(f"scoring actor: no model at {weights}")
-            files: dict[str, bytes] = ray.get(model["files_ref"][0])
-            with scratch_directory("scorer") as tmp:
-                for name, blob in files.items():
-                    Path(tmp, name).write_bytes(blob)
-                loaded = load_model_checkpoint(tmp)  # mapped; the mapping outlives the file
-        self.model = loaded.model
-        # Every row is scored or the job stops: nothing is set aside.
-        self.data = dataclasses.replace(loaded.spec.data, bad_input="fail")
-        self.preprocess = Preprocessor(self.data)
-        self.keep = keep
-        self.unknown, self._counted = unknown, None
-
-    def __call__(self, table: pa.Table) -> pa.Table:
-        from raydlrm.ingestion.badinput import BadInputError
-        from raydlrm.platform.export import score_table
-
-        try:
-            probs = score_table(self.model, self.preprocess, self.data, table)
-        except BadInputError:
-            # A batch may span files: the one of the first bad row (the driver finds its row).
-            found = _first_bad_row(table, self.data)
-            assert found is not None, "the preprocessor refuses what find_bad_rows finds"
-            row, reason = found
-            raise BadInputError(f"{table.column(_PATH_COLUMN)[row].as_py()}: {reason}") from None
-        self._count_unknown()
-        out = table.select([c for c in self.keep if c in table.column_names])
-        return out.append_column(PREDICTION_COLUMN, pa.array(probs, pa.float32()))
-
-    def _count_unknown(self) -> None:
-        """Adds the unknown-id lookups of the batch just scored to the job's count (waiting
-        for it: the driver reads the count once the output is written)."""
-        if self.unknown is None:
-            return
-        import ray
-
-        now = self.model.embedding_bags.id_maps.unknown()
-        before = self._counted or dict.fromkeys(now, 0)
-        self._counted = now
-        ray.get(self.unknown.add.remote({t: n - before[t] for t, n in now.items()}))
 
 
 def _check_sizes(*, batch_size: int, num_actors: int) -> None:
@@ -322,116 +132,6 @@ def _check_output(output: str, storage: StorageConfig) -> None:
         raise ValueError(f"output {output} exists and is not empty: give a new directory")
 
 
-@dataclass(frozen=True)
-class _Source:
-    """The data set to score: its files (of a session-clustered set, the samples files, each
-    read with its sessions file), their filesystem, the raw schema and the row count."""
-
-    data: str
-    filesystem: pafs.FileSystem
-    paths: list[str]
-    schema: pa.Schema
-    num_rows: int
-    layout: ClusteredLayout | None
-    root: str
-
-    @classmethod
-    def of(cls, data: str, storage: StorageConfig, partitions: dict) -> _Source:
-        filesystem, paths = list_files(data, storage, partitions, role="scoring")
-        footers = []
-        for path in paths:
-            with filesystem.open_input_file(path) as f:
-                footers.append(pq.read_metadata(f))
-        schema = footers[0].schema.to_arrow_schema()
-        layout, root = read_layout(data, storage), filesystem_for(data, storage)[1]
-        if layout is not None:  # the per-session columns are in the sessions files
-            with filesystem.open_input_file(sessions_file_of(paths[0], root=root)) as f:
-                sessions = pq.read_schema(f)
-            for name in layout.session_columns:
-                if name in sessions.names and name not in schema.names:
-                    schema = schema.append(sessions.field(name))
-        rows = sum(footer.num_rows for footer in footers)
-        return cls(data, filesystem, paths, schema, rows, layout, root)
-
-    def row_groups(self, file: str, columns: list[str]) -> Iterator[pa.Table]:
-        """``file``'s rows of ``columns``, a row group at a time."""
-        return file_row_groups(
-            file, filesystem=self.filesystem, root=self.root, layout=self.layout, columns=columns
-        )
-
-    def dataset(self, columns: list[str]) -> Any:
-        """A Ray Data dataset of the rows' ``columns`` and their file (to name a bad row's)."""
-        import ray.data
-
-        if self.layout is None:
-            return ray.data.read_parquet(
-                self.paths, filesystem=self.filesystem, columns=columns, include_paths=True
-            )
-        files = ray.data.from_items([{"file": p} for p in self.paths])
-        return files.map_batches(
-            _read_clustered,
-            fn_kwargs={"source": self, "columns": columns},
-            batch_size=1,
-            batch_format="pyarrow",
-        )
-
-
-def _read_clustered(files: pa.Table, source: _Source, columns: list[str]) -> Iterator[pa.Table]:
-    """A Ray Data task: the rows of session-clustered files, joined with their sessions."""
-    for file in files.column("file").to_pylist():
-        for table in source.row_groups(file, columns):
-            yield table.append_column(_PATH_COLUMN, pa.array([file] * table.num_rows))
-
-
-def _bad_input_cause(exc: BaseException) -> BaseException | None:
-    """The :class:`BadInputError` behind an error of Ray Data's actors, if any. Ray Data
-    re-raises a UDF's error as a ``UserCodeException`` that keeps only its text, so the error
-    is found by its name in the message and raised again with its own message."""
-    from raydlrm.ingestion.badinput import BadInputError
-
-    marker = f"{BadInputError.__name__}: "
-    for line in str(exc).splitlines():
-        if marker in line:
-            return BadInputError(line.split(marker, 1)[1].strip())
-    return None
-
-
-def _first_bad_row(table: pa.Table, data: DataConfig) -> tuple[int, str] | None:
-    """The index and reason of the first row of raw ``table`` that cannot be scored (its label
-    is not scored, so not checked), or None."""
-    from raydlrm.ingestion.badinput import find_bad_rows
-    from raydlrm.platform.export import with_zero_labels
-
-    bad, reasons = find_bad_rows(with_zero_labels(table, data), data)
-    if not bad.any():
-        return None
-    first = int(np.flatnonzero(bad)[0])
-    return first, str(reasons[first])
-
-
-def _bad_row_located(
-    cause: BaseException, *, source: _Source, data: DataConfig, columns: list[str]
-) -> BaseException:
-    """The bad row a scoring actor named by its file (``<file>: <reason>``), with its row
-    group and row, found by reading that file again; ``cause`` as it is when it names no file
-    of ``paths``. Scoring refuses bad rows whatever ``data.bad_input`` says (it applies to
-    training), so the message suggests no quarantine."""
-    from raydlrm.ingestion.badinput import BadInputError
-
-    file = next((p for p in source.paths if str(cause).startswith(f"{p}: ")), None)
-    if file is None:
-        return cause
-    for group, table in enumerate(source.row_groups(file, columns)):
-        found = _first_bad_row(table, data)
-        if found is not None:
-            row, reason = found
-            return BadInputError(
-                f"bad input in {file}, row group {group}, row {row}: {reason} (scoring "
-                "takes every row: fix or remove it)"
-            )
-    return cause
-
-
 def _data_config(files: ModelFiles) -> DataConfig:
     from raydlrm.trainers.spec import WorkerSpec
 
@@ -478,7 +178,7 @@ def _score(
     import ray.data
 
     data_config = _data_config(files)
-    source = _Source.of(data, storage, partitions)
+    source = ScoreSource.of(data, storage, partitions)
     schema = source.schema
     needed = [c for c in data_config.input_columns() if c != data_config.label_column]
     keep = _columns_to_keep(data, schema, needed=needed, keep=keep, label=data_config.label_column)
@@ -490,7 +190,7 @@ def _score(
 
         init_ray(load_config(None))
     dataset = source.dataset(list(dict.fromkeys(needed + keep)))
-    unknown = ray.remote(num_cpus=0)(_UnknownIds).remote() if data_config.managed_ids else None
+    unknown = ray.remote(num_cpus=0)(UnknownIds).remote() if data_config.managed_ids else None
     scored = _scored(
         dataset,
         files=files,
@@ -503,14 +203,18 @@ def _score(
     try:
         scored.write_parquet(out_path, filesystem=out_fs)
     except Exception as exc:
-        cause = _bad_input_cause(exc)
+        cause = bad_input_in(exc)
         if cause is None:
             raise exc from None
-        raise _bad_row_located(cause, source=source, data=data_config, columns=needed) from None
+        raise locate_unscorable_row(
+            cause,
+            files=source.paths,
+            row_groups=lambda file: source.row_groups(file, needed),
+            config=data_config,
+        ) from None
     rows = pads.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
-    expected = source.num_rows
-    if rows != expected:
-        raise RuntimeError(f"scored {rows} rows of {expected} in {data}: output {output}")
+    if rows != source.num_rows:
+        raise RuntimeError(f"scored {rows} rows of {source.num_rows} in {data}: output {output}")
     seconds = time.perf_counter() - started
     counts: dict[str, int] = {}
     if unknown is not None:
@@ -530,7 +234,7 @@ def _scored(
     num_actors: int,
     unknown: Any = None,
 ) -> Any:
-    """``dataset`` scored by a pool of :class:`_Scorer` actors (a lazy Ray Data dataset)."""
+    """``dataset`` scored by a pool of :class:`Scorer` actors (a lazy Ray Data dataset)."""
     import ray.data
     from ray.util.annotations import RayDeprecationWarning
 
@@ -539,9 +243,9 @@ def _scored(
         # says are to go in Ray 2.64 (with no named replacement yet).
         warnings.filterwarnings("ignore", "`ray_remote_args`", RayDeprecationWarning)
         return dataset.map_batches(
-            _Scorer,
+            Scorer,
             fn_constructor_kwargs={
-                "model": _model_for_actors(files),
+                "model": model_for_actors(files),
                 "keep": keep,
                 "unknown": unknown,
             },
