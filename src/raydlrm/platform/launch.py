@@ -292,6 +292,7 @@ def _run(
         mode=progress_mode(job.run.progress),
         progress_file=progress_file,
         max_failures=job.run.max_failures,
+        submission=tracked.submission,
     ):
         result = trainer.fit()
     if result.checkpoint is None:
