@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import time
 from pathlib import Path
 
 import mlflow
@@ -56,6 +58,20 @@ def _config(tmp_path: Path) -> dict:
     }
 
 
+def _train_controllers_end(timeout_s: float = 60.0) -> bool:
+    """Whether no Ray Train controller is alive on the session's cluster within ``timeout_s``
+    (an actor's end, once its last handle is gone, is Ray's to carry out)."""
+    from ray._private import state
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = state.actors(actor_state_name="ALIVE").values()
+        if not [a for a in alive if "TrainController" in a["ActorClassName"]]:
+            return True
+        time.sleep(0.5)
+    return False
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -> None:
@@ -77,7 +93,13 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     # The logged model holds its own copy of the weights (the default here would reference
     # the checkpoint).
     config["tracking"]["model_weights"] = "copy"
+    handler = signal.getsignal(signal.SIGINT)
     result = raydlrm.train(config)
+    # Ray Train's Ctrl-C handler, which holds the run's controller, is gone with the run: the
+    # controller ends now (it lived on until the next run or the session's end), and a later
+    # Ctrl-C is the caller's again (it was swallowed twice, then exited with status 0).
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert _train_controllers_end(), "the run's Train controller outlives the run"
     assert [t.name for t in result.plan.tables if t.placement == "ssd"] == ["t_C1", "t_C20"]
     for name in ("t_C1", "t_C20"):  # the page cache holds the tables (small, just trained)
         assert 0 < result.metrics[f"tier/{name}/resident_fraction"] <= 1

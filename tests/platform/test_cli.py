@@ -341,6 +341,77 @@ def test_unwritable_or_too_small_ssd_path_stops_before_ray_starts(
     )
 
 
+_RAY_TIMES_OUT = """
+import os, sys
+import psutil
+# Ray waits this long for its GCS to start (30 s by default, which a busy machine exceeds).
+os.environ["RAY_gcs_server_port_wait_time_s"] = "0"
+from raydlrm.platform.cli import app
+data = sys.argv[1]
+try:
+    app(["train", "--set", f"data.train_path={data}/train", "--set", f"data.eval_path={data}/eval"])
+except SystemExit as e:
+    print("exit", e.code)
+print("left", [p.name() for p in psutil.Process().children(recursive=True)])
+import ray
+real = ray.init
+def first_times_out(*args, **kwargs):
+    try:
+        return real(*args, **kwargs)
+    finally:
+        os.environ.pop("RAY_gcs_server_port_wait_time_s", None)  # Ray's default from then on
+ray.init = first_times_out
+from raydlrm.platform.config import load_config
+from raydlrm.platform.ray_init import init_ray
+init_ray(load_config({"ray": {"num_cpus": 2, "include_dashboard": False}}))
+print("started", ray.is_initialized())
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_local_ray_that_does_not_start_is_retried_once_then_one_line(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """A local Ray whose start-up times out (here Ray's wait for its GCS is made zero) is
+    started once more, the failed start's processes stopped first; failed twice, the command
+    stops with exit 2 and one line saying that Ray did not start (it was "training failed",
+    exit 1 and a traceback). A start that fails once and then succeeds runs the job."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _RAY_TIMES_OUT, str(tiny_data)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert out[0] == "exit 2", done.stdout + done.stderr[-3000:]
+    assert out[1] == "left []"  # the failed starts' GCS processes are stopped
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert errors[0].startswith(
+        "error: Ray did not start: a new local Ray instance failed to start twice "
+        "(RuntimeError: Timed out waiting for file "
+    )
+    assert errors[0].endswith(
+        "the machine may be too busy for Ray's start-up timeouts: run the command again "
+        "when it is quieter, or set ray.address to a running cluster"
+    )
+    assert out[2] == "started True"
+    retries = [ln for ln in done.stderr.splitlines() if "trying once more" in ln]
+    assert len(retries) == 2, done.stderr[-3000:]  # once in the command, once here
+
+
 def test_config_show_and_validate() -> None:
     shown = json.loads(_invoke("config", "show", "--set", "model.arch=dcnv2").stdout)
     assert shown["model"]["arch"] == "dcnv2"

@@ -61,7 +61,6 @@ def test_off_polls_nothing_and_auto_is_lines_without_a_terminal(tmp_path: Path) 
 
 def test_bar_shows_samples(tmp_path: Path, monkeypatch) -> None:
     client, run_id = _run(tmp_path)
-    client.log_metric(run_id, "samples_seen", 600)
     out = io.StringIO()
     import rich.progress
 
@@ -72,6 +71,7 @@ def test_bar_shows_samples(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(rich.progress.Progress, "__init__", to_buffer)
     with TrainingProgress(client, run_id, total_samples=1000, mode="bar", poll_s=0.05):
+        client.log_metric(run_id, "samples_seen", 600)  # a report of the job
         time.sleep(0.2)
     assert "600/1000" in out.getvalue() and "training" in out.getvalue()
 
@@ -155,6 +155,37 @@ def test_a_resumed_jobs_rate_counts_only_the_samples_it_trained(tmp_path: Path) 
     assert 0 < rates[-1] < 1_000, progress.lines
 
 
+def test_a_resumed_job_shows_no_figure_of_the_previous_submission(tmp_path: Path) -> None:
+    """The job continues its run's MLflow run, whose metrics are the previous submission's
+    (5,000 samples; its last checkpoint held 4,800): no line before this job trains, then
+    this job's count, not the old one (and no rate made of it)."""
+    import pyarrow.fs as pafs
+
+    from raydlrm.trainers.hooks import PROGRESS_FILE
+
+    client, run_id = _run(tmp_path)
+    earlier = [("samples_seen", 5_000), ("epoch", 1), ("train/loss", 0.25)]
+    client.log_batch(run_id, metrics=[Metric(k, v, 0, 40) for k, v in earlier])
+    path = tmp_path / PROGRESS_FILE
+    progress = TrainingProgress(
+        client,
+        run_id,
+        total_samples=10_000,
+        mode="lines",
+        progress_file=(pafs.LocalFileSystem(), str(path)),
+        poll_s=0.05,
+        line_interval_s=0.0,
+    )
+    with progress:
+        time.sleep(0.3)  # the workers start: nothing trained yet
+        assert progress.lines == []
+        path.write_text('{"step": 39, "epoch": 1, "samples": 4900, "restored": 4800}')
+        time.sleep(0.3)
+    assert progress.lines, "no line once this job trained"
+    assert all(line.startswith("training: 4900/10000 samples") for line in progress.lines)
+    assert "loss" not in progress.lines[-1]  # the old loss is not this job's either
+
+
 def test_no_line_before_this_job_trains_a_sample(tmp_path: Path) -> None:
     """Neither a line of 0 samples nor one of only the restored samples."""
     import pyarrow.fs as pafs
@@ -187,6 +218,7 @@ def test_a_recovered_worker_failure_is_one_line(tmp_path: Path) -> None:
     client, run_id = _run(tmp_path)
     progress = TrainingProgress(client, run_id, total_samples=10, mode="lines", max_failures=1)
     record = {
+        "submission": 1,
         "failures": 1,
         "ranks": [1],
         "cause": "rank 1: OSError: disk",
@@ -203,3 +235,25 @@ def test_a_recovered_worker_failure_is_one_line(tmp_path: Path) -> None:
     client.set_tag(run_id, "raydlrm.worker_failure", json.dumps(record))
     progress._poll(final=False)
     assert len(progress.lines) == 1  # beyond max_failures: the job fails with its error
+
+
+def test_a_later_submission_does_not_repeat_an_earlier_ones_failure(tmp_path: Path) -> None:
+    """The run's tag still holds the first submission's failure when the run is submitted
+    again: the second tells only its own."""
+    import json
+
+    client, run_id = _run(tmp_path)
+    record = {"submission": 1, "failures": 1, "ranks": [1], "cause": "rank 1: killed"}
+    client.set_tag(run_id, "raydlrm.worker_failure", json.dumps(record | {"checkpoint": None}))
+    progress = TrainingProgress(
+        client, run_id, total_samples=10, mode="lines", max_failures=3, submission=2
+    )
+    progress._poll(final=False)
+    assert progress.lines == []
+    record.update(submission=2, checkpoint="/r/ck_2")
+    client.set_tag(run_id, "raydlrm.worker_failure", json.dumps(record))
+    progress._poll(final=False)
+    assert progress.lines == [
+        "workers failed (rank 1: killed): restarting the workers from /r/ck_2 "
+        "(failure 1 of run.max_failures = 3)"
+    ]

@@ -8,6 +8,8 @@ same MLflow run."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +24,7 @@ from typer.testing import CliRunner
 
 import raydlrm
 from raydlrm.platform.cli import app
+from raydlrm.platform.worker_failure import WorkerDiedError
 from raydlrm.trainers.checkpoints import local_checkpoint, read_state_file
 from raydlrm.trainers.model_dir import ModelWeights
 
@@ -132,6 +135,7 @@ def test_worker_killed_mid_epoch_resumes_exactly(uninterrupted, monkeypatch) -> 
     tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
     failure = json.loads(tags["raydlrm.worker_failure"])
     assert failure["failures"] == 1 and 1 in failure["ranks"] and "rank 1" in failure["cause"]
+    assert failure["submission"] == 1  # a later submission does not tell it again
     assert failure["checkpoint"] and failure["checkpoint"] != result.checkpoint_path
 
 
@@ -146,20 +150,25 @@ def _differential(config: dict) -> dict:
     return config
 
 
-def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> None:
+def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch, caplog) -> None:
     """A differential run whose retention deleted checkpoints behind Ray Train (which still
     lists them in its run snapshot) fails and is submitted again: it resumes from its newest
     intact checkpoint, ends with the uninterrupted run's weights, and continues the same MLflow
-    run; finished, it is given a third epoch and goes on from its final checkpoint."""
+    run; finished, it is given a third epoch and goes on from its final checkpoint. The failed
+    submission's error names the dead rank and its process, why it was fatal and the
+    checkpoint the next submission resumes from; the next does not tell that failure again."""
     root, clean = uninterrupted
     monkeypatch.setenv("RAYDLRM_FAULT", "rank=0,step=12,during=checkpoint")
-    with pytest.raises(Exception, match=r"(?i)fail|error|died|exit"):
+    with pytest.raises(WorkerDiedError) as failed:
         raydlrm.train(_differential(_config(root, "resubmitted")))
     # The checkpoint being written at step 12 never became the latest: step 9's is, and
     # retention deleted steps 3 and 6 (Ray Train's snapshot still names them).
     run_dir = Path(root, "runs", "resubmitted")
     complete = [p for p in run_dir.glob("checkpoint_*") if Path(p, "trainer_state.json").is_file()]
     assert [read_state_file(p)["step"] for p in complete] == [9]
+    assert re.match(r"worker rank 0 \(pid \d+ on [\d.]+\) died \(Ray: ", str(failed.value))
+    assert "; run.max_failures = 0 made it fatal (above 0, Ray Train restarts" in str(failed.value)
+    assert str(failed.value).endswith(f"resumes it from checkpoint {complete[0]}")
     # Its data position counts rows by row group of the files the epoch began with, listed.
     files = [[f"part-{i:05d}.parquet", [512]] for i in range(ROWS // 512)]
     assert read_state_file(complete[0])["position"]["files"] == files
@@ -173,7 +182,11 @@ def test_kill_while_checkpointing_then_resubmit(uninterrupted, monkeypatch) -> N
     assert len(first) == 1 and first[0].info.status == "FAILED"
 
     monkeypatch.delenv("RAYDLRM_FAULT")
-    result = raydlrm.train(_differential(_config(root, "resubmitted")))
+    caplog.set_level(logging.WARNING, logger="raydlrm.platform.progress")
+    # Failures it could recover from would be told: the first submission's is not its own.
+    result = raydlrm.train(_differential(_config(root, "resubmitted", max_failures=1)))
+    told = [r.getMessage() for r in caplog.records if r.name == "raydlrm.platform.progress"]
+    assert not [line for line in told if line.startswith("workers failed")], told
     _assert_same_run(root, clean, result, "resubmitted")
     runs = client.search_runs(
         [experiment.experiment_id], filter_string="tags.`raydlrm.run_name` = 'resubmitted'"

@@ -10,9 +10,12 @@ training row. A failure after the run was opened marks the run failed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,14 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray.train
 from ray.train import CheckpointConfig as RayCheckpointConfig
-from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train import (
+    FailureConfig,
+    LoggingConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+    UserCallback,
+)
 from ray.train.torch import TorchTrainer
 
 from raydlrm._logs import configure_api, library_level, quiet_libraries, worker_level
@@ -42,6 +52,7 @@ from raydlrm.platform.ray_init import init_ray
 from raydlrm.platform.run_lock import run_lock
 from raydlrm.platform.run_snapshot import drop_deleted_checkpoints
 from raydlrm.platform.tracking import TAG_CHECKPOINT, TrackedRun, start_run
+from raydlrm.platform.worker_failure import fatal_worker_failure
 from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
 from raydlrm.trainers.checkpoints import newest_intact_stored
@@ -112,6 +123,8 @@ def train(
     Raises:
         ConfigError: an invalid config, before anything runs.
         DataValidationError: missing or malformed data, before any training starts.
+        WorkerDiedError: a worker's process died (or hung) and ended the run: the rank, the
+            process, why it was fatal and the checkpoint a re-submission resumes from.
     """
     job = load_config(config, overrides=overrides)
     configure_api()
@@ -292,11 +305,53 @@ def _run(
         mode=progress_mode(job.run.progress),
         progress_file=progress_file,
         max_failures=job.run.max_failures,
+        submission=tracked.submission,
     ):
-        result = trainer.fit()
+        result = _fit(trainer, job=job, run_name=run_name)
     if result.checkpoint is None:
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
     return _log_final_model(job, result=result, tracked=tracked, plan=plan)
+
+
+def _fit(trainer: TorchTrainer, *, job: JobConfig, run_name: str) -> ray.train.Result:
+    """``trainer.fit()``; a run that a dead or hung worker ended raises
+    :class:`~raydlrm.platform.worker_failure.WorkerDiedError` (rank, process, why, where a
+    re-submission resumes) from Ray Train's error."""
+    try:
+        with _sigint_restored():
+            return trainer.fit()
+    except TrainingFailedError as error:
+        root, filesystem = run_storage(job)
+        died = fatal_worker_failure(
+            error,
+            max_failures=trainer.run_config.failure_config.max_failures,
+            run_directory=f"{root}/{run_name}",
+            filesystem=filesystem or pafs.LocalFileSystem(),
+            scheme=scheme_of(job.run.storage_path),
+        )
+        if died is None:
+            raise
+        raise died from error
+
+
+@contextlib.contextmanager
+def _sigint_restored() -> Iterator[None]:
+    """Puts back the SIGINT handler that was in place before Ray Train's ``fit`` (main thread
+    only). Ray Train's (Ctrl-C aborts the run) stays installed after ``fit`` returns, and its
+    closure holds the run's controller actor: the controller outlived the run, idle, until the
+    next ``fit`` replaced the handler or Ray shut down, and so ended with the cluster rather
+    than with its run (the test session's leftover check once found one still running 30 s
+    after ``ray.shutdown()``). A Ctrl-C after the run (a notebook, a script going on) was
+    swallowed twice, the third ending the process with status 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # fit sets no handler there
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: set outside Python, not restorable from here
+            signal.signal(signal.SIGINT, previous)
 
 
 def _log_final_model(

@@ -14,6 +14,10 @@ run's count); the line's samples/s count only the samples trained by this job, o
 time since training was launched (Ray Train's and the workers' start-up included; the
 summary's throughput counts training steps only). ``run.progress`` chooses (``auto``, ``bar``,
 ``lines``, ``off``).
+
+A resumed job continues its run's MLflow run, which holds the previous submission's last
+metrics and worker failure: the metrics are read only once this job has changed them, and
+only this submission's failures are told.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class TrainingProgress:
         progress_file: the run's progress file (its filesystem and path), or None.
         max_failures: ``run.max_failures`` (-1: no limit): the worker failures that Ray Train
             recovers from, each told in one line (the run's ``raydlrm.worker_failure`` tag).
+        submission: this job's submission of the run (``raydlrm.submissions``): a failure
+            recorded by another submission is not this job's to tell.
         poll_s: seconds between polls.
         line_interval_s: seconds between log lines in ``lines`` mode.
     """
@@ -79,6 +85,7 @@ class TrainingProgress:
         mode: str,
         progress_file: tuple[pafs.FileSystem, str] | None = None,
         max_failures: int = 0,
+        submission: int = 1,
         poll_s: float = POLL_S,
         line_interval_s: float = LINE_INTERVAL_S,
     ):
@@ -90,7 +97,9 @@ class TrainingProgress:
         self.poll_s = poll_s
         self.line_interval_s = line_interval_s
         self.max_failures = max_failures
+        self.submission = submission
         self._failures_told = 0
+        self._earlier: dict[str, float] = {}  # the run's metrics when this job started
         self.lines: list[str] = []
         """The lines logged in ``lines`` mode (for tests)."""
         self._stop = threading.Event()
@@ -106,6 +115,8 @@ class TrainingProgress:
         if self.mode == "off":
             return self
         self._remove_stale_file()
+        with contextlib.suppress(Exception):  # MLflow unreachable: none to set aside
+            self._earlier = dict(self.client.get_run(self.run_id).data.metrics)
         if self.mode == "bar":
             from rich.progress import (
                 BarColumn,
@@ -175,7 +186,8 @@ class TrainingProgress:
     def _poll(self, *, final: bool) -> None:
         try:
             data = self.client.get_run(self.run_id).data
-            metrics = data.metrics
+            # A continued run's metrics are the previous submission's until this job reports.
+            metrics = {k: v for k, v in data.metrics.items() if self._earlier.get(k) != v}
             self._tell_failure(data.tags.get(FAILURE_TAG))
         except Exception:
             metrics = {}
@@ -199,11 +211,13 @@ class TrainingProgress:
         self._line(samples, status=status, final=final)
 
     def _tell_failure(self, tag: str | None) -> None:
-        """One warning line per worker failure that Ray Train recovers from (the last one,
-        which ends the job, is the job's error)."""
+        """One warning line per worker failure of this submission that Ray Train recovers from
+        (the last one, which ends the job, is the job's error)."""
         if tag is None:
             return
         record = json.loads(tag)
+        if record.get("submission") != self.submission:  # an earlier submission's failure
+            return
         failures = int(record["failures"])
         if failures <= self._failures_told:
             return

@@ -5,22 +5,37 @@ answer on TCP before ``ray.init`` is asked to join it (``ray.init`` retries an u
 for many minutes). Without one, a new local Ray instance starts with settings for a single
 machine (:data:`LOCAL_RAY_ENV`, enough CPUs for the workers and Ray Data's tasks, the State API
 pinned to its own dashboard), and a reaper process ends it if the driver is killed.
+
+A local instance whose start-up fails (Ray waits a fixed time for its GCS and raylet, which a
+busy machine can exceed) leaves the processes it started running: they are stopped and the
+start is tried once more, then the job stops with :class:`RayStartError`, one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import socket
+from collections.abc import Iterable
 from typing import Any
 
+import psutil
 import ray
 
+from raydlrm._errors import cause_line
 from raydlrm._logs import library_level, quiet_libraries
 from raydlrm.platform import _reaper
 from raydlrm.platform.config import ConfigError, JobConfig
 
-__all__ = ["LOCAL_RAY_ENV", "filter_worker_output", "init_ray", "ray_address"]
+__all__ = ["LOCAL_RAY_ENV", "RayStartError", "filter_worker_output", "init_ray", "ray_address"]
+
+logger = logging.getLogger(__name__)
+
+
+class RayStartError(ConfigError):
+    """A new local Ray instance did not start, twice (before anything of the job ran)."""
 
 
 def ray_address(job: JobConfig) -> str:
@@ -136,6 +151,7 @@ def init_ray(job: JobConfig) -> None:
 
     Raises:
         ConfigError: the named cluster does not answer (naming the address and its source).
+        RayStartError: a new local instance did not start, tried twice.
     """
     if ray.is_initialized():
         filter_worker_output()
@@ -165,10 +181,68 @@ def init_ray(job: JobConfig) -> None:
         _check_reachable(address, source="ray.address" if config.address else "$RAY_ADDRESS")
     kwargs["log_to_driver"] = config.log_to_driver
     kwargs["logging_level"] = library_level()  # "Started a local Ray instance" and the like
-    ray.init(address=address, **{k: v for k, v in kwargs.items() if v is not None})
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if address == "local":
+        _start_local(kwargs)
+    else:
+        ray.init(address=address, **kwargs)
     filter_worker_output()
     if address == "local":
         _reaper.start()
+
+
+def _start_local(kwargs: dict[str, Any]) -> None:
+    """Starts a new local Ray instance, a second time if the first start fails (nothing of
+    the job has run yet, and the failed start's processes are stopped first).
+
+    Raises:
+        RayStartError: both starts failed.
+    """
+    for attempt in (1, 2):
+        before = _ray_processes()
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except (TypeError, ValueError):
+            raise  # Ray refused the arguments: no start-up to retry
+        except Exception as error:
+            # ray.init keeps no handle on what it started before it failed (its GCS, a
+            # raylet): they would run, idle, as long as this process.
+            _stop(p for key, p in _ray_processes().items() if key not in before)
+            if attempt == 2:
+                raise RayStartError(
+                    f"Ray did not start: a new local Ray instance failed to start twice "
+                    f"({cause_line(error)}); the machine may be too busy for Ray's start-up "
+                    "timeouts: run the command again when it is quieter, or set ray.address "
+                    "to a running cluster"
+                ) from error
+            logger.warning("Ray did not start (%s); trying once more", cause_line(error))
+
+
+def _ray_processes() -> dict[tuple[int, float], psutil.Process]:
+    """This process's descendants that are Ray's (its binaries and scripts, its workers), by
+    pid and start time (a pid can be reused)."""
+    package = os.path.dirname(ray.__file__)
+    found = {}
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if package in " ".join(process.cmdline()) or process.name().startswith("ray::"):
+                found[(process.pid, process.create_time())] = process
+        except psutil.Error:
+            continue
+    return found
+
+
+def _stop(processes: Iterable[psutil.Process], *, grace_s: float = 5.0) -> None:
+    """Terminates ``processes``, then kills those still running after ``grace_s``."""
+    processes = list(processes)
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 # The State API address this process pinned for the local instance it started (None: none).

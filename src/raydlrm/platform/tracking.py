@@ -172,10 +172,12 @@ def _log_batch(
 class TrackedRun:
     """A handle on the job's MLflow run (driver side)."""
 
-    def __init__(self, *, tracking_uri: str, run_id: str, experiment_id: str):
+    def __init__(self, *, tracking_uri: str, run_id: str, experiment_id: str, submission: int = 1):
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.experiment_id = experiment_id
+        self.submission = submission
+        """This job's submission of the run (1 for a new run; ``raydlrm.submissions``)."""
         self.client = MlflowClient(tracking_uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -226,7 +228,10 @@ class TrackedRun:
     def callback(self, storage_scheme: str | None = None) -> MLflowReportCallback:
         """The Ray Train callback that logs the workers' reports to this run."""
         return MLflowReportCallback(
-            tracking_uri=self.tracking_uri, run_id=self.run_id, storage_scheme=storage_scheme
+            tracking_uri=self.tracking_uri,
+            run_id=self.run_id,
+            storage_scheme=storage_scheme,
+            submission=self.submission,
         )
 
 
@@ -249,11 +254,12 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
     experiment = set_experiment(config.tracking.experiment_name, tracking_uri=uri)
     client = MlflowClient(uri)
     run = _existing_run(client, experiment.experiment_id, run_key) if run_key else None
+    submission = 1
     if run is not None:
         client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
-        restarts = int(run.data.tags.get("raydlrm.submissions", "1")) + 1
-        client.set_tag(run.info.run_id, "raydlrm.submissions", str(restarts))
-        logger.info("continuing MLflow run %s (submission %d)", run.info.run_id, restarts)
+        submission = int(run.data.tags.get("raydlrm.submissions", "1")) + 1
+        client.set_tag(run.info.run_id, "raydlrm.submissions", str(submission))
+        logger.info("continuing MLflow run %s (submission %d)", run.info.run_id, submission)
     else:
         tags = {"raydlrm.run_name": run_name, "raydlrm.submissions": "1"}
         if run_key:
@@ -262,7 +268,10 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
             tags["mlflow.parentRunId"] = config.tracking.parent_run_id
         run = client.create_run(experiment.experiment_id, run_name=run_name, tags=tags)
     tracked = TrackedRun(
-        tracking_uri=uri, run_id=run.info.run_id, experiment_id=experiment.experiment_id
+        tracking_uri=uri,
+        run_id=run.info.run_id,
+        experiment_id=experiment.experiment_id,
+        submission=submission,
     )
     resolved = redact(config.to_dict())  # credentials never reach MLflow
     tracked.log_params(flatten(resolved))
@@ -275,7 +284,8 @@ def start_run(config: JobConfig, *, run_name: str, run_key: str | None = None) -
 
 FAILURE_TAG = "raydlrm.worker_failure"
 """The run's tag that records the last worker failure (JSON; see
-:meth:`MLflowReportCallback.after_exception`)."""
+:meth:`MLflowReportCallback.after_exception`). A later submission of the run finds it there:
+its ``submission`` tells whose failure it was."""
 
 
 class MLflowReportCallback(UserCallback):
@@ -296,6 +306,8 @@ class MLflowReportCallback(UserCallback):
         max_pending: metrics kept while the server is unreachable.
         storage_scheme: the run storage's URI scheme (``s3``) when it is remote: Ray names
             checkpoints there without it, the run records them as URIs.
+        submission: the job's submission of the run (``raydlrm.submissions``), recorded with
+            each worker failure.
     """
 
     def __init__(
@@ -305,11 +317,13 @@ class MLflowReportCallback(UserCallback):
         run_id: str,
         max_pending: int = 100_000,
         storage_scheme: str | None = None,
+        submission: int = 1,
     ):
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.max_pending = max_pending
         self.storage_scheme = storage_scheme
+        self.submission = submission
         self._client: MlflowClient | None = None
         self._pending: list[Metric] = []
         self._lost = 0
@@ -323,6 +337,7 @@ class MLflowReportCallback(UserCallback):
             "run_id": self.run_id,
             "max_pending": self.max_pending,
             "storage_scheme": self.storage_scheme,
+            "submission": self.submission,
             "_client": None,
             "_pending": [],
             "_lost": 0,
@@ -332,14 +347,16 @@ class MLflowReportCallback(UserCallback):
         }
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        """Records a worker failure on the run (tag ``raydlrm.worker_failure``: the failure's
-        count, the failed ranks, their causes' lines and the last reported checkpoint), from
-        which the driver writes one line while Ray Train restarts the workers."""
+        """Records a worker failure on the run (tag ``raydlrm.worker_failure``: the job's
+        submission, the failure's count in it, the failed ranks, their causes' lines and the
+        last reported checkpoint), from which the driver writes one line while Ray Train
+        restarts the workers."""
         self._failures += 1
         causes: dict[str, list[int]] = {}  # a rank's death fails its peers' collectives too
         for rank in sorted(worker_exceptions):
             causes.setdefault(cause_line(worker_exceptions[rank]), []).append(rank)
         record = {
+            "submission": self.submission,
             "failures": self._failures,
             "ranks": sorted(worker_exceptions),
             "cause": "; ".join(
