@@ -144,12 +144,12 @@ def _config(sc: dict) -> ShardingConfig:
         eps=EPS,
         weights_precision=_precision(sc),
         weights_precision_per_table={"t4": "fp32"} if _precision(sc) != "fp32" else {},
-        cache_load_factor=1.0,
-        cache_load_factor_per_table=sc.get("host", {}),
+        cache_load_factor=1.0,  # quantized tables: every row of a shard cached
+        cache_load_factor_per_table=sc.get("host", {})
+        | dict.fromkeys(sc.get("ssd", []), sc.get("cache")),
+        cache_min_rows=36 if sc.get("ssd") else None,
         placement=dict.fromkeys(sc.get("ssd", []), "ssd")
         | dict.fromkeys(sc.get("host", []), "host"),
-        ssd_cache_load_factor=sc.get("cache", 0.2),
-        ssd_cache_min_rows=36,
         kernel=sc.get("kernel", "fbgemm"),
     )
 
