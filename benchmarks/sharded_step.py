@@ -22,7 +22,7 @@ Variants:
   adds each repeat's major page faults per step on rank 0 (reads the page cache missed), and
   the end the share of rank 0's table bytes in the page cache. Not in the default set.
 - ``-ssd`` and ``-auto`` variants put a DRAM row cache of ``--cache-load-factor`` of each
-  ssd shard's rows (``sharding.ssd_cache_load_factor``, default 0.2) in front of the files;
+  ssd shard's rows (``sharding.cache_load_factor``, default 0.2) in front of the files;
   ``-nocache`` after them turns it off (the kernels update the mapped files in place). The end
   adds the cache's hit rate over the distinct ids looked up on rank 0.
 - ``raydlrm-tw-auto``: the planner's tiers (``sharding.default_placement = "auto"``) within a
@@ -147,7 +147,7 @@ def _raydlrm(
         comm_precision=comm_precision,
         default_placement=placement,
         ssd_path=ssd_path,
-        ssd_cache_load_factor=cache_load_factor,
+        cache_load_factor=cache_load_factor,
         kernel=kernel,
     )
     budget = None
@@ -449,7 +449,7 @@ def main() -> None:
         "--cache-load-factor",
         type=float,
         default=0.2,
-        help="sharding.ssd_cache_load_factor of the -ssd/-auto variants (-nocache: 0)",
+        help="sharding.cache_load_factor of the -ssd/-auto variants (-nocache: 0)",
     )
     args = parser.parse_args()
 

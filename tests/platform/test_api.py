@@ -87,8 +87,8 @@ def test_train_from_python_returns_result(tmp_path: Path, ray_cluster, caplog) -
     # their 500 rows (rows evicted and read back): trained, checkpointed, exported.
     config["sharding"] = {
         "placement": {"t_C1": "ssd", "t_C20": "ssd"},
-        "ssd_cache_load_factor": 0.5,
-        "ssd_cache_min_rows": 200,
+        "cache_load_factor": 0.5,
+        "cache_min_rows": 200,
     }
     # The logged model holds its own copy of the weights (the default here would reference
     # the checkpoint).

@@ -55,6 +55,25 @@ def test_unknown_key_is_named_with_its_dotted_path() -> None:
         load_config(overrides=["bogus.x=1"])
 
 
+def test_retired_row_cache_keys_are_refused_naming_their_replacements(tmp_path: Path) -> None:
+    """The ssd row cache's keys became the one family that sizes every row cache: a config
+    that still sets them is refused (it would otherwise size nothing), naming the new keys."""
+    f = tmp_path / "run.toml"
+    f.write_text("[sharding]\nssd_cache_load_factor = 0.3\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"sharding\.ssd_cache_load_factor: no longer a key: .* set "
+        r"sharding\.cache_load_factor \(per table: sharding\.cache_load_factor_per_table\)",
+    ):
+        load_config(f)
+    with pytest.raises(
+        ConfigError, match=r"sharding\.ssd_cache_min_rows: no longer a key: .* sharding\.cache_min"
+    ):
+        load_config(overrides=["sharding.ssd_cache_min_rows=100"])
+    job = load_config(overrides=["sharding.cache_load_factor=0.3", "sharding.cache_min_rows=100"])
+    assert (job.sharding.cache_load_factor, job.sharding.cache_min_rows) == (0.3, 100)
+
+
 def test_invalid_values_are_named() -> None:
     with pytest.raises(ConfigError, match=r"model\.arch: .*got 'transformer'"):
         load_config(overrides=["model.arch=transformer"])

@@ -77,6 +77,10 @@ def test_the_space_is_checked_against_the_config_before_any_trial() -> None:
         check("model.arch=choice(dlrm, mlp)")
     with pytest.raises(ConfigError, match=r"tune\.search\.training\.learning_rate = -1"):
         check("training.learning_rate=uniform(-1, 1)")
+    # Keys unset by default (a default per kind of row cache) are numbers all the same.
+    check("sharding.cache_load_factor=uniform(0.01, 0.3)", "sharding.cache_min_rows=randint(1, 9)")
+    with pytest.raises(ConfigError, match=r"tune\.search\.sharding\.cache_min_rows: an integer"):
+        check("sharding.cache_min_rows=uniform(1, 9)")
 
 
 def test_a_trial_that_cannot_fit_the_cluster_is_refused_before_any_starts(caplog) -> None:

@@ -308,10 +308,10 @@ def test_a_row_cache_as_large_as_its_table_is_warned_about(caplog) -> None:
     )
     for min_rows, warned in ((65536, True), (8192, False)):
         caplog.clear()
-        config = ShardingConfig(placement={"t_big": "ssd"}, ssd_cache_min_rows=min_rows)
+        config = ShardingConfig(placement={"t_big": "ssd"}, cache_min_rows=min_rows)
         with caplog.at_level(logging.WARNING, logger="raydlrm.sharding.planner"):
             plan_sharding([table], world_size=1, config=config)
         messages = [r.getMessage() for r in caplog.records]
         assert bool(messages) == warned, messages
         if warned:
-            assert "t_big" in messages[0] and "sharding.ssd_cache_min_rows" in messages[0]
+            assert "t_big" in messages[0] and "sharding.cache_min_rows = " in messages[0]

@@ -258,7 +258,7 @@ def test_planner_counts_quantized_rows_and_warns_of_a_small_cache(caplog) -> Non
             [table], world_size=1, config=ShardingConfig(cache_load_factor_per_table={"x": 0.1})
         )
     with pytest.raises(ValueError, match=r"sharding\.cache_load_factor must be in"):
-        ShardingConfig(cache_load_factor=0)
+        ShardingConfig(cache_load_factor=-0.1)
 
 
 def test_int8_rows_on_ssd_train_as_in_dram(tmp_path) -> None:

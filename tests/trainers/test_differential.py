@@ -31,8 +31,9 @@ from raydlrm.trainers.checkpoints import (
 )
 from raydlrm.trainers.model_dir import ModelWeights
 from tests._multiprocess import run_distributed
-from tests.trainers._fixtures import unsharded_state_dict
+from tests.trainers._fixtures import trained_tol, unsharded_state_dict
 from tests.trainers.test_checkpoint import (
+    STEPS_AFTER,
     STEPS_BEFORE,
     _global_batches,
     _logits,
@@ -160,16 +161,24 @@ def test_chain_resumes_as_the_run_went_on(
         for key in sa:
             if when in exact:
                 assert torch.equal(sa[key], sb[key]), (when, key)
+            elif "int8" in saved[1]:  # each step's write-back rounds a row to a step of its
+                # range (at most twice its largest value, over 255 levels) with other noise
+                atol = STEPS_AFTER * 2 * float(sa[key].abs().max()) / 255
+                torch.testing.assert_close(sa[key], sb[key], rtol=0.0, atol=atol, msg=key)
             else:
-                atol = 5e-3 if "int8" in saved[1] else 1e-6  # a quantization step
-                torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=atol, msg=key)
+                tol = trained_tol(sa[key], steps=STEPS_AFTER)
+                torch.testing.assert_close(sa[key], sb[key], **tol, msg=key)
         for table, states in a[0][when]["optimizer"].items():
             for x, y in zip(states, b[0][when]["optimizer"][table], strict=True):
                 if when in exact and saved[1] == loaded[1]:
                     assert torch.equal(x, y), (when, table)
-                else:  # momenta are small: relative error only
-                    torch.testing.assert_close(x, y, rtol=1e-5, atol=0, msg=table)
-    assert torch.equal(_logits(a, "before"), _logits(b, "before"))
+                else:
+                    torch.testing.assert_close(x, y, **trained_tol(x, steps=STEPS_AFTER), msg=table)
+    logits = _logits(a, "before")
+    if saved == loaded:  # the same plan on as many ranks: the same arithmetic
+        assert torch.equal(logits, _logits(b, "before"))
+    else:  # another plan sums a bag's row-wise partial sums, a matmul's rows, otherwise
+        torch.testing.assert_close(logits, _logits(b, "before"), **trained_tol(logits))
 
 
 def _ckpt(root: Path, i: int) -> Path:

@@ -21,7 +21,12 @@ from raydlrm.sharding import plan_sharding
 from raydlrm.trainers.loop import Trainer
 from raydlrm.trainers.spec import WorkerSpec
 from tests._multiprocess import run_distributed
-from tests.trainers._fixtures import unsharded_state_dict
+from tests.trainers._fixtures import (
+    assert_losses_close,
+    auc_tol,
+    trained_tol,
+    unsharded_state_dict,
+)
 
 # Losses of the first 4 steps of the run below (global batch of 64 samples). Change only
 # deliberately, when numerics are meant to change (last: tables initialized block by block from
@@ -185,7 +190,8 @@ def test_single_process_run_pins_first_losses(data_dir: Path, caplog) -> None:
     assert "metrics reports take 0.3" in warning and "at least" in warning
     losses = out["losses"]
     assert len(losses) == 10
-    assert losses[:4] == pytest.approx(PINNED_LOSSES, abs=1e-5)
+    # Pinned on another CPU: its kernels may sum in other orders.
+    assert_losses_close(losses[:4], PINNED_LOSSES)
     assert out["counted"][0] == 0  # no checkpoint: nothing restored (the progress file's base)
     assert all(isinstance(n, int) for n in out["counted"]), out["counted"]
     reports = out["reports"]
@@ -215,9 +221,10 @@ def test_two_ranks_match_single_process(
         world_size=2,
         args=(str(data_dir), optimizer),
     )
-    for r in results:
-        assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
-    assert results[0]["final"]["eval/auc"] == pytest.approx(single["final"]["eval/auc"], abs=1e-5)
+    for r in results:  # the batch's sums split over 2 ranks
+        assert_losses_close(r["losses"], single["losses"])
+    auc = results[0]["final"]["eval/auc"]
+    assert auc == pytest.approx(single["final"]["eval/auc"], abs=auc_tol(data_dir))
     # Every rank carries its part of the final checkpoint and reports the same number of times.
     assert results[0]["reports"][-2]["has_checkpoint"]
     assert results[1]["reports"][-2]["has_checkpoint"]
@@ -265,11 +272,11 @@ def test_wukong_and_dhen_on_two_ranks_match_one_process_and_pin_first_losses(
     single = _run_new_archs(0, 1, str(data_dir))
     results = run_distributed(_run_new_archs, world_size=2, args=(str(data_dir),))
     for name, pinned in PINNED_ARCH_LOSSES.items():
-        assert single[name]["losses"][:2] == pytest.approx(pinned, abs=1e-5), name
+        assert_losses_close(single[name]["losses"][:2], pinned)
         for r in results:
-            assert r[name]["losses"] == pytest.approx(single[name]["losses"], abs=1e-5), name
+            assert_losses_close(r[name]["losses"], single[name]["losses"])
         assert results[0][name]["final"]["eval/auc"] == pytest.approx(
-            single[name]["final"]["eval/auc"], abs=1e-5
+            single[name]["final"]["eval/auc"], abs=auc_tol(data_dir)
         )
 
 
@@ -350,10 +357,12 @@ def test_same_seed_and_world_size_give_bit_identical_weights(data_dir: Path) -> 
     assert any(k.startswith("embedding_bags.") for k in first)
     for key in first:
         assert torch.equal(first[key], second[key]), key
-        torch.testing.assert_close(torch_kernel[key], first[key], atol=1e-5, rtol=1e-4, msg=key)
+        tol = trained_tol(first[key], steps=len(runs[0]["losses"]))
+        torch.testing.assert_close(torch_kernel[key], first[key], **tol, msg=key)
     assert runs[0]["losses"] == runs[1]["losses"]
-    assert runs[2]["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5)
-    assert runs[2]["final"]["eval/auc"] == pytest.approx(runs[0]["final"]["eval/auc"], abs=1e-5)
+    assert_losses_close(runs[2]["losses"], runs[0]["losses"])
+    auc = runs[0]["final"]["eval/auc"]
+    assert runs[2]["final"]["eval/auc"] == pytest.approx(auc, abs=auc_tol(data_dir))
 
 
 def _pipelined_pair(rank: int, world_size: int, data_dir: str) -> list[dict]:

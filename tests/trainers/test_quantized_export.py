@@ -28,6 +28,7 @@ from raydlrm.trainers.model_dir import (
 )
 from tests._multiprocess import run_distributed
 from tests.sharding._fixtures import gather_full_tables
+from tests.trainers._fixtures import trained_tol
 from tests.trainers.test_checkpoint import GLOBAL_BATCH, _global_batches, _steps
 from tests.trainers.test_loop import _spec
 
@@ -182,8 +183,9 @@ def test_exported_lookup_pools_the_dequantized_rows(trained: dict) -> None:
 @pytest.mark.distributed
 def test_exported_mlflow_model_predicts_as_the_trained_model(trained: dict, tmp_path: Path) -> None:
     """``export`` (the MLflow pyfunc model, from the training checkpoint) scores raw rows as
-    the trained model does in eval mode, within 1e-6; so does the model directory ``score``'s
-    actors load (load_model_checkpoint + score_table)."""
+    the trained model does in eval mode (within the rounding of its unsharded forward's sums);
+    so does the model directory ``score``'s actors load (load_model_checkpoint +
+    score_table)."""
     import mlflow
 
     from raydlrm.platform.export import export_model, score_table
@@ -198,7 +200,9 @@ def test_exported_mlflow_model_predicts_as_the_trained_model(trained: dict, tmp_
     columns = [c for c in spec.data.input_columns() if c != spec.data.label_column]
     features = raw.select(columns).to_pandas()
     predicted = np.asarray(mlflow.pyfunc.load_model(str(exported)).predict(features))
-    np.testing.assert_allclose(predicted, expected, rtol=0, atol=1e-6)
+    # The unsharded model's forward sums in its own orders; the sigmoid's slope is at most 1/4.
+    atol = trained_tol(trained["logits"])["atol"] / 4
+    np.testing.assert_allclose(predicted, expected, rtol=0, atol=atol)
     loaded = load_model_checkpoint(weights.parent)
     scored = score_table(loaded.model, Preprocessor(loaded.spec.data), loaded.spec.data, raw)
-    np.testing.assert_allclose(scored, expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(scored, expected, rtol=0, atol=atol)

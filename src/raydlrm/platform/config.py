@@ -403,12 +403,30 @@ def replaced(config: Any, **changes: Any) -> Any:
         raise ConfigError(_format_error(e)) from None
 
 
+RETIRED_KEYS = {
+    "sharding.ssd_cache_load_factor": (
+        "sharding.cache_load_factor (per table: sharding.cache_load_factor_per_table)"
+    ),
+    "sharding.ssd_cache_min_rows": "sharding.cache_min_rows",
+}
+"""Keys a release has retired -> the keys that replaced them. A config that still sets one is
+refused, naming its replacement: silently dropping it would size something else than the user
+asked. The ``ssd`` row cache keys became the one family that sizes every row cache (``ssd``,
+``host``, quantized), whose unset defaults are per kind
+(:data:`raydlrm.sharding.config.CACHE_DEFAULTS`)."""
+
+
 def _format_error(error: pydantic.ValidationError) -> str:
     lines = []
     for e in error.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
-        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument") and key in RETIRED_KEYS:
+            msg = (
+                "no longer a key: one family of keys sizes the row caches of every kind "
+                f"(ssd, host, int8 / int4); set {RETIRED_KEYS[key]} (unset: a default per kind)"
+            )
+        elif e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = "unknown key"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]  # a __post_init__ check: it names its key

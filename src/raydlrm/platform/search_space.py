@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,23 @@ def _current(job: JobConfig, key: str) -> Any:
     return node
 
 
+def _number_type(job: JobConfig, key: str, current: Any) -> type | None:
+    """``int`` or ``float`` when ``key`` holds a number: its value's type, or for an unset
+    (None) key, the number type its field admits (``sharding.cache_load_factor`` is unset by
+    default: a default per kind); None otherwise."""
+    if current is not None:
+        numeric = isinstance(current, int | float) and not isinstance(current, bool)
+        return type(current) if numeric else None
+    node: Any = type(job)
+    for part in key.split("."):
+        field = getattr(node, "__pydantic_fields__", {}).get(part)
+        if field is None:
+            return None
+        node = field.annotation
+    admitted = typing.get_args(node)
+    return float if float in admitted else int if int in admitted else None
+
+
 def check_space(job: JobConfig, space: Mapping[str, Dimension]) -> None:
     """Checks a search space against ``job`` before any trial: every key is a config key, a
     numeric distribution is on a numeric key, every choice and both ends of every range are
@@ -136,13 +154,13 @@ def check_space(job: JobConfig, space: Mapping[str, Dimension]) -> None:
     """
     for dim in space.values():
         current = _current(job, dim.key)
-        numeric = isinstance(current, int | float) and not isinstance(current, bool)
-        if dim.kind in _NUMERIC and not numeric:
+        number = _number_type(job, dim.key, current)
+        if dim.kind in _NUMERIC and number is None:
             raise ConfigError(
                 f"tune.search.{dim.key}: {dim.kind}() needs a numeric key; {dim.key} is "
                 f"{current!r}: use choice(...)"
             )
-        if dim.kind in ("uniform", "loguniform") and isinstance(current, int):
+        if dim.kind in ("uniform", "loguniform") and number is int:
             raise ConfigError(
                 f"tune.search.{dim.key}: an integer key; use randint(lo, hi) or choice(...)"
             )

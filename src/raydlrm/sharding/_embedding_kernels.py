@@ -5,7 +5,7 @@ placed in (:mod:`raydlrm.sharding.tiers`):
 
 - an fp32 / fp16 ``dram`` group: over its shards' rows on the worker's device;
 - an ``ssd`` group: over its mapped files, or over the slots of a DRAM row cache in front of
-  them (:mod:`raydlrm.sharding.row_cache`; ``sharding.ssd_cache_load_factor``);
+  them (:mod:`raydlrm.sharding.row_cache`; ``sharding.cache_load_factor``);
 - a quantized (``int8`` / ``int4``) group: an fp32 TBE over the slots of the cache in front of
   its quantized rows (:mod:`raydlrm.sharding.quantized`), in memory or in mapped files;
 - a ``host`` group: over the slots of a row cache in the worker's device memory
@@ -29,7 +29,7 @@ from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe
 from raydlrm.sharding.plan import ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows, table_key
 from raydlrm.sharding.row_cache import RowCache
-from raydlrm.sharding.sizes import cache_rows, quantized_cache_rows
+from raydlrm.sharding.sizes import cache_rows
 from raydlrm.sharding.tiers import TierError, host_buffer, mapped_buffer
 
 __all__ = ["GroupKernels"]
@@ -89,22 +89,16 @@ class GroupKernels:
         if group.placement == "host":
             return self._host_group(group, config)
         buffers = self._tier_buffers(group, config)
-        cached = buffers is not None and config.ssd_cache_load_factor > 0
-        rows = [
-            cache_rows(
-                s.row_end - s.row_start,
-                load_factor=config.ssd_cache_load_factor,
-                min_rows=config.ssd_cache_min_rows,
-                step_rows=self._step_rows(t.name),
-            )
+        cached = buffers is not None and group.row_cache
+        rows = (
+            self._cache_slots(group, config)
             if cached
-            else s.row_end - s.row_start
-            for t, s in group.shards
-        ]
+            else [s.row_end - s.row_start for _, s in group.shards]
+        )
         tbe = self._build_tbe(
             group, config, rows=rows, precision=group.precision, buffers=None if cached else buffers
         )
-        return tbe, self._row_cache(group, tbe, buffers) if cached else None
+        return tbe, self._row_cache(group, tbe, buffers, config) if cached else None
 
     def _host_group(self, group: TbeGroup, config: ShardingConfig) -> tuple[nn.Module, RowCache]:
         """A ``host`` group's TBE over the slots of its row cache in device memory, in front of
@@ -115,13 +109,7 @@ class GroupKernels:
         backing = {"weights": self._host_buffer(numel, WEIGHT_DTYPES[group.precision])}
         if config.optimizer == "adagrad":
             backing["momentum1"] = self._host_buffer(numel, torch.float32)
-        return tbe, self._cache(
-            group,
-            tbe,
-            _split_rows(backing["weights"], group),
-            backing,
-            too_small="sharding.cache_load_factor (or cache_load_factor_per_table)",
-        )
+        return tbe, self._cache(group, tbe, _split_rows(backing["weights"], group), backing, config)
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat zeroed buffer in the host's memory (page-locked for a GPU worker's copies)."""
@@ -189,10 +177,11 @@ class GroupKernels:
         group: TbeGroup,
         tbe: nn.Module,
         backing: dict[str, torch.Tensor],
+        config: ShardingConfig,
     ) -> RowCache:
         """The DRAM cache of a cached ``ssd`` group (see :mod:`.row_cache`): the TBE's
         weights are its slots, ``backing`` the mapped files of the whole shards."""
-        return self._cache(group, tbe, _split_rows(backing["weights"], group), backing)
+        return self._cache(group, tbe, _split_rows(backing["weights"], group), backing, config)
 
     def _cache(
         self,
@@ -200,12 +189,11 @@ class GroupKernels:
         tbe: nn.Module,
         rows: list[torch.Tensor | QuantizedRows],
         backing: dict[str, torch.Tensor],
-        *,
-        too_small: str = "sharding.ssd_cache_min_rows (or ssd_cache_load_factor)",
+        config: ShardingConfig,
     ) -> RowCache:
         """A :class:`RowCache` whose slots are ``tbe``'s weights and whose rows are ``rows``;
         Adagrad's per-weight state of the rows in ``backing["momentum1"]``, row-wise Adagrad's
-        in memory."""
+        in memory. Its errors name the keys that sized each table's cache."""
         slot_states = row_states = None
         if self.optimizer != "sgd":
             slot_states = [states[0] for states in tbe.split_optimizer_states()]
@@ -225,19 +213,21 @@ class GroupKernels:
             rows=rows,
             row_states=row_states,
             unit_tables=group.feature_table_map,
-            too_small=too_small,
+            too_small=[config.cache_sizing(t.name, _kind(group)).keys for t, _ in group.shards],
         )
 
     def _cache_slots(self, group: TbeGroup, config: ShardingConfig) -> list[int]:
-        """Slots of the cache of each of a quantized or ``host`` group's shards
-        (``sharding.cache_load_factor``, at least a step's rows)."""
+        """Slots of the row cache of each of a cached group's shards (the
+        ``sharding.cache_load_factor`` family, at least a step's rows)."""
+        sizings = [config.cache_sizing(t.name, _kind(group)) for t, _ in group.shards]
         return [
-            quantized_cache_rows(
+            cache_rows(
                 s.row_end - s.row_start,
-                load_factor=config.cache_load_factor_of(t.name),
+                load_factor=sizing.load_factor,
+                min_rows=sizing.min_rows,
                 step_rows=self._step_rows(t.name),
             )
-            for t, s in group.shards
+            for (t, s), sizing in zip(group.shards, sizings, strict=True)
         ]
 
     def _step_rows(self, table: str) -> int:
@@ -271,13 +261,13 @@ class GroupKernels:
         backing = {}
         if config.optimizer == "adagrad":
             backing["momentum1"] = self._group_buffer(group, _numel(group), torch.float32)
-        return tbe, self._cache(
-            group,
-            tbe,
-            rows,
-            backing,
-            too_small="sharding.cache_load_factor (or cache_load_factor_per_table)",
-        )
+        return tbe, self._cache(group, tbe, rows, backing, config)
+
+
+def _kind(group: TbeGroup) -> str:
+    """The kind of a cached group's row cache (see
+    :meth:`~raydlrm.sharding.config.ShardingConfig.cache_kind`)."""
+    return "quantized" if group.precision in QUANTIZED else group.placement
 
 
 def _split_rows(flat: torch.Tensor, group: TbeGroup) -> list[torch.Tensor]:

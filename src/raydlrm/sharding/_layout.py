@@ -11,20 +11,21 @@ Every feature has a *batch class*: 0 for the plain features, looked up for each 
 the group's ``U_g`` unique rows (:func:`batch_classes`). A table belongs to one class.
 
 On each rank, units are ordered by (batch class, replicated, kernel pooling mode, weights
-precision, placement, table, feature): within a class the sharded units come first (their pooled
-output goes through the output all-to-all) and the data-parallel ones last (their output stays
-local), and units looked up by the same fbgemm TBE (one batch class, pooling mode, weights
-precision and placement, so one batch size) are contiguous.
+precision, placement, row cache, table, feature): within a class the sharded units come first
+(their pooled output goes through the output all-to-all) and the data-parallel ones last (their
+output stays local), and units looked up by the same fbgemm TBE (one batch class, pooling mode,
+weights precision, placement and row cache or none, so one batch size) are contiguous.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal
 
 from raydlrm.models.embedding import EmbeddingBagConfig
+from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
 
 __all__ = ["LookupUnit", "TbeGroup", "batch_classes", "rank_units", "tbe_groups"]
@@ -44,8 +45,10 @@ class LookupUnit:
         shard: the shard looked up (its rank is where the lookup runs).
         sharding_type: the table's sharding type.
         precision: the table's weights precision (``fp32`` or ``fp16``).
-        placement: where the table's weights live (``dram`` or ``ssd``).
+        placement: where the table's weights live (``dram``, ``ssd`` or ``host``).
         batch_class: 0 for a plain feature, ``g + 1`` for a feature of dedup group ``g``.
+        row_cache: the table trains through a row cache (quantized, ``host``, and ``ssd``
+            unless its ``sharding.cache_load_factor`` is 0).
     """
 
     feature: str
@@ -57,6 +60,7 @@ class LookupUnit:
     precision: str = "fp32"
     placement: str = "dram"
     batch_class: int = 0
+    row_cache: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -88,8 +92,9 @@ class TbeGroup:
         shards: ``(table, shard)`` of each TBE table, in TBE order.
         feature_table_map: TBE table of each unit.
         precision: the weights precision of the TBE's tables.
-        placement: where the TBE's weights live (``dram`` or ``ssd``).
+        placement: where the TBE's weights live (``dram``, ``ssd`` or ``host``).
         batch_class: the batch class of its units (one batch size per TBE).
+        row_cache: the TBE's tables train through a row cache (the TBE's rows are its slots).
         num_units: units (TBE features) of the group.
     """
 
@@ -99,6 +104,7 @@ class TbeGroup:
     precision: str = "fp32"
     placement: str = "dram"
     batch_class: int = 0
+    row_cache: bool = False
 
     @property
     def num_units(self) -> int:
@@ -134,12 +140,13 @@ def batch_classes(
 def rank_units(
     tables: list[EmbeddingBagConfig],
     plan: ShardingPlan,
-    precision_of: Callable[[str], str] = lambda _: "fp32",
+    config: ShardingConfig | None = None,
     class_of: dict[str, int] | None = None,
 ) -> list[list[LookupUnit]]:
     """The units of every rank, in that rank's lookup order (see the module docstring);
-    ``precision_of`` gives each table's weights precision, ``class_of`` each feature's batch
-    class (default: all plain)."""
+    ``config`` gives each table's weights precision and whether it trains through a row cache
+    (default: fp32, none), ``class_of`` each feature's batch class (default: all plain)."""
+    config = config or ShardingConfig()
     class_of = class_of or {}
     units: list[list[LookupUnit]] = [[] for _ in range(plan.world_size)]
     feature_index = 0
@@ -155,9 +162,10 @@ def rank_units(
                         table_index=table_index,
                         shard=shard,
                         sharding_type=table_plan.sharding_type,
-                        precision=precision_of(table.name),
+                        precision=config.weights_precision_of(table.name),
                         placement=table_plan.placement,
                         batch_class=class_of.get(feature, 0),
+                        row_cache=config.row_cache(table.name, table_plan.placement),
                     )
                 )
             feature_index += 1
@@ -170,6 +178,7 @@ def rank_units(
                 u.kernel_pooling != "sum",
                 u.precision,
                 u.placement,
+                u.row_cache,
                 u.table_index,
                 u.feature_index,
             ),
@@ -180,13 +189,20 @@ def rank_units(
 
 def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
     """Splits one rank's units into TBEs: one per (batch class, replicated, kernel pooling,
-    precision, placement) run."""
+    precision, placement, row cache) run."""
     groups = []
     runs = groupby(
         units,
-        key=lambda u: (u.batch_class, u.replicated, u.kernel_pooling, u.precision, u.placement),
+        key=lambda u: (
+            u.batch_class,
+            u.replicated,
+            u.kernel_pooling,
+            u.precision,
+            u.placement,
+            u.row_cache,
+        ),
     )
-    for (batch_class, _, pooling, precision, placement), run in runs:
+    for (batch_class, _, pooling, precision, placement, row_cache), run in runs:
         run = list(run)
         names = list(dict.fromkeys(u.table.name for u in run))
         shards = {u.table.name: (u.table, u.shard) for u in run}
@@ -198,6 +214,7 @@ def tbe_groups(units: list[LookupUnit]) -> list[TbeGroup]:
                 precision=precision,
                 placement=placement,
                 batch_class=batch_class,
+                row_cache=row_cache,
             )
         )
     return groups

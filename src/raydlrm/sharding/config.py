@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field
 from typing import Literal
 
@@ -51,6 +52,46 @@ QUANTIZED: tuple[str, ...] = ("int8", "int4")
 """The quantized weights precisions (trained through an fp32 cache; their bits:
 :data:`raydlrm.models.quantized.QUANTIZED_BITS`). This module imports no torch, so that a config
 is checked before torch loads."""
+
+
+CacheKind = Literal["quantized", "host", "ssd"]
+"""The kinds of table that train through a row cache (:meth:`ShardingConfig.cache_kind`)."""
+
+CACHE_DEFAULTS: dict[str, tuple[float, int]] = {
+    "quantized": (0.05, 1),
+    "host": (0.05, 1),
+    "ssd": (0.2, 65536),
+}
+"""Kind -> (``cache_load_factor``, ``cache_min_rows``) of its row caches when the keys are
+unset. An fp32 / fp16 ``ssd`` cache is in DRAM, where 65,536 rows cost little; the other caches
+are in GPU memory (``host``) or beside rows a quarter or an eighth their size (quantized), and
+already hold the most rows a step looks up when the data says it."""
+
+_CACHE_KIND_NAMES = {
+    "quantized": "int8 / int4 tables",
+    "host": "host tables",
+    "ssd": "fp32 / fp16 ssd tables",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSizing:
+    """How one table's row cache is sized (:meth:`ShardingConfig.cache_sizing`)."""
+
+    load_factor: float
+    """Share of each shard's rows the cache holds (0: no cache)."""
+    min_rows: int
+    """Fewest rows of each shard's cache."""
+    keys: str
+    """The keys that set them, with their values, for an error or a warning about this cache."""
+
+
+def _no_cache_error(key: str, who: str, kind: str) -> ValueError:
+    return ValueError(
+        f"{key} = 0 (no row cache) is for fp32 / fp16 ssd tables; {who} train"
+        f"{'s' if who.startswith('table ') else ''} through a row cache "
+        f"({_CACHE_KIND_NAMES[kind]}): set it in (0, 1]"
+    )
 
 
 @config_dataclass
@@ -117,16 +158,25 @@ class ShardingConfig:
     """Precision of the embedding table weights (optimizer state stays fp32)."""
     weights_precision_per_table: dict[str, WeightsPrecision] = field(default_factory=dict)
     """Table name -> weights precision, overriding ``weights_precision`` for that table."""
-    cache_load_factor: float = 0.05
-    """Share of each ``int8`` / ``int4`` table shard's rows held in fp32 in the cache the
-    kernels train (at least one row): a looked-up row is dequantized into it, trained there in
-    fp32 with its optimizer state, and quantized back (stochastic rounding) when the cache
-    evicts it, least recently used first. One step's distinct rows of the shard must fit. An
-    ``ssd`` quantized table uses this cache in front of its file (not
-    ``ssd_cache_load_factor``). A ``host`` table's GPU row cache holds this share of its rows
-    (at least the most rows a step looks up) in front of its rows in host memory."""
+    cache_load_factor: float | None = None
+    """Share of each cached table shard's rows its row cache holds (see
+    :mod:`raydlrm.sharding.row_cache`; at least ``cache_min_rows`` and the most rows a step
+    looks up, at most the whole shard). Three kinds of table train through such a cache: an
+    ``int8`` / ``int4`` table (any placement) through an fp32 cache in its tier's memory, into
+    which a looked-up row is dequantized and from which it is quantized back (stochastic
+    rounding) when evicted; a ``host`` table through a cache in GPU memory in front of its rows
+    in host memory; an fp32 / fp16 ``ssd`` table through a DRAM cache in front of its file. The
+    kernels train on the cache, which evicts the least recently used rows. One step's distinct
+    rows of a shard must fit. ``0``: no cache, for fp32 / fp16 ``ssd`` tables only (the
+    kernels update the mapped file in place, the page cache alone keeps the hot rows). Unset:
+    per kind, :data:`CACHE_DEFAULTS` (0.05 for ``int8`` / ``int4`` and ``host`` tables, 0.2
+    for ``ssd`` ones)."""
     cache_load_factor_per_table: dict[str, float] = field(default_factory=dict)
     """Table name -> ``cache_load_factor`` for that table."""
+    cache_min_rows: int | None = None
+    """Fewest rows of each cached table shard's row cache (at most the whole shard). Unset:
+    per kind, :data:`CACHE_DEFAULTS` (65,536 for fp32 / fp16 ``ssd`` tables, 1 for ``int8`` /
+    ``int4`` and ``host`` ones)."""
     default_placement: Placement | Literal["auto"] = "dram"
     """Where every table not named in ``placement`` lives (see :data:`Placement`). ``auto``:
     in DRAM (a GPU worker's memory) while the plan fits the memory budget; when it does not,
@@ -148,15 +198,6 @@ class ShardingConfig:
     workers' local disk) or ``host`` (GPU workers' host memory, behind their GPU caches);
     ``auto``: ``host`` for a job with ``scaling.use_gpu``, else ``ssd`` (the planner on its
     own, without a job: ``ssd``)."""
-    ssd_cache_load_factor: float = 0.2
-    """Share of each ``ssd`` table shard's rows held in a DRAM cache in front of its file
-    (at least ``ssd_cache_min_rows``, at most the whole shard; see
-    :mod:`raydlrm.sharding.row_cache`): the kernels train on the cache, and the file sees only
-    the rows the cache evicts (least recently used first). ``0``: no cache; the kernels update
-    the mapped file in place and the page cache alone keeps the hot rows."""
-    ssd_cache_min_rows: int = 65536
-    """Fewest rows of an ``ssd`` table shard's DRAM cache: the distinct ids one step looks up
-    in the shard must fit (a step that needs more stops with an error naming the table)."""
     ssd_path: str | None = None
     """Directory of the ``ssd`` tables' files on each worker (local disk; created if missing).
     Default: ``raydlrm-ssd`` in the worker's temporary directory. The files are removed as soon
@@ -191,9 +232,74 @@ class ShardingConfig:
         """The weights precision of table ``table_name``."""
         return self.weights_precision_per_table.get(table_name, self.weights_precision)
 
-    def cache_load_factor_of(self, table_name: str) -> float:
-        """The ``cache_load_factor`` of table ``table_name`` (used when it is quantized)."""
-        return self.cache_load_factor_per_table.get(table_name, self.cache_load_factor)
+    def cache_kind(self, table_name: str, placement: str | None = None) -> CacheKind | None:
+        """Which row cache table ``table_name`` trains through when placed ``placement``
+        (default: as configured): ``quantized`` (``int8`` / ``int4``, any placement), ``host``,
+        ``ssd`` (fp32 / fp16), or None (in DRAM, or ``auto`` before the planner places it)."""
+        if self.weights_precision_of(table_name) in QUANTIZED:
+            return "quantized"
+        placement = placement or self.placement_of(table_name)
+        return placement if placement in ("host", "ssd") else None
+
+    def row_cache(self, table_name: str, placement: str) -> bool:
+        """Whether table ``table_name`` placed ``placement`` trains through a row cache: a
+        quantized or ``host`` table always, an fp32 / fp16 ``ssd`` one unless its load factor
+        is 0."""
+        kind = self.cache_kind(table_name, placement)
+        return kind is not None and self.cache_sizing(table_name, kind).load_factor > 0
+
+    def cache_sizing(self, table_name: str, kind: CacheKind) -> CacheSizing:
+        """How the row cache of table ``table_name`` of kind ``kind`` is sized: its
+        ``cache_load_factor`` (the table's own, else the family's, else the kind's default) and
+        ``cache_min_rows``, with the keys that set them.
+
+        Raises:
+            ValueError: a load factor of 0 (no cache) for a kind that needs a cache, naming the
+                key.
+        """
+        default_factor, default_min = CACHE_DEFAULTS[kind]
+        unset = f"unset: {{}} for {_CACHE_KIND_NAMES[kind]}"
+        own = self.cache_load_factor_per_table.get(table_name)
+        if own is not None:
+            factor, key = own, f"sharding.cache_load_factor_per_table.{table_name}"
+            factor_keys = f"{key} = {own:g}"
+        else:
+            factor, key = self.cache_load_factor, "sharding.cache_load_factor"
+            if factor is None:
+                factor, value = default_factor, unset.format(f"{default_factor:g}")
+            else:
+                value = f"= {factor:g}"
+            factor_keys = f"{key} ({value}; or cache_load_factor_per_table.{table_name})"
+        if factor == 0 and kind != "ssd":
+            raise _no_cache_error(key, f"table {table_name!r}", kind)
+        min_rows = default_min if self.cache_min_rows is None else self.cache_min_rows
+        min_keys = "sharding.cache_min_rows " + (
+            f"({unset.format(min_rows)})" if self.cache_min_rows is None else f"= {min_rows}"
+        )
+        return CacheSizing(factor, min_rows, f"{factor_keys} or {min_keys}")
+
+    def _check_caches(self) -> None:
+        """Checks the row-cache keys' ranges, and refuses a load factor of 0 (no cache) for the
+        tables this config alone says train through a cache that must exist (quantized,
+        ``host``; those the planner places are checked as it sizes their caches)."""
+        factors = [("cache_load_factor", self.cache_load_factor)]
+        factors += [
+            (f"cache_load_factor_per_table.{t}", f)
+            for t, f in self.cache_load_factor_per_table.items()
+        ]
+        for key, factor in factors:
+            if factor is not None and not 0.0 <= factor <= 1.0:
+                raise ValueError(f"sharding.{key} must be in [0, 1], got {factor}")
+        if self.cache_min_rows is not None and self.cache_min_rows < 1:
+            raise ValueError(f"sharding.cache_min_rows must be positive, got {self.cache_min_rows}")
+        kind = "quantized" if self.weights_precision in QUANTIZED else self.default_placement
+        if self.cache_load_factor == 0 and kind in ("quantized", "host"):
+            raise _no_cache_error("sharding.cache_load_factor", "the tables by default", kind)
+        named = {*self.placement, *self.weights_precision_per_table}
+        for name in sorted(named | set(self.cache_load_factor_per_table)):
+            kind = self.cache_kind(name)
+            if kind is not None:
+                self.cache_sizing(name, kind)
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
@@ -211,29 +317,12 @@ class ShardingConfig:
                 "sharding.device_memory_bytes is a budget but sharding.memory_budget is 'off': "
                 "unset one of them"
             )
-        if not 0.0 <= self.ssd_cache_load_factor <= 1.0:
-            raise ValueError(
-                "sharding.ssd_cache_load_factor must be in [0, 1], got "
-                f"{self.ssd_cache_load_factor}"
-            )
-        for key, factor in [
-            ("cache_load_factor", self.cache_load_factor),
-            *(
-                (f"cache_load_factor_per_table.{t}", f)
-                for t, f in self.cache_load_factor_per_table.items()
-            ),
-        ]:
-            if not 0.0 < factor <= 1.0:
-                raise ValueError(f"sharding.{key} must be in (0, 1], got {factor}")
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ValueError(
                 f"sharding.host_memory_bytes must be positive, got {self.host_memory_bytes}"
             )
         self._check_host_tables()
-        if self.ssd_cache_min_rows < 1:
-            raise ValueError(
-                f"sharding.ssd_cache_min_rows must be positive, got {self.ssd_cache_min_rows}"
-            )
+        self._check_caches()
         if self.worker_overhead_bytes < 0:
             raise ValueError(
                 f"sharding.worker_overhead_bytes must be >= 0, got {self.worker_overhead_bytes}"

@@ -183,7 +183,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             [f for f in self.feature_names if class_of[f] == c]
             for c in range(len(self.dedup_groups) + 1)
         ]
-        units = rank_units(self.tables, plan, config.weights_precision_of, class_of)
+        units = rank_units(self.tables, plan, config, class_of)
         self._input = InputDistributor(
             units,
             feature_classes=[class_of[f] for f in self.feature_names],

@@ -66,6 +66,7 @@ class _Table:
     """One table of the group: its slots in the TBE and its rows in the files (or quantized)."""
 
     name: str
+    too_small: str  # the keys that sized the cache, for the error of a step that overflows it
     slots: torch.Tensor  # (C, D) the TBE's weights of this table: the cache
     slot_state: torch.Tensor | None  # (C,) or (C, D): the TBE's optimizer state
     rows: torch.Tensor | QuantizedRows  # (N, D): the table
@@ -182,8 +183,8 @@ class RowCache:
             :class:`~raydlrm.sharding.quantized.QuantizedRows`.
         row_states: per table, the full shard's optimizer state, or None for SGD.
         unit_tables: the table of each of the group's units (features), in lookup order.
-        too_small: what to raise when a step's distinct rows of a table outnumber its slots
-            (the settings that size the cache), for the error.
+        too_small: per table, the keys that sized its cache (with their values), named by
+            the error of a step whose distinct rows of the table outnumber its slots.
     """
 
     def __init__(
@@ -195,10 +196,9 @@ class RowCache:
         rows: list[torch.Tensor | QuantizedRows],
         row_states: list[torch.Tensor] | None,
         unit_tables: list[int],
-        too_small: str = "sharding.ssd_cache_min_rows (or ssd_cache_load_factor)",
+        too_small: list[str],
     ):
         self._unit_tables = unit_tables
-        self._too_small = too_small
         self._units_of = [
             [u for u, t in enumerate(unit_tables) if t == i] for i in range(len(names))
         ]
@@ -210,6 +210,7 @@ class RowCache:
             self._tables.append(
                 _Table(
                     name=name,
+                    too_small=too_small[i],
                     slots=slots[i],
                     slot_state=None if slot_states is None else slot_states[i],
                     rows=rows[i],
@@ -273,7 +274,7 @@ class RowCache:
                     f"its shard but its cache holds {t.row_of.numel()} (the planner sizes it for "
                     "the longest id lists of the data's first rows: a longer list came, or "
                     "the plan was made without the data); set "
-                    f"data.sparse_specs.<column>.max_length, or raise {self._too_small}"
+                    f"data.sparse_specs.<column>.max_length, or raise {t.too_small}"
                 )
             held = t.find(unique)
             hit = held >= 0

@@ -24,7 +24,6 @@ __all__ = [
     "LOOKUP_BYTES",
     "REFRESH_CHUNK_BYTES",
     "cache_rows",
-    "quantized_cache_rows",
     "quantized_row_bytes",
     "refresh_bytes",
     "refresh_chunk_rows",
@@ -76,20 +75,15 @@ def wire_row_overhead(precision: str) -> int:
 
 
 def cache_rows(rows: int, *, load_factor: float, min_rows: int, step_rows: int = 0) -> int:
-    """Rows of the DRAM cache of an ``ssd`` table (shard) of ``rows`` rows: ``load_factor``
-    of them, at least ``min_rows`` and the most rows a step can look up (``step_rows``,
-    :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`), at most all; 0 when ``load_factor``
-    is 0 (no cache) (``sharding.ssd_cache_load_factor``, ``ssd_cache_min_rows``)."""
+    """Rows of the row cache of a table (shard) of ``rows`` rows, of any kind (an fp32 / fp16
+    ``ssd`` table's DRAM cache, a quantized table's fp32 cache, a ``host`` table's GPU cache):
+    ``load_factor`` of them, at least ``min_rows`` and the most rows a step can look up
+    (``step_rows``, :attr:`~raydlrm.sharding.plan.TablePlan.step_rows`), at most all; 0 when
+    ``load_factor`` is 0 (no cache: ``ssd`` only). ``sharding.cache_load_factor`` and
+    ``cache_min_rows`` (:meth:`~raydlrm.sharding.config.ShardingConfig.cache_sizing`)."""
     if load_factor <= 0:
         return 0
     return min(rows, max(math.ceil(load_factor * rows), min_rows, step_rows))
-
-
-def quantized_cache_rows(rows: int, *, load_factor: float, step_rows: int = 0) -> int:
-    """Rows of the fp32 cache of an ``int8`` / ``int4`` table (shard) of ``rows`` rows:
-    ``load_factor`` of them (``sharding.cache_load_factor``), at least one, and at least the
-    most rows a step can look up (``step_rows``, at most all: every step fits)."""
-    return max(1, math.ceil(load_factor * rows), min(rows, step_rows))
 
 
 def quantized_row_bytes(dim: int, precision: str) -> int:
@@ -133,9 +127,8 @@ def table_memory_bytes(
             ``sgd`` (no state).
         weights_precision: ``fp32`` (4 bytes per weight), ``fp16`` (2), ``int8`` or ``int4``.
         placement: ``dram``, ``ssd`` or ``host``.
-        cache_rows: rows of an ``ssd`` table's DRAM cache (:func:`cache_rows`), or of a
-            quantized table's fp32 cache or a ``host`` table's GPU cache
-            (:func:`quantized_cache_rows`).
+        cache_rows: rows of its row cache (:func:`cache_rows`): an ``ssd`` table's DRAM
+            cache, a quantized table's fp32 cache or a ``host`` table's GPU cache.
     """
     id_map = table.num_embeddings * MAP_BYTES_PER_ROW if table.managed is not None else 0
     return (

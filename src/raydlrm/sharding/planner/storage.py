@@ -14,13 +14,12 @@ import logging
 from collections.abc import Sequence
 
 from raydlrm.models.embedding import EmbeddingBagConfig
-from raydlrm.sharding.config import QUANTIZED, ShardingConfig
+from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import MemoryBudget, ShardingPlan
 from raydlrm.sharding.planner.cost import estimate_table_cost, expected_distinct_rows
 from raydlrm.sharding.planner.request import PlanRequest
 from raydlrm.sharding.sizes import (
     cache_rows,
-    quantized_cache_rows,
     table_disk_bytes,
     table_host_bytes,
     table_memory_bytes,
@@ -46,22 +45,20 @@ def table_cache_rows(
     step_rows: int = 0,
     placement: str | None = None,
 ) -> int:
-    """Rows of ``table``'s cache (counted on the whole table): the fp32 cache of a quantized
-    table (``cache_load_factor``), else the DRAM row cache it would have on the ``ssd`` tier
-    (each shard's has at least ``ssd_cache_min_rows``); either at least ``step_rows``, the
-    most rows a step can look up. A ``host`` table's GPU cache is sized as a quantized
-    table's (``cache_load_factor``)."""
-    quantized = config.weights_precision_of(table.name) in QUANTIZED
-    if quantized or (placement or config.placement_of(table.name)) == "host":
-        return quantized_cache_rows(
-            table.num_embeddings,
-            load_factor=config.cache_load_factor_of(table.name),
-            step_rows=step_rows,
-        )
+    """Rows of ``table``'s row cache placed ``placement`` (default: as configured), counted on
+    the whole table (:meth:`~raydlrm.sharding.config.ShardingConfig.cache_sizing`: the
+    ``sharding.cache_load_factor`` family, by the cache's kind; a table in DRAM: the cache it
+    would have on the ``ssd`` tier), at least ``step_rows``, the most rows a step can look up.
+
+    Raises:
+        ValueError: a load factor of 0 for a table that needs a cache (quantized, ``host``).
+    """
+    kind = config.cache_kind(table.name, placement) or "ssd"
+    sizing = config.cache_sizing(table.name, kind)
     return cache_rows(
         table.num_embeddings,
-        load_factor=config.ssd_cache_load_factor,
-        min_rows=config.ssd_cache_min_rows,
+        load_factor=sizing.load_factor,
+        min_rows=sizing.min_rows,
         step_rows=step_rows,
     )
 
@@ -173,53 +170,50 @@ def _warn_small_quantized_caches(plan: ShardingPlan, request: PlanRequest) -> No
     configs = {t.name: t for t in request.tables}
     short = []  # (shortfall, table, distinct rows, shard rows, slots)
     for table in plan.tables:
-        cached = config.weights_precision_of(table.name) in QUANTIZED or table.placement == "host"
-        if not cached or table.step_rows:
+        kind = config.cache_kind(table.name, table.placement)
+        if kind not in ("quantized", "host") or table.step_rows:
             continue  # a cache of the most rows a step looks up holds every step
-        t = configs[table.name]
+        t, sizing = configs[table.name], config.cache_sizing(table.name, kind)
         ids = request.rows(t.name) * request.pooling_factors.get(t.name, 1.0)
         ids *= len(t.feature_names)
         for s in table.shards:
             rows = s.row_end - s.row_start
             touched = expected_distinct_rows(rows, ids * rows / t.num_embeddings)
-            slots = quantized_cache_rows(rows, load_factor=config.cache_load_factor_of(t.name))
+            slots = cache_rows(rows, load_factor=sizing.load_factor, min_rows=sizing.min_rows)
             if touched > slots:
-                short.append((touched / slots, t.name, touched, rows, slots))
+                short.append((touched / slots, t.name, touched, rows, slots, sizing.keys))
                 break
     if short:
-        _, name, touched, rows, slots = max(short)
+        _, name, touched, rows, slots, keys = max(short)
         logger.warning(
             "quantized or host tables %s: a step may look up more distinct rows of a shard "
             "than their cache holds if the ids are uniform (table %s: about %d of a %d-row shard, "
-            "%d slots); a step that needs more stops with an error: raise "
-            "sharding.cache_load_factor (or cache_load_factor_per_table) unless the ids are "
+            "%d slots); a step that needs more stops with an error: raise %s unless the ids are "
             "skewed",
             sorted(n for _, n, *_ in short),
             name,
             touched,
             rows,
             slots,
+            keys,
         )
 
 
 def _warn_whole_table_caches(plan: ShardingPlan, config: ShardingConfig) -> None:
-    """Warns of ``ssd`` tables whose DRAM row cache holds every row of a shard: such a table
-    takes more memory than in DRAM (the cache plus the mapped file), for nothing."""
+    """Warns of fp32 / fp16 ``ssd`` tables whose DRAM row cache holds every row of a shard:
+    such a table takes more memory than in DRAM (the cache plus the mapped file), for
+    nothing."""
     for table in plan.tables:
-        if table.placement != "ssd" or config.weights_precision_of(table.name) in QUANTIZED:
+        if config.cache_kind(table.name, table.placement) != "ssd":
             continue
         rows = min(s.row_end - s.row_start for s in table.shards)
-        cached = cache_rows(
-            rows, load_factor=config.ssd_cache_load_factor, min_rows=config.ssd_cache_min_rows
-        )
+        sizing = config.cache_sizing(table.name, "ssd")
+        cached = cache_rows(rows, load_factor=sizing.load_factor, min_rows=sizing.min_rows)
         if cached >= rows:
             logger.warning(
-                "table %s on ssd: its DRAM row cache holds all %d rows of a shard "
-                "(sharding.ssd_cache_min_rows = %d, ssd_cache_load_factor = %g), so it takes "
-                "more memory than in DRAM; lower sharding.ssd_cache_min_rows, or keep the "
-                "table in DRAM",
+                "table %s on ssd: its DRAM row cache holds all %d rows of a shard, so it takes "
+                "more memory than in DRAM; lower %s, or keep the table in DRAM",
                 table.name,
                 rows,
-                config.ssd_cache_min_rows,
-                config.ssd_cache_load_factor,
+                sizing.keys,
             )
