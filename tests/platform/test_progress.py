@@ -155,27 +155,36 @@ def test_a_resumed_jobs_rate_counts_only_the_samples_it_trained(tmp_path: Path) 
     assert 0 < rates[-1] < 1_000, progress.lines
 
 
-def test_a_resumed_job_shows_no_figure_of_the_previous_submission(tmp_path: Path) -> None:
-    """The job continues its run's MLflow run, whose metrics are the previous submission's
-    (5,000 samples; its last checkpoint held 4,800): no line before this job trains, then
-    this job's count, not the old one (and no rate made of it)."""
+def _file_progress(
+    client, run_id: str, directory: Path, *, total_samples: int
+) -> tuple[TrainingProgress, Path]:
+    """Progress lines of run ``run_id`` fed by a progress file in ``directory`` (the file's
+    path), polled every 50 ms, a line at every change."""
     import pyarrow.fs as pafs
 
     from raydlrm.trainers.hooks import PROGRESS_FILE
 
-    client, run_id = _run(tmp_path)
-    earlier = [("samples_seen", 5_000), ("epoch", 1), ("train/loss", 0.25)]
-    client.log_batch(run_id, metrics=[Metric(k, v, 0, 40) for k, v in earlier])
-    path = tmp_path / PROGRESS_FILE
+    path = directory / PROGRESS_FILE
     progress = TrainingProgress(
         client,
         run_id,
-        total_samples=10_000,
+        total_samples=total_samples,
         mode="lines",
         progress_file=(pafs.LocalFileSystem(), str(path)),
         poll_s=0.05,
         line_interval_s=0.0,
     )
+    return progress, path
+
+
+def test_a_resumed_job_shows_no_figure_of_the_previous_submission(tmp_path: Path) -> None:
+    """The job continues its run's MLflow run, whose metrics are the previous submission's
+    (5,000 samples; its last checkpoint held 4,800): no line before this job trains, then
+    this job's count, not the old one (and no rate made of it)."""
+    client, run_id = _run(tmp_path)
+    earlier = [("samples_seen", 5_000), ("epoch", 1), ("train/loss", 0.25)]
+    client.log_batch(run_id, metrics=[Metric(k, v, 0, 40) for k, v in earlier])
+    progress, path = _file_progress(client, run_id, tmp_path, total_samples=10_000)
     with progress:
         time.sleep(0.3)  # the workers start: nothing trained yet
         assert progress.lines == []
@@ -188,21 +197,8 @@ def test_a_resumed_job_shows_no_figure_of_the_previous_submission(tmp_path: Path
 
 def test_no_line_before_this_job_trains_a_sample(tmp_path: Path) -> None:
     """Neither a line of 0 samples nor one of only the restored samples."""
-    import pyarrow.fs as pafs
-
-    from raydlrm.trainers.hooks import PROGRESS_FILE
-
     client, run_id = _run(tmp_path)
-    path = tmp_path / PROGRESS_FILE
-    progress = TrainingProgress(
-        client,
-        run_id,
-        total_samples=1000,
-        mode="lines",
-        progress_file=(pafs.LocalFileSystem(), str(path)),
-        poll_s=0.05,
-        line_interval_s=0.0,
-    )
+    progress, path = _file_progress(client, run_id, tmp_path, total_samples=1000)
     with progress:
         time.sleep(0.2)  # no record, no metrics: 0 samples
         path.write_text('{"step": 5, "epoch": 0, "samples": 500, "restored": 500}')
