@@ -105,13 +105,24 @@ def test_missing_column(tmp_path: Path, tiny_data: Path) -> None:
     assert "C7" in _error_line(result)
 
 
-def test_a_statistic_the_data_cannot_give_is_bad_input_before_ray(tmp_path: Path) -> None:
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting Ray fails the test (the session's own cluster may already run in this
+    process, so ``ray.is_initialized()`` cannot tell)."""
+
+    def refuse(job) -> None:
+        raise AssertionError("Ray started before the job was refused")
+
+    monkeypatch.setattr("raydlrm.platform.launch.init_ray", refuse)
+
+
+def test_a_statistic_the_data_cannot_give_is_bad_input_before_ray(
+    tmp_path: Path, no_ray: None
+) -> None:
     """``data.dense_fill = "mean"`` on a column with no present value: the plain ValueError of
     the statistics pass, before Ray starts, is exit 2 and one line naming the column and the
     data (it was exit 1, "training failed" and a traceback: the command line tells bad input
     by its type, and planning now gives every such error that type)."""
-    import ray
-
     data = tmp_path / "data"
     data.mkdir()
     nulls = pa.array([None] * 100, pa.float64())
@@ -134,7 +145,6 @@ def test_a_statistic_the_data_cannot_give_is_bad_input_before_ray(tmp_path: Path
     assert line.startswith("error: data.dense_fill = 'mean': dense column 'I1' has no present")
     assert f"in the data at {data} " in line
     assert "Traceback" not in result.output and "failed" not in line
-    assert not ray.is_initialized()
 
 
 def _managed_run(tmp_path: Path, *, batch_size: int) -> list[str]:
@@ -160,13 +170,11 @@ def _managed_run(tmp_path: Path, *, batch_size: int) -> list[str]:
     ]
 
 
-def test_a_managed_table_below_one_steps_ids_stops_before_ray(tmp_path: Path) -> None:
+def test_a_managed_table_below_one_steps_ids_stops_before_ray(tmp_path: Path, no_ray: None) -> None:
     """One step's distinct ids (512 rows, about 512 ids) outnumber the table's 199 slots: no
     eviction can make room, since a row looked up in a step stays its id's for the step. It
     was found by the first step, after Ray started, suggesting a wider probe_window (here 128,
     already wider than the bucket's 199 slots... of which none can be freed)."""
-    import ray
-
     from raydlrm.platform.config import load_config
     from raydlrm.platform.job_data import check_managed_capacity
 
@@ -182,7 +190,6 @@ def test_a_managed_table_below_one_steps_ids_stops_before_ray(tmp_path: Path) ->
     assert "raise data.table_sizes.t_C1 well above 1,024" in line
     # About 199 of the rows drawn hold 199 ids: a worker's batch of 99 (of the 2 workers).
     assert line.endswith("or lower data.batch_size to at most 99")
-    assert not ray.is_initialized()
     # A batch whose ids fit passes the check (it reads only the sample).
     sets = [s.removeprefix("--set=") for s in _managed_run(tmp_path, batch_size=64)]
     sample = pq.read_table(tmp_path / "data")

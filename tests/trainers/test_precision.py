@@ -74,12 +74,23 @@ def test_loss_scale_follows_the_grad_scaler_rule() -> None:
     assert scale.scale == 8 and scale.growth_tracker == 0
 
 
-def test_compiled_dense_module_runs_compiled_and_trains_as_eager(data_dir: Path) -> None:
+def test_compiled_dense_module_runs_compiled_and_trains_as_eager(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``training.compile`` compiles the dense module in place: training steps run the
-    compiled graph (dynamo traces it) and give eager's losses within the compiled kernels'
-    rounding; the parameters keep their names, so checkpoints do not change."""
+    compiled graph (dynamo traces it, forward and backward) and give eager's losses within
+    the compiled kernels' rounding; the parameters keep their names, so checkpoints do not
+    change. Compiled with AOTAutograd's eager backend (the graphs traced as inductor gets them,
+    without its C++ code generation, 20 s of a fresh machine's test time); the GPU check runs
+    inductor itself."""
     import torch._dynamo
 
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "compile",
+        lambda module, **kw: compile_module(module, **{**kw, "backend": "aot_eager"}),
+    )
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = _run(0, 1, str(data_dir), max_steps=2)
