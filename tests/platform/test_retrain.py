@@ -85,6 +85,7 @@ def _cli(*args: str):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.scenario  # 4 slots, 3 trained, on a server of its own: the default tier's longest
 def test_retraining_slots_against_mlflow_server(
     tmp_path: Path, ray_cluster, mlflow_server: str, caplog, capfd, monkeypatch
 ) -> None:
