@@ -22,6 +22,7 @@ import tomllib
 
 from raydlrm._config import config_dataclass
 from raydlrm.models.config import ModelConfig
+from raydlrm.sharding import config as sharding_config
 from raydlrm.sharding.topology import Topology
 from raydlrm.storage import StorageConfig
 from raydlrm.trainers import FaultConfig, WorkerSpec
@@ -403,12 +404,7 @@ def replaced(config: Any, **changes: Any) -> Any:
         raise ConfigError(_format_error(e)) from None
 
 
-RETIRED_KEYS = {
-    "sharding.ssd_cache_load_factor": (
-        "sharding.cache_load_factor (per table: sharding.cache_load_factor_per_table)"
-    ),
-    "sharding.ssd_cache_min_rows": "sharding.cache_min_rows",
-}
+RETIRED_KEYS = {f"sharding.{k}": v for k, v in sharding_config.RETIRED_KEYS.items()}
 """Keys a release has retired -> the keys that replaced them. A config that still sets one is
 refused, naming its replacement: silently dropping it would size something else than the user
 asked. The ``ssd`` row cache keys became the one family that sizes every row cache (``ssd``,

@@ -209,7 +209,7 @@ def _checked_export(
     spec_file = Path(checkpoint_dir, SPEC_FILE)
     if not spec_file.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no {SPEC_FILE}: not a model")
-    return WorkerSpec(**json.loads(spec_file.read_text()))
+    return WorkerSpec.stored(json.loads(spec_file.read_text()))
 
 
 @contextlib.contextmanager

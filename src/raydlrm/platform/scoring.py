@@ -135,7 +135,7 @@ def _check_output(output: str, storage: StorageConfig) -> None:
 def _data_config(files: ModelFiles) -> DataConfig:
     from raydlrm.trainers.spec import WorkerSpec
 
-    return WorkerSpec(**files.spec).data
+    return WorkerSpec.stored(files.spec).data
 
 
 def _columns_to_keep(

@@ -57,6 +57,18 @@ is checked before torch loads."""
 CacheKind = Literal["quantized", "host", "ssd"]
 """The kinds of table that train through a row cache (:meth:`ShardingConfig.cache_kind`)."""
 
+RETIRED_KEYS: dict[str, str] = {
+    "ssd_cache_load_factor": (
+        "sharding.cache_load_factor (per table: sharding.cache_load_factor_per_table)"
+    ),
+    "ssd_cache_min_rows": "sharding.cache_min_rows",
+}
+"""``[sharding]`` keys a release retired -> the keys that replaced them. A config that sets one
+is refused, naming its replacement (``raydlrm.platform.config``); a config stored before (a
+model's or checkpoint's ``spec.json``) is read without them
+(:meth:`raydlrm.trainers.spec.WorkerSpec.stored`). The ``ssd`` row cache keys became the one
+family that sizes every row cache (``ssd``, ``host``, quantized)."""
+
 CACHE_DEFAULTS: dict[str, tuple[float, int]] = {
     "quantized": (0.05, 1),
     "host": (0.05, 1),

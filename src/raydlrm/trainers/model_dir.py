@@ -325,7 +325,7 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
     for name in (SPEC_FILE, PLAN_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} has no {name}")
-    spec = WorkerSpec(**json.loads((path / SPEC_FILE).read_text()))
+    spec = WorkerSpec.stored(json.loads((path / SPEC_FILE).read_text()))
     plan = ShardingPlan.from_json((path / PLAN_FILE).read_text())
     metrics = model_metrics(path)
     model = build_model(

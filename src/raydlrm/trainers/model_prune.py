@@ -224,7 +224,7 @@ def prune_model_dir(source: str | Path, target: str | Path, rules: dict[str, Pru
     """Writes the model directory ``source`` (with ``model.safetensors``) into ``target``
     (created) with its managed tables pruned by ``rules`` (see the module docstring)."""
     source, target = Path(source), Path(target)
-    spec = WorkerSpec(**json.loads((source / SPEC_FILE).read_text()))
+    spec = WorkerSpec.stored(json.loads((source / SPEC_FILE).read_text()))
     target.mkdir(parents=True)
     pruned = _PrunedWeights(ModelWeights(source), rules)
     write_weights(pruned, target / WEIGHTS_FILE, source=source)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.models.config import ModelConfig
+from raydlrm.sharding import config as sharding_config
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.trainers.config import CheckpointConfig, FaultConfig, TrainingConfig
 
@@ -63,6 +64,19 @@ class WorkerSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def stored(cls, data: dict) -> WorkerSpec:
+        """The spec a model or checkpoint stored (its ``spec.json``, :meth:`to_dict`), written
+        by this release or an earlier one: the keys a release has retired
+        (:data:`~raydlrm.sharding.config.RETIRED_KEYS`) are dropped, not refused (they sized
+        training's row caches; a stored model needs them for nothing it is used for)."""
+        sharding = {
+            k: v
+            for k, v in data.get("sharding", {}).items()
+            if k not in sharding_config.RETIRED_KEYS
+        }
+        return cls(**{**data, "sharding": sharding})
 
 
 @dataclass(frozen=True)
