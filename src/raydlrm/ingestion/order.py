@@ -332,9 +332,11 @@ def _round_up(rows: int) -> int:
 
 def _runs_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> OrderFinding | None:
     """Runs of equal ids over the units (sessions or rows) of each sampled row group, against
-    the runs a random order of the same ids gives: ``E[runs] = 1 + (n - 1) (1 - sum_k
-    c_k (c_k - 1) / (n (n - 1)))`` for ``n`` units of which ``c_k`` hold id ``k``."""
-    units = runs = expected = 0.0
+    the runs a random order of the same ids gives: ``E[runs] = 1 + (n^2 - S2) / n`` and
+    ``Var[runs] = (S2 (S2 + n (n + 1)) - 2 n S3 - n^3) / (n^2 (n - 1))`` for ``n`` units of
+    which ``c_k`` hold id ``k``, ``S2 = sum_k c_k^2``, ``S3 = sum_k c_k^3`` (the runs test of
+    several categories; row groups add up as independent)."""
+    units = runs = expected = variance = 0.0
     lengths = []  # rows of each run
     for group in groups:
         if column not in group.table.column_names or len(group.starts) < 2:
@@ -344,12 +346,14 @@ def _runs_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Orde
         counts = np.bincount(values)
         change = values[1:] != values[:-1]
         units, runs = units + n, runs + 1 + change.sum()
-        expected += 1 + (n - 1) * (1 - np.sum(counts * (counts - 1.0)) / (n * (n - 1.0)))
+        s2, s3 = np.sum(counts**2.0), np.sum(counts**3.0)
+        expected += 1 + (n * n - s2) / n
+        variance += (s2 * (s2 + n * (n + 1.0)) - 2.0 * n * s3 - n**3.0) / (n * n * (n - 1.0))
         rows = np.diff(np.append(group.starts, group.table.num_rows))
         lengths.append(np.bincount(np.cumsum(np.append(0, change)), weights=rows))
     if units < MIN_UNITS or runs == 0:
         return None
-    ratio, z = expected / runs, (expected - runs) / math.sqrt(expected)
+    ratio, z = expected / runs, (expected - runs) / math.sqrt(max(variance, 1e-12))
     if z < RUN_Z or ratio < RUN_RATIO:
         return None
     lengths = np.concatenate(lengths)
