@@ -406,25 +406,35 @@ def test_a_local_ray_that_does_not_start_is_retried_once_then_one_line(
 
 
 def test_a_local_ray_start_that_fails_once_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A start that fails once (as a busy machine's did) and then succeeds gives the job its
-    Ray: the second ``ray.init`` is the first's, and nothing is stopped that ran before."""
+    """A start that times out once (as a busy machine's did) and then succeeds gives the job
+    its Ray: the second ``ray.init`` is the first's, what the first set up is undone, and
+    nothing is stopped that ran before. A start that fails otherwise is not tried again."""
     import ray
 
     from raydlrm.platform import ray_init
 
     calls: list[dict] = []
+    shutdowns: list[None] = []
+    failure = RuntimeError("Timed out waiting for file /tmp/ray/session_1/node_ip_address.json")
 
     def init(**kwargs) -> None:
         calls.append(kwargs)
         if len(calls) == 1:
-            raise RuntimeError("Timed out waiting for file /tmp/ray/session_1/node_ip_address.json")
+            raise failure
 
     monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(None))
     stopped: list = []
     monkeypatch.setattr(ray_init, "_stop", lambda processes: stopped.extend(processes))
     ray_init._start_local({"num_cpus": 2})
     assert calls == [{"address": "local", "num_cpus": 2}] * 2
+    assert len(shutdowns) == 1
     assert stopped == []  # this process's Ray processes from before (the session's) stay
+    calls.clear()
+    failure = OSError("[Errno 28] No space left on device: '/dev/shm/plasma'")
+    with pytest.raises(ray_init.RayStartError, match=r"failed to start \(OSError: \[Errno 28\]"):
+        ray_init._start_local({"num_cpus": 2})
+    assert len(calls) == 1
 
 
 def test_config_show_and_validate() -> None:

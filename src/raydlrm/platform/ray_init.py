@@ -192,11 +192,12 @@ def init_ray(job: JobConfig) -> None:
 
 
 def _start_local(kwargs: dict[str, Any]) -> None:
-    """Starts a new local Ray instance, a second time if the first start fails (nothing of
-    the job has run yet, and the failed start's processes are stopped first).
+    """Starts a new local Ray instance, a second time if the first start timed out (nothing of
+    the job has run yet; the failed start's processes are stopped, and what ``ray.init`` set
+    up of it undone, first). A start that failed otherwise is not tried again.
 
     Raises:
-        RayStartError: both starts failed.
+        RayStartError: the start failed (twice, for a timeout).
     """
     for attempt in (1, 2):
         before = _ray_processes()
@@ -208,7 +209,15 @@ def _start_local(kwargs: dict[str, Any]) -> None:
         except Exception as error:
             # ray.init keeps no handle on what it started before it failed (its GCS, a
             # raylet): they would run, idle, as long as this process.
+            with contextlib.suppress(Exception):
+                ray.shutdown()
             _stop(p for key, p in _ray_processes().items() if key not in before)
+            if not _timed_out(error):
+                raise RayStartError(
+                    f"Ray did not start: a new local Ray instance failed to start "
+                    f"({cause_line(error)}); Ray's logs are under its temporary directory "
+                    "(/tmp/ray by default), or set ray.address to a running cluster"
+                ) from error
             if attempt == 2:
                 raise RayStartError(
                     f"Ray did not start: a new local Ray instance failed to start twice "
@@ -217,6 +226,13 @@ def _start_local(kwargs: dict[str, Any]) -> None:
                     "to a running cluster"
                 ) from error
             logger.warning("Ray did not start (%s); trying once more", cause_line(error))
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a failed start timed out (a busy machine: Ray's start-up waits for its GCS,
+    its raylet's files, its node's registration), which a second start may get past."""
+    text = str(error).lower()
+    return isinstance(error, TimeoutError) or "timed out" in text or "timeout" in text
 
 
 def _ray_processes() -> dict[tuple[int, float], psutil.Process]:
