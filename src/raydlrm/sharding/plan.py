@@ -437,12 +437,12 @@ def managed_mismatches(saved: ShardingPlan, ours: ShardingPlan) -> list[str]:
     out = []
     for t in ours.tables:
         old = theirs.get(t.name)
-        if old is not None and old.buckets and t.buckets and t.probe_window < old.probe_window:
+        if old is not None and old.buckets and t.buckets and _probed(t) < _probed(old):
             out.append(
-                f"table {t.name!r} placed its ids within probe windows of {old.probe_window} "
-                f"rows in the checkpoint, data.managed_ids.{t.name}.probe_window is "
+                f"table {t.name!r} placed its ids within probe windows of {_probed(old)} rows "
+                f"in the checkpoint, data.managed_ids.{t.name}.probe_window is "
                 f"{t.probe_window}: the ids placed past it would not be found (they would take "
-                f"fresh rows); keep it at {old.probe_window} or more"
+                f"fresh rows); keep it at {_probed(old)} or more"
             )
         buckets = None if old is None else old.buckets
         if buckets is None or buckets == t.buckets:
@@ -464,6 +464,12 @@ def managed_mismatches(saved: ShardingPlan, ours: ShardingPlan) -> list[str]:
                 f"{t.buckets} in the config (data.managed_ids.{t.name}.buckets)"
             )
     return out
+
+
+def _probed(t: TablePlan) -> int:
+    """Rows of a managed table's buckets an id may sit in from its home row: its probe window,
+    at most its largest bucket's slots (a wider window wraps around the bucket)."""
+    return min(t.probe_window, -(-t.num_embeddings // t.buckets) - 1)
 
 
 def _check_managed(t: TablePlan, cfg: EmbeddingBagConfig) -> None:

@@ -274,6 +274,7 @@ class Trainer:
     def train_step(self, batch: Batch) -> StepResult:
         """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
+        self.precision.begin_step()
         logits, pooled = self.model.forward_pooled(batch)
         # The mean over this rank's samples, written so that an empty batch (a rank that ran
         # dry while others still train) has loss 0 and zero gradients rather than NaN.

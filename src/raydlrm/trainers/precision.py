@@ -164,6 +164,13 @@ class DensePrecision:
             torch.backends.cuda.matmul.allow_tf32 = config.tf32
             torch.backends.cudnn.allow_tf32 = config.tf32
 
+    def begin_step(self) -> None:
+        """A training step's forward pass begins: lookups cut before it, by a training-mode
+        forward that no backward of this step's followed (a hook's, a measurement's), are
+        forgotten, so the step's backward runs its own lookups' alone."""
+        if self._cut is not None:
+            self._cut.discard()
+
     def backward_and_step(self, objective: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Backward through the model (the fused embedding optimizer updates the rows) and the
         dense optimizer's step; with fp16, both or neither, the same on every rank (see the
