@@ -234,7 +234,28 @@ def _killed_after_a_trial(config: dict, search: list[str], ray_cluster) -> float
     finally:
         driver.kill()
         driver.wait()
-    return time.time()
+    killed = time.time()
+    _wait_for_trials_to_end(Path(config["run"]["storage_path"]))
+    return killed
+
+
+def _wait_for_trials_to_end(storage: Path, timeout_s: float = 120.0) -> None:
+    """Waits until no process holds a run lock under ``storage``: Ray ends a killed driver's
+    trial actors after it (their owner is gone), which may take seconds under load, and a trial
+    run again meanwhile finds its run still locked by the old one's process (what a user who
+    runs the sweep again a moment later never sees)."""
+    import psutil
+
+    from raydlrm.platform.run_lock import LOCK_FILE
+
+    deadline = time.monotonic() + timeout_s
+    for lock in storage.glob(f"*/{LOCK_FILE}"):
+        try:
+            pid = json.loads(lock.read_text())["pid"]
+        except (OSError, ValueError):
+            continue  # released meanwhile, or caught mid-write
+        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
 
 @pytest.mark.ray
