@@ -425,7 +425,7 @@ def test_a_local_ray_start_that_fails_once_is_tried_again(monkeypatch: pytest.Mo
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(None))
     stopped: list = []
-    monkeypatch.setattr(ray_init, "_stop", lambda processes: stopped.extend(processes))
+    monkeypatch.setattr(ray_init._reaper, "stop", lambda processes, **_: stopped.extend(processes))
     ray_init._start_local({"num_cpus": 2})
     assert calls == [{"address": "local", "num_cpus": 2}] * 2
     assert len(shutdowns) == 1

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import psutil
 
@@ -80,11 +81,16 @@ def watch(driver_pid: int) -> None:
     left = {p.pid: p for p in seen.values() if _running(p)}
     for process in list(left.values()):
         left.update({p.pid: p for p in _descendants(process) if p.pid != me})
-    left = {pid: p for pid, p in left.items() if _running(p)}
-    for process in left.values():
+    stop(p for p in left.values() if _running(p))
+
+
+def stop(processes: Iterable[psutil.Process], *, grace_s: float = GRACE_S) -> None:
+    """Terminates ``processes``, then kills those still running after ``grace_s``."""
+    processes = list(processes)
+    for process in processes:
         with contextlib.suppress(psutil.Error):
             process.terminate()
-    _, alive = psutil.wait_procs(list(left.values()), timeout=GRACE_S)
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()

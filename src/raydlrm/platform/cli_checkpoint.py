@@ -116,10 +116,12 @@ def _why_no_checkpoint(run: Path) -> str:
 def _newest_checkpoint(run: Path) -> Path | None:
     """The newest intact ``checkpoint_*`` directory of a run directory (by Ray's time-stamped
     names), or None."""
-    from raydlrm.trainers.checkpoints import verify_checkpoint
+    import pyarrow.fs as pafs
 
-    candidates = sorted((p for p in run.glob("checkpoint_*") if p.is_dir()), reverse=True)
-    return next((p for p in candidates if not verify_checkpoint(p, checksums=False)), None)
+    from raydlrm.trainers.checkpoints import newest_intact_path
+
+    path = newest_intact_path(pafs.LocalFileSystem(), str(run))
+    return None if path is None else Path(path)
 
 
 @checkpoint_app.command("show")

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable
 from typing import Any
 
 import psutil
@@ -211,7 +210,9 @@ def _start_local(kwargs: dict[str, Any]) -> None:
             # raylet): they would run, idle, as long as this process.
             with contextlib.suppress(Exception):
                 ray.shutdown()
-            _stop(p for key, p in _ray_processes().items() if key not in before)
+            _reaper.stop(
+                (p for key, p in _ray_processes().items() if key not in before), grace_s=5.0
+            )
             if not _timed_out(error):
                 raise RayStartError(
                     f"Ray did not start: a new local Ray instance failed to start "
@@ -247,18 +248,6 @@ def _ray_processes() -> dict[tuple[int, float], psutil.Process]:
         except psutil.Error:
             continue
     return found
-
-
-def _stop(processes: Iterable[psutil.Process], *, grace_s: float = 5.0) -> None:
-    """Terminates ``processes``, then kills those still running after ``grace_s``."""
-    processes = list(processes)
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
 
 
 # The State API address this process pinned for the local instance it started (None: none).

@@ -27,7 +27,7 @@ from ray.train.v2._internal.exceptions import (
 )
 
 from raydlrm.storage import with_scheme
-from raydlrm.trainers.checkpoints import checkpoint_names, verify_checkpoint
+from raydlrm.trainers.checkpoints import newest_intact_path
 
 __all__ = ["WorkerDiedError", "fatal_worker_failure"]
 
@@ -83,16 +83,15 @@ def _worker(rank: int | None, error: BaseException) -> str:
 
 def _resumes_from(run_directory: str, filesystem: pafs.FileSystem, scheme: str | None) -> str:
     """Where a submission of the same run starts: the newest intact checkpoint, as the
-    workers choose it (``newest_intact_stored``), or the start."""
+    workers choose it, or the start."""
     try:
-        for name in reversed(checkpoint_names(filesystem, run_directory)):
-            path = f"{run_directory}/{name}"
-            if not verify_checkpoint(path, checksums=False, filesystem=filesystem):
-                return f"resumes it from checkpoint {with_scheme(path, scheme)}"
+        path = newest_intact_path(filesystem, run_directory)
     except Exception as exc:  # the message must not fail; the storage may be the trouble
         logger.debug("could not list the checkpoints of %s: %s", run_directory, exc)
         return f"resumes it from its newest intact checkpoint under {run_directory}"
-    return "starts it from the beginning (it has no intact checkpoint)"
+    if path is None:
+        return "starts it from the beginning (it has no intact checkpoint)"
+    return f"resumes it from checkpoint {with_scheme(path, scheme)}"
 
 
 def fatal_worker_failure(

@@ -42,6 +42,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "run_directory": (
         "checkpoint_names",
         "newest_intact",
+        "newest_intact_path",
         "newest_intact_stored",
         "prune_checkpoints",
         "resume_blocker",

@@ -22,6 +22,7 @@ from raydlrm.trainers.checkpoints.manifest import verify_checkpoint
 __all__ = [
     "checkpoint_names",
     "newest_intact",
+    "newest_intact_path",
     "newest_intact_stored",
     "prune_checkpoints",
     "resume_blocker",
@@ -38,6 +39,18 @@ def checkpoint_names(filesystem: pafs.FileSystem, parent: str) -> list[str]:
         for i in filesystem.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
         if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
     )
+
+
+def newest_intact_path(filesystem: pafs.FileSystem, run_directory: str) -> str | None:
+    """The newest intact ``checkpoint_*`` directory of a run directory (checked where it is
+    stored, without checksums; a delta with its chain), or None: where a submission of the
+    run resumes from, as :func:`newest_intact_stored` chooses it."""
+    parent = run_directory.rstrip("/")
+    for name in reversed(checkpoint_names(filesystem, parent)):
+        path = f"{parent}/{name}"
+        if not verify_checkpoint(path, checksums=False, filesystem=filesystem):
+            return path
+    return None
 
 
 def _newest_first(latest: Any) -> list[Any]:
