@@ -24,7 +24,7 @@ from torch import nn
 
 from raydlrm.models.quantized import code_bytes_per_row
 from raydlrm.sharding._layout import TbeGroup
-from raydlrm.sharding.config import QUANTIZED, ShardingConfig
+from raydlrm.sharding.config import QUANTIZED, CacheSizing, ShardingConfig
 from raydlrm.sharding.kernel import WEIGHT_DTYPES, TableSpec, build_tbe
 from raydlrm.sharding.plan import ShardingPlan
 from raydlrm.sharding.quantized import QuantizedRows, table_key
@@ -213,13 +213,13 @@ class GroupKernels:
             rows=rows,
             row_states=row_states,
             unit_tables=group.feature_table_map,
-            too_small=[config.cache_sizing(t.name, _kind(group)).keys for t, _ in group.shards],
+            too_small=[_sizing(config, t.name, group).keys for t, _ in group.shards],
         )
 
     def _cache_slots(self, group: TbeGroup, config: ShardingConfig) -> list[int]:
         """Slots of the row cache of each of a cached group's shards (the
         ``sharding.cache_load_factor`` family, at least a step's rows)."""
-        sizings = [config.cache_sizing(t.name, _kind(group)) for t, _ in group.shards]
+        sizings = [_sizing(config, t.name, group) for t, _ in group.shards]
         return [
             cache_rows(
                 s.row_end - s.row_start,
@@ -264,10 +264,12 @@ class GroupKernels:
         return tbe, self._cache(group, tbe, rows, backing, config)
 
 
-def _kind(group: TbeGroup) -> str:
-    """The kind of a cached group's row cache (see
-    :meth:`~raydlrm.sharding.config.ShardingConfig.cache_kind`)."""
-    return "quantized" if group.precision in QUANTIZED else group.placement
+def _sizing(config: ShardingConfig, table: str, group: TbeGroup) -> CacheSizing:
+    """How the row cache of ``table`` of a cached group is sized (its kind by the group's
+    precision and placement, :meth:`~raydlrm.sharding.config.ShardingConfig.cache_kind`)."""
+    kind = config.cache_kind(table, group.placement)
+    assert kind is not None, f"table {table}: a cached group's table has no cache kind"
+    return config.cache_sizing(table, kind)
 
 
 def _split_rows(flat: torch.Tensor, group: TbeGroup) -> list[torch.Tensor]:
