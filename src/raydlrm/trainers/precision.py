@@ -101,18 +101,16 @@ class LossScale:
 
 
 def _unscale(grads: Sequence[torch.Tensor], scale: float, device: torch.device) -> torch.Tensor:
-    """Divides ``grads`` by ``scale`` in place; 1 (on ``device``) when any was not finite."""
+    """Divides ``grads`` (on ``device``: the dense side's and the pooled rows') by ``scale``
+    in place; 1 (on ``device``) when any was not finite."""
     found = torch.zeros(1, device=device)
     inverse = torch.full((1,), 1.0 / scale, device=device)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        by_kind[g.device, g.dtype].append(g)
-    for (where, _), tensors in by_kind.items():
-        # One fused kernel a kind (GradScaler's): unscales and flags non-finite values.
-        flag = found if where == device else torch.zeros(1, device=where)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inverse.to(where))
-        if flag is not found:
-            found += flag.to(device)
+        by_dtype[g.dtype].append(g)
+    for tensors in by_dtype.values():
+        # One fused kernel a dtype (GradScaler's): unscales and flags non-finite values.
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inverse)
     return found
 
 
