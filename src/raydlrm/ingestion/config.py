@@ -144,6 +144,18 @@ class DataConfig:
     eval_partitions: dict[str, PartitionSelector] | None = None
     """Hive partitions of ``eval_path``, when they differ from the training ones (e.g. train on
     the days before the newest, evaluate on the newest). Default: ``partitions``."""
+    valid_path: str | None = None
+    """Directory (or file) of validation Parquet: what ``training.early_stopping`` and
+    ``tune`` decide on, apart from ``eval_path`` (which then scores the model they picked).
+    Read with ``partitions``. Exclusive with ``valid_split``."""
+    valid_split: Literal["none", "time", "random"] = "none"
+    """Carve the validation set out of ``train_path`` instead, by whole row groups, so that no
+    validation row trains: ``time`` takes the latest row groups (by ``data.time_column``'s
+    per-row-group minimum, else the file order: the last files), ``random`` row groups drawn
+    with a fixed seed (the same split for every ``training.seed``); ``none``: no carved set."""
+    valid_fraction: float = 0.1
+    """The share of the training rows ``valid_split`` holds out (whole row groups: at least
+    this share, at least one row group, never all of them)."""
     data_date: str | None = None
     """The data's date (``YYYY-MM-DD``): the clock of managed tables' ``ttl_days``. ``raydlrm
     retrain`` sets it to the newest training partition when the partition values are dates."""
@@ -156,8 +168,12 @@ class DataConfig:
     prefetch_batches: int = 2
     """Batches prefetched on each worker."""
 
+    def has_validation(self) -> bool:
+        """Whether the job has a validation set (``valid_path`` or ``valid_split``)."""
+        return self.valid_path is not None or self.valid_split != "none"
+
     def partitions_for(self, role: str) -> dict[str, PartitionSelector]:
-        """The partition selection of the ``train`` or ``eval`` data set."""
+        """The partition selection of the ``train``, ``valid`` or ``eval`` data set."""
         if role == "eval" and self.eval_partitions is not None:
             return self.eval_partitions
         return self.partitions
@@ -192,6 +208,12 @@ class DataConfig:
             raise ValueError(
                 f"data.num_preprocess_actors must be >= 0, got {self.num_preprocess_actors}"
             )
+        if self.valid_path is not None and self.valid_split != "none":
+            raise ValueError(
+                "data.valid_path and data.valid_split both give a validation set: set one of them"
+            )
+        if not 0 < self.valid_fraction < 1:
+            raise ValueError(f"data.valid_fraction must be in (0, 1), got {self.valid_fraction}")
         if self.shuffle_window_rows < 0:
             raise ValueError(
                 f"data.shuffle_window_rows must be >= 0 (0: off), got {self.shuffle_window_rows}"

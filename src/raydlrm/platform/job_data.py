@@ -22,6 +22,7 @@ from raydlrm.ingestion import (
     validate_data,
 )
 from raydlrm.ingestion.order import OrderFinding, order_findings
+from raydlrm.ingestion.validation_split import carve_validation
 from raydlrm.platform.config import BASE_DIR_ENV, ConfigError, JobConfig
 from raydlrm.storage import is_remote
 
@@ -91,6 +92,9 @@ class JobData:
 
     train: DataSummary
     evaluation: DataSummary | None
+    validation: DataSummary | None = None
+    """The validation set (``data.valid_path``, or carved out of the training data by
+    ``data.valid_split``: then ``train`` is what is left to train on)."""
 
 
 def validate_job_data(job: JobConfig) -> JobData:
@@ -104,12 +108,26 @@ def validate_job_data(job: JobConfig) -> JobData:
     """
     prepare_data(job)
     _check_exists(job, "data.eval_path", job.data.eval_path)
+    _check_exists(job, "data.valid_path", job.data.valid_path)
     data = job.data
     train = validate_data(data.train_path, data, role="train")
     warn_file_order(train, config=data)
+    validation = None
+    if data.valid_path:
+        validation = validate_data(data.valid_path, data, role="valid")
+    elif data.valid_split != "none":
+        train, validation = carve_validation(train, data)
+        logger.info(
+            "validation: %d rows in %d row groups of %s held out by data.valid_split = %r",
+            validation.num_rows,
+            len(validation.row_groups),
+            data.train_path,
+            data.valid_split,
+        )
     return JobData(
         train=train,
         evaluation=validate_data(data.eval_path, data, role="eval") if data.eval_path else None,
+        validation=validation,
     )
 
 
