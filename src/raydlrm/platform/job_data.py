@@ -133,20 +133,22 @@ def validate_job_data(job: JobConfig) -> JobData:
 
 def warn_file_order(summary: DataSummary, *, config: DataConfig) -> None:
     """A warning per way the training data's file order is correlated with its content (runs
-    of ids, label drift, time) that the reader, as configured, does not mix away, naming the
-    column and the setting; one that it mixes is logged as information. A bounded sample: it
-    reads at most a few tens of row groups' first rows."""
+    of ids, label drift, time) that the reader, as configured, does not handle as advised
+    (:func:`~raydlrm.ingestion.order.order_findings`: runs mixed by the shuffle window, a
+    trend through the files read in time order), naming the column and what to try; one that
+    it handles is logged as information. A bounded sample: it reads at most a few tens of row
+    groups' first rows."""
     alike: dict[tuple[str, str, bool], list[OrderFinding]] = {}
     for finding in order_findings(summary, config):
-        key = (finding.kind, finding.suggestion, finding.mixed)
+        key = (finding.kind, finding.suggestion, finding.handled)
         alike.setdefault(key, []).append(finding)
     # Findings of one kind with one remedy (every user column of data sorted by user) are one
     # line: the first one's statistic, every column named.
-    for (_, suggestion, mixed), findings in alike.items():
+    for (_, suggestion, handled), findings in alike.items():
         first = findings[0]
         columns = ", ".join(f.column for f in findings)
         more = f" (the first; {len(findings)} columns alike)" if len(findings) > 1 else ""
-        log = logger.info if mixed else logger.warning
+        log = logger.info if handled else logger.warning
         log("training data order: %s: %s%s; %s", columns, first.statistic, more, suggestion)
 
 
