@@ -249,7 +249,8 @@ def test_resuming_with_another_data_order_is_refused_before_ray_starts(
 
 def test_a_time_ordered_resume_keeps_its_time_column(tiny_data: Path) -> None:
     """Under ``data.order = "time"`` the time column orders the epoch's row groups: another
-    one is refused; a checkpoint of an earlier release (no ``data.order``) read shuffled."""
+    one is refused; a checkpoint of an earlier release (no ``data.order``) read shuffled. A
+    validation split's settings, which decide the row groups that train, are kept alike."""
     from raydlrm.platform.recorded import data_order_differences
 
     _, summary = _saved_position(tiny_data)
@@ -273,6 +274,20 @@ def test_a_time_ordered_resume_keeps_its_time_column(tiny_data: Path) -> None:
     )
     earlier = {"spec": {"training": {"seed": 0}, "data": {"session_column": "session_id"}}}
     assert data_order_differences(earlier, job=job(), train=summary) == []
+    # A validation split decides which row groups train: another split or share is refused.
+    carved = {**data, "order": "shuffled", "valid_split": "time", "valid_fraction": 0.1}
+    assert data_order_differences(
+        {**state, "spec": {"training": {"seed": 0}, "data": carved}},
+        job=job("data.valid_split=time", "data.valid_fraction=0.2", "data.time_column=day"),
+        train=summary,
+    ) == [
+        "data.valid_fraction: 0.1 in the checkpoint, 0.2 in the config (it decides which row "
+        "groups train)"
+    ]
+    assert data_order_differences(earlier, job=job("data.valid_split=random"), train=summary) == [
+        "data.valid_split: 'none' in the checkpoint, 'random' in the config (it decides which "
+        "row groups train)"
+    ]
 
 
 def test_a_resume_logs_what_its_epoch_reads_otherwise(

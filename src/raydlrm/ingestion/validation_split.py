@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from raydlrm.ingestion.config import DataConfig
+from raydlrm.ingestion.reader import time_order
 from raydlrm.ingestion.schema import DataSummary, DataValidationError
 
 __all__ = ["SPLIT_SEED", "carve_validation"]
@@ -34,8 +35,6 @@ def carve_validation(train: DataSummary, config: DataConfig) -> tuple[DataSummar
     """
     groups = train.row_groups
     if config.valid_split == "time":
-        from raydlrm.ingestion.reader import time_order  # MERGE: top-level once it lands
-
         candidates = time_order(groups)[::-1]  # the latest first
     else:
         candidates = np.random.default_rng(SPLIT_SEED).permutation(len(groups)).tolist()

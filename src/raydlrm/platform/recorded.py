@@ -117,6 +117,7 @@ def data_order_differences(
             "(it draws the epoch's row order)"
         )
     out += _order_mode_differences(spec["data"], job=job)
+    out += _split_differences(spec["data"], job=job)
     theirs = spec["data"].get("session_column")
     if _order_column(theirs, train) != _order_column(job.data.session_column, train):
         out.append(
@@ -160,6 +161,25 @@ def _order_mode_differences(data: dict[str, Any], *, job: JobConfig) -> list[str
             "config (it orders the epoch's row groups)"
         ]
     return []
+
+
+def _split_differences(data: dict[str, Any], *, job: JobConfig) -> list[str]:
+    """``data.valid_split`` and what it carves by (``valid_fraction``; under ``time``,
+    ``time_column``): they decide which row groups train (a checkpoint of an earlier release
+    carved none)."""
+    ours = job.data
+    keys = ["valid_split"]
+    if ours.valid_split != "none":
+        keys.append("valid_fraction")
+    if ours.valid_split == "time":
+        keys.append("time_column")
+    defaults = {"valid_split": "none", "valid_fraction": 0.1, "time_column": None}
+    return [
+        f"data.{key}: {data.get(key, defaults[key])!r} in the checkpoint, "
+        f"{getattr(ours, key)!r} in the config (it decides which row groups train)"
+        for key in keys
+        if data.get(key, defaults[key]) != getattr(ours, key)
+    ]
 
 
 def _order_column(column: str | None, train: DataSummary) -> str | None:

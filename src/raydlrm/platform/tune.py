@@ -321,8 +321,9 @@ def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: 
 def _evaluation_reports(metric: str) -> Any:
     """A Ray Train callback that passes a trial's reports to Tune at each evaluation: a report
     whose ``metric`` comes from an evaluation not passed yet (by its step, ``eval/step`` or
-    ``valid/step``; the reports in between carry the last one). Keyed by the step, not the value: a trial whose
-    metric repeats exactly (a collapsed model's AUC of 0.5) still reaches ASHA's rungs."""
+    ``valid/step``; the reports in between carry the last one). Keyed by the step, not the
+    value: a trial whose metric repeats exactly (a collapsed model's AUC of 0.5) still reaches
+    ASHA's rungs."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class EvaluationReports(TuneReportCallback):

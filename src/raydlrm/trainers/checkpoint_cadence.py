@@ -180,9 +180,7 @@ class Checkpointer:
         if link is not None:
             self._chained(link, stored)
         if self.prunes and self.parts.rank == 0 and self.config.num_to_keep and stored:
-            deleted = prune_checkpoints(
-                stored, keep=self.config.num_to_keep, also=self.protected
-            )
+            deleted = prune_checkpoints(stored, keep=self.config.num_to_keep, also=self.protected)
             if deleted:
                 logger.debug("deleted checkpoints no kept one needs: %s", deleted)
         return stored

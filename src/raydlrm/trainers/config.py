@@ -6,7 +6,6 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-
 VALID_METRICS = {"valid/auc": "max", "valid/log_loss": "min", "valid/normalized_entropy": "min"}
 """The validation metrics early stopping can watch, with the direction that is better."""
 

@@ -93,9 +93,9 @@ class Evaluator:
         empty: Batch | None = None,
         errors: list[str] | None = None,
     ) -> dict[str, float]:
-        """Metrics of the model on ``batches`` over all ranks (named ``<prefix><metric>``); ``empty`` is
-        an empty batch for a rank without data, ``errors`` collects reading errors instead of
-        raising them (see :class:`~raydlrm.trainers.pipeline.Lockstep`)."""
+        """Metrics of the model on ``batches`` over all ranks (named ``<prefix><metric>``);
+        ``empty`` is an empty batch for a rank without data, ``errors`` collects reading errors
+        instead of raising them (see :class:`~raydlrm.trainers.pipeline.Lockstep`)."""
         self.model.eval()
         buffer = PredictionBuffer()
         limit = self.spec.training.max_eval_batches
