@@ -57,9 +57,9 @@ from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
 from raydlrm.trainers.checkpoints import newest_intact_stored
 from raydlrm.trainers.hooks import PROGRESS_FILE
-from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.model_dir import model_metrics
 from raydlrm.trainers.spec import SourceDescription, WorkerJob
+from raydlrm.trainers.worker_entry import train_loop_per_worker
 
 __all__ = ["TAG_STOP_REASON", "EvaluationError", "TrainResult", "stop_reason", "train"]
 
@@ -498,26 +498,7 @@ def _account_rows(
         # Bad held-out rows, set aside by the evaluations (each row once).
         "data/eval_rows_quarantined": held_out["bad_rows"] + held_out["row_group_rows"],
     }
-    stopped = result.metrics.get("early_stopping/stopped_step")
-    # Early stopping before the last step leaves rows unread; at the last step, none.
-    ran_all = stopped is None or stopped >= result.metrics.get("step", 0)
-    if job.training.max_steps is None and ran_all:
-        read = data.train.num_rows * job.training.num_epochs
-        trained = int(result.metrics.get("samples_seen", 0))
-        unaccounted = read - trained - metrics["data/rows_quarantined"]
-        metrics.update(
-            {"data/rows_read": read, "data/rows_trained": trained, "rows_unaccounted": unaccounted}
-        )
-        if unaccounted:
-            logger.error(
-                "%d training rows are unaccounted for: %d read (over %d epochs), %d trained, "
-                "%d quarantined",
-                unaccounted,
-                read,
-                job.training.num_epochs,
-                trained,
-                metrics["data/rows_quarantined"],
-            )
+    metrics.update(_trained_rows(result, job=job, data=data, quarantined=metrics))
     result.metrics.update({k: float(v) for k, v in metrics.items()})
     tracked.log_metrics(metrics, step=int(result.metrics.get("step", 0)))
     if metrics["data/eval_rows_quarantined"]:
@@ -533,3 +514,30 @@ def _account_rows(
             q["files"],
             job.data.quarantine_path,
         )
+
+
+def _trained_rows(
+    result: TrainResult, *, job: JobConfig, data: JobData, quarantined: dict[str, int]
+) -> dict[str, int]:
+    """Rows trained; and read and unaccounted for when the run read every epoch whole (not
+    cut by ``training.max_steps`` or by early stopping before its last step): an unaccounted
+    row is logged as an error."""
+    trained = int(result.metrics.get("samples_seen", 0))
+    stopped = result.metrics.get("early_stopping/stopped_step")
+    # Early stopping before the last step leaves rows unread; at the last step, none.
+    ran_all = stopped is None or stopped >= result.metrics.get("step", 0)
+    if job.training.max_steps is not None or not ran_all:
+        return {"data/rows_trained": trained}
+    read = data.train.num_rows * job.training.num_epochs
+    unaccounted = read - trained - quarantined["data/rows_quarantined"]
+    if unaccounted:
+        logger.error(
+            "%d training rows are unaccounted for: %d read (over %d epochs), %d trained, "
+            "%d quarantined",
+            unaccounted,
+            read,
+            job.training.num_epochs,
+            trained,
+            quarantined["data/rows_quarantined"],
+        )
+    return {"data/rows_read": read, "data/rows_trained": trained, "rows_unaccounted": unaccounted}

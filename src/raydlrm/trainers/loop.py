@@ -1,6 +1,7 @@
 """The per-worker training loop.
 
-Every Ray Train worker runs :func:`train_loop_per_worker`: build the model with its tables on
+Every Ray Train worker runs :func:`~raydlrm.trainers.worker_entry.train_loop_per_worker`, which
+drives a :class:`Trainer`: build the model with its tables on
 the meta device, shard it with the plan the driver made (each rank creates only its own shards,
 from the seed), then stream batches from this worker's split of the data: forward, loss,
 backward (the embedding rows are updated inside the backward by the kernel's fused optimizer),
@@ -8,12 +9,13 @@ dense optimizer step.
 
 The loop reads top to bottom in :meth:`Trainer._train`; each cadence belongs to its owner:
 when to log (:class:`~raydlrm.trainers.metrics.MetricsWindow`), when to evaluate
-(:class:`~raydlrm.trainers.evaluation.Evaluator`), when to checkpoint
-(:class:`~raydlrm.trainers.checkpoint_cadence.Checkpointer`). The final checkpoint (its shards are
-also the model's weights) is stored *before* the final evaluation, so nothing there can lose a
-finished run: a worker dying in it is restarted from that checkpoint and redoes only the
-evaluation. The evaluation's metrics go into the stored checkpoint (``final_metrics.json``) and
-a last, metrics-only report.
+(:class:`~raydlrm.trainers.evaluation.Evaluator`), when to validate and stop early
+(:class:`~raydlrm.trainers.validation.Validation`: an epoch's end is a None between its
+batches), when to checkpoint (:class:`~raydlrm.trainers.checkpoint_cadence.Checkpointer`).
+The final checkpoint (its shards are also the model's weights) is stored *before* the final
+evaluation, so nothing there can lose a finished run: a worker dying in it is restarted from
+that checkpoint and redoes only the evaluation. The evaluation's metrics go into the stored
+checkpoint (``final_metrics.json``) and a last, metrics-only report.
 
 A run restarted by Ray Train after a worker died, or submitted again under the same name, loads
 its latest checkpoint and continues from its step with the data position it had, so every
@@ -38,11 +40,10 @@ from typing import Any
 
 import torch
 
-from raydlrm._logs import configure_worker
 from raydlrm.batch import Batch
 from raydlrm.ids import DAY_SHIFT
 from raydlrm.ingestion.loader import iter_train_batches
-from raydlrm.ingestion.reader import EpochProgress, WorkerSource
+from raydlrm.ingestion.reader import EpochProgress
 from raydlrm.models import RecModel, build_model
 from raydlrm.models.managed_ids import LAST
 from raydlrm.sharding import ShardingPlan, shard_model
@@ -51,7 +52,7 @@ from raydlrm.sharding.telemetry import Family, local_counters, metrics_of
 from raydlrm.sharding.topology import Topology
 from raydlrm.trainers._dist import all_reduce_scalar, sum_over_ranks, world_size
 from raydlrm.trainers.checkpoint_cadence import Checkpointer
-from raydlrm.trainers.checkpoints import TrainingParts, newest_intact
+from raydlrm.trainers.checkpoints import TrainingParts
 from raydlrm.trainers.config import TrainingConfig
 from raydlrm.trainers.evaluation import EVAL_STEP, Evaluator
 from raydlrm.trainers.hooks import TrainerHook, default_hooks
@@ -61,10 +62,10 @@ from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
 from raydlrm.trainers.precision import DensePrecision
 from raydlrm.trainers.reporting import Reporter, ReportFn
 from raydlrm.trainers.sources import BatchSource, EpochSource, empty_batch_of
-from raydlrm.trainers.spec import SourceDescription, WorkerJob, WorkerSpec
+from raydlrm.trainers.spec import WorkerSpec
 from raydlrm.trainers.validation import Validation
 
-__all__ = ["StepResult", "Trainer", "train_loop_per_worker"]
+__all__ = ["StepResult", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class Trainer:
         rank: this worker's rank.
         device: this worker's device.
         hooks: called at the loop's moments (default: those the config asks for, without an
-            injected fault, which needs the run's marker path: :func:`train_loop_per_worker`).
+            injected fault, which needs the run's marker path:
+            :func:`~raydlrm.trainers.worker_entry.train_loop_per_worker`).
         report: called as ``report(metrics, checkpoint_dir=...)`` on every rank (default: Ray
             Train's, through ``raydlrm.trainers._ray``).
         storage: where the run's checkpoints are stored (for messages).
@@ -575,65 +577,3 @@ def _seam() -> Any:
 
 def _ray_report(metrics: dict[str, Any], *, checkpoint_dir: str | None = None) -> Any:
     return _seam().report(metrics, checkpoint_dir=checkpoint_dir)
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point: ``config`` is ``{"job": WorkerJob}`` (see :class:`WorkerJob`)."""
-    job: WorkerJob = config["job"]
-    configure_worker(job.log_level, job.library_log_level)
-    _ray = _seam()
-    _ray.configure_data_output(job.library_log_level)
-    ctx = _ray.worker_context()
-    if job.plan.world_size != ctx.world_size:
-        raise ValueError(
-            f"the sharding plan is for {job.plan.world_size} workers but the job has "
-            f"{ctx.world_size}"
-        )
-    if job.topology is not None and job.topology.num_hosts > 1:
-        _ray.check_hosts(job.topology, ctx.rank)
-    hooks = default_hooks(
-        job.spec,
-        fault_marker=job.fault_marker,
-        run_directory=job.run_directory,
-        run_storage=job.run_storage,
-        world_size=ctx.world_size,
-    )
-    trainer = Trainer(
-        job.spec,
-        plan=job.plan,
-        rank=ctx.rank,
-        device=ctx.device,
-        hooks=hooks,
-        storage=job.run_directory,
-        topology=job.topology,
-    )
-    with newest_intact(_ray.registered_checkpoint()) as (checkpoint_dir, stored):
-        if checkpoint_dir is not None:
-            trainer.load(checkpoint_dir, stored=stored)
-        elif job.warm_start is not None:
-            # A run's own checkpoint wins: a warm-started run that restarts continues from it.
-            with job.warm_start.as_directory() as warm_dir:
-                trainer.warm_start(warm_dir, stored=job.warm_start)
-
-    def source(description: SourceDescription | None) -> WorkerSource | None:
-        if description is None:
-            return None
-        return WorkerSource(
-            description.row_groups,
-            job.spec.data,
-            source_path=description.path,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            seed=job.spec.training.seed,
-            shuffle=description.shuffle,
-            num_actors=description.num_actors,
-            schema=description.schema,
-            quarantine_tag=description.quarantine_tag,
-        )
-
-    trainer.fit(
-        train_data=source(job.train_source),
-        eval_data=source(job.eval_source),
-        valid_data=source(job.valid_source),
-    )
-    logger.info("worker %d finished after %d steps", ctx.rank, trainer.step)
