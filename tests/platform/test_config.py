@@ -433,3 +433,33 @@ def test_bf16_on_a_gpu_without_it_is_refused_before_ray_starts(monkeypatch) -> N
     fp16 = ["training.precision=fp16", overrides[1]]
     preflight.check_dense_precision(load_config(None, overrides=fp16))
     preflight.check_dense_precision(load_config(None, overrides=overrides[:1]))  # CPU workers
+
+
+def test_early_stopping_needs_a_validation_set_and_keeps_its_best_itself() -> None:
+    """Refused before anything runs, naming the keys: early stopping without a validation
+    set, beside ``checkpoint.score_metric``, on a metric that is not a validation metric; the
+    section off (``enabled = false``) needs nothing."""
+    for overrides, message in (
+        (["training.early_stopping.patience=2"], r"needs a validation set: set data\.valid_path"),
+        (
+            [
+                "data.valid_split=time",
+                "training.early_stopping.patience=2",
+                "checkpoint.score_metric=x",
+            ],
+            r"checkpoint\.score_metric with training\.early_stopping",
+        ),
+        (
+            ["data.valid_split=time", "training.early_stopping.metric=eval/auc"],
+            r"training\.early_stopping\.metric must be one of",
+        ),
+        (["data.valid_split=time", "data.valid_path=v"], r"data\.valid_path and data\.valid_split"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=overrides)
+    off = load_config(overrides=["training.early_stopping.enabled=false"])
+    assert off.training.stopping() is None
+    on = load_config(
+        overrides=["data.valid_split=random", "training.early_stopping.metric=valid/log_loss"]
+    )
+    assert on.training.stopping().better() == "min"

@@ -142,6 +142,9 @@ def test_summary_is_printed(finished_run) -> None:
         "MLflow run:",
         "mlflow ui --backend-store-uri",
         "registered model: e2e-model",
+        # The validation column and why training ended (early stopping, the model's step).
+        " valid ",
+        "training ended: early stopping at step 80: valid/auc did not improve",
         # Where fbgemm cannot be imported, the workers say which kernel they run instead.
         "sharding.kernel 'auto': using the torch kernel (fbgemm_gpu made unimportable)",
         "torch kernels",

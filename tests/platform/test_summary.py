@@ -46,3 +46,25 @@ def test_dedup_line_sums_the_deduplicated_tables() -> None:
         "deduplicated (RecD): 2 tables, 5.00 samples per unique row; 1,500 lookups and 3.0 "
         "MiB of all-to-all saved (dedup/* in the run)"
     )
+
+
+def test_the_stop_reason_names_what_ended_training() -> None:
+    """Early stopping (where, and the step whose weights the model holds), ``max_steps``, or
+    the epochs; with early stopping that ran every epoch, the best step when not the last."""
+    from raydlrm.platform.config import load_config
+    from raydlrm.platform.launch import stop_reason
+
+    stopping = ["data.valid_split=random", "training.early_stopping.patience=3"]
+    job = load_config(overrides=stopping)
+    stopped = {"step": 40, "early_stopping/stopped_step": 40, "early_stopping/best_step": 10}
+    stopped["early_stopping/best"] = 0.75
+    assert stop_reason(job, stopped) == (
+        "early stopping at step 40: valid/auc did not improve by more than 0 in 3 evaluations; "
+        "the model is step 10's (best valid/auc 0.750000)"
+    )
+    ran = {"step": 50, "early_stopping/best_step": 30, "early_stopping/best": 0.7}
+    assert stop_reason(job, ran) == (
+        "training.num_epochs = 1 done; the model is step 30's, the best valid/auc"
+    )
+    capped = load_config(overrides=["training.max_steps=5"])
+    assert stop_reason(capped, {"step": 5}) == "training.max_steps = 5 reached"

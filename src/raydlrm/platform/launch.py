@@ -87,6 +87,9 @@ class TrainResult:
     registered_model_version: str | None
     plan: ShardingPlan = field(repr=False)
     """The sharding plan the job ran with."""
+    stop_reason: str = ""
+    """Why training ended (:func:`stop_reason`: early stopping and the step whose weights the
+    model holds, ``training.max_steps`` or ``training.num_epochs``)."""
 
     @property
     def registered_model_uri(self) -> str | None:
@@ -386,7 +389,8 @@ def _log_final_model(
     with run_model_dir(checkpoint, checkpoint_uri, by_reference=by_reference) as model_dir:
         # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
         final = {**result.metrics, **model_metrics(model_dir)}
-        tracked.set_tags({TAG_STOP_REASON: stop_reason(job, final)})
+        reason = stop_reason(job, final)
+        tracked.set_tags({TAG_STOP_REASON: reason})
         eval_error = final.get("eval/error")
         model_uri, version = _logged_model(
             job,
@@ -412,6 +416,7 @@ def _log_final_model(
         registered_model_name=job.tracking.registered_model_name,
         registered_model_version=None if version is None else str(version),
         plan=plan,
+        stop_reason=reason,
     )
 
 

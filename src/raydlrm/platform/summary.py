@@ -54,15 +54,17 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
     console = console or Console()
     m = result.metrics
     table = Table(title="raydlrm training summary", show_header=True)
+    parts = ["train", *(["valid"] if "valid/auc" in m else []), "eval"]
     table.add_column("metric")
-    table.add_column("train", justify="right")
-    table.add_column("eval", justify="right")
+    for part in parts:
+        table.add_column(part, justify="right")
     for name in ("auc", "log_loss", "normalized_entropy"):
-        table.add_row(name, _fmt(m.get(f"train/{name}")), _fmt(m.get(f"eval/{name}")))
-    table.add_row(
-        "samples", _fmt(m.get("samples_seen"), ".0f"), _fmt(m.get("eval/num_samples"), ".0f")
-    )
+        table.add_row(name, *(_fmt(m.get(f"{part}/{name}")) for part in parts))
+    samples = {"train": "samples_seen", "valid": "valid/num_samples", "eval": "eval/num_samples"}
+    table.add_row("samples", *(_fmt(m.get(samples[part]), ".0f") for part in parts))
     console.print(table)
+    if result.stop_reason and "early_stopping/best_step" in m:
+        console.print(f"training ended: {result.stop_reason}")
     if m.get("rows_unaccounted"):
         console.print(f"rows unaccounted for: {int(m['rows_unaccounted'])} (see the log)")
     if m.get("data/rows_quarantined") or m.get("data/files_quarantined"):
