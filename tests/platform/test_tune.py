@@ -151,14 +151,22 @@ def _sweep_config(tmp_path: Path) -> dict:
             "table_size": 500,
             "synthetic": {
                 "generate": "if_missing",
-                "num_train_rows": 2048,
+                "num_train_rows": 3072,
                 "num_eval_rows": 512,
                 "rows_per_file": 1024,
                 "max_cardinality": 400,
             },
+            # One of the three training files is the validation set the trials are ranked on.
+            "valid_split": "random",
+            "valid_fraction": 0.3,
         },
         "model": {"arch": "dlrm", "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]},
-        "training": {"max_steps": 6, "log_every_steps": 2, "eval_every_steps": 2},
+        "training": {
+            "max_steps": 6,
+            "log_every_steps": 2,
+            "valid_every_steps": 2,
+            "early_stopping": {"patience": 2},
+        },
         "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}},
         "run": {"storage_path": str(tmp_path / "runs"), "name": "sweep"},
         "tracking": {
@@ -266,8 +274,9 @@ def test_a_sweep_killed_with_its_driver_continues_and_registers_the_best(
 ) -> None:
     """A sweep whose driver is killed once a trial has finished continues when run again
     (Tune's experiment restore): the finished trial is kept, the others run, every trial is
-    one child run, at most ``tune.max_concurrent_trials`` at a time, the best is registered
-    once; run again after it finished, it reports the same result."""
+    one child run, at most ``tune.max_concurrent_trials`` at a time, the best (on the
+    validation set, with early stopping in every trial) is registered once; run again after it
+    finished, it reports the same result."""
     import raydlrm
 
     config = _sweep_config(tmp_path)
@@ -281,7 +290,11 @@ def test_a_sweep_killed_with_its_driver_continues_and_registers_the_best(
     statuses = [t["status"] for t in result.trials]
     assert set(statuses) <= {"done", "stopped early"} and "done" in statuses
     done = [t for t in result.trials if t["status"] == "done"]
-    assert result.best_metrics["eval/auc"] == max(t["eval/auc"] for t in done)
+    # Ranked on validation (tune.metric's default with a validation set): each trial by its
+    # best checkpoint, the model it registers; then scored on the eval data.
+    assert result.best_metrics["valid/auc"] == max(t["valid/auc"] for t in done)
+    best = result.best_metrics
+    assert best["valid/auc"] == best["early_stopping/best"] and "eval/auc" in best
     assert set(result.best_config) == {"training.learning_rate", "model.top_mlp"}
     client = MlflowClient(config["tracking"]["tracking_uri"])
     children = client.search_runs(
@@ -311,7 +324,7 @@ def test_a_sweep_killed_with_its_driver_continues_and_registers_the_best(
     assert max(running) <= 2, events
     parent = client.get_run(result.run_id)
     assert parent.data.tags["raydlrm.tune.best_run_id"] == result.best_run_id
-    assert parent.data.metrics["eval/auc"] == result.best_metrics["eval/auc"]
+    assert parent.data.metrics["valid/auc"] == result.best_metrics["valid/auc"]
     version = client.get_model_version("tuned", result.registered_model_version)
     assert version.run_id == result.best_run_id
     assert result.summary.splitlines()[-1].startswith("best: ")
