@@ -57,12 +57,14 @@ def test_the_stop_reason_names_what_ended_training() -> None:
     stopping = ["data.valid_split=random", "training.early_stopping.patience=3"]
     job = load_config(overrides=stopping)
     stopped = {"step": 40, "early_stopping/stopped_step": 40, "early_stopping/best_step": 10}
-    stopped["early_stopping/best"] = 0.75
+    stopped |= {"early_stopping/best": 0.75, "early_stopping/stopped_early": 1.0}
     assert stop_reason(job, stopped) == (
         "early stopping at step 40: valid/auc did not improve by more than 0 in 3 evaluations; "
         "the model is step 10's (best valid/auc 0.750000)"
     )
+    # The patience spent at the last evaluation (step 50) cut nothing.
     ran = {"step": 50, "early_stopping/best_step": 30, "early_stopping/best": 0.7}
+    ran["early_stopping/stopped_step"] = 50
     assert stop_reason(job, ran) == (
         "training.num_epochs = 1 done; the model is step 30's, the best valid/auc"
     )

@@ -131,6 +131,7 @@ def test_run_ends_with_the_best_checkpoint_and_resumes_its_patience(
     final = _fit(whole, data_dir)
     assert whole.step == 12
     assert final["early_stopping/best_step"] == 8 and final["early_stopping/stopped_step"] == 12
+    assert final["early_stopping/stopped_early"] == 1.0  # 18 steps left unread
     # The model's (the best) validation AUC; the curve's last point stays the last one's.
     assert final["early_stopping/best"] == 0.66 and final["valid/auc"] == 0.664
     assert "eval/auc" in final  # the final evaluation scored the best model
@@ -163,6 +164,6 @@ def test_epoch_end_validation_stops_before_the_last_epoch(data_dir: Path, tmp_pa
     curve = {10: 0.60, 20: 0.66, 30: 0.65, 40: 0.62}
     trainer, snapshots = _trainer(data_dir, tmp_path, every=0, epochs=5, kill_at=None, curve=curve)
     final = _fit(trainer, data_dir)
-    assert trainer.step == 40
+    assert trainer.step == 40 and final["early_stopping/stopped_early"] == 1.0
     assert final["early_stopping/best_step"] == 20
     assert _same(unsharded_state_dict(trainer), snapshots[20])

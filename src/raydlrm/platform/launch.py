@@ -57,6 +57,7 @@ from raydlrm.sharding import ShardingPlan
 from raydlrm.storage import join, scheme_of, with_scheme
 from raydlrm.trainers.checkpoints import newest_intact_stored
 from raydlrm.trainers.hooks import PROGRESS_FILE
+from raydlrm.trainers.loop import STOPPED_EARLY
 from raydlrm.trainers.model_dir import model_metrics
 from raydlrm.trainers.spec import SourceDescription, WorkerJob
 from raydlrm.trainers.worker_entry import train_loop_per_worker
@@ -458,7 +459,7 @@ def stop_reason(job: JobConfig, final: dict[str, Any]) -> str:
     or ``training.num_epochs``."""
     stopping = job.training.stopping()
     stopped = final.get("early_stopping/stopped_step")
-    if stopping is not None and stopped is not None:
+    if stopping is not None and stopped is not None and final.get(STOPPED_EARLY):
         return (
             f"early stopping at step {int(stopped)}: {stopping.metric} did not improve by more "
             f"than {stopping.min_delta:g} in {stopping.patience} evaluations; the model is "
@@ -528,10 +529,7 @@ def _trained_rows(
     cut by ``training.max_steps`` or by early stopping before its last step): an unaccounted
     row is logged as an error."""
     trained = int(result.metrics.get("samples_seen", 0))
-    stopped = result.metrics.get("early_stopping/stopped_step")
-    # Early stopping before the last step leaves rows unread; at the last step, none.
-    ran_all = stopped is None or stopped >= result.metrics.get("step", 0)
-    if job.training.max_steps is not None or not ran_all:
+    if job.training.max_steps is not None or result.metrics.get(STOPPED_EARLY):
         return {"data/rows_trained": trained}
     read = data.train.num_rows * job.training.num_epochs
     unaccounted = read - trained - quarantined["data/rows_quarantined"]

@@ -65,7 +65,11 @@ from raydlrm.trainers.sources import BatchSource, EpochSource, empty_batch_of
 from raydlrm.trainers.spec import WorkerSpec
 from raydlrm.trainers.validation import Validation
 
-__all__ = ["StepResult", "Trainer"]
+__all__ = ["STOPPED_EARLY", "StepResult", "Trainer"]
+
+STOPPED_EARLY = "early_stopping/stopped_early"
+"""A final metric, 1 when early stopping ended training before its epochs' data ran out (absent
+otherwise: a patience spent at the last evaluation cut nothing)."""
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +138,7 @@ class Trainer:
         self.resume: EpochProgress | None = None  # all ranks' progress at the loaded checkpoint
         self.resume_world_size: int | None = None
         self.finished: FinishedRun | None = None  # the loaded checkpoint is the run's final one
+        self.stopped_early = False  # early stopping ended training before its data did
         if hooks is None:
             hooks = default_hooks(spec)
         self.hooks = list(hooks)
@@ -408,6 +413,7 @@ class Trainer:
         the last epoch, ``max_steps`` or early stopping."""
         for epoch in range(self.epoch, self.spec.training.num_epochs):
             if self._done():
+                self.stopped_early = self.validation.stopped  # an epoch left unread
                 return
             self._start_epoch(epoch, train_data)
             self.clock.restart()
@@ -418,6 +424,7 @@ class Trainer:
                     self.clock.batch_arrived()
                     yield batch
                     if self._done():
+                        self.stopped_early = self.validation.stopped  # rows left unread
                         return
             yield None
 
@@ -487,6 +494,8 @@ class Trainer:
                 **self._run_metrics(),
                 **self.validation.final_metrics(),
             }
+            if self.stopped_early:
+                final[STOPPED_EARLY] = 1.0
             persisted = self._checkpoint(final, final=True)
         if evaluator.data is None:
             return final
