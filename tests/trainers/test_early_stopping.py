@@ -1,7 +1,8 @@
 """Validation and early stopping in the training loop (no Ray): a planted validation curve
 stops the run at the right evaluation, the run ends with the best checkpoint's weights (what
 the final checkpoint, the registered model, holds), and a run killed after its best
-checkpoint resumes with its best checkpoint and patience counter to the same end."""
+checkpoint resumes with its best checkpoint and patience counter to the same end. Held-out
+batches are read once when they fit in memory."""
 
 from __future__ import annotations
 
@@ -167,3 +168,33 @@ def test_epoch_end_validation_stops_before_the_last_epoch(data_dir: Path, tmp_pa
     assert trainer.step == 40 and final["early_stopping/stopped_early"] == 1.0
     assert final["early_stopping/best_step"] == 20
     assert _same(unsharded_state_dict(trainer), snapshots[20])
+
+
+def test_held_out_batches_are_read_once_when_they_fit() -> None:
+    """Evaluations after the first whole pass read the kept batches (the same ones); a pass cut
+    short keeps nothing; a share over the budget is streamed every time."""
+    import pyarrow as pa
+
+    from raydlrm.trainers.sources import HeldOutCache
+
+    class Counting:
+        def __init__(self) -> None:
+            self.passes = 0
+
+        def iter_batches(self, **_: object):
+            self.passes += 1
+            for i in range(3):
+                yield pa.table({"x": [float(i)] * 100})
+
+    source = Counting()
+    cache = HeldOutCache(source, budget_bytes=1 << 20)
+    first = next(iter(cache.iter_batches()))  # cut short: nothing kept
+    assert first.num_rows == 100 and cache.tables is None
+    whole = list(cache.iter_batches())
+    again = list(cache.iter_batches())
+    assert source.passes == 2
+    assert all(t.equals(u) for t, u in zip(whole, again, strict=True))
+    small = HeldOutCache(source, budget_bytes=1000)  # the 3 batches hold 2,400 bytes
+    list(small.iter_batches())
+    list(small.iter_batches())
+    assert source.passes == 4 and small.tables is None

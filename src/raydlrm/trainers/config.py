@@ -100,6 +100,11 @@ class TrainingConfig:
     early_stopping: EarlyStoppingConfig | None = None
     """Stop where the validation metric peaks and keep that model (see
     :class:`EarlyStoppingConfig`); None: train every epoch, keep the last model."""
+    held_out_cache_mib: int = 256
+    """Each worker keeps its share of the validation and of the held-out data (each) in memory
+    after the first whole evaluation, up to this many MiB of preprocessed batches: the later
+    evaluations (``valid_every_steps``, ``eval_every_steps``, the final one) read no files and
+    start no preprocessing actors. A share over it is streamed every time (0: always)."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per worker (None: the whole eval set)."""
     torch_threads: int = 1
@@ -137,6 +142,10 @@ class TrainingConfig:
         if self.valid_every_steps < 0:
             raise ValueError(
                 f"training.valid_every_steps must be >= 0, got {self.valid_every_steps}"
+            )
+        if self.held_out_cache_mib < 0:
+            raise ValueError(
+                f"training.held_out_cache_mib must be >= 0, got {self.held_out_cache_mib}"
             )
         if self.torch_threads <= 0:
             raise ValueError(f"training.torch_threads must be positive, got {self.torch_threads}")

@@ -3,7 +3,10 @@
 :class:`Evaluator` evaluates every ``training.eval_every_steps`` steps (on its own cadence,
 whether or not the step is a log step) and once at the end. Every rank evaluates its share of
 the held-out data in lock-step with the others (the model's forward pass is a collective) and
-the metrics are computed over all ranks. A reading error of the held-out data in the final
+the metrics are computed over all ranks. A worker keeps its share of the held-out batches in
+memory after the first whole pass, up to ``training.held_out_cache_mib``
+(:class:`~raydlrm.trainers.sources.HeldOutCache`): later evaluations then only run the model.
+A reading error of the held-out data in the final
 evaluation ends it on every rank alike and is reported as ``eval/error`` (the first rank's
 error line), so that the trained model, already checkpointed, is kept.
 """
@@ -20,7 +23,7 @@ from raydlrm.ingestion.loader import iter_train_batches
 from raydlrm.trainers._dist import all_gather_object
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.pipeline import Lockstep
-from raydlrm.trainers.sources import BatchSource, empty_batch_of
+from raydlrm.trainers.sources import BatchSource, HeldOutCache, empty_batch_of
 from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = ["EVAL_STEP", "VALID_STEP", "Evaluator"]
@@ -64,6 +67,7 @@ class Evaluator:
         self.rank = rank
         self.prefix = prefix
         self.every = spec.training.eval_every_steps if every is None else every
+        self._cache: HeldOutCache | None = None  # of ``data``, made at its first evaluation
 
     def should_evaluate(self, step: int) -> bool:
         return self.data is not None and self.every > 0 and step % self.every == 0
@@ -108,4 +112,7 @@ class Evaluator:
 
     def _batches(self) -> Iterable[Batch]:
         assert self.data is not None
-        return iter_train_batches(self.data, config=self.spec.data)
+        if self._cache is None or self._cache.source is not self.data:
+            budget = self.spec.training.held_out_cache_mib << 20
+            self._cache = HeldOutCache(self.data, budget_bytes=budget)
+        return iter_train_batches(self._cache, config=self.spec.data)

@@ -18,7 +18,7 @@ from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.loader import arrow_to_batch
 from raydlrm.ingestion.reader import EpochProgress
 
-__all__ = ["BatchSource", "EpochSource", "empty_batch_of"]
+__all__ = ["BatchSource", "EpochSource", "HeldOutCache", "empty_batch_of"]
 
 
 @runtime_checkable
@@ -46,3 +46,32 @@ def empty_batch_of(source: BatchSource, *, config: DataConfig) -> Batch | None:
     if not isinstance(source, EpochSource):
         return None
     return arrow_to_batch(source.empty_table(), config=config)
+
+
+class HeldOutCache:
+    """A held-out source's batches kept in memory after its first whole pass, when they fit
+    ``budget_bytes`` (Arrow bytes): the evaluations after it read no file and start no
+    preprocessing actors. Held-out data is read in file order, unshuffled, so every pass is the
+    same batches. A pass cut short (``training.max_eval_batches``, an error) or over the budget
+    keeps nothing, and the source is streamed again the next time."""
+
+    def __init__(self, source: BatchSource, *, budget_bytes: int) -> None:
+        self.source = source
+        self.budget_bytes = budget_bytes
+        self.tables: list[pa.Table] | None = None  # a whole pass, once one fit
+
+    def iter_batches(self, **kwargs: Any) -> Iterator[pa.Table]:
+        if self.tables is not None:
+            yield from self.tables
+            return
+        kept: list[pa.Table] | None = [] if self.budget_bytes > 0 else None
+        held = 0
+        for table in self.source.iter_batches(**kwargs):
+            if kept is not None:
+                held += table.nbytes
+                if held <= self.budget_bytes:
+                    kept.append(table)
+                else:
+                    kept = None  # over the budget: this share is streamed every time
+            yield table
+        self.tables = kept  # reached only at the end of a whole pass
