@@ -27,13 +27,19 @@ from raydlrm.ingestion.reader import (
     WorkerSource,
     assign_row_groups,
     assign_windows,
+    time_order,
 )
 from raydlrm.ingestion.row_group_reader import RG_ID_COLUMN, RowGroupReader, read_columns
 from raydlrm.ingestion.schema import DataSummary, RowGroup
 
 
 def _groups(sizes: list[int]) -> list[RowGroup]:
-    return [RowGroup(f"f{i // 3}.parquet", i % 3, n) for i, n in enumerate(sizes)]
+    """Row groups of ``sizes`` rows, three a file, whose times are not in file order."""
+    times = np.random.default_rng(0).permutation(len(sizes)).astype(float)
+    return [
+        RowGroup(f"f{i // 3}.parquet", i % 3, n, time=t)
+        for i, (n, t) in enumerate(zip(sizes, times, strict=True))
+    ]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -58,23 +64,26 @@ def test_every_row_group_goes_to_exactly_one_worker_each_epoch(world_size: int) 
     assert unshuffled == [[(i, 0) for i in range(len(groups))]]
 
 
+@pytest.mark.parametrize("order", ["shuffled", "time"])
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 2), (2, 3), (3, 2), (4, 1)])
-def test_resume_covers_the_untrained_rows_once(saved: int, resumed: int) -> None:
+def test_resume_covers_the_untrained_rows_once(saved: int, resumed: int, order: str) -> None:
     """A checkpoint's progress leaves out finished row groups, skips the trained head of
     started ones, and (same world size) keeps each worker's own row groups."""
     groups = _groups([100, 250, 80, 80, 300, 120, 90, 60, 200, 110, 70])
-    before = assign_row_groups(groups, world_size=saved, seed=5, epoch=1, shuffle=True)
+    before = assign_row_groups(groups, world_size=saved, seed=5, epoch=1, shuffle=True, order=order)
     progress = EpochProgress(epoch=1)
     for worker in before:  # each worker: its first row group done, 30 rows of its second
-        first, second = worker[0][0], worker[1][0]
+        first = worker[0][0]
         progress.consumed[first] = progress.totals[first] = groups[first].num_rows
-        progress.consumed[second], progress.totals[second] = 30, groups[second].num_rows
+        for second, _ in worker[1:2]:
+            progress.consumed[second], progress.totals[second] = 30, groups[second].num_rows
     after = assign_row_groups(
         groups,
         world_size=resumed,
         seed=5,
         epoch=1,
         shuffle=True,
+        order=order,
         resume=progress,
         resume_world_size=saved,
     )
@@ -95,10 +104,13 @@ def test_resume_covers_the_untrained_rows_once(saved: int, resumed: int) -> None
         seed=5,
         epoch=2,
         shuffle=True,
+        order=order,
         resume=progress,
         resume_world_size=saved,
     )
-    assert other == assign_row_groups(groups, world_size=resumed, seed=5, epoch=2, shuffle=True)
+    assert other == assign_row_groups(
+        groups, world_size=resumed, seed=5, epoch=2, shuffle=True, order=order
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -119,12 +131,16 @@ def test_windows_are_consecutive_dealt_row_groups_up_to_the_window(world_size: i
         ]
 
 
+@pytest.mark.parametrize("order", ["shuffled", "time"])
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 2), (2, 3), (3, 1)])
-def test_resumed_windows_cover_the_untrained_rows_once(saved: int, resumed: int) -> None:
+def test_resumed_windows_cover_the_untrained_rows_once(
+    saved: int, resumed: int, order: str
+) -> None:
     """With the checkpoint's world size each worker keeps its windows, less the finished row
-    groups, each started one skipping its trained rows; otherwise the rest is dealt anew."""
+    groups, each started one skipping its trained rows; otherwise the rest is dealt anew (in
+    time order too, under ``time``)."""
     groups = _groups([100, 250, 80, 80, 300, 120, 90, 60, 200, 110, 70])
-    deal = {"seed": 5, "epoch": 1, "shuffle": True, "window_rows": 400}
+    deal = {"seed": 5, "epoch": 1, "shuffle": True, "window_rows": 400, "order": order}
     before = assign_windows(groups, world_size=saved, **deal)
     progress = EpochProgress(epoch=1, window_rows=400)
     for worker in before:  # its first window done; every row group of its second 10 rows in
@@ -149,6 +165,51 @@ def test_resumed_windows_cover_the_untrained_rows_once(saved: int, resumed: int)
             [[(i, progress.consumed.get(i, 0)) for i, _ in w] for w in worker[1:]]
             for worker in before
         ]
+    elif order == "time":
+        by_time = time_order(groups)
+        for worker in after:
+            dealt = [i for window in worker for i, _ in window]
+            assert dealt == sorted(dealt, key=by_time.index)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_time_ordered_epoch_deals_row_groups_in_time_order(world_size: int) -> None:
+    """Under ``time`` every epoch deals the row groups in the order of their times (not the
+    file order), the same every epoch, each to the worker with the fewest rows (so the workers
+    advance through time together), exactly once; a window holds consecutive row groups of a
+    worker's, in time. Eval keeps the file order."""
+    groups = _groups([100, 250, 80, 80, 300, 120, 90, 60, 200, 110, 70])
+    by_time = time_order(groups)
+    assert [groups[i].time for i in by_time] == sorted(g.time for g in groups)
+    assert by_time != list(range(len(groups)))  # the times are not in file order
+    deal = {"world_size": world_size, "seed": 5, "shuffle": True, "order": "time"}
+    windows = assign_windows(groups, **deal, epoch=0, window_rows=400)
+    assert assign_windows(groups, **deal, epoch=3, window_rows=400) == windows
+    dealt = assign_row_groups(groups, **deal, epoch=0)
+    assert dealt == assign_row_groups(groups, **deal, epoch=2)
+    assert sorted(i for worker in dealt for i, _ in worker) == list(range(len(groups)))
+    rows = [0] * world_size
+    for i in by_time:  # the fewest-rows deal over the time order
+        rank = next(r for r, worker in enumerate(dealt) if (i, 0) in worker)
+        assert rows[rank] == min(rows)
+        rows[rank] += groups[i].num_rows
+    for worker, mine in zip(windows, dealt, strict=True):
+        assert [item for window in worker for item in window] == mine
+        for window in worker:
+            assert len(window) == 1 or sum(groups[i].num_rows for i, _ in window) <= 400
+    assert assign_row_groups(groups, **{**deal, "shuffle": False}, epoch=0) == assign_row_groups(
+        groups, world_size=world_size, seed=5, shuffle=False, epoch=0
+    )
+
+
+def test_time_order_without_times_is_the_file_order() -> None:
+    groups = _groups([10, 20, 30, 40])
+    untimed = [dataclasses.replace(g, time=None) for g in groups]
+    assert time_order(untimed) == [0, 1, 2, 3]
+    ties = [dataclasses.replace(g, time=1.0) for g in groups]
+    assert time_order(ties) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"row group 1 of f0\.parquet has no time"):
+        time_order([groups[0], untimed[1]])
 
 
 def test_a_resumed_epoch_keeps_the_window_it_began_with(data: Path) -> None:
@@ -272,6 +333,100 @@ def test_a_resumed_epoch_reads_the_files_it_began_with(data: Path, tmp_path: Pat
         source.start(1, resume=_trained([head], began=began), world_size=1)
 
 
+def _times(path: Path) -> np.ndarray:
+    """The ``ts`` of each row of a data set (seconds), indexed by its sample id."""
+    table = pq.read_table(path, columns=["sample_id", "ts"])
+    times = np.empty(table.num_rows, dtype=np.int64)
+    times[table.column("sample_id").to_numpy()] = table.column("ts").cast(pa.int64()).to_numpy()
+    return times
+
+
+@pytest.mark.parametrize("window", [0, 250])
+def test_time_ordered_workers_read_through_time(timed: Path, window: int) -> None:
+    """Under ``time`` each worker reads its row groups in the time order of ``ts`` (not the
+    file order), the same every epoch: without a window every row in time order (each row
+    group in its file order, sessions too), with one the rows of each window mixed among
+    themselves only, a span of time after the previous window's; every row once."""
+    config = DataConfig(
+        train_path=str(timed),
+        eval_path=None,
+        table_size=1000,
+        order="time",
+        time_column="ts",
+        shuffle_window_rows=window,
+    )
+    summary = validate_data(str(timed), config)
+    times = _times(timed)
+    seen: list[int] = []
+    for rank in range(2):
+        source = _source(summary, config=config, rank=rank, world_size=2, seed=7, shuffle=True)
+        source.start(0, resume=None, world_size=None)
+        assert source.windows(0) == source.windows(1)
+        rows = _read_epoch(source, 0)
+        ids = rows.column("sample_id").to_numpy()
+        seen += ids.tolist()
+        if not window:
+            assert (np.diff(times[ids]) > 0).all()
+            continue
+        start, end_of_previous, mixed = 0, -1, False
+        for items in source.windows(0):
+            n = sum(summary.row_groups[i].num_rows for i, _ in items)
+            span = times[ids[start : start + n]]
+            groups = rows.column(RG_ID_COLUMN).to_numpy()[start : start + n]
+            assert set(groups.tolist()) == {i for i, _ in items}
+            assert span.min() > end_of_previous
+            end_of_previous, start = span.max(), start + n
+            mixed |= bool((np.diff(span) < 0).any())
+        assert mixed
+    assert sorted(seen) == list(range(summary.num_rows))
+
+
+@pytest.mark.parametrize("order", ["shuffled", "time"])
+@pytest.mark.parametrize("resumed_world_size", [2, 3])
+def test_a_resumed_epoch_reads_the_rest_once_in_the_same_order(
+    timed: Path, order: str, resumed_world_size: int
+) -> None:
+    """Killed mid-epoch and resumed with the checkpoint's world size, each worker reads exactly
+    the rest of what it would have read, in the same order (bit-identical data order); with
+    another world size, every remaining row once (under ``time``, dealt anew in time order)."""
+    config = DataConfig(
+        train_path=str(timed),
+        eval_path=None,
+        table_size=1000,
+        order=order,
+        time_column="ts",
+        shuffle_window_rows=250,
+    )
+    summary = validate_data(str(timed), config)
+
+    def sources(world_size: int) -> list[WorkerSource]:
+        return [
+            _source(summary, config=config, rank=r, world_size=world_size, seed=7, shuffle=True)
+            for r in range(world_size)
+        ]
+
+    before = sources(2)
+    began = [s.start(1, resume=None, world_size=None) for s in before]
+    read = [_read_epoch(s, 1) for s in before]
+    epochs = [table.column("sample_id").to_pylist() for table in read]
+    heads = [table.slice(0, n) for table, n in zip(read, (130, 260), strict=True)]
+    after = sources(resumed_world_size)
+    saved = _trained(heads, began=began[0])
+    rests = []
+    for source in after:
+        source.start(1, resume=saved, world_size=2)
+        rests.append(_read_epoch(source, 1).column("sample_id").to_pylist())
+    heads_ids = [head.column("sample_id").to_pylist() for head in heads]
+    assert sorted(i for ids in (*heads_ids, *rests) for i in ids) == list(range(summary.num_rows))
+    if resumed_world_size == 2:
+        assert [h + r for h, r in zip(heads_ids, rests, strict=True)] == epochs
+    elif order == "time":
+        by_time = time_order(summary.row_groups)
+        for source in after:
+            dealt = [i for window in source.windows(1) for i, _ in window]
+            assert dealt == sorted(dealt, key=by_time.index)
+
+
 def test_session_order_permutes_whole_sessions() -> None:
     sessions = pa.table({"s": pa.array([1, 1, 1, 2, 3, 3, 4, 5, 5, 5, 5])})
     order = session_order(sessions, "s", np.random.default_rng(0))
@@ -295,6 +450,21 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = root / "train" / "part-00000.parquet"
     pq.write_table(pq.read_table(path), path, row_group_size=64)
     return root / "train"
+
+
+@pytest.fixture(scope="module")
+def timed(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The rows of ``data`` in 4 files of 3 row groups, with a timestamp ``ts`` that rises
+    inside each file but whose files are not in time order (their spans: 3rd, 1st, 4th,
+    2nd)."""
+    table = pq.read_table(data).sort_by("sample_id")
+    root = tmp_path_factory.mktemp("timed") / "train"
+    root.mkdir()
+    for k, span in enumerate([2, 0, 3, 1]):
+        ts = pa.array(1_700_000_000 + 300 * span + np.arange(300), pa.timestamp("s"))
+        part = table.slice(300 * k, 300).append_column("ts", ts)
+        pq.write_table(part, root / f"part-{k}.parquet", row_group_size=100)
+    return root
 
 
 def _source(

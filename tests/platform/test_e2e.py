@@ -2,7 +2,9 @@
 
 Checks that the model learns (held-out AUC well above 0.5), that the job made exactly one MLflow
 run with the resolved config as params and the metrics by step, that the sharding plan is an
-artifact, and that the registered model loads and scores raw rows without Ray.
+artifact, and that the registered model loads and scores raw rows without Ray. The run holds out
+a validation set (one of the four training row groups, ``data.valid_split = "random"``) and
+stops early on it: its registered model is the best validation checkpoint's weights.
 
 The job runs where fbgemm cannot be imported (driver and Ray workers): the base install, on
 the PyTorch embedding kernel (``sharding.kernel = "auto"`` falls back to it with one line).
@@ -25,10 +27,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tomllib
+import torch
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from raydlrm.platform.cli import app
+from raydlrm.trainers.model_dir import ModelWeights
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -38,6 +42,8 @@ train_path = "data/train"
 eval_path = "data/eval"
 batch_size = 500
 table_size = 2000
+valid_split = "random"
+valid_fraction = 0.25
 
 [data.synthetic]
 generate = "if_missing"
@@ -59,6 +65,14 @@ learning_rate = 0.1
 num_epochs = 2
 learning_rate = 0.005
 log_every_steps = 10
+valid_every_steps = 60
+
+# min_delta so large that only the first evaluation improves (step 60 of 80: 40 steps an epoch,
+# two row groups on one worker); the one at the end (step 80) does not, and the model is step
+# 60's.
+[training.early_stopping]
+patience = 1
+min_delta = 0.5
 
 [ray]
 num_cpus = 4
@@ -173,17 +187,34 @@ def test_one_mlflow_run_with_params_metrics_and_model(finished_run) -> None:
     params = run.data.params
     assert params["model.arch"] == "dlrm"
     assert params["scaling.num_workers"] == "2"
-    assert params["data.train_rows"] == "40000"
+    # One of the four row groups of 10,000 rows is the validation set, never trained on.
+    assert params["data.train_rows"] == "30000" and params["data.valid_rows"] == "10000"
     metrics = run.data.metrics
     assert metrics["eval/auc"] > AUC_THRESHOLD
     assert metrics["train/auc"] > 0.6
     # Every row of every epoch trained exactly once (no quarantine, nothing unaccounted).
     assert metrics["rows_unaccounted"] == 0
-    assert metrics["data/rows_trained"] == metrics["data/rows_read"] == 2 * 40000
+    assert metrics["data/rows_trained"] == metrics["data/rows_read"] == 2 * 30000
     assert metrics["data/rows_quarantined"] == 0
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert len(history) >= 5
+    assert len(history) >= 3
     assert [m.step for m in history] == sorted(m.step for m in history)
+    # The validation curve, the best step and why the run stopped.
+    curve = client.get_metric_history(run.info.run_id, "valid/auc")
+    assert sorted({m.step for m in curve}) == [60, 80]
+    assert metrics["early_stopping/best_step"] == 60
+    assert metrics["early_stopping/stopped_step"] == 80
+    assert metrics["early_stopping/best"] == next(m.value for m in curve if m.step == 60)
+    reason = run.data.tags["raydlrm.stop_reason"]
+    assert reason.startswith("early stopping at step 80: valid/auc") and "step 60's" in reason
+    # The model (the final checkpoint, registered) holds the best checkpoint's weights.
+    final = Path(run.data.tags["raydlrm.checkpoint"].removeprefix("file://"))
+    best = json.loads((final / "trainer_state.json").read_text())["validation"]
+    best_dir = Path(best["early_stopping"]["best_checkpoint"])
+    assert json.loads((best_dir / "trainer_state.json").read_text())["step"] == 60
+    model, at_best = dict(ModelWeights(final).items()), dict(ModelWeights(best_dir).items())
+    assert model.keys() == at_best.keys()
+    assert all(torch.equal(model[k], at_best[k]) for k in model)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "sharding")}
     assert artifacts == {"sharding/plan.json", "sharding/plan.txt"}
     plan = json.loads(

@@ -210,7 +210,7 @@ def test_resuming_with_another_data_order_is_refused_before_ray_starts(
     """A checkpoint's data position counts the rows trained per row group of the files its
     epoch began with, a head of each row group's order: a resume with another seed, session
     column, bad-row rule under quarantine, or with a file of that epoch gone or rewritten, is
-    refused in one line naming each."""
+    refused in one line naming each (the order mode too, and under ``time`` its column)."""
     job = load_config(overrides=_train_args(tiny_data, tmp_path)[2::2] + _small_model(8))
     spec = job.worker_spec()
     plan = plan_sharding(spec.tables(), world_size=1, config=spec.sharding)
@@ -225,6 +225,7 @@ def test_resuming_with_another_data_order_is_refused_before_ray_starts(
     )
     changes = [
         "training.seed=5",
+        "data.order=time",
         "data.session_column=C1",
         "data.bad_input=quarantine",
         "data.sparse_specs={ C2 = { max_length = 3 } }",
@@ -234,6 +235,7 @@ def test_resuming_with_another_data_order_is_refused_before_ray_starts(
     line = _error_line(result)
     assert "run the-run would resume from" in line
     assert "training.seed: 0 in the checkpoint, 5 in the config" in line
+    assert "data.order: 'shuffled' in the checkpoint, 'time' in the config" in line
     assert "data.session_column: 'session_id' in the checkpoint, 'C1' in the config" in line
     assert "data.sparse_specs.C2.max_length: None in the checkpoint, 3 in the config" in line
     assert "file gone.parquet is gone" in line
@@ -243,6 +245,49 @@ def test_resuming_with_another_data_order_is_refused_before_ray_starts(
     )
     assert "data.bad_input:" not in line  # fail to quarantine: how a stopped run goes on
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_time_ordered_resume_keeps_its_time_column(tiny_data: Path) -> None:
+    """Under ``data.order = "time"`` the time column orders the epoch's row groups: another
+    one is refused; a checkpoint of an earlier release (no ``data.order``) read shuffled. A
+    validation split's settings, which decide the row groups that train, are kept alike."""
+    from raydlrm.platform.recorded import data_order_differences
+
+    _, summary = _saved_position(tiny_data)
+    data = {"session_column": "session_id", "order": "time", "time_column": "day"}
+    state = {"spec": {"training": {"seed": 0}, "data": data}, "position": {}}
+
+    def job(*overrides: str):
+        return load_config(overrides=[f"data.train_path={tiny_data / 'train'}", *overrides])
+
+    assert data_order_differences(
+        state, job=job("data.order=time", "data.time_column=ts"), train=summary
+    ) == [
+        "data.time_column: 'day' in the checkpoint, 'ts' in the config (it orders the "
+        "epoch's row groups)"
+    ]
+    assert (
+        data_order_differences(
+            state, job=job("data.order=time", "data.time_column=day"), train=summary
+        )
+        == []
+    )
+    earlier = {"spec": {"training": {"seed": 0}, "data": {"session_column": "session_id"}}}
+    assert data_order_differences(earlier, job=job(), train=summary) == []
+    # A validation split decides which row groups train: another split or share is refused.
+    carved = {**data, "order": "shuffled", "valid_split": "time", "valid_fraction": 0.1}
+    assert data_order_differences(
+        {**state, "spec": {"training": {"seed": 0}, "data": carved}},
+        job=job("data.valid_split=time", "data.valid_fraction=0.2", "data.time_column=day"),
+        train=summary,
+    ) == [
+        "data.valid_fraction: 0.1 in the checkpoint, 0.2 in the config (it decides which row "
+        "groups train)"
+    ]
+    assert data_order_differences(earlier, job=job("data.valid_split=random"), train=summary) == [
+        "data.valid_split: 'none' in the checkpoint, 'random' in the config (it decides which "
+        "row groups train)"
+    ]
 
 
 def test_a_resume_logs_what_its_epoch_reads_otherwise(

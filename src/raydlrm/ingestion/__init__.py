@@ -37,7 +37,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "hash_ids",
         "mix64",
     ),
-    "reader": ("default_num_actors",),
+    "reader": (
+        "default_num_actors",
+        "time_order",
+    ),
     "schema": (
         "SAMPLE_ID_COLUMN",
         "DataSummary",

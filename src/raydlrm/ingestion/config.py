@@ -119,16 +119,33 @@ class DataConfig:
     batch). Ignored when the data has no such column."""
     shuffle_window_rows: int = 262_144
     """Rows each worker mixes at once when training (0: off). Every epoch the row groups are
-    shuffled and dealt to the workers; each worker then takes its row groups in that order in
-    windows of consecutive row groups holding at most this many rows (at least one row group
-    each) and reads every window in a uniformly random order of its rows, drawn from
-    ``training.seed`` and the epoch: rows of several row groups share a batch, so data written
-    sorted (by user, by time) trains like shuffled data. A session (``session_column``) moves
-    as one unit, so its samples stay together. Every row is still read exactly once per epoch,
-    and a resumed run continues with exactly the batches it would have had. Off: only the row
-    groups and the sessions inside each row group are shuffled, and the rows of a data set
-    without a session column keep their file order inside a row group. A window must fit a
-    worker's memory (checked before Ray starts)."""
+    dealt to the workers in the epoch's order (``order``); each worker then takes its row
+    groups in that order in windows of consecutive row groups holding at most this many rows
+    (at least one row group each) and reads every window in a uniformly random order of its
+    rows, drawn from ``training.seed`` and the epoch: rows of several row groups share a batch,
+    so data written sorted by user trains like shuffled data (under ``order = "time"``, only
+    rows of a bounded span of time are mixed). A session (``session_column``) moves as one
+    unit, so its samples stay together. Every row is still read exactly once per epoch, and a
+    resumed run continues with exactly the batches it would have had. Off: under
+    ``shuffled``, only the row groups and the sessions inside each row group are shuffled, and
+    the rows of a data set without a session column keep their file order inside a row group;
+    under ``time``, every row group is read in its file order. A window must fit a worker's
+    memory (checked before Ray starts)."""
+    order: Literal["shuffled", "time"] = "shuffled"
+    """The order a training epoch reads the row groups in. ``shuffled``: a random order drawn
+    from ``training.seed`` and the epoch, different every epoch, the rows mixed inside the
+    shuffle window (data sorted by user: mix the users). ``time``: the time order of the row
+    groups (``time_column``, else the file order), the same every epoch, dealt to the workers
+    so that they advance through time together; the shuffle window then mixes rows only
+    inside a worker's consecutive row groups, a bounded span (``shuffle_window_rows`` rows),
+    as production trains on logs for recency under drift. Evaluation always reads the file
+    order. Which is better depends on the data: ``raydlrm data inspect`` says what to try."""
+    time_column: str | None = None
+    """The column whose per-row-group minimum, from the Parquet footer statistics of the
+    training data (nothing is read), gives the row groups' time order (``order = "time"``, a
+    time-split validation set); a timestamp, date, integer or float column. None: the file
+    order (sorted paths, then row group index), which is the time order of daily or hourly
+    partitioned logs. Row groups without statistics for it are refused, named."""
     bad_input: Literal["fail", "quarantine"] = "fail"
     """What a bad row (null or negative id, NaN dense value, ...) or an unreadable file does:
     ``fail`` stops the job naming file, row group, row and column; ``quarantine`` sets it aside
@@ -144,6 +161,18 @@ class DataConfig:
     eval_partitions: dict[str, PartitionSelector] | None = None
     """Hive partitions of ``eval_path``, when they differ from the training ones (e.g. train on
     the days before the newest, evaluate on the newest). Default: ``partitions``."""
+    valid_path: str | None = None
+    """Directory (or file) of validation Parquet: what ``training.early_stopping`` and
+    ``tune`` decide on, apart from ``eval_path`` (which then scores the model they picked).
+    Read with ``partitions``. Exclusive with ``valid_split``."""
+    valid_split: Literal["none", "time", "random"] = "none"
+    """Carve the validation set out of ``train_path`` instead, by whole row groups, so that no
+    validation row trains: ``time`` takes the latest row groups (by ``data.time_column``'s
+    per-row-group minimum, else the file order: the last files), ``random`` row groups drawn
+    with a fixed seed (the same split for every ``training.seed``); ``none``: no carved set."""
+    valid_fraction: float = 0.1
+    """The share of the training rows ``valid_split`` holds out (whole row groups: at least
+    this share, at least one row group, never all of them)."""
     data_date: str | None = None
     """The data's date (``YYYY-MM-DD``): the clock of managed tables' ``ttl_days``. ``raydlrm
     retrain`` sets it to the newest training partition when the partition values are dates."""
@@ -156,8 +185,12 @@ class DataConfig:
     prefetch_batches: int = 2
     """Batches prefetched on each worker."""
 
+    def has_validation(self) -> bool:
+        """Whether the job has a validation set (``valid_path`` or ``valid_split``)."""
+        return self.valid_path is not None or self.valid_split != "none"
+
     def partitions_for(self, role: str) -> dict[str, PartitionSelector]:
-        """The partition selection of the ``train`` or ``eval`` data set."""
+        """The partition selection of the ``train``, ``valid`` or ``eval`` data set."""
         if role == "eval" and self.eval_partitions is not None:
             return self.eval_partitions
         return self.partitions
@@ -192,10 +225,18 @@ class DataConfig:
             raise ValueError(
                 f"data.num_preprocess_actors must be >= 0, got {self.num_preprocess_actors}"
             )
+        if self.valid_path is not None and self.valid_split != "none":
+            raise ValueError(
+                "data.valid_path and data.valid_split both give a validation set: set one of them"
+            )
+        if not 0 < self.valid_fraction < 1:
+            raise ValueError(f"data.valid_fraction must be in (0, 1), got {self.valid_fraction}")
         if self.shuffle_window_rows < 0:
             raise ValueError(
                 f"data.shuffle_window_rows must be >= 0 (0: off), got {self.shuffle_window_rows}"
             )
+        if self.time_column is not None and not self.time_column:
+            raise ValueError("data.time_column must name a column (or be unset: the file order)")
 
     def _check_specs(self) -> None:
         for col in self.dense_specs:

@@ -14,9 +14,20 @@ each, ``max_rows`` in all: seconds on any data set, S3 too) and reports, as
   the config does not name) that rises or falls through the files (Spearman rank correlation
   with the position in file order) or inside the row groups (nearly every step goes one way).
 
-Each finding says whether the reader, as configured, mixes it (``data.shuffle_window_rows``
-mixes the rows of consecutive row groups; with the window off only sessions move inside a row
-group) and, if not, the setting that would.
+Each finding says whether the reader, as configured, handles it and, if not, what to try
+(never as settled: the eval metric decides). Sorted by user and sorted by time are different
+orders and want different treatment:
+
+- runs of one id (sorted by user): mix them, ``data.shuffle_window_rows`` (a window mixes the
+  rows of consecutive row groups; with the window off only sessions move inside a row group);
+- a trend through the files (Spearman over file position: logs written in time order), or a
+  timestamp rising inside row groups of files that are not in time order: try
+  ``data.order = "time"`` with ``data.time_column`` naming it, and a time-split validation, the
+  window then mixing only nearby rows; under ``time`` (by that column, for the latter) it is
+  handled;
+- a trend only inside row groups while ids come in runs (sorted by user, then by time inside
+  each user's history): the window that mixes the runs mixes it too; time order is not what to
+  try, since the files are not in time order.
 """
 
 from __future__ import annotations
@@ -92,15 +103,16 @@ class OrderFinding:
             spread over row groups beyond chance (``label_drift``), the rank correlation with
             file position or the share of steps that go one way (``trend``).
         statistic: what was measured, in words.
-        mixed: whether the reader, as configured, mixes it away.
-        suggestion: what to set (or why nothing is needed).
+        handled: whether the reader, as configured, treats it as advised (mixes it away, or
+            reads it in time order); training warns about the others.
+        suggestion: what to try (or why nothing is needed).
     """
 
     kind: Literal["runs", "label_drift", "trend"]
     column: str
     value: float
     statistic: str
-    mixed: bool
+    handled: bool
     suggestion: str
 
     @property
@@ -125,6 +137,8 @@ class _Group:
 class _Mixing:
     """What the reader mixes, as configured."""
 
+    order: Literal["shuffled", "time"]  # data.order
+    time_column: str | None  # data.time_column
     window_rows: int  # data.shuffle_window_rows (0: off)
     group_rows: int  # a typical (median) row group's rows
     groups_per_window: int  # row groups one window holds (1 when off)
@@ -167,7 +181,11 @@ def order_findings(
     findings = [f for c in run_columns if (f := _runs_finding(groups, column=c, mixing=mixing))]
     label = _drift_finding(groups, column=config.label_column, mixing=mixing)
     findings += [label] if label else []
-    findings += [f for c in trend_columns if (f := _trend_finding(groups, column=c, mixing=mixing))]
+    runs = any(f.kind == "runs" for f in findings)
+    for column in trend_columns:
+        time = _is_time(_field_type(summary.schema, column=column))
+        trend = _trend_finding(groups, column=column, mixing=mixing, runs=runs, time=time)
+        findings += [trend] if trend else []
     return findings
 
 
@@ -199,6 +217,11 @@ def _is_ordered(type_: pa.DataType) -> bool:
         or pa.types.is_date(type_)
         or pa.types.is_duration(type_)
     )
+
+
+def _is_time(type_: pa.DataType | None) -> bool:
+    """Timestamps and dates: a trend in them is time for sure (a number may be anything)."""
+    return type_ is not None and (pa.types.is_timestamp(type_) or pa.types.is_date(type_))
 
 
 def _trend_columns(schema: pa.Schema, *, config: DataConfig, session: str | None) -> list[str]:
@@ -295,12 +318,16 @@ def _codes(column: pa.ChunkedArray) -> np.ndarray:
 
 def _mixing(summary: DataSummary, *, config: DataConfig, sessions: bool) -> _Mixing:
     """What the reader mixes: a window of consecutive row groups (at least one) in a random
-    row order; with the window off, a row group's sessions (none without a session column)."""
+    row order; with the window off, a row group's sessions (none without a session column, or
+    under time order, which reads each row group in its file order)."""
     window = config.shuffle_window_rows
     group_rows = max(1, int(np.median([g.num_rows for g in summary.row_groups] or [1])))
     per_window = max(1, window // group_rows) if window else 1
-    span = per_window * group_rows if window else (group_rows if sessions else 0)
+    shuffled = sessions and config.order == "shuffled"
+    span = per_window * group_rows if window else (group_rows if shuffled else 0)
     return _Mixing(
+        order=config.order,
+        time_column=config.time_column,
         window_rows=window,
         group_rows=group_rows,
         groups_per_window=per_window,
@@ -310,19 +337,67 @@ def _mixing(summary: DataSummary, *, config: DataConfig, sessions: bool) -> _Mix
     )
 
 
-def _advice(mixing: _Mixing, *, mixed: bool, needed_rows: int, time: bool = False) -> str:
+_TRY = "what to try, not settled: compare the eval metric both ways"
+
+
+def _advice(mixing: _Mixing, *, mixed: bool, needed_rows: int) -> str:
     """The suggestion: nothing (and why), turning the window on, or a larger one."""
     window = mixing.window_rows
     if mixed and window:
-        note = "; time order matters for the eval split, not for training" if time else ""
-        return f"data.shuffle_window_rows = {window} mixes it{note}"
+        return f"data.shuffle_window_rows = {window} mixes it"
     if mixed:
         return "sessions (data.session_column) are shuffled inside row groups, which mixes it"
     whole_groups = -(-needed_rows // mixing.group_rows) * mixing.group_rows
     rows = _round_up(max(whole_groups, window + 1 if window else _DEFAULT_WINDOW))
     if not window:
-        return f"turn on data.shuffle_window_rows (e.g. {rows})"
-    return f"raise data.shuffle_window_rows to {rows} (now {window}) or pre-shuffle the files"
+        return f"turn on data.shuffle_window_rows (e.g. {rows}); {_TRY}"
+    return (
+        f"raise data.shuffle_window_rows to {rows} (now {window}) or pre-shuffle the files; {_TRY}"
+    )
+
+
+def _in_time_order(mixing: _Mixing) -> str:
+    """What ``data.order = "time"`` does, in words."""
+    by = f'data.time_column = "{mixing.time_column}"' if mixing.time_column else "the file order"
+    window = mixing.window_rows
+    mixes = f"mixing {window} rows at a time" if window else "each row group in its file order"
+    return f'data.order = "time" reads the row groups in time order ({by}), {mixes}'
+
+
+def _trend_advice(
+    mixing: _Mixing, *, column: str, through_files: bool, runs: bool, time: bool
+) -> tuple[bool, str]:
+    """Whether the reader handles a trend as advised, and the suggestion. Inside row groups
+    while ids come in runs (sorted by id, then by the column): the window, not time order.
+    Through the files (logs written in time order), or a time inside row groups: time order
+    by the column. Another column inside row groups: the window."""
+    if runs and not through_files:
+        sorted_by_id = f"sorted by id, then by {column} inside each id's rows"
+        if mixing.order == "time":
+            return False, (
+                f"{sorted_by_id}: the row groups are not in time order; try data.order = "
+                f'"shuffled" with the shuffle window, which mixes the runs and this; {_TRY}'
+            )
+        mixed = mixing.span_rows > 0
+        advice = _advice(mixing, mixed=mixed, needed_rows=mixing.group_rows)
+        return mixed, f"{sorted_by_id}: time order is not what to try here; {advice}"
+    if mixing.order == "time" and (through_files or column == mixing.time_column):
+        return True, _in_time_order(mixing)
+    if mixing.order == "time" and time:
+        return False, (
+            f"{column} rises inside row groups, not through the files: try data.time_column = "
+            f'"{column}", which deals the row groups by it; {_TRY}'
+        )
+    if through_files or time:
+        if_time = "" if time else f"if {column} is a time, "
+        return False, (
+            f'{if_time}try data.order = "time" with data.time_column = "{column}" (the row '
+            "groups in its order, the shuffle window then mixing only nearby rows) and a "
+            "validation and eval split by time (the latest rows held out), against the "
+            f"shuffled order; {_TRY}"
+        )
+    mixed = mixing.span_rows > 0
+    return mixed, _advice(mixing, mixed=mixed, needed_rows=mixing.group_rows)
 
 
 def _round_up(rows: int) -> int:
@@ -370,7 +445,7 @@ def _runs_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Orde
             f"({units / expected:.2f} in a random order, {z:.1f} standard deviations away; a "
             f"row's run holds {typical:.0f} rows on average, the longest seen {lengths.max():.0f})"
         ),
-        mixed=mixed,
+        handled=mixed,
         suggestion=_advice(mixing, mixed=mixed, needed_rows=needed),
     )
 
@@ -401,6 +476,10 @@ def _drift_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Ord
         return None
     needed = min(DRIFT_ROW_GROUPS, mixing.total_groups)
     mixed = mixing.window_rows > 0 and mixing.groups_per_window >= needed
+    suggestion = _advice(mixing, mixed=mixed, needed_rows=needed * mixing.group_rows)
+    if mixing.order == "time":
+        # Read in time order on purpose: a rate that drifts over time is trained in order.
+        suggestion = f"{_in_time_order(mixing)}: a drift over time is kept by design"
     return OrderFinding(
         kind="label_drift",
         column=column,
@@ -410,8 +489,8 @@ def _drift_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Ord
             f"(overall {rate:.3f}; spread {spread:.3f} beyond chance, chi-square {chi2:.0f} on "
             f"{len(n) - 1} df)"
         ),
-        mixed=mixed,
-        suggestion=_advice(mixing, mixed=mixed, needed_rows=needed * mixing.group_rows),
+        handled=mixed or mixing.order == "time",
+        suggestion=suggestion,
     )
 
 
@@ -423,11 +502,14 @@ def _numbers(column: pa.ChunkedArray) -> np.ndarray:
     return array.cast(pa.float64()).to_numpy(zero_copy_only=False)
 
 
-def _trend_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> OrderFinding | None:
+def _trend_finding(
+    groups: list[_Group], *, column: str, mixing: _Mixing, runs: bool, time: bool
+) -> OrderFinding | None:
     """The rank correlation of the column with file position over the sample (a trend through
     the files), and the share of steps between adjacent units (sessions, else rows) that go
     one way inside the row groups (sorted inside row groups). A unit is its first row: order
-    inside a session (e.g. a position in it) is kept by design."""
+    inside a session (e.g. a position in it) is kept by design. ``runs``: some id comes in
+    runs (sorted by user); ``time``: the column is a timestamp or date."""
     positions, values, up, down = [], [], 0, 0
     for group in groups:
         if column not in group.table.column_names:
@@ -447,23 +529,21 @@ def _trend_finding(groups: list[_Group], *, column: str, mixing: _Mixing) -> Ord
     rho = float(stats.spearmanr(np.concatenate(positions), values).statistic)
     one_way = max(up, down) / (up + down) if up + down >= MIN_UNITS else 0.0
     direction = "rises" if (rho if abs(rho) >= TREND_RHO else up - down) > 0 else "falls"
-    if abs(rho) >= TREND_RHO:
-        needed = min(DRIFT_ROW_GROUPS, mixing.total_groups)
-        mixed = mixing.window_rows > 0 and mixing.groups_per_window >= needed
-        where, value, needed_rows = "through the files", rho, needed * mixing.group_rows
-    elif one_way >= TREND_STEPS:
-        mixed = mixing.span_rows > 0
-        where, value, needed_rows = "inside row groups", one_way, mixing.group_rows
-    else:
+    through_files = abs(rho) >= TREND_RHO
+    if not through_files and one_way < TREND_STEPS:
         return None
+    handled, suggestion = _trend_advice(
+        mixing, column=column, through_files=through_files, runs=runs, time=time
+    )
     return OrderFinding(
         kind="trend",
         column=column,
-        value=value,
+        value=rho if through_files else one_way,
         statistic=(
-            f"{direction} {where} (Spearman {rho:.2f} with file position; "
-            f"{one_way:.0%} of changes between adjacent rows go one way)"
+            f"{direction} {'through the files' if through_files else 'inside row groups'} "
+            f"(Spearman {rho:.2f} with file position; {one_way:.0%} of changes between "
+            "adjacent rows go one way)"
         ),
-        mixed=mixed,
-        suggestion=_advice(mixing, mixed=mixed, needed_rows=needed_rows, time=True),
+        handled=handled,
+        suggestion=suggestion,
     )

@@ -1,10 +1,13 @@
 """A worker's data, epoch by epoch, exactly once: which worker reads what, in which order.
 
 The unit of reading is a Parquet row group (:class:`RowGroup`, listed from the footers by the
-driver). Every epoch, :func:`assign_row_groups` shuffles the row groups with a seed derived from
-``(training.seed, epoch)`` and deals them to the workers, each to the worker with the fewest rows
-so far: every row group, hence every row, goes to exactly one worker per epoch, the split is
-as even as row groups allow, and the same seed gives the same assignment and order on every run.
+driver). Every epoch, :func:`assign_row_groups` puts the row groups in the epoch's order and
+deals them to the workers, each to the worker with the fewest rows so far: every row group,
+hence every row, goes to exactly one worker per epoch, the split is as even as row groups
+allow, and the same seed gives the same assignment and order on every run. The order is
+``data.order``'s: ``shuffled``, a permutation seeded by ``(training.seed, epoch)``; ``time``,
+the row groups' time order (:func:`time_order`), the same every epoch, so the workers advance
+through time together and a shuffle window spans consecutive row groups in time.
 
 Each worker then streams its row groups through its own Ray Data pipeline
 (:class:`WorkerSource`): a dataset of *shuffle windows* (:func:`assign_windows`: consecutive row
@@ -12,7 +15,8 @@ groups of the worker's, at most ``data.shuffle_window_rows`` rows each) mapped b
 reader on an actor pool (``raydlrm.ingestion.row_group_reader``: it reads, shuffles and
 preprocesses each window's rows, in a uniformly random order drawn from the seed, and cuts
 session-clustered data into training batches itself). Output order is preserved, so a worker's
-batches are reproducible too.
+batches are reproducible too. Under ``time`` without a window (0), each row group is read in its
+file order.
 
 A worker that runs out of rows before the others keeps stepping with empty batches (see
 ``raydlrm.trainers.loop``) instead of the others dropping their last rows.
@@ -33,13 +37,14 @@ A resumed epoch is dealt from the list of files it began with (:attr:`EpochProgr
 epoch on. It is read with the shuffle window it began with, or with a smaller
 ``data.shuffle_window_rows`` (:func:`resumed_window`): any cut into windows reads every
 remaining row once (a row group's merge keys are its own and its trained rows a head of its
-order), only the rest of the epoch then comes in other batches than it would have.
+order), only the rest of the epoch then comes in other batches than it would have. Its order
+(``data.order``, ``data.time_column``) cannot change: the driver refuses such a resume.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +75,7 @@ __all__ = [
     "assign_windows",
     "default_num_actors",
     "resumed_window",
+    "time_order",
     "window_bytes",
 ]
 
@@ -199,6 +205,24 @@ def resumed_window(saved: int, *, configured: int) -> int:
     return max(configured, 1)
 
 
+def time_order(groups: list[RowGroup]) -> list[int]:
+    """The indices of ``groups`` in time order: by :attr:`RowGroup.time` (``data.time_column``'s
+    minimum in each), ties and no time at all in list order (the data set's file order: sorted
+    paths, then row group index).
+
+    Raises:
+        ValueError: some row groups have a time and others not, naming one without.
+    """
+    timed = [g.time is not None for g in groups]
+    if any(timed) and not all(timed):
+        lacking = groups[timed.index(False)]
+        raise ValueError(
+            f"row group {lacking.index} of {lacking.file} has no time, other row groups have "
+            "one: all or none must (data.time_column)"
+        )
+    return sorted(range(len(groups)), key=lambda i: (groups[i].time or 0.0, i))
+
+
 def _deal(
     groups: list[RowGroup], order: list[int], world_size: int, skip: dict[int, int]
 ) -> list[list[tuple[int, int]]]:
@@ -218,6 +242,7 @@ def assign_row_groups(
     seed: int,
     epoch: int,
     shuffle: bool,
+    order: Literal["shuffled", "time"] = "shuffled",
     resume: EpochProgress | None = None,
     resume_world_size: int | None = None,
 ) -> list[list[tuple[int, int]]]:
@@ -227,8 +252,11 @@ def assign_row_groups(
         groups: every row group of the data set.
         world_size: number of workers.
         seed: the job's seed.
-        epoch: the epoch (a different order every epoch when ``shuffle``).
-        shuffle: shuffle the row groups first (training); keep file order otherwise (eval).
+        epoch: the epoch (a different order every epoch when ``shuffle`` and ``shuffled``).
+        shuffle: put the row groups in the training ``order`` first; keep the file order
+            otherwise (eval).
+        order: the training order (``data.order``): ``shuffled`` (seeded by ``seed`` and
+            ``epoch``) or ``time`` (:func:`time_order`, the same every epoch).
         resume: the progress of this epoch saved by a checkpoint, merged over its workers.
         resume_world_size: the world size that made ``resume``.
 
@@ -238,19 +266,21 @@ def assign_row_groups(
         with the fewest rows so far (ties: the lowest rank). With ``resume`` from the same world
         size, each worker keeps the row groups it had.
     """
-    order = list(range(len(groups)))
-    if shuffle:
-        order = epoch_rng(seed, epoch).permutation(len(groups)).tolist()
+    dealt = list(range(len(groups)))
+    if shuffle and order == "time":
+        dealt = time_order(groups)
+    elif shuffle:
+        dealt = epoch_rng(seed, epoch).permutation(len(groups)).tolist()
     if resume is None or resume.epoch != epoch:
-        return _deal(groups, order, world_size, {})
+        return _deal(groups, dealt, world_size, {})
     finished = resume.finished()
     skip = {i: n for i, n in resume.consumed.items() if i not in finished}
     if resume_world_size == world_size:
         return [
             [(i, skip.get(i, 0)) for i, _ in mine if i not in finished]
-            for mine in _deal(groups, order, world_size, {})
+            for mine in _deal(groups, dealt, world_size, {})
         ]
-    return _deal(groups, [i for i in order if i not in finished], world_size, skip)
+    return _deal(groups, [i for i in dealt if i not in finished], world_size, skip)
 
 
 def _in_windows(
@@ -278,12 +308,14 @@ def assign_windows(
     epoch: int,
     shuffle: bool,
     window_rows: int,
+    order: Literal["shuffled", "time"] = "shuffled",
     resume: EpochProgress | None = None,
     resume_world_size: int | None = None,
 ) -> list[list[list[tuple[int, int]]]]:
-    """The row groups of one epoch dealt to the workers (:func:`assign_row_groups`), each
-    worker's cut into shuffle windows of at most ``window_rows`` rows; one row group per window
-    when not shuffling or ``window_rows`` is 0.
+    """The row groups of one epoch dealt to the workers in ``order`` (:func:`assign_row_groups`),
+    each worker's cut into shuffle windows of at most ``window_rows`` rows; one row group per
+    window when not shuffling or ``window_rows`` is 0. Under ``time`` a window holds
+    consecutive row groups of the worker's in time order: a bounded span of time.
 
     Resuming with the checkpoint's world size, the windows are those of the epoch as it began,
     less the finished row groups, each started one skipping its trained rows: a window's rows
@@ -291,7 +323,13 @@ def assign_windows(
     another world size, the remaining rows are dealt and cut into windows anew.
     """
     resumed = resume is not None and resume.epoch == epoch
-    deal = {"world_size": world_size, "seed": seed, "epoch": epoch, "shuffle": shuffle}
+    deal = {
+        "world_size": world_size,
+        "seed": seed,
+        "epoch": epoch,
+        "shuffle": shuffle,
+        "order": order,
+    }
     off = not shuffle or window_rows == 0
     if off or (resumed and resume_world_size != world_size):
         dealt = assign_row_groups(
@@ -342,7 +380,8 @@ class WorkerSource:
         rank: this worker.
         world_size: number of workers.
         seed: the job's seed.
-        shuffle: shuffle row groups and sessions every epoch (training).
+        shuffle: training: the row groups in ``config.order`` every epoch, rows mixed in the
+            shuffle window; else (eval) the file order, rows in their order.
         num_actors: size of the preprocessing actor pool of each epoch.
         schema: the data set's raw schema.
         quarantine_tag: the run's tag for this data set
@@ -425,6 +464,7 @@ class WorkerSource:
             epoch=epoch,
             shuffle=self.shuffle,
             window_rows=self.window_rows(epoch),
+            order=self.config.order,
             resume=self.resume,
             resume_world_size=self.resume_world_size,
         )[self.rank]
@@ -447,15 +487,19 @@ class WorkerSource:
         return reader_class(self.schema)(self.config, **self._reader_kwargs(0)).empty_table()
 
     def _reader_kwargs(self, epoch: int) -> dict[str, Any]:
+        window = self.window_rows(epoch)
+        # Time order without a window reads each row group in its file order: its sessions
+        # are not shuffled either.
+        in_order = self.config.order == "time" and window == 0
         return {
             "source_path": self.source_path,
             "columns": self.columns,
             "schema": self.schema,
             "seed": self.seed,
             "epoch": epoch,
-            "shuffle": self.shuffle,
+            "shuffle": self.shuffle and not in_order,
             "tag": None if self.quarantine_tag is None else f"{self.quarantine_tag}-e{epoch}",
-            "window_rows": self.window_rows(epoch),
+            "window_rows": window,
         }
 
     def dataset(self, epoch: int) -> Any:

@@ -11,10 +11,15 @@ sessions than samples in each, the per-session columns in the sessions file and 
 the samples file. Its summary's schema is the training schema (the samples' columns and the
 per-session ones, marked with the layout) and each row group names its sessions file. Whether
 every sample's session has a row is checked when the row group is read (it needs the data).
+
+With ``data.time_column`` set, each training row group's time is the column's minimum in it,
+from the footer's statistics (:func:`_row_group_times`): what ``data.order = "time"`` deals the
+row groups by, still without reading the data.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,12 +62,16 @@ class RowGroup:
         num_rows: its rows (from the footer).
         sessions_file: in a session-clustered data set, the sessions file whose row group
             ``index`` holds the sessions of this one; None for sample-level data.
+        time: the minimum of ``data.time_column`` in it (footer statistics): seconds since
+            1970 for a timestamp or date, else the value; None without a time column (or
+            outside the training data).
     """
 
     file: str
     index: int
     num_rows: int
     sessions_file: str | None = None
+    time: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -241,8 +250,11 @@ def _scan(
     path: str,
 ) -> _Scan:
     """Checks every file's footer (of a clustered data set, every pair of files); a bad file
-    fails the check, or is set aside under ``data.bad_input = "quarantine"``."""
+    fails the check, or is set aside under ``data.bad_input = "quarantine"``. The training
+    data's row groups get their times (``data.time_column``), which no policy sets aside: a
+    file without them is a config to change, not bad input."""
     expected = _expected_columns(config)
+    time_column = config.time_column if role == "train" else None
     root = filesystem_for(path, config.storage)[1]
     scan = _Scan()
     for fragment in fragments:
@@ -264,11 +276,69 @@ def _scan(
             continue
         scan.schema = scan.schema or footer.schema
         scan.num_rows += footer.metadata.num_rows
+        metadata = footer.metadata
+        times: list[float | None] = [None] * metadata.num_row_groups
+        if time_column is not None:
+            times = [*_row_group_times(metadata, column=time_column, file=fragment.path, role=role)]
         scan.row_groups.extend(
-            RowGroup(fragment.path, i, footer.metadata.row_group(i).num_rows, footer.sessions_file)
-            for i in range(footer.metadata.num_row_groups)
+            RowGroup(fragment.path, i, metadata.row_group(i).num_rows, footer.sessions_file, t)
+            for i, t in enumerate(times)
         )
     return scan
+
+
+_SECONDS_PER = {"milliseconds": 1e-3, "microseconds": 1e-6, "nanoseconds": 1e-9}
+_TIME_FIX = "write the files with statistics, or unset data.time_column to use the file order"
+
+
+def _time_scale(column: pq.ColumnSchema) -> float | None:
+    """What a raw (physical) statistic of a time column is multiplied by: seconds per tick of
+    a timestamp, per day of a date; 1 for an integer or a float; None for other types."""
+    logical = column.logical_type
+    if logical.type == "TIMESTAMP":
+        return _SECONDS_PER[json.loads(logical.to_json())["timeUnit"]]
+    if logical.type == "DATE":
+        return 86_400.0
+    numeric = column.physical_type in ("INT32", "INT64", "FLOAT", "DOUBLE")
+    return 1.0 if numeric and logical.type in ("NONE", "INT") else None
+
+
+def _row_group_times(
+    metadata: pq.FileMetaData, *, column: str, file: str, role: str
+) -> list[float]:
+    """Each row group's minimum of the time ``column``, from the footer's statistics:
+    seconds since 1970 for a timestamp or a date, else the number.
+
+    Raises:
+        DataValidationError: the file lacks the column, has it of another type, or has a row
+            group without a minimum of it (no statistics written, or only nulls), naming the
+            file, the row group and the column.
+    """
+    schema = metadata.schema
+    index = next((j for j in range(len(schema)) if schema.column(j).path == column), None)
+    if index is None:
+        raise DataValidationError(
+            f"{role} data file {file} has no time column {column!r} (data.time_column): "
+            "name a column of the data, or unset data.time_column to use the file order"
+        )
+    scale = _time_scale(schema.column(index))
+    if scale is None:
+        found = schema.column(index)
+        raise DataValidationError(
+            f"time column {column!r} (data.time_column) in {file} has type "
+            f"{found.logical_type} ({found.physical_type}), expected a timestamp, date, "
+            "integer or float"
+        )
+    times = []
+    for i in range(metadata.num_row_groups):
+        stats = metadata.row_group(i).column(index).statistics
+        if stats is None or not stats.has_min_max:
+            raise DataValidationError(
+                f"{role} data: row group {i} of {file} has no statistics (minimum) for time "
+                f"column {column!r} (data.time_column; or only nulls): {_TIME_FIX}"
+            )
+        times.append(float(stats.min_raw) * scale)
+    return times
 
 
 def _schema_of_rows(scan: _Scan, *, path: str, role: str) -> pa.Schema:

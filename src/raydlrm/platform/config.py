@@ -193,9 +193,11 @@ class TuneConfig:
     num_trials: int | None = None
     """Trials to sample (with ``grid``: per grid point). Default: 8, or 1 when every key is a
     ``grid`` (each point once; more would repeat the same trials, with a warning)."""
-    metric: str = "eval/auc"
+    metric: str | None = None
     """The metric trials are ranked and stopped early on (reported at each evaluation,
-    ``training.eval_every_steps``, and at the end)."""
+    ``training.eval_every_steps`` or ``training.valid_every_steps``, and at the end). Default:
+    ``valid/auc`` with a validation set (``data.valid_path``, ``data.valid_split``), else
+    ``eval/auc``."""
     mode: Literal["max", "min"] = "max"
     """Whether ``metric`` is better high (``max``, AUC) or low (``min``, log loss)."""
     scheduler: Literal["asha", "fifo"] = "asha"
@@ -261,6 +263,23 @@ class JobConfig(WorkerSpec):
     def __post_init__(self) -> None:
         self._check_topology()
         self._check_towers()
+        self._check_validation()
+
+    def _check_validation(self) -> None:
+        """``training.early_stopping`` needs a validation set and keeps its best checkpoint
+        itself."""
+        if self.training.stopping() is None:
+            return
+        if not self.data.has_validation():
+            raise ValueError(
+                "training.early_stopping needs a validation set: set data.valid_path, or "
+                "data.valid_split = 'time' or 'random'"
+            )
+        if self.checkpoint.score_metric is not None:
+            raise ValueError(
+                "checkpoint.score_metric with training.early_stopping: early stopping keeps the "
+                "best checkpoint by its validation metric; unset checkpoint.score_metric"
+            )
 
     def topology(self) -> Topology:
         """The hosts of the workers: ``scaling.ranks_per_host`` (or ``sharding.group_size``,

@@ -22,6 +22,7 @@ from raydlrm.ingestion import (
     validate_data,
 )
 from raydlrm.ingestion.order import OrderFinding, order_findings
+from raydlrm.ingestion.validation_split import carve_validation
 from raydlrm.platform.config import BASE_DIR_ENV, ConfigError, JobConfig
 from raydlrm.storage import is_remote
 
@@ -91,6 +92,9 @@ class JobData:
 
     train: DataSummary
     evaluation: DataSummary | None
+    validation: DataSummary | None = None
+    """The validation set (``data.valid_path``, or carved out of the training data by
+    ``data.valid_split``: then ``train`` is what is left to train on)."""
 
 
 def validate_job_data(job: JobConfig) -> JobData:
@@ -104,31 +108,47 @@ def validate_job_data(job: JobConfig) -> JobData:
     """
     prepare_data(job)
     _check_exists(job, "data.eval_path", job.data.eval_path)
+    _check_exists(job, "data.valid_path", job.data.valid_path)
     data = job.data
     train = validate_data(data.train_path, data, role="train")
     warn_file_order(train, config=data)
+    validation = None
+    if data.valid_path:
+        validation = validate_data(data.valid_path, data, role="valid")
+    elif data.valid_split != "none":
+        train, validation = carve_validation(train, data)
+        logger.info(
+            "validation: %d rows in %d row groups of %s held out by data.valid_split = %r",
+            validation.num_rows,
+            len(validation.row_groups),
+            data.train_path,
+            data.valid_split,
+        )
     return JobData(
         train=train,
         evaluation=validate_data(data.eval_path, data, role="eval") if data.eval_path else None,
+        validation=validation,
     )
 
 
 def warn_file_order(summary: DataSummary, *, config: DataConfig) -> None:
     """A warning per way the training data's file order is correlated with its content (runs
-    of ids, label drift, time) that the reader, as configured, does not mix away, naming the
-    column and the setting; one that it mixes is logged as information. A bounded sample: it
-    reads at most a few tens of row groups' first rows."""
+    of ids, label drift, time) that the reader, as configured, does not handle as advised
+    (:func:`~raydlrm.ingestion.order.order_findings`: runs mixed by the shuffle window, a
+    trend through the files read in time order), naming the column and what to try; one that
+    it handles is logged as information. A bounded sample: it reads at most a few tens of row
+    groups' first rows."""
     alike: dict[tuple[str, str, bool], list[OrderFinding]] = {}
     for finding in order_findings(summary, config):
-        key = (finding.kind, finding.suggestion, finding.mixed)
+        key = (finding.kind, finding.suggestion, finding.handled)
         alike.setdefault(key, []).append(finding)
     # Findings of one kind with one remedy (every user column of data sorted by user) are one
     # line: the first one's statistic, every column named.
-    for (_, suggestion, mixed), findings in alike.items():
+    for (_, suggestion, handled), findings in alike.items():
         first = findings[0]
         columns = ", ".join(f.column for f in findings)
         more = f" (the first; {len(findings)} columns alike)" if len(findings) > 1 else ""
-        log = logger.info if mixed else logger.warning
+        log = logger.info if handled else logger.warning
         log("training data order: %s: %s%s; %s", columns, first.statistic, more, suggestion)
 
 

@@ -61,7 +61,10 @@ from raydlrm.trainers.loop import train_loop_per_worker
 from raydlrm.trainers.model_dir import model_metrics
 from raydlrm.trainers.spec import SourceDescription, WorkerJob
 
-__all__ = ["EvaluationError", "TrainResult", "train"]
+__all__ = ["TAG_STOP_REASON", "EvaluationError", "TrainResult", "stop_reason", "train"]
+
+TAG_STOP_REASON = "raydlrm.stop_reason"
+"""The MLflow tag that says why a run's training ended (:func:`stop_reason`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +224,12 @@ def _run_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=job.run.max_failures),
         checkpoint_config=RayCheckpointConfig(
-            # A chain of differential checkpoints is pruned by the workers, which know which
-            # baselines the kept deltas need.
-            num_to_keep=None if ckpt.differential else ckpt.num_to_keep,
+            # A chain of differential checkpoints, and early stopping's best checkpoint, are
+            # kept by the workers' retention, which knows which baselines the kept deltas need
+            # and which checkpoint is the best.
+            num_to_keep=(
+                None if ckpt.differential or job.training.stopping() else ckpt.num_to_keep
+            ),
             checkpoint_score_attribute=ckpt.score_metric,
             checkpoint_score_order=ckpt.score_order,
         ),
@@ -260,6 +266,7 @@ def _worker_job(
         plan=plan,
         train_source=source(data.train, "train"),
         eval_source=None if data.evaluation is None else source(data.evaluation, "eval"),
+        valid_source=None if data.validation is None else source(data.validation, "valid"),
         log_level=worker_level(),
         library_log_level=library_level(),
         # The injected fault fires once per run: its marker lives with the run.
@@ -290,6 +297,7 @@ def _run(
         {
             "data.train_rows": data.train.num_rows,
             "data.eval_rows": data.evaluation.num_rows if data.evaluation else 0,
+            "data.valid_rows": data.validation.num_rows if data.validation else 0,
         }
     )
     total = data.train.num_rows * job.training.num_epochs
@@ -378,6 +386,7 @@ def _log_final_model(
     with run_model_dir(checkpoint, checkpoint_uri, by_reference=by_reference) as model_dir:
         # The final checkpoint precedes the final evaluation, whose metrics it holds apart.
         final = {**result.metrics, **model_metrics(model_dir)}
+        tracked.set_tags({TAG_STOP_REASON: stop_reason(job, final)})
         eval_error = final.get("eval/error")
         model_uri, version = _logged_model(
             job,
@@ -438,6 +447,31 @@ def _logged_model(
     return info.model_uri, info.registered_model_version
 
 
+def stop_reason(job: JobConfig, final: dict[str, Any]) -> str:
+    """Why a run's training ended, in words (the ``raydlrm.stop_reason`` tag): early stopping
+    (where, on what, and the best step whose weights the model holds), ``training.max_steps``
+    or ``training.num_epochs``."""
+    stopping = job.training.stopping()
+    stopped = final.get("early_stopping/stopped_step")
+    if stopping is not None and stopped is not None:
+        return (
+            f"early stopping at step {int(stopped)}: {stopping.metric} did not improve by more "
+            f"than {stopping.min_delta:g} in {stopping.patience} evaluations; the model is "
+            f"step {int(final.get('early_stopping/best_step', stopped))}'s (best "
+            f"{stopping.metric} {final.get('early_stopping/best', float('nan')):.6f})"
+        )
+    step = int(final.get("step", 0))
+    if job.training.max_steps is not None and step >= job.training.max_steps:
+        reason = f"training.max_steps = {job.training.max_steps} reached"
+    else:
+        reason = f"training.num_epochs = {job.training.num_epochs} done"
+    if stopping is not None and "early_stopping/best_step" in final:
+        best = int(final["early_stopping/best_step"])
+        if best != step:
+            reason += f"; the model is step {best}'s, the best {stopping.metric}"
+    return reason
+
+
 def _account_rows(
     result: TrainResult,
     *,
@@ -464,7 +498,10 @@ def _account_rows(
         # Bad held-out rows, set aside by the evaluations (each row once).
         "data/eval_rows_quarantined": held_out["bad_rows"] + held_out["row_group_rows"],
     }
-    if job.training.max_steps is None:
+    stopped = result.metrics.get("early_stopping/stopped_step")
+    # Early stopping before the last step leaves rows unread; at the last step, none.
+    ran_all = stopped is None or stopped >= result.metrics.get("step", 0)
+    if job.training.max_steps is None and ran_all:
         read = data.train.num_rows * job.training.num_epochs
         trained = int(result.metrics.get("samples_seen", 0))
         unaccounted = read - trained - metrics["data/rows_quarantined"]

@@ -99,8 +99,9 @@ def data_order_differences(
 ) -> list[str]:
     """What the rest of a checkpoint's epoch would be read in another order with: its data
     position counts the rows trained per row group, a head of each row group's order, which
-    ``training.seed``, the session column and the rows ``data.bad_input`` sets aside decide, of
-    the files the epoch began with (each by its place in their list). One phrase each.
+    ``training.seed``, ``data.order`` (and under ``time`` its ``data.time_column``), the
+    session column and the rows ``data.bad_input`` sets aside decide, of the files the epoch
+    began with (each by its place in their list). One phrase each.
 
     ``data.bad_input`` itself may change (``fail`` to ``quarantine`` is how a run stopped by
     bad input goes on): a row group read under ``fail`` had no bad row, and one read under
@@ -115,6 +116,8 @@ def data_order_differences(
             f"training.seed: {seed!r} in the checkpoint, {job.training.seed!r} in the config "
             "(it draws the epoch's row order)"
         )
+    out += _order_mode_differences(spec["data"], job=job)
+    out += _split_differences(spec["data"], job=job)
     theirs = spec["data"].get("session_column")
     if _order_column(theirs, train) != _order_column(job.data.session_column, train):
         out.append(
@@ -140,6 +143,43 @@ def data_order_differences(
                 "with: restore them to resume)"
             )
     return out
+
+
+def _order_mode_differences(data: dict[str, Any], *, job: JobConfig) -> list[str]:
+    """``data.order`` and, under ``time``, ``data.time_column``: what deals the row groups (a
+    checkpoint of an earlier release read in the ``shuffled`` order, the only one it had)."""
+    order = data.get("order", "shuffled")
+    if order != job.data.order:
+        return [
+            f"data.order: {order!r} in the checkpoint, {job.data.order!r} in the config (it "
+            "deals the epoch's row groups)"
+        ]
+    column = data.get("time_column")
+    if order == "time" and column != job.data.time_column:
+        return [
+            f"data.time_column: {column!r} in the checkpoint, {job.data.time_column!r} in the "
+            "config (it orders the epoch's row groups)"
+        ]
+    return []
+
+
+def _split_differences(data: dict[str, Any], *, job: JobConfig) -> list[str]:
+    """``data.valid_split`` and what it carves by (``valid_fraction``; under ``time``,
+    ``time_column``): they decide which row groups train (a checkpoint of an earlier release
+    carved none)."""
+    ours = job.data
+    keys = ["valid_split"]
+    if ours.valid_split != "none":
+        keys.append("valid_fraction")
+    if ours.valid_split == "time":
+        keys.append("time_column")
+    defaults = {"valid_split": "none", "valid_fraction": 0.1, "time_column": None}
+    return [
+        f"data.{key}: {data.get(key, defaults[key])!r} in the checkpoint, "
+        f"{getattr(ours, key)!r} in the config (it decides which row groups train)"
+        for key in keys
+        if data.get(key, defaults[key]) != getattr(ours, key)
+    ]
 
 
 def _order_column(column: str | None, train: DataSummary) -> str | None:

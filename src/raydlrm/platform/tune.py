@@ -8,8 +8,12 @@ the values at the ends of its range against the config (one error naming the key
 job once (:func:`raydlrm.platform.planning.plan_job`: data, plan, tracking), and computes the
 dense statistics, bucket boundaries, id kinds and auto towers that every trial then reuses
 (unless the search changes what they are computed from: then each trial computes its own).
-Trials report ``tune.metric`` to Tune at each evaluation (``training.eval_every_steps``) and at
-the end; ASHA stops those that trail; a failing trial
+Trials report ``tune.metric`` to Tune at each evaluation (``training.eval_every_steps``, or
+on the validation set ``training.valid_every_steps``) and at the end; ASHA stops those that
+trail. With a validation set (``data.valid_path``, ``data.valid_split``) the default metric is
+``valid/auc``: the best trial is chosen on validation (with ``training.early_stopping``, each
+trial's best checkpoint) and its ``eval/*`` metrics score it on held-out data it was not chosen
+on; a failing trial
 (an invalid combination, a diverging run) is recorded with its reason and the sweep goes on.
 
 In MLflow the sweep is a parent run (its search space, the best trial's values and metrics, the
@@ -39,7 +43,7 @@ from raydlrm.platform.search_space import (
     override,
     parse_search,
 )
-from raydlrm.trainers.evaluation import EVAL_STEP
+from raydlrm.trainers.evaluation import EVAL_STEP, VALID_STEP
 
 __all__ = ["TuneResult", "check_trial_fits", "tune"]
 
@@ -92,6 +96,9 @@ def tune(
     job = load_config(config, overrides=overrides)
     if num_trials is not None:
         job = replaced(job, tune=replaced(job.tune, num_trials=num_trials))
+    if job.tune.metric is None:  # on validation where there is a validation set
+        metric = "valid/auc" if job.data.has_validation() else "eval/auc"
+        job = replaced(job, tune=replaced(job.tune, metric=metric))
     space = {**parse_search(job.tune.search), **parse_search(list(search))}
     if not space:
         raise ConfigError("nothing to search: give --search key=distribution or [tune.search]")
@@ -304,14 +311,19 @@ def _trial(params: dict[str, Any], *, base: dict[str, Any], sweep: str, metric: 
     overrides.append(override("run.name", f"{sweep}-{trial}"))
     result = train(base, overrides=overrides, callbacks=[_evaluation_reports(metric)])
     final = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
+    stopping = load_config(base, overrides=overrides).training.stopping()
+    if stopping is not None and stopping.metric == metric and "early_stopping/best" in final:
+        # The trial's model is its best checkpoint: ranked by that, not the last evaluation.
+        final[metric] = final["early_stopping/best"]
     tune.report({**final, RUN_ID: result.run_id, MODEL_URI: result.model_uri})
 
 
 def _evaluation_reports(metric: str) -> Any:
     """A Ray Train callback that passes a trial's reports to Tune at each evaluation: a report
-    whose ``metric`` comes from an evaluation not passed yet (by its step, ``eval/step``; the
-    reports in between carry the last one). Keyed by the step, not the value: a trial whose
-    metric repeats exactly (a collapsed model's AUC of 0.5) still reaches ASHA's rungs."""
+    whose ``metric`` comes from an evaluation not passed yet (by its step, ``eval/step`` or
+    ``valid/step``; the reports in between carry the last one). Keyed by the step, not the
+    value: a trial whose metric repeats exactly (a collapsed model's AUC of 0.5) still reaches
+    ASHA's rungs."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class EvaluationReports(TuneReportCallback):
@@ -321,7 +333,7 @@ def _evaluation_reports(metric: str) -> Any:
 
         def after_report(self, run_context, metrics, checkpoint) -> None:
             report = metrics[0]
-            step = report.get(EVAL_STEP)
+            step = report.get(VALID_STEP if metric.startswith("valid/") else EVAL_STEP)
             if report.get(metric) is None or step is None or step == self.last:
                 return
             self.last = step

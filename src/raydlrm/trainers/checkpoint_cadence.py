@@ -15,8 +15,9 @@ baseline again after ``baseline_every`` checkpoints, when the chain's deltas wou
 ``baseline_fraction`` of a baseline's bytes, or when a delta would be as large as a
 baseline. The final checkpoint follows the same rule (a delta's model is its chain, read as
 one checkpoint: no extra full write at the end of a run). A resume with the same plan and
-precisions goes on with the chain it loaded. Rank 0 deletes what retention
-(``num_to_keep``) no longer needs.
+precisions goes on with the chain it loaded. With differential checkpoints or early stopping,
+rank 0 deletes what retention (``num_to_keep``) no longer needs, keeping the chains of the kept
+ones and the best validation checkpoint (:attr:`Checkpointer.protected`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ _FULL_BYTES = 1 << 20
 """Free bytes below which a failed write is put down to a full staging disk."""
 
 
+LOOP_KEYS = ("step", "epoch", "samples_seen", "train_seconds", "precision", "validation")
+"""The training loop's own state in a checkpoint's state file (``Trainer.state_dict``): the
+counters, the fp16 loss scaler (``precision``) and the validation's early stopping
+(``validation``), the last two when the run had them."""
+
+
 def _disk_full(exc: BaseException) -> bool:
     """Whether writing a checkpoint failed for a full disk: ``ENOSPC`` (as such, or in the
     text of DCP's wrapper), or any error with the staging directory's disk full (torch's zip
@@ -78,8 +85,7 @@ class Restored:
     """What a loaded checkpoint gives the training loop back.
 
     Attributes:
-        loop_state: the loop's own state (``step``, ``epoch``, ``samples_seen``,
-            ``train_seconds``).
+        loop_state: the loop's own state (:data:`LOOP_KEYS`).
         position: every rank's data position at the checkpoint.
         world_size: the world size that wrote it.
         final_metrics: the run's final metrics when it is the run's final checkpoint, else None.
@@ -126,6 +132,10 @@ class Checkpointer:
         self._names: list[str] | None = None
         if config.differential:
             parts.collection.track_modified_rows()
+        # Retention by the workers (Ray Train's would delete by its own rule): a chain's
+        # baselines, and the best validation checkpoint early stopping ends with, stay.
+        self.prunes = config.differential or parts.spec.training.stopping() is not None
+        self.protected: list[str] = []  # names of checkpoints kept whatever their age
 
     def should_save(self, step: int, *, log_step: bool) -> bool:
         """Whether to write a checkpoint after ``step`` (the same answer on every rank: by
@@ -169,7 +179,18 @@ class Checkpointer:
         self._last = time.monotonic()
         if link is not None:
             self._chained(link, stored)
+        if self.prunes and self.parts.rank == 0 and self.config.num_to_keep and stored:
+            deleted = prune_checkpoints(stored, keep=self.config.num_to_keep, also=self.protected)
+            if deleted:
+                logger.debug("deleted checkpoints no kept one needs: %s", deleted)
         return stored
+
+    def restart_chain(self) -> None:
+        """The next checkpoint is a baseline (all ranks): after weights were loaded from
+        elsewhere (the best checkpoint), rows changed that no delta would hold."""
+        self._link, self._names = None, None
+        if self.config.differential:
+            self.parts.collection.clear_modified_rows()
 
     def _next_link(self) -> ChainLink:
         """The next checkpoint's place in its chain (the same on every rank): a delta of the
@@ -198,18 +219,13 @@ class Checkpointer:
 
     def _chained(self, link: ChainLink, stored: Any) -> None:
         """After writing ``link``'s checkpoint (stored as ``stored``): the chain goes on from
-        it, the modified rows start afresh, and (rank 0) the checkpoints no kept one needs
-        are deleted."""
+        it and the modified rows start afresh."""
         self.parts.collection.clear_modified_rows()
         if stored is None:  # not stored where a delta could find it: no chain
             self._link, self._names = None, None
             return
         self._link = link
         self._names = [*link.chain, Path(stored.path).name]
-        if self.parts.rank == 0 and self.config.num_to_keep:
-            deleted = prune_checkpoints(stored, keep=self.config.num_to_keep)
-            if deleted:
-                logger.debug("deleted checkpoints no kept one needs: %s", deleted)
 
     def _write(
         self,
@@ -253,7 +269,7 @@ class Checkpointer:
         self._continue_chain(state, name=Path(stored.path if stored else directory).name)
         metrics_file = Path(directory, METRICS_FILE)  # only final checkpoints hold it
         return Restored(
-            loop_state={k: state[k] for k in ("step", "epoch", "samples_seen", "train_seconds")},
+            loop_state={k: state[k] for k in LOOP_KEYS if k in state},
             position=EpochProgress.from_dict(state["position"]),
             world_size=state["world_size"],
             final_metrics=json.loads(metrics_file.read_text()) if metrics_file.is_file() else None,

@@ -6,6 +6,51 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
+VALID_METRICS = {"valid/auc": "max", "valid/log_loss": "min", "valid/normalized_entropy": "min"}
+"""The validation metrics early stopping can watch, with the direction that is better."""
+
+
+@config_dataclass
+class EarlyStoppingConfig:
+    """Stop training where the validation metric stops improving (``[training.early_stopping]``;
+    the section present is on). Needs a validation set (``data.valid_path`` or
+    ``data.valid_split``), evaluated every ``training.valid_every_steps`` steps or at each
+    epoch's end. Each improvement writes a checkpoint; the run stops when ``patience``
+    evaluations in a row did not improve on the best by more than ``min_delta``, and ends with
+    the best checkpoint's weights: that is the model registered, exported and scored on
+    ``data.eval_path``."""
+
+    enabled: bool = True
+    """False turns it off (e.g. ``--set training.early_stopping.enabled=false`` on a config that
+    has the section)."""
+    metric: str = "valid/auc"
+    """``valid/auc``, ``valid/log_loss`` or ``valid/normalized_entropy``."""
+    mode: Literal["max", "min"] | None = None
+    """Whether higher or lower is better (default: the metric's: AUC max, the losses min)."""
+    patience: int = 2
+    """Evaluations without improvement after which training stops."""
+    min_delta: float = 0.0
+    """An improvement is a change beyond the best by more than this (in the metric's units)."""
+
+    def __post_init__(self) -> None:
+        if self.metric not in VALID_METRICS:
+            raise ValueError(
+                f"training.early_stopping.metric must be one of {sorted(VALID_METRICS)}, "
+                f"got {self.metric!r}"
+            )
+        if self.patience < 1:
+            raise ValueError(
+                f"training.early_stopping.patience must be at least 1, got {self.patience}"
+            )
+        if self.min_delta < 0:
+            raise ValueError(
+                f"training.early_stopping.min_delta must be >= 0, got {self.min_delta}"
+            )
+
+    def better(self) -> Literal["max", "min"]:
+        """The direction that is better: ``mode``, else the metric's."""
+        return self.mode or VALID_METRICS[self.metric]  # type: ignore[return-value]
+
 
 @config_dataclass
 class TrainingConfig:
@@ -48,6 +93,13 @@ class TrainingConfig:
     eval_every_steps: int = 0
     """Evaluate on the held-out data every this many steps, whether or not a log step (0: only
     at the end)."""
+    valid_every_steps: int = 0
+    """Evaluate on the validation set (``data.valid_path`` or ``data.valid_split``) every this
+    many steps (0: at each epoch's end); and at the end of training when the last evaluation
+    was earlier. Reported as ``valid/*`` with ``valid/step``."""
+    early_stopping: EarlyStoppingConfig | None = None
+    """Stop where the validation metric peaks and keep that model (see
+    :class:`EarlyStoppingConfig`); None: train every epoch, keep the last model."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per worker (None: the whole eval set)."""
     torch_threads: int = 1
@@ -60,6 +112,12 @@ class TrainingConfig:
     sample_log_dir: str | None = None
     """Audit: write the sample ids of every step to ``<dir>/rank<r>-step<s>.npy`` (a local or
     shared directory; needs a ``sample_id`` column)."""
+
+    def stopping(self) -> EarlyStoppingConfig | None:
+        """The early stopping that is on, or None."""
+        if self.early_stopping is None or not self.early_stopping.enabled:
+            return None
+        return self.early_stopping
 
     def __post_init__(self) -> None:
         if self.num_epochs <= 0:
@@ -76,6 +134,10 @@ class TrainingConfig:
             )
         if self.eval_every_steps < 0:
             raise ValueError(f"training.eval_every_steps must be >= 0, got {self.eval_every_steps}")
+        if self.valid_every_steps < 0:
+            raise ValueError(
+                f"training.valid_every_steps must be >= 0, got {self.valid_every_steps}"
+            )
         if self.torch_threads <= 0:
             raise ValueError(f"training.torch_threads must be positive, got {self.torch_threads}")
 

@@ -23,11 +23,13 @@ from raydlrm.trainers.pipeline import Lockstep
 from raydlrm.trainers.sources import BatchSource, empty_batch_of
 from raydlrm.trainers.spec import WorkerSpec
 
-__all__ = ["EVAL_STEP", "Evaluator"]
+__all__ = ["EVAL_STEP", "VALID_STEP", "Evaluator"]
 
 EVAL_STEP = "eval/step"
 """Reported with the ``eval/*`` metrics of a periodic evaluation: its step (every later
 report carries the last evaluation's metrics; this says which one they come from)."""
+VALID_STEP = "valid/step"
+"""The same for the ``valid/*`` metrics of an evaluation on the validation set."""
 
 
 class Evaluator:
@@ -36,10 +38,12 @@ class Evaluator:
     Args:
         model: the (sharded) model.
         data: the held-out data (None: no evaluation).
-        spec: the worker config (``training.eval_every_steps``, ``max_eval_batches``, the data
-            config).
+        spec: the worker config (``training.max_eval_batches``, the data config).
         device: the worker's device.
         rank: this worker's rank.
+        prefix: of the metrics' names: ``eval/`` (the held-out data), ``valid/`` (validation).
+        every: evaluate every this many steps (0: not periodically; default:
+            ``training.eval_every_steps``).
     """
 
     def __init__(
@@ -50,16 +54,19 @@ class Evaluator:
         spec: WorkerSpec,
         device: torch.device,
         rank: int,
+        prefix: str = "eval/",
+        every: int | None = None,
     ) -> None:
         self.model = model
         self.data = data
         self.spec = spec
         self.device = device
         self.rank = rank
+        self.prefix = prefix
+        self.every = spec.training.eval_every_steps if every is None else every
 
     def should_evaluate(self, step: int) -> bool:
-        every = self.spec.training.eval_every_steps
-        return self.data is not None and every > 0 and step % every == 0
+        return self.data is not None and self.every > 0 and step % self.every == 0
 
     def run(self) -> dict[str, float]:
         """``eval/*`` metrics over all ranks (a collective); a reading error is raised."""
@@ -86,9 +93,9 @@ class Evaluator:
         empty: Batch | None = None,
         errors: list[str] | None = None,
     ) -> dict[str, float]:
-        """Metrics of the model on ``batches`` over all ranks (prefix ``eval/``); ``empty`` is
-        an empty batch for a rank without data, ``errors`` collects reading errors instead of
-        raising them (see :class:`~raydlrm.trainers.pipeline.Lockstep`)."""
+        """Metrics of the model on ``batches`` over all ranks (named ``<prefix><metric>``);
+        ``empty`` is an empty batch for a rank without data, ``errors`` collects reading errors
+        instead of raising them (see :class:`~raydlrm.trainers.pipeline.Lockstep`)."""
         self.model.eval()
         buffer = PredictionBuffer()
         limit = self.spec.training.max_eval_batches
@@ -97,7 +104,7 @@ class Evaluator:
             buffer.add(self.model(batch), batch.labels)
             if limit is not None and i + 1 >= limit:
                 break
-        return buffer.compute().to_dict("eval/")
+        return buffer.compute().to_dict(self.prefix)
 
     def _batches(self) -> Iterable[Batch]:
         assert self.data is not None

@@ -62,6 +62,7 @@ from raydlrm.trainers.precision import DensePrecision
 from raydlrm.trainers.reporting import Reporter, ReportFn
 from raydlrm.trainers.sources import BatchSource, EpochSource, empty_batch_of
 from raydlrm.trainers.spec import SourceDescription, WorkerJob, WorkerSpec
+from raydlrm.trainers.validation import Validation
 
 __all__ = ["StepResult", "Trainer", "train_loop_per_worker"]
 
@@ -148,6 +149,19 @@ class Trainer:
             device=self.device,
             storage=storage,
         )
+        # Its data is given to fit; its state (early stopping) is loaded before that.
+        self.validation = Validation(
+            Evaluator(
+                self.model,
+                data=None,
+                spec=spec,
+                device=self.device,
+                rank=rank,
+                prefix="valid/",
+                every=spec.training.valid_every_steps,
+            ),
+            config=spec.training,
+        )
 
     def _sharded_model(self) -> RecModel:
         # The tables stay on the meta device: each rank creates only its own shards, block by
@@ -189,7 +203,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The loop's own state, beside the model's and the optimizers' (which checkpoints
         hold as tensors): ``step``, ``epoch``, ``samples_seen`` (all ranks) and
-        ``train_seconds``."""
+        ``train_seconds``; ``precision`` with fp16 (the loss scaler) and ``validation`` with a
+        validation set (its last evaluation, early stopping)."""
         state = {
             "step": self.step,
             "epoch": self.epoch,
@@ -198,6 +213,8 @@ class Trainer:
         }
         if precision := self.precision.state_dict():  # fp16: the loss scaler
             state["precision"] = precision
+        if self.validation.active:
+            state["validation"] = self.validation.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -217,6 +234,7 @@ class Trainer:
         started = time.perf_counter()
         restored = self.checkpointer.load(directory, stored=stored)
         self.load_state_dict(restored.loop_state)
+        self.validation.load_state_dict(restored.loop_state.get("validation", {}), stored=stored)
         if restored.final_metrics is not None:
             self.finished = FinishedRun(self.step, restored.final_metrics, stored)
         self.resume, self.resume_world_size = restored.position, restored.world_size
@@ -301,14 +319,31 @@ class Trainer:
             check_finite(float(loss), rank=self.rank, when=f"step {self.step}")
         return StepResult(logits=logits.detach(), loss=loss)
 
-    def fit(self, *, train_data: BatchSource, eval_data: BatchSource | None) -> dict[str, Any]:
-        """Trains for the configured epochs or steps; returns the final metrics.
+    def fit(
+        self,
+        *,
+        train_data: BatchSource,
+        eval_data: BatchSource | None,
+        valid_data: BatchSource | None = None,
+    ) -> dict[str, Any]:
+        """Trains for the configured epochs or steps, or until early stopping stops it;
+        returns the final metrics.
 
         Args:
             train_data: this worker's stream of training data (an :class:`EpochSource`, or any
                 :class:`BatchSource` such as a Ray ``DataIterator``), iterated once per epoch.
             eval_data: the same for held-out data, or None.
+            valid_data: the same for the validation set, or None.
+
+        Raises:
+            ValueError: ``training.early_stopping`` without ``valid_data``.
         """
+        if valid_data is None and self.validation.stopping is not None:
+            raise ValueError(
+                "training.early_stopping needs a validation set (data.valid_path or "
+                "data.valid_split)"
+            )
+        self.validation.evaluator.data = valid_data
         evaluator = Evaluator(
             self.model, data=eval_data, spec=self.spec, device=self.device, rank=self.rank
         )
@@ -326,6 +361,10 @@ class Trainer:
     def _train(self, train_data: BatchSource, *, stream: Lockstep, evaluator: Evaluator) -> None:
         """Every step of the run, with its log steps, evaluations and checkpoints."""
         for batch in self._batches(train_data, stream):
+            if batch is None:  # an epoch's end
+                if self.validation.due_at_epoch_end(self.step):
+                    self._validate({}, cadence=False)
+                continue
             self._train_on(batch)
             log_step = self.window.should_log(self.step)
             metrics = (
@@ -338,14 +377,33 @@ class Trainer:
                 metrics.update({**evaluator.run(), EVAL_STEP: self.step})
             if log_step:
                 metrics.update(self._tier_metrics())  # the evaluation's lookups included
-            if self.checkpointer.should_save(self.step, log_step=log_step):
+            if self.validation.due(self.step):
+                self._validate(metrics, cadence=True, log_step=log_step)
+            elif self.checkpointer.should_save(self.step, log_step=log_step):
                 self._checkpoint(metrics)
             elif metrics:
                 self.reporter.report(metrics, loop_state=self.state_dict())
             self.clock.restart()
 
-    def _batches(self, train_data: BatchSource, stream: Lockstep) -> Iterator[Batch]:
-        """The run's batches, epoch after epoch, until the last epoch or ``max_steps``."""
+    def _validate(
+        self, metrics: dict[str, float], *, cadence: bool, log_step: bool = False
+    ) -> None:
+        """Evaluates on the validation set and reports it with ``metrics``: in a checkpoint
+        when it is the best so far (early stopping ends with it) or, with ``cadence``, when
+        the checkpoint cadence asks for one at this step."""
+        valid, improved = self.validation.run(self.step)
+        metrics = {**metrics, **valid}
+        if improved or (cadence and self.checkpointer.should_save(self.step, log_step=log_step)):
+            stored = self._checkpoint(metrics)
+            if improved:
+                self.validation.stored(stored)
+        else:
+            self.reporter.report(metrics, loop_state=self.state_dict())
+        self.clock.restart()
+
+    def _batches(self, train_data: BatchSource, stream: Lockstep) -> Iterator[Batch | None]:
+        """The run's batches, epoch after epoch, each epoch followed by None (its end), until
+        the last epoch, ``max_steps`` or early stopping."""
         for epoch in range(self.epoch, self.spec.training.num_epochs):
             if self._done():
                 return
@@ -359,6 +417,7 @@ class Trainer:
                     yield batch
                     if self._done():
                         return
+            yield None
 
     def _start_epoch(self, epoch: int, train_data: BatchSource) -> None:
         self.epoch = epoch
@@ -408,6 +467,7 @@ class Trainer:
     def _checkpoint(self, metrics: dict[str, float], *, final: bool = False) -> Any:
         self.window.check_finite(step=self.step)  # no checkpoint of a diverged model
         self._flush_samples()
+        self.checkpointer.protected = self.validation.protected()
         return self.checkpointer.save(
             metrics, loop_state=self.state_dict(), progress=self.progress, final=final
         )
@@ -419,7 +479,12 @@ class Trainer:
             self.window.check_finite(step=self.step)
             final, persisted = dict(self.finished.metrics), self.finished.checkpoint
         else:
-            final = {**self.window.epoch_metrics(), **self._run_metrics()}
+            self._end_validation()
+            final = {
+                **self.window.epoch_metrics(),
+                **self._run_metrics(),
+                **self.validation.final_metrics(),
+            }
             persisted = self._checkpoint(final, final=True)
         if evaluator.data is None:
             return final
@@ -433,6 +498,29 @@ class Trainer:
             _seam().add_file(persisted, FINAL_METRICS_FILE, json.dumps(final, sort_keys=True))
         self.reporter.report(final, loop_state=self.state_dict())
         return final
+
+    def _end_validation(self) -> None:
+        """The last evaluation on the validation set, if the last one was earlier; with early
+        stopping, the best checkpoint's weights loaded (all ranks) for the final checkpoint
+        and evaluation, when they are not the current ones."""
+        if self.validation.due_at_end(self.step):
+            valid, _ = self.validation.run(self.step)
+            self.reporter.note(valid)
+        best = self.validation.best_checkpoint(self.step)
+        if best is None:
+            return
+        with best.as_directory() as directory:
+            self.checkpointer.warm_start(directory, stored=best)
+        self.checkpointer.restart_chain()  # the final checkpoint holds every row
+        if self.rank == 0:
+            assert self.validation.stopping is not None
+            logger.info(
+                "the run ends with the weights of step %s, its best %s (%.6f), not step %d's",
+                self.validation.stopping.best_step,
+                self.validation.stopping.config.metric,
+                self.validation.stopping.best,
+                self.step,
+            )
 
     def _run_metrics(self) -> dict[str, float]:
         """Throughput over the whole run, start-up, and the collection's telemetry."""
@@ -453,7 +541,7 @@ class Trainer:
 
     def _done(self) -> bool:
         max_steps = self.spec.training.max_steps
-        return max_steps is not None and self.step >= max_steps
+        return self.validation.stopped or (max_steps is not None and self.step >= max_steps)
 
     def _flush_samples(self) -> None:
         self.samples_seen += int(all_reduce_scalar(float(self._pending_samples), self.device))
@@ -543,5 +631,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             quarantine_tag=description.quarantine_tag,
         )
 
-    trainer.fit(train_data=source(job.train_source), eval_data=source(job.eval_source))
+    trainer.fit(
+        train_data=source(job.train_source),
+        eval_data=source(job.eval_source),
+        valid_data=source(job.valid_source),
+    )
     logger.info("worker %d finished after %d steps", ctx.rank, trainer.step)

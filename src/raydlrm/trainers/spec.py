@@ -111,6 +111,7 @@ class WorkerJob:
         plan: the sharding plan (the same on every rank).
         train_source: the training data.
         eval_source: the held-out data, or None.
+        valid_source: the validation set, or None.
         log_level: raydlrm's log level in the workers (see ``raydlrm._logs``).
         library_log_level: the libraries' log level in the workers.
         fault_marker: where an injected fault records that it fired (None: no fault).
@@ -133,3 +134,4 @@ class WorkerJob:
     warm_start: ray.train.Checkpoint | None = None
     run_directory: str | None = None
     topology: Topology | None = None
+    valid_source: SourceDescription | None = None

@@ -10,7 +10,7 @@ none is; :func:`prune_checkpoints` keeps the newest and what the kept deltas' ch
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -64,16 +64,17 @@ def _newest_first(latest: Any) -> list[Any]:
     return [type(latest)(path=p, filesystem=filesystem) for p in paths]
 
 
-def prune_checkpoints(latest: Any, *, keep: int) -> list[str]:
+def prune_checkpoints(latest: Any, *, keep: int, also: Sequence[str] = ()) -> list[str]:
     """Deletes the ``checkpoint_*`` directories beside ``latest`` (a stored checkpoint:
-    ``path``, ``filesystem``) but the newest ``keep`` and every checkpoint their chains need;
-    returns the names deleted. A checkpoint whose state cannot be read is kept if among the
-    newest, and needs nothing."""
+    ``path``, ``filesystem``) but the newest ``keep``, those named in ``also`` (the best
+    validation checkpoint) and every checkpoint their chains need; returns the names deleted.
+    A checkpoint whose state cannot be read is kept if among the newest, and needs nothing."""
     filesystem = latest.filesystem
     parent = latest.path.rstrip("/").rsplit("/", 1)[0]
     names = checkpoint_names(filesystem, parent)
-    kept = set(names[-keep:])
-    for name in names[-keep:]:
+    protected = [*names[-keep:], *(n for n in also if n in names)]
+    kept = set(protected)
+    for name in protected:
         try:
             state = read_json(filesystem, f"{parent}/{name}", STATE_FILE, present=True)
         except (OSError, CheckpointDamagedError):
