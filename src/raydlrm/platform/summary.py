@@ -49,10 +49,8 @@ def _dedup_line(metrics: dict[str, float]) -> str | None:
     )
 
 
-def print_summary(result: TrainResult, *, console: Console | None = None) -> None:
-    """Prints metrics, throughput, the sharding plan and where to find the MLflow run."""
-    console = console or Console()
-    m = result.metrics
+def _metrics_table(m: dict[str, float]) -> Table:
+    """The metrics by data set: train, valid (with a validation set) and eval."""
     table = Table(title="raydlrm training summary", show_header=True)
     parts = ["train", *(["valid"] if "valid/auc" in m else []), "eval"]
     table.add_column("metric")
@@ -62,7 +60,14 @@ def print_summary(result: TrainResult, *, console: Console | None = None) -> Non
         table.add_row(name, *(_fmt(m.get(f"{part}/{name}")) for part in parts))
     samples = {"train": "samples_seen", "valid": "valid/num_samples", "eval": "eval/num_samples"}
     table.add_row("samples", *(_fmt(m.get(samples[part]), ".0f") for part in parts))
-    console.print(table)
+    return table
+
+
+def print_summary(result: TrainResult, *, console: Console | None = None) -> None:
+    """Prints metrics, throughput, the sharding plan and where to find the MLflow run."""
+    console = console or Console()
+    m = result.metrics
+    console.print(_metrics_table(m))
     if result.stop_reason and "early_stopping/best_step" in m:
         console.print(f"training ended: {result.stop_reason}")
     if m.get("rows_unaccounted"):
