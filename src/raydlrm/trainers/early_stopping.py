@@ -11,7 +11,7 @@ value, its best checkpoint and its patience counter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from raydlrm.trainers.config import EarlyStoppingConfig
@@ -27,7 +27,6 @@ class EarlyStopping:
         config: the metric, its direction, patience and minimum change.
         best: the best value so far (None: no evaluation yet).
         best_step: the step of the best evaluation.
-        best_metrics: every validation metric of the best evaluation.
         bad: evaluations in a row without improvement.
         stopped_step: the step training stopped at (None: not stopped).
         best_checkpoint: where the best evaluation's checkpoint is stored (its path in the run
@@ -37,7 +36,6 @@ class EarlyStopping:
     config: EarlyStoppingConfig
     best: float | None = None
     best_step: int | None = None
-    best_metrics: dict[str, float] = field(default_factory=dict)
     bad: int = 0
     stopped_step: int | None = None
     best_checkpoint: str | None = None
@@ -56,7 +54,6 @@ class EarlyStopping:
         )
         if improved:
             self.best, self.best_step, self.bad = value, step, 0
-            self.best_metrics = {k: float(v) for k, v in metrics.items()}
             self.best_checkpoint = None  # this evaluation's checkpoint is not stored yet
             return True
         self.bad += 1
@@ -79,7 +76,6 @@ class EarlyStopping:
         return {
             "best": self.best,
             "best_step": self.best_step,
-            "best_metrics": dict(self.best_metrics),
             "bad": self.bad,
             "stopped_step": self.stopped_step,
             "best_checkpoint": self.best_checkpoint,
@@ -89,7 +85,6 @@ class EarlyStopping:
         """Restores :meth:`state_dict` (an empty dict: a fresh start)."""
         self.best = state.get("best")
         self.best_step = state.get("best_step")
-        self.best_metrics = dict(state.get("best_metrics", {}))
         self.bad = int(state.get("bad", 0))
         self.stopped_step = state.get("stopped_step")
         self.best_checkpoint = state.get("best_checkpoint")

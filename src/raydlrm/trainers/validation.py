@@ -125,9 +125,7 @@ class Validation:
         """The last evaluation's ``valid/*`` metrics (the curve's last point: a report of the
         best one's at the final step would put a false point on it) and, with early stopping,
         ``early_stopping/*``: the best value and step, the model's."""
-        if self.stopping is None:
-            return dict(self.last)
-        return {**self.last, **self.stopping.metrics()}
+        return {**self.last, **(self.stopping.metrics() if self.stopping else {})}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"last_step": self.last_step, "last": dict(self.last)}
