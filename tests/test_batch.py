@@ -86,3 +86,19 @@ def test_keyed_tensor_views() -> None:
     kt = KeyedTensor(keys=["a", "b"], dims=[4, 4], values=torch.arange(16.0).view(2, 8))
     assert kt.stacked().shape == (2, 2, 4)
     assert kt.to_dict()["b"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+
+
+def test_jagged_tensor_padding_last_and_positions():
+    from raydlrm.batch import JaggedTensor
+
+    values = torch.arange(12.0).view(6, 2)
+    jagged = JaggedTensor(values=values, lengths=torch.tensor([2, 0, 4]))
+    padded, mask = jagged.to_padded()
+    assert padded.shape == (3, 4, 2)
+    assert mask.tolist() == [[True, True, False, False], [False] * 4, [True] * 4]
+    assert torch.equal(padded[mask], values)
+    assert torch.equal(jagged.last(), torch.tensor([[2.0, 3.0], [0.0, 0.0], [10.0, 11.0]]))
+    assert jagged.positions().tolist() == [0, 1, 0, 1, 2, 3]
+    assert jagged.segment_ids().tolist() == [0, 0, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="more than max_length 3"):
+        jagged.to_padded(3)

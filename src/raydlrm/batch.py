@@ -11,6 +11,12 @@ Deduplicated features (RecD) travel as a :class:`DedupGroup`: the unique rows of
 features (a :class:`KeyedJaggedTensor` whose batch size is the number of unique rows ``U``) and an
 inverse index of shape ``(B,)`` mapping each sample to its unique row.
 
+Sequence features (a user's history, read position by position) come out of an embedding
+lookup unpooled: a :class:`JaggedTensor` per feature, one row per position (``values``, shape
+``(sum L, D)``) and the number of positions of each sample (``lengths``, shape ``(B,)``), never
+padded to the longest. A :class:`KeyedTensor` carries them beside the pooled features
+(:attr:`KeyedTensor.jagged`).
+
 Validation of shapes and dtypes runs on construction when debug mode is on (environment
 variable ``RAYDLRM_DEBUG=1``, or :func:`set_debug`); it is off by default because it syncs and
 costs time on the hot path.
@@ -26,6 +32,7 @@ import torch
 __all__ = [
     "Batch",
     "DedupGroup",
+    "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
     "is_debug",
@@ -284,18 +291,111 @@ class DedupGroup:
 
 
 @dataclass
-class KeyedTensor:
-    """Pooled embeddings: one ``(B, D_f)`` block per feature, concatenated.
+class JaggedTensor:
+    """Per-position rows of ``B`` samples: sample ``b`` has ``lengths[b]`` positions, rows
+    ``offsets[b]:offsets[b + 1]`` of ``values`` (oldest first, as in the data).
 
     Attributes:
-        keys: feature names, in column order.
-        dims: embedding dimension ``D_f`` of each feature.
+        values: shape ``(sum L, D)`` (embeddings) or ``(sum L,)`` (one value per position).
+        lengths: int64, shape ``(B,)``.
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    _offsets: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if _DEBUG:
+            self.validate()
+
+    def validate(self) -> None:
+        """Checks that the lengths sum to the rows of ``values``.
+
+        Raises:
+            ValueError: naming the mismatch.
+        """
+        if self.lengths.dim() != 1:
+            raise ValueError(f"JaggedTensor lengths must be 1-D, got {tuple(self.lengths.shape)}")
+        total = int(self.lengths.sum()) if self.lengths.numel() else 0
+        if total != self.values.shape[0]:
+            raise ValueError(
+                f"JaggedTensor lengths sum to {total} but values has {self.values.shape[0]} rows"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel()
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Exclusive cumulative sum of ``lengths``, shape ``(B + 1,)``, int64."""
+        if self._offsets is None:
+            self._offsets = lengths_to_offsets(self.lengths)
+        return self._offsets
+
+    def segment_ids(self) -> torch.Tensor:
+        """The sample of every position, int64, shape ``(sum L,)``."""
+        return torch.repeat_interleave(
+            torch.arange(self.batch_size, device=self.lengths.device),
+            self.lengths,
+            output_size=self.values.shape[0],
+        )
+
+    def positions(self) -> torch.Tensor:
+        """Every position's index inside its sample (0 = oldest), int64, shape ``(sum L,)``."""
+        total = self.values.shape[0]
+        starts = torch.repeat_interleave(self.offsets[:-1], self.lengths, output_size=total)
+        return torch.arange(total, device=self.lengths.device) - starts
+
+    def to_padded(self, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows padded (with zeros, at the end) to ``(B, max_length, ...)`` and the mask of
+        real positions ``(B, max_length)``; ``max_length`` defaults to the longest sample (a
+        longer sample is an error, never cut silently)."""
+        longest = int(self.lengths.max()) if self.batch_size else 0
+        width = longest if max_length is None else max_length
+        if longest > width:
+            raise ValueError(f"a sample has {longest} positions, more than max_length {width}")
+        padded = self.values.new_zeros(self.batch_size, width, *self.values.shape[1:])
+        mask = torch.zeros(self.batch_size, width, dtype=torch.bool, device=self.values.device)
+        rows, cols = self.segment_ids(), self.positions()
+        padded[rows, cols] = self.values
+        mask[rows, cols] = True
+        return padded, mask
+
+    def last(self) -> torch.Tensor:
+        """Each sample's newest row, ``(B, ...)``; zeros for a sample without positions."""
+        index = (self.offsets[1:] - 1).clamp(min=0)
+        rows = self.values.index_select(0, index) if self.values.shape[0] else None
+        if rows is None:
+            return self.values.new_zeros(self.batch_size, *self.values.shape[1:])
+        keep = (self.lengths > 0).view(-1, *([1] * (self.values.dim() - 1)))
+        return rows * keep.to(rows.dtype)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        """Moves both tensors to ``device``."""
+        return JaggedTensor(
+            values=self.values.to(device, non_blocking=non_blocking),
+            lengths=self.lengths.to(device, non_blocking=non_blocking),
+        )
+
+
+@dataclass
+class KeyedTensor:
+    """Pooled embeddings: one ``(B, D_f)`` block per feature, concatenated, and the unpooled
+    (per-position) embeddings of the sequence features.
+
+    Attributes:
+        keys: pooled feature names, in column order.
+        dims: embedding dimension ``D_f`` of each pooled feature.
         values: float tensor of shape ``(B, sum D_f)``.
+        jagged: sequence feature name -> its per-position embeddings (``(sum L, D)`` rows,
+            lengths ``(B,)``); empty when no table is looked up per position.
     """
 
     keys: list[str]
     dims: list[int]
     values: torch.Tensor
+    jagged: dict[str, JaggedTensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if _DEBUG:
