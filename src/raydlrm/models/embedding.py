@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
+from raydlrm.batch import DedupGroup, JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from raydlrm.ids import ManagedIds
 from raydlrm.models.managed_ids import IdMaps
 from raydlrm.models.quantized import code_bytes_per_row, dequantize_blocks, quantized_precision
@@ -59,7 +59,9 @@ class EmbeddingBagConfig:
         num_embeddings: rows of the table.
         embedding_dim: columns of the table (a multiple of 4 for fbgemm).
         feature_names: features pooled from this table; several features may share one table.
-        pooling: ``sum`` or ``mean`` of a bag's rows.
+        pooling: ``sum`` or ``mean`` of a bag's rows, or ``none``: every id's row is returned
+            on its own (per position, a :class:`~raydlrm.batch.JaggedTensor` per feature: a
+            sequence feature's history, or a candidate item sharing the history's table).
         managed: a managed table's policy (its features hold raw ids, given rows by
             :mod:`raydlrm.models.managed_ids`); None: the ids are rows (hashed upstream).
     """
@@ -68,8 +70,13 @@ class EmbeddingBagConfig:
     num_embeddings: int
     embedding_dim: int
     feature_names: tuple[str, ...]
-    pooling: Literal["sum", "mean"] = "sum"
+    pooling: Literal["sum", "mean", "none"] = "sum"
     managed: ManagedIds | None = None
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a bag's rows are pooled into one vector (else returned per position)."""
+        return self.pooling != "none"
 
     @property
     def id_limit(self) -> int:
@@ -87,8 +94,8 @@ class EmbeddingBagConfig:
             )
         if not self.feature_names:
             raise ValueError(f"table {self.name}: needs at least one feature")
-        if self.pooling not in ("sum", "mean"):
-            raise ValueError(f"table {self.name}: pooling must be 'sum' or 'mean'")
+        if self.pooling not in ("sum", "mean", "none"):
+            raise ValueError(f"table {self.name}: pooling must be 'sum', 'mean' or 'none'")
 
 
 def _block_seed(seed: int, table: str, block: int) -> int:
@@ -279,8 +286,9 @@ class EmbeddingBagCollection(nn.Module):
     """Pooled embedding lookups for a set of tables.
 
     Input: a KJT of shape ``(F, B, L[f][b])`` holding (at least) every feature of every table.
-    Output: a :class:`KeyedTensor` of shape ``B x sum(D_f)`` with features in
-    :attr:`feature_names` order (tables in order, each table's features in order).
+    Output: a :class:`KeyedTensor` of shape ``B x sum(D_f)`` with the pooled features in
+    :attr:`pooled_feature_names` order (tables in order, each table's features in order), and
+    in its ``jagged`` the per-position rows of every feature of a ``pooling = "none"`` table.
 
     Args:
         tables: the tables.
@@ -390,7 +398,22 @@ class EmbeddingBagCollection(nn.Module):
 
     @property
     def feature_names(self) -> list[str]:
+        """Every feature looked up, pooled or per position."""
         return [f for t in self.tables for f in t.feature_names]
+
+    @property
+    def pooled_feature_names(self) -> list[str]:
+        """The pooled features: the columns of the output's ``values``."""
+        return [f for t in self.tables if t.pooled for f in t.feature_names]
+
+    @property
+    def pooled_feature_dims(self) -> list[int]:
+        return [t.embedding_dim for t in self.tables if t.pooled for _ in t.feature_names]
+
+    @property
+    def sequence_feature_names(self) -> list[str]:
+        """The features looked up per position (the output's ``jagged``)."""
+        return [f for t in self.tables if not t.pooled for f in t.feature_names]
 
     @property
     def feature_dims(self) -> list[int]:
@@ -407,7 +430,11 @@ class EmbeddingBagCollection(nn.Module):
                 once and the pooled rows expanded to the batch with the inverse index.
 
         Returns:
-            ``B x sum(D_f)``, features in :attr:`feature_names` order.
+            ``B x sum(D_f)``, the pooled features in :attr:`pooled_feature_names` order; the
+            per-position rows of :attr:`sequence_feature_names` in ``jagged``.
+
+        Raises:
+            ValueError: a feature looked up per position in a dedup group.
         """
         table_of = {f: t for t in self.tables for f in t.feature_names}
         pooled: dict[str, torch.Tensor] = {}
@@ -416,21 +443,44 @@ class EmbeddingBagCollection(nn.Module):
             names = [f for f in kjt.keys if f in table_of and f not in pooled]
             if not names:
                 continue
+            if inverse is not None and any(not table_of[f].pooled for f in names):
+                raise ValueError(
+                    f"dedup group {kjt.keys}: features looked up per position cannot be "
+                    "deduplicated"
+                )
             for name, vectors in self._pool(kjt.select(names), table_of).items():
                 pooled[name] = vectors if inverse is None else vectors.index_select(0, inverse)
         missing = [f for f in self.feature_names if f not in pooled]
         if missing:
             raise KeyError(f"features {missing} are missing from the batch")
-        return KeyedTensor(
-            keys=self.feature_names,
-            dims=self.feature_dims,
-            values=torch.cat([pooled[f] for f in self.feature_names], dim=1),
+        keys = self.pooled_feature_names
+        values = (
+            torch.cat([pooled[f] for f in keys], dim=1)
+            if keys
+            else torch.zeros(features.batch_size, 0, device=features.values.device)
         )
+        jagged = {
+            f: JaggedTensor(values=pooled[f], lengths=features.select([f]).lengths)
+            for f in self.sequence_feature_names
+        }
+        return KeyedTensor(keys=keys, dims=self.pooled_feature_dims, values=values, jagged=jagged)
+
+    def _rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 rows of ``ids`` (int64 rows of ``table``), differentiable for a float
+        table."""
+        if table in self.quantized:
+            distinct, inverse = torch.unique(ids, return_inverse=True)
+            return self.quantized[table].rows(distinct).index_select(0, inverse)
+        weight = self.weights[table]
+        if weight.dtype == torch.float32:
+            return nn.functional.embedding(ids, weight)
+        return weight.index_select(0, ids).float()
 
     def _pool(
         self, kjt: KeyedJaggedTensor, table_of: dict[str, EmbeddingBagConfig]
     ) -> dict[str, torch.Tensor]:
-        """Feature -> ``(batch, D)`` pooled vectors of every feature of ``kjt``."""
+        """Feature -> ``(batch, D)`` pooled vectors of every feature of ``kjt`` (a per-position
+        feature: ``(ids, D)``, a row per id)."""
         limits = [table_of[f].id_limit for f in kjt.keys]
         check_id_range(kjt, torch.tensor(limits, device=kjt.values.device), table_of=table_of)
         b = kjt.batch_size
@@ -446,6 +496,9 @@ class EmbeddingBagCollection(nn.Module):
             if table.managed is not None:  # raw ids: their rows, unknown ids the fallback's
                 ids = self.id_maps.rows(table.name, ids)
             per_sample = None if kjt.weights is None else kjt.weights[start:end]
+            if not table.pooled:  # a row per id, fp32 (as the kernels return them)
+                pooled[feature] = self._rows(table.name, ids)
+                continue
             if table.name in self.quantized:
                 # Only the distinct rows looked up are read and dequantized (fp32), then
                 # pooled as an fp32 table's rows are.

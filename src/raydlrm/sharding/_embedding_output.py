@@ -27,6 +27,7 @@ def output_dist(
     *,
     feature_names: list[str],
     feature_dims: list[int],
+    lookup_features: list[str],
     class_features: list[list[str]],
     rank: int,
     kernel: str,
@@ -37,12 +38,14 @@ def output_dist(
     ``class_features[c]``), the output column (or the column among the class's own) of every
     column of the blocks received (sharded units of every rank, in rank order), then of this
     rank's replicated units; the codecs of every rank's sharded units, with ``kernel``'s
-    operators.
+    operators. The output columns are those of the pooled ``feature_names``; a class of a
+    per-position table (features not among them) keeps its own columns, a row per id.
+    ``feature_dims`` are the dims of ``lookup_features``, every feature looked up.
 
     Raises:
         ValueError: if ``config.comm_precision_per_table`` names a table with no units.
     """
-    dims = dict(zip(feature_names, feature_dims, strict=True))
+    dims = dict(zip(lookup_features, feature_dims, strict=True))
     output = _column_starts(feature_names, dims)
     layouts = []
     for c, features in enumerate(class_features):
@@ -62,18 +65,22 @@ def output_dist(
                 + [targets([u for u in units[rank] if u.replicated])]
             )
 
-        placement = [output[f] + i for f in features for i in range(dims[f])]
+        per_position = not all(f in output for f in features)
+        placement = (
+            [] if per_position else [output[f] + i for f in features for i in range(dims[f])]
+        )
         layouts.append(
             ClassLayout(
-                width=len(placement),
-                runs=runs(output),
+                width=sum(dims[f] for f in features),
+                runs=[] if per_position else runs(output),
                 compact_runs=runs(compact),
-                placement=column_runs([placement]),
+                placement=column_runs([placement]) if placement else [],
+                per_position=per_position,
             )
         )
     return OutputDist(
         classes=layouts,
-        num_columns=sum(feature_dims),
+        num_columns=sum(dims[f] for f in feature_names),
         codecs=_output_codecs(units, config, kernel=kernel, num_classes=len(layouts)),
         pg=pg,
         comm_bytes=comm_bytes,

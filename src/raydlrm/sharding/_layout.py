@@ -10,6 +10,14 @@ Every feature has a *batch class*: 0 for the plain features, looked up for each 
 ``B`` samples, and ``g + 1`` for the features of dedup group ``g`` (RecD), looked up for each of
 the group's ``U_g`` unique rows (:func:`batch_classes`). A table belongs to one class.
 
+A table looked up per position (``pooling = "none"``: sequence features) is a class of its own
+whose rows are its ids (:func:`position_classes`): every id of its features becomes a bag of
+one id of a single *position feature* (:func:`position_feature`), so a rank's rows of the class
+are the ids its samples look up in the table, one feature's after another. Its lookups pool
+bags of one id (the rows themselves), travel through the same all-to-alls as the pooled
+classes (row shards send zeros for the ids they do not own, which the receiver adds), and come
+out as the class's own columns, a row per id, never padded.
+
 On each rank, units are ordered by (batch class, replicated, kernel pooling mode, weights
 precision, placement, row cache, table, feature): within a class the sharded units come first
 (their pooled output goes through the output all-to-all) and the data-parallel ones last (their
@@ -20,7 +28,7 @@ weights precision, placement and row cache or none, so one batch size) are conti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Literal
 
@@ -28,7 +36,16 @@ from raydlrm.models.embedding import EmbeddingBagConfig
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.plan import Shard, ShardingPlan
 
-__all__ = ["LookupUnit", "TbeGroup", "batch_classes", "rank_units", "tbe_groups"]
+__all__ = [
+    "LookupUnit",
+    "PositionClasses",
+    "TbeGroup",
+    "batch_classes",
+    "position_classes",
+    "position_feature",
+    "rank_units",
+    "tbe_groups",
+]
 
 ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
 
@@ -135,6 +152,65 @@ def batch_classes(
             )
         classes.update((f, group_of.get(f, 0)) for f in table.feature_names)
     return classes
+
+
+def position_feature(table: str) -> str:
+    """The single feature through which the ids of per-position table ``table`` are looked
+    up (a name no data column can have)."""
+    return f"{table}/positions"
+
+
+@dataclass(frozen=True)
+class PositionClasses:
+    """The tables as the sharded collection looks them up, and each feature's batch class.
+
+    Attributes:
+        tables: the tables, each per-position table with one feature, its
+            :func:`position_feature`, pooled as sums of one id.
+        class_of: every looked-up feature's batch class.
+        num_classes: the plain class, the dedup groups', then one per per-position table.
+        tables_of_class: batch class -> the per-position table (its real features) it looks up.
+    """
+
+    tables: list[EmbeddingBagConfig]
+    class_of: dict[str, int]
+    num_classes: int
+    tables_of_class: dict[int, EmbeddingBagConfig]
+
+
+def position_classes(
+    tables: Sequence[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
+) -> PositionClasses:
+    """The batch classes of ``tables`` (:func:`batch_classes`), each per-position table a class
+    of its own after the dedup groups'.
+
+    Raises:
+        ValueError: naming a dedup group that holds a feature looked up per position, and as
+            :func:`batch_classes`.
+    """
+    per_position = {f for t in tables if not t.pooled for f in t.feature_names}
+    for group in dedup_groups:
+        bad = sorted(per_position & set(group))
+        if bad:
+            raise ValueError(
+                f"dedup group {list(group)}: features {bad} are looked up per position "
+                "(sequence features) and cannot be deduplicated"
+            )
+    lookup = [
+        t if t.pooled else replace(t, feature_names=(position_feature(t.name),), pooling="sum")
+        for t in tables
+    ]
+    class_of = batch_classes([t for t in tables if t.pooled], dedup_groups)
+    first = len(dedup_groups) + 1
+    tables_of_class = {first + i: t for i, t in enumerate(t for t in tables if not t.pooled)}
+    for c, table in tables_of_class.items():
+        class_of[position_feature(table.name)] = c
+    return PositionClasses(
+        tables=lookup,
+        class_of=class_of,
+        num_classes=first + len(tables_of_class),
+        tables_of_class=tables_of_class,
+    )
 
 
 def rank_units(

@@ -113,12 +113,15 @@ class ClassLayout:
         compact_runs: the same columns on the class's own ``width`` columns, for a batch whose
             class has a row per unique row (a dedup group).
         placement: the class's own columns on the output columns (``block`` unused).
+        per_position: a per-position table's class (a row per id): its own columns are its
+            output, not placed in the pooled output (``runs`` and ``placement`` empty).
     """
 
     width: int
     runs: list[ColumnRun]
     compact_runs: list[ColumnRun]
     placement: list[ColumnRun]
+    per_position: bool = False
 
 
 @dataclass
@@ -145,8 +148,9 @@ class OutputDist:
         pooled: list[torch.Tensor],
         batch_sizes: list[list[int]],
         inverses: list[torch.Tensor | None],
-    ) -> torch.Tensor:
-        """This rank's samples' pooled embeddings, in feature order.
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """This rank's samples' pooled embeddings, in feature order, and the rows of its ids of
+        each per-position class.
 
         Args:
             pooled: per class ``c``, ``(sum(batch_sizes[c]), D_rc + D_rep)``: this rank's
@@ -158,9 +162,12 @@ class OutputDist:
                 when the class has a row per sample.
 
         Returns:
-            ``(batch_sizes[0][rank], num_columns)``.
+            ``(batch_sizes[0][rank], num_columns)``, and per per-position class ``c``
+            ``(batch_sizes[c][rank], width_c)``.
         """
-        return _OutputDistFn.apply(batch_sizes, inverses, self, *pooled)
+        out, *rows = _OutputDistFn.apply(batch_sizes, inverses, self, *pooled)
+        per_position = [c for c, layout in enumerate(self.classes) if layout.per_position]
+        return out, dict(zip(per_position, rows, strict=True))
 
     @property
     def exchanges(self) -> bool:
@@ -366,20 +373,27 @@ class _OutputDistFn(torch.autograd.Function):
             [p[:, :n] for p, n in zip(pooled, sharded_cols, strict=True)], batch_sizes
         )
         out = pooled[0].new_empty(batch_sizes[0][rank], dist.num_columns)
+        positions = []
         for c, (p, layout, inverse) in enumerate(zip(pooled, dist.classes, inverses, strict=True)):
             start, rows = sum(batch_sizes[c][:rank]), batch_sizes[c][rank]
             blocks = [r[c] for r in received] + [p[start : start + rows, sharded_cols[c] :]]
-            if inverse is None:
+            if inverse is None and not layout.per_position:
                 _copy_runs(layout.runs, blocks, out)
                 continue
             unique = p.new_empty(rows, layout.width)
             _copy_runs(layout.compact_runs, blocks, unique)
-            _copy_runs(layout.placement, [unique.index_select(0, inverse)], out)
-        return out
+            if layout.per_position:
+                positions.append(unique)
+            else:
+                _copy_runs(layout.placement, [unique.index_select(0, inverse)], out)
+        return out, *positions
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad: torch.Tensor, *position_grads: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         dist: OutputDist = ctx.dist
+        position_grad = iter(position_grads)
         rank, world_size = rank_and_world_size(dist.pg)
         rows = [sizes[rank] for sizes in ctx.batch_sizes]
         # One buffer for every block's gradient, the sharded blocks in (rank, class) order (sent
@@ -396,7 +410,9 @@ class _OutputDistFn(torch.autograd.Function):
         replicated = views[world_size * classes :]
         for c, (layout, inverse) in enumerate(zip(dist.classes, ctx.inverses, strict=True)):
             source, runs = grad, layout.runs
-            if inverse is not None:  # the samples' gradient rows summed per unique row
+            if layout.per_position:  # the class's own columns, a row per id
+                source, runs = next(position_grad), layout.compact_runs
+            elif inverse is not None:  # the samples' gradient rows summed per unique row
                 expanded = grad.new_empty(grad.shape[0], layout.width)
                 for p in layout.placement:
                     expanded[:, p.src : p.src + p.width].copy_(grad[:, p.dst : p.dst + p.width])

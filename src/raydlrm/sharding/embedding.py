@@ -63,7 +63,13 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor, lengths_to_offsets
+from raydlrm.batch import (
+    DedupGroup,
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    lengths_to_offsets,
+)
 from raydlrm.models.embedding import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -75,7 +81,7 @@ from raydlrm.sharding._embedding_kernels import GroupKernels
 from raydlrm.sharding._embedding_output import output_dist
 from raydlrm.sharding._embedding_state import LocalState
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
-from raydlrm.sharding._layout import LookupUnit, batch_classes, rank_units, tbe_groups
+from raydlrm.sharding._layout import LookupUnit, position_classes, rank_units, tbe_groups
 from raydlrm.sharding._managed import ManagedShards
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.delta import ModifiedRows
@@ -100,18 +106,23 @@ class _Routed:
         inverses: per batch class, the inverse index of its dedup group (None: a row per
             sample).
         bags: this rank's units' bags for every rank's samples.
+        sequences: per per-position class, its table's features of the batch (their ids are
+            the class's rows, one feature's after another).
     """
 
     features: KeyedJaggedTensor
     kjts: list[KeyedJaggedTensor | None]
     inverses: list[torch.Tensor | None]
     bags: LocalBags
+    sequences: dict[int, KeyedJaggedTensor]
 
     def tensors(self) -> Iterator[torch.Tensor | None]:
         for kjt in self.kjts:
             if kjt is not None:
                 yield from (kjt.values, kjt.lengths, kjt.weights)
         yield from self.inverses
+        for kjt in self.sequences.values():
+            yield kjt.lengths
         yield from (self.bags.lengths, self.bags.values, self.bags.weights)
 
 
@@ -162,7 +173,8 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
     ):
         super().__init__()
         plan.validate(ebc.tables)
-        class_of = batch_classes(ebc.tables, dedup_groups)
+        layout = position_classes(ebc.tables, dedup_groups)
+        class_of = layout.class_of
         self.dedup_groups = [list(g) for g in dedup_groups]
         self._pg = pg
         self._rank, self._world_size = rank_and_world_size(pg)
@@ -175,18 +187,21 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         self._comm_bytes = CommBytes()
         self.kernel = resolve_kernel(config.kernel)
         self.tables = list(ebc.tables)
-        self.feature_names = ebc.feature_names
-        self.feature_dims = ebc.feature_dims
+        self._lookup_tables = layout.tables
+        self._position_tables = layout.tables_of_class
+        self.feature_names = ebc.pooled_feature_names
+        self.feature_dims = ebc.pooled_feature_dims
+        self.sequence_feature_names = ebc.sequence_feature_names
         self.plan = plan
         self._precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
+        lookup_features = [f for t in self._lookup_tables for f in t.feature_names]
         self._class_features = [
-            [f for f in self.feature_names if class_of[f] == c]
-            for c in range(len(self.dedup_groups) + 1)
+            [f for f in lookup_features if class_of[f] == c] for c in range(layout.num_classes)
         ]
-        units = rank_units(self.tables, plan, config, class_of)
+        units = rank_units(self._lookup_tables, plan, config, class_of)
         self._input = InputDistributor(
             units,
-            feature_classes=[class_of[f] for f in self.feature_names],
+            feature_classes=[class_of[f] for f in lookup_features],
             rank=self._rank,
             device=self._device,
             pg=pg,
@@ -197,7 +212,8 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             units,
             config,
             feature_names=self.feature_names,
-            feature_dims=self.feature_dims,
+            feature_dims=[t.embedding_dim for t in self._lookup_tables for _ in t.feature_names],
+            lookup_features=lookup_features,
             class_features=self._class_features,
             rank=self._rank,
             kernel=self.kernel,
@@ -205,7 +221,9 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             comm_bytes=self._comm_bytes,
         )
         self._register_feature_buffers()
-        self._dedup = DedupCounters(self.tables, class_of, units[self._rank], config, self._rank)
+        self._dedup = DedupCounters(
+            self._lookup_tables, class_of, units[self._rank], config, self._rank
+        )
         self._modified: ModifiedRows | None = None
         self._build_shards(units[self._rank], config, ebc, managed_clock=managed_clock)
 
@@ -247,7 +265,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         """Per feature: its table's size (the id check, per batch class) and dim, and whether
         it is a mean bag of a row-split table (pooled as sums by the shards, divided after the
         exchange); each class's features' positions."""
-        table_of = {f: t for t in self.tables for f in t.feature_names}
+        table_of = {f: t for t in self._lookup_tables for f in t.feature_names}
         self._table_names = {f: t.name for f, t in table_of.items()}
         row_split = {t.name for t in self.plan.tables if t.sharding_type in _ROW_SPLIT}
         position = {f: i for i, f in enumerate(self.feature_names)}
@@ -256,9 +274,11 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
                 f"_limits{c}",
                 torch.tensor([table_of[f].id_limit for f in features], dtype=torch.int64),
             )
-            self._register(
-                f"_positions{c}", torch.tensor([position[f] for f in features], dtype=torch.int64)
-            )
+            if c not in self._position_tables:
+                self._register(
+                    f"_positions{c}",
+                    torch.tensor([position[f] for f in features], dtype=torch.int64),
+                )
         mean = [
             table_of[f].pooling == "mean" and table_of[f].name in row_split
             for f in self.feature_names
@@ -345,10 +365,13 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
 
     def _class_inputs(
         self, features: KeyedJaggedTensor, dedup_groups: Sequence[DedupGroup]
-    ) -> tuple[list[KeyedJaggedTensor | None], list[torch.Tensor | None]]:
-        """Each batch class's features of a batch and its inverse index. A declared group
-        missing from the batch is read from ``features`` (a row per sample); a group the
-        collection was not built for is expanded into the plain features."""
+    ) -> tuple[
+        list[KeyedJaggedTensor | None], list[torch.Tensor | None], dict[int, KeyedJaggedTensor]
+    ]:
+        """Each batch class's features of a batch and its inverse index, and each per-position
+        class's table's features. A declared group missing from the batch is read from
+        ``features`` (a row per sample); a group the collection was not built for is expanded
+        into the plain features."""
         declared = {tuple(sorted(g)): c + 1 for c, g in enumerate(self.dedup_groups)}
         given: dict[int, DedupGroup] = {}
         expanded = []
@@ -362,15 +385,21 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             features = KeyedJaggedTensor.concat([features, *expanded])
         kjts: list[KeyedJaggedTensor | None] = []
         inverses: list[torch.Tensor | None] = []
+        sequences: dict[int, KeyedJaggedTensor] = {}
         for c, names in enumerate(self._class_features):
             group = given.get(c)
-            source = features if group is None else group.unique
-            kjt = source.select(names) if names else None
+            table = self._position_tables.get(c)
+            if table is not None:
+                sequences[c] = features.select(list(table.feature_names))
+                kjt = _positions_as_bags(sequences[c], names[0])
+            else:
+                source = features if group is None else group.unique
+                kjt = source.select(names) if names else None
             if kjt is not None:
                 self._check_ids(kjt, c)
             kjts.append(kjt)
             inverses.append(None if group is None else group.inverse)
-        return kjts, inverses
+        return kjts, inverses, sequences
 
     def input_dist(
         self,
@@ -382,17 +411,19 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         """Routes ``features`` and ``dedup_groups`` (their unique rows) to this collection's
         shards: see :meth:`ShardedTables.input_dist
         <raydlrm.sharding.types.ShardedTables.input_dist>`."""
-        kjts, inverses = self._class_inputs(features, dedup_groups)
+        kjts, inverses, sequences = self._class_inputs(features, dedup_groups)
         local_batch = [features.batch_size if kjt is None else kjt.batch_size for kjt in kjts]
         bags = self._input(kjts, local_batch, pg=pg)
-        return _Routed(features=features, kjts=kjts, inverses=inverses, bags=bags)
+        return _Routed(
+            features=features, kjts=kjts, inverses=inverses, bags=bags, sequences=sequences
+        )
 
     def compute_and_output_dist(self, routed: _Routed) -> KeyedTensor:
         """Pooled embeddings of this rank's samples from their routed ids (the lookups, the
         output all-to-all, the dedup groups' expansion), ``B x sum(D_f)`` in ``feature_names``
-        order."""
+        order, and the per-position rows of the sequence features (``jagged``)."""
         bags = routed.bags
-        values = self._output(self._lookup(bags), bags.batch_sizes, routed.inverses)
+        values, positions = self._output(self._lookup(bags), bags.batch_sizes, routed.inverses)
         if self._has_row_split_mean:
             values = self._divide_row_split_means(values, routed)
         for c, (kjt, inverse) in enumerate(zip(routed.kjts, routed.inverses, strict=True)):
@@ -400,15 +431,27 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
                 self._dedup.count(c, kjt, inverse, bags.batch_sizes)
         if self.embedding_cut is not None and self.training and values.requires_grad:
             values = self.embedding_cut(values)
+        jagged = {}
+        for c, rows in positions.items():
+            kjt = routed.sequences[c]
+            parts = rows.split(kjt.length_per_key().tolist(), dim=0)
+            lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size)
+            jagged.update(
+                (f, JaggedTensor(values=part, lengths=lengths[i]))
+                for i, (f, part) in enumerate(zip(kjt.keys, parts, strict=True))
+            )
         return KeyedTensor(
-            keys=list(self.feature_names), dims=list(self.feature_dims), values=values
+            keys=list(self.feature_names),
+            dims=list(self.feature_dims),
+            values=values,
+            jagged=jagged,
         )
 
     def _divide_row_split_means(self, values: torch.Tensor, routed: _Routed) -> torch.Tensor:
         """Divides the row-split mean bags, pooled as sums, by their lengths."""
         lengths = values.new_empty(len(self.feature_names), values.shape[0])
         for c, (kjt, inverse) in enumerate(zip(routed.kjts, routed.inverses, strict=True)):
-            if kjt is None:
+            if kjt is None or c in self._position_tables:
                 continue
             rows = kjt.lengths.view(len(kjt.keys), kjt.batch_size).to(values.dtype)
             lengths[getattr(self, f"_positions{c}")] = rows if inverse is None else rows[:, inverse]
@@ -428,3 +471,16 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         beyond what they sent in the pooled output all-to-all and its gradient with a row per
         sample)."""
         return self._dedup.stats()
+
+
+def _positions_as_bags(kjt: KeyedJaggedTensor, feature: str) -> KeyedJaggedTensor:
+    """The ids of every feature of ``kjt`` (one after another) as bags of one id of
+    ``feature``: the rows of a per-position class (see
+    :func:`~raydlrm.sharding._layout.position_classes`)."""
+    ids = kjt.values.numel()
+    return KeyedJaggedTensor(
+        keys=[feature],
+        values=kjt.values,
+        lengths=torch.ones(ids, dtype=torch.int64, device=kjt.values.device),
+        batch_size=ids,
+    )

@@ -1,0 +1,207 @@
+"""Per-position (unpooled) lookups of sequence features, sharded, against the unsharded
+collection: every sharding type, 1-4 gloo ranks, pooled and per-position tables in one
+collection, a candidate feature sharing the history's table, empty histories.
+
+Each rank takes an unequal slice of a seeded global batch; the loss is a fixed random linear
+function of every output row, summed over the rank's samples (so the sharded update, averaged
+over ranks, equals the reference's on the global loss divided by the world size). Compared: the
+pooled and per-position outputs of both steps, and the tables after them (SGD and row-wise
+Adagrad, fused in the kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
+from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
+from tests._multiprocess import run_distributed
+from tests.sharding._fixtures import (
+    EPS,
+    LR,
+    NUM_STEPS,
+    SPLITS,
+    TOL,
+    gather_full_tables,
+    reference_optimizer,
+)
+
+TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+# Row-wise Adagrad keeps a momentum per column shard's row segment (a column-wise table's
+# update differs from the whole row's by design, tests/sharding/test_sharding_types.py):
+# column-wise tables train with per-element Adagrad here.
+SCENARIOS = [
+    (kind, opt)
+    for kind in TYPES
+    for opt in ("sgd", "adagrad" if kind == "column_wise" else "rowwise_adagrad")
+]
+KEYS = ["user", "hist", "cand", "hist_cat"]
+BATCH = 13
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name="t_user", num_embeddings=30, embedding_dim=8, feature_names=("user",)
+        ),
+        EmbeddingBagConfig(
+            name="t_item",
+            num_embeddings=40,
+            embedding_dim=8,
+            feature_names=("hist", "cand"),
+            pooling="none",
+        ),
+        EmbeddingBagConfig(
+            name="t_cat",
+            num_embeddings=12,
+            embedding_dim=4,
+            feature_names=("hist_cat",),
+            pooling="none",
+        ),
+    ]
+
+
+def _batch(step: int) -> KeyedJaggedTensor:
+    """``BATCH`` samples: 1-3 user ids, a history of 0-6 items with a category each, one
+    candidate item."""
+    gen = torch.Generator().manual_seed(300 + step)
+    hist = torch.randint(0, 7, (BATCH,), generator=gen)
+    hist[3] = 0  # an empty history
+    lengths = torch.cat(
+        [
+            torch.randint(1, 4, (BATCH,), generator=gen),
+            hist,
+            torch.ones(BATCH, dtype=torch.int64),
+            hist,
+        ]
+    )
+    sizes = {"user": 30, "hist": 40, "cand": 40, "hist_cat": 12}
+    per_key = lengths.view(len(KEYS), BATCH).sum(1).tolist()
+    values = torch.cat(
+        [
+            torch.randint(0, sizes[k], (n,), generator=gen)
+            for k, n in zip(KEYS, per_key, strict=True)
+        ]
+    )
+    return KeyedJaggedTensor.from_lengths(KEYS, values, lengths)
+
+
+def _slice(kjt: KeyedJaggedTensor, rows: slice) -> KeyedJaggedTensor:
+    index = torch.arange(rows.start, rows.stop)
+    return kjt.index_rows(index)
+
+
+def _loss(out: KeyedTensor, step: int, rows: slice) -> torch.Tensor:
+    """A fixed random linear function of every output row of the samples ``rows``."""
+    gen = torch.Generator().manual_seed(900 + step)
+    pooled_w = torch.randn(BATCH, out.values.shape[1], generator=gen)[rows]
+    loss = (out.values * pooled_w).sum()
+    full = _batch(step)
+    for name in ("hist", "cand", "hist_cat"):
+        lengths = full.select([name]).lengths
+        dim = out.jagged[name].values.shape[1]
+        weights = torch.randn(int(lengths.sum()), dim, generator=gen)
+        start = int(lengths[: rows.start].sum())
+        mine = weights[start : start + int(lengths[rows].sum())]
+        loss = loss + (out.jagged[name].values * mine).sum()
+    return loss
+
+
+def _config(kind: str, optimizer: str, world_size: int = 1) -> ShardingConfig:
+    group = 2 if kind == "table_row_wise" and world_size % 2 == 0 else None
+    return ShardingConfig(
+        default_type=kind, optimizer=optimizer, learning_rate=LR, eps=EPS, group_size=group
+    )
+
+
+def _record(out: KeyedTensor) -> dict:
+    return {
+        "pooled": out.values.detach().clone(),
+        **{f: (j.values.detach().clone(), j.lengths.clone()) for f, j in out.jagged.items()},
+    }
+
+
+def _run(rank: int, world_size: int) -> list[dict]:
+    start = sum(SPLITS[world_size][:rank])
+    rows = slice(start, start + SPLITS[world_size][rank])
+    results = []
+    for kind, optimizer in SCENARIOS:
+        config = _config(kind, optimizer, world_size)
+        plan = plan_sharding(_tables(), world_size=world_size, config=config)
+        ebc = ShardedEmbeddingBagCollection(
+            EmbeddingBagCollection(_tables(), device="meta"), plan=plan, config=config, device="cpu"
+        )
+        steps = []
+        for step in range(NUM_STEPS):
+            out = ebc(_slice(_batch(step), rows))
+            steps.append(_record(out))
+            _loss(out, step, rows).backward()
+        results.append({"steps": steps, "tables": gather_full_tables(ebc, dst=0)})
+    return results
+
+
+def _reference(optimizer: str, world_size: int) -> dict:
+    ebc = EmbeddingBagCollection(_tables())
+    step_fn, _ = reference_optimizer(ebc, optimizer, lr=LR, eps=EPS)
+    steps = []
+    for step in range(NUM_STEPS):
+        out = ebc(_batch(step))
+        steps.append(_record(out))
+        (_loss(out, step, slice(0, BATCH)) / world_size).backward()
+        step_fn()
+    return {"steps": steps, "tables": {k: w.detach() for k, w in ebc.weights.items()}}
+
+
+def _check(results: list[list[dict]], world_size: int) -> None:
+    for i, (kind, optimizer) in enumerate(SCENARIOS):
+        name = f"{kind}/{optimizer}/{world_size}"
+        ref = _reference(optimizer, world_size)
+        for rank, per_rank in enumerate(results):
+            start = sum(SPLITS[world_size][:rank])
+            rows = slice(start, start + SPLITS[world_size][rank])
+            for step, (got, want) in enumerate(
+                zip(per_rank[i]["steps"], ref["steps"], strict=True)
+            ):
+                torch.testing.assert_close(got["pooled"], want["pooled"][rows], **TOL, msg=name)
+                for feature in ("hist", "cand", "hist_cat"):
+                    values, lengths = got[feature]
+                    ref_values, ref_lengths = want[feature]
+                    assert torch.equal(lengths, ref_lengths[rows]), (name, feature)
+                    lo = int(ref_lengths[: rows.start].sum())
+                    torch.testing.assert_close(
+                        values,
+                        ref_values[lo : lo + values.shape[0]],
+                        **TOL,
+                        msg=f"{name} {feature} step {step}",
+                    )
+        tables = results[0][i]["tables"]
+        for table, weight in ref["tables"].items():
+            torch.testing.assert_close(tables[table], weight, **TOL, msg=f"{name} {table}")
+
+
+def test_sequence_lookup_single_process() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    _check([_run(0, 1)], 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sequence_lookup_sharded(world_size: int) -> None:
+    _check(run_distributed(_run, world_size=world_size, timeout_s=300), world_size)
+
+
+def test_per_position_features_cannot_be_deduplicated() -> None:
+    config = _config("table_wise", "sgd")
+    plan = plan_sharding(_tables(), world_size=1, config=config)
+    with pytest.raises(ValueError, match=r"\['hist'\] are looked up per position"):
+        ShardedEmbeddingBagCollection(
+            EmbeddingBagCollection(_tables()),
+            plan=plan,
+            config=config,
+            device="cpu",
+            dedup_groups=[["user", "hist"]],
+        )
