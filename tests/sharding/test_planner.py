@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,21 @@ def test_cost_formulas() -> None:
     )
     assert half.compute_bytes == tw.compute_bytes / 2
     assert half.output_comm_bytes == tw.output_comm_bytes
+    # Looked up per position (a sequence): every id is an output row, so the output bytes
+    # grow with the ids (2 per sample), the lookups do not change and a bag of one is sent
+    # per id.
+    seq = estimate_table_cost(
+        replace(t, pooling="none"),
+        sharding_type="table_wise",
+        num_shards=1,
+        world_size=4,
+        batch_size=10,
+        pooling_factor=2.0,
+        constants=free,
+    )
+    assert seq.compute_bytes == tw.compute_bytes
+    assert seq.output_comm_bytes == 2 * tw.output_comm_bytes
+    assert seq.input_comm_bytes == 10 * 2 * 8 + 10 * 2 * 4
 
 
 def test_ssd_tier_cost_is_the_disk_time_of_the_rows_a_step_touches() -> None:

@@ -221,13 +221,16 @@ class _Step:
 
     @property
     def bags(self) -> float:
-        """Bags looked up: one per feature and sample (unique row, deduplicated)."""
-        return len(self.table.feature_names) * self.batch_size
+        """Bags looked up: one per feature and sample (unique row, deduplicated); for a table
+        looked up per position (a sequence's), one per id: each id's row is an output row,
+        so its output, its gradient and their communication grow with the sequence length."""
+        bags = len(self.table.feature_names) * self.batch_size
+        return bags if self.table.pooled else bags * self.pooling_factor
 
     @property
     def ids(self) -> float:
-        """Ids looked up: ``pooling_factor`` per bag."""
-        return self.bags * self.pooling_factor
+        """Ids looked up: ``pooling_factor`` per bag (one per bag per position)."""
+        return self.bags * self.pooling_factor if self.table.pooled else self.bags
 
 
 @dataclass(frozen=True)
