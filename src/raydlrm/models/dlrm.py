@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydlrm.batch import Batch, KeyedJaggedTensor
+from raydlrm.batch import Batch, JaggedTensor, KeyedJaggedTensor
 from raydlrm.models.config import ModelConfig
 from raydlrm.models.dhen import DHENDense
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
@@ -118,9 +118,16 @@ class RecModel(nn.Module):
         self.dense_dtype: torch.dtype | None = None
         """Autocast the dense module to this type (``training.precision``; None: fp32)."""
 
-    def _dense(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """The dense module's logits, autocast to :attr:`dense_dtype`, returned in fp32."""
-        return autocast_fp32(self.dense_dtype, pooled.device.type, self.dense, dense, pooled)
+    def _dense(
+        self,
+        dense: torch.Tensor,
+        pooled: torch.Tensor,
+        sequences: dict[str, JaggedTensor] | None = None,
+    ) -> torch.Tensor:
+        """The dense module's logits, autocast to :attr:`dense_dtype`, returned in fp32; a
+        sequence model's dense module also reads the per-position embeddings."""
+        args = (dense, pooled) if not sequences else (dense, pooled, sequences)
+        return autocast_fp32(self.dense_dtype, pooled.device.type, self.dense, *args)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits of shape ``(B,)``."""
@@ -128,13 +135,13 @@ class RecModel(nn.Module):
 
     def forward_pooled(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Click logits ``(B,)`` and the pooled embeddings ``B x sum D_f`` they came from."""
-        pooled = self.embedding_bags(batch.sparse, batch.dedup_groups).values
-        return self._dense(batch.dense, pooled), pooled
+        out = self.embedding_bags(batch.sparse, batch.dedup_groups)
+        return self._dense(batch.dense, out.values, out.jagged), out.values
 
     def forward_features(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Click logits of shape ``(B,)`` from dense ``B x num_dense`` and a KJT of batch ``B``."""
-        pooled = self.embedding_bags(sparse)
-        return self._dense(dense, pooled.values)
+        out = self.embedding_bags(sparse)
+        return self._dense(dense, out.values, out.jagged)
 
 
 def build_model(

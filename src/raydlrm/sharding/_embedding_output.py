@@ -47,43 +47,53 @@ def output_dist(
     """
     dims = dict(zip(lookup_features, feature_dims, strict=True))
     output = _column_starts(feature_names, dims)
-    layouts = []
-    for c, features in enumerate(class_features):
-        compact = _column_starts(features, dims)
-
-        def runs(start: dict[str, int], c: int = c) -> list[ColumnRun]:
-            def targets(us: list[LookupUnit]) -> list[int]:
-                return [
-                    start[u.feature] + col
-                    for u in us
-                    if u.batch_class == c
-                    for col in range(u.shard.col_start, u.shard.col_end)
-                ]
-
-            return column_runs(
-                [targets([u for u in us if not u.replicated]) for us in units]
-                + [targets([u for u in units[rank] if u.replicated])]
-            )
-
-        per_position = not all(f in output for f in features)
-        placement = (
-            [] if per_position else [output[f] + i for f in features for i in range(dims[f])]
-        )
-        layouts.append(
-            ClassLayout(
-                width=sum(dims[f] for f in features),
-                runs=[] if per_position else runs(output),
-                compact_runs=runs(compact),
-                placement=column_runs([placement]) if placement else [],
-                per_position=per_position,
-            )
-        )
+    layouts = [
+        _class_layout(units, c, features, dims=dims, output=output, rank=rank)
+        for c, features in enumerate(class_features)
+    ]
     return OutputDist(
         classes=layouts,
         num_columns=sum(dims[f] for f in feature_names),
         codecs=_output_codecs(units, config, kernel=kernel, num_classes=len(layouts)),
         pg=pg,
         comm_bytes=comm_bytes,
+    )
+
+
+def _class_layout(
+    units: list[list[LookupUnit]],
+    c: int,
+    features: list[str],
+    *,
+    dims: dict[str, int],
+    output: dict[str, int],
+    rank: int,
+) -> ClassLayout:
+    """Where the received columns of batch class ``c`` (its ``features``) go: on the pooled
+    output's columns (``output``: each pooled feature's first column) and on the class's own."""
+
+    def runs(start: dict[str, int]) -> list[ColumnRun]:
+        def targets(us: list[LookupUnit]) -> list[int]:
+            return [
+                start[u.feature] + col
+                for u in us
+                if u.batch_class == c
+                for col in range(u.shard.col_start, u.shard.col_end)
+            ]
+
+        return column_runs(
+            [targets([u for u in us if not u.replicated]) for us in units]
+            + [targets([u for u in units[rank] if u.replicated])]
+        )
+
+    per_position = not all(f in output for f in features)
+    placement = [] if per_position else [output[f] + i for f in features for i in range(dims[f])]
+    return ClassLayout(
+        width=sum(dims[f] for f in features),
+        runs=[] if per_position else runs(output),
+        compact_runs=runs(_column_starts(features, dims)),
+        placement=column_runs([placement]) if placement else [],
+        per_position=per_position,
     )
 
 

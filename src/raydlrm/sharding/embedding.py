@@ -81,7 +81,13 @@ from raydlrm.sharding._embedding_kernels import GroupKernels
 from raydlrm.sharding._embedding_output import output_dist
 from raydlrm.sharding._embedding_state import LocalState
 from raydlrm.sharding._input_dist import InputDistributor, LocalBags
-from raydlrm.sharding._layout import LookupUnit, position_classes, rank_units, tbe_groups
+from raydlrm.sharding._layout import (
+    LookupUnit,
+    PositionClasses,
+    position_classes,
+    rank_units,
+    tbe_groups,
+)
 from raydlrm.sharding._managed import ManagedShards
 from raydlrm.sharding.config import ShardingConfig
 from raydlrm.sharding.delta import ModifiedRows
@@ -186,18 +192,8 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         self._device = torch.device(device)
         self._comm_bytes = CommBytes()
         self.kernel = resolve_kernel(config.kernel)
-        self.tables = list(ebc.tables)
-        self._lookup_tables = layout.tables
-        self._position_tables = layout.tables_of_class
-        self.feature_names = ebc.pooled_feature_names
-        self.feature_dims = ebc.pooled_feature_dims
-        self.sequence_feature_names = ebc.sequence_feature_names
-        self.plan = plan
-        self._precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
+        self._describe(ebc, layout, plan, config)
         lookup_features = [f for t in self._lookup_tables for f in t.feature_names]
-        self._class_features = [
-            [f for f in lookup_features if class_of[f] == c] for c in range(layout.num_classes)
-        ]
         units = rank_units(self._lookup_tables, plan, config, class_of)
         self._input = InputDistributor(
             units,
@@ -226,6 +222,28 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         )
         self._modified: ModifiedRows | None = None
         self._build_shards(units[self._rank], config, ebc, managed_clock=managed_clock)
+
+    def _describe(
+        self,
+        ebc: EmbeddingBagCollection,
+        layout: PositionClasses,
+        plan: ShardingPlan,
+        config: ShardingConfig,
+    ) -> None:
+        """The tables, features and batch classes the collection is made of."""
+        self.tables = list(ebc.tables)
+        self._lookup_tables = layout.tables
+        self._position_tables = layout.tables_of_class
+        self.feature_names = ebc.pooled_feature_names
+        self.feature_dims = ebc.pooled_feature_dims
+        self.sequence_feature_names = ebc.sequence_feature_names
+        self.plan = plan
+        self._precisions = {t.name: config.weights_precision_of(t.name) for t in self.tables}
+        lookup_features = [f for t in self._lookup_tables for f in t.feature_names]
+        self._class_features = [
+            [f for f in lookup_features if layout.class_of[f] == c]
+            for c in range(layout.num_classes)
+        ]
 
     def _build_shards(
         self,
