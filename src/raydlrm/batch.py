@@ -371,6 +371,19 @@ class JaggedTensor:
         keep = (self.lengths > 0).view(-1, *([1] * (self.values.dim() - 1)))
         return rows * keep.to(rows.dtype)
 
+    def index_rows(self, rows: torch.Tensor) -> JaggedTensor:
+        """Gathers samples: sample ``i`` of the result is sample ``rows[i]`` (a deduplicated
+        history expanded to the batch; differentiable, duplicates' gradients add up)."""
+        lengths = self.lengths.index_select(0, rows)
+        out_offsets = lengths_to_offsets(lengths)
+        total = int(out_offsets[-1])
+        within = torch.arange(total, device=rows.device) - torch.repeat_interleave(
+            out_offsets[:-1], lengths, output_size=total
+        )
+        starts = self.offsets.index_select(0, rows)
+        src = torch.repeat_interleave(starts, lengths, output_size=total) + within
+        return JaggedTensor(values=self.values.index_select(0, src), lengths=lengths)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
         """Moves both tensors to ``device``."""
         return JaggedTensor(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydlrm.batch import KeyedJaggedTensor, KeyedTensor
+from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
 from tests._multiprocess import run_distributed
@@ -33,10 +33,15 @@ TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parall
 # update differs from the whole row's by design, tests/sharding/test_sharding_types.py):
 # column-wise tables train with per-element Adagrad here.
 SCENARIOS = [
-    (kind, opt)
+    (kind, opt, False)
     for kind in TYPES
     for opt in ("sgd", "adagrad" if kind == "column_wise" else "rowwise_adagrad")
 ]
+# RecD: the user and their history deduplicated over a session's samples (5 unique rows for
+# 13 samples), each sample with a candidate of its own in the same table as the history.
+SCENARIOS += [(kind, "sgd", True) for kind in ("table_wise", "row_wise", "data_parallel")]
+DEDUP = ["user", "hist", "hist_cat"]
+UNIQUE = 5
 KEYS = ["user", "hist", "cand", "hist_cat"]
 BATCH = 13
 
@@ -88,17 +93,39 @@ def _batch(step: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths(KEYS, values, lengths)
 
 
-def _slice(kjt: KeyedJaggedTensor, rows: slice) -> KeyedJaggedTensor:
+def _dedup_parts(step: int) -> tuple[KeyedJaggedTensor, torch.Tensor, KeyedJaggedTensor]:
+    """The unique rows of the dedup group (the first ``UNIQUE`` samples of :func:`_batch`),
+    each sample's unique row, and the candidates."""
+    batch = _batch(step)
+    inverse = torch.randint(0, UNIQUE, (BATCH,), generator=torch.Generator().manual_seed(step))
+    inverse[:UNIQUE] = torch.arange(UNIQUE)
+    unique = batch.select(DEDUP).index_rows(torch.arange(UNIQUE))
+    return unique, inverse, batch.select(["cand"])
+
+
+def _full_batch(step: int, dedup: bool) -> KeyedJaggedTensor:
+    if not dedup:
+        return _batch(step)
+    unique, inverse, cand = _dedup_parts(step)
+    return KeyedJaggedTensor.concat([cand, unique.index_rows(inverse)])
+
+
+def _rank_input(step: int, dedup: bool, rows: slice) -> tuple[KeyedJaggedTensor, list]:
+    """This rank's samples ``rows``: plain, or the candidates plus the group's unique rows
+    among them and the inverse index (the unique rows renumbered)."""
     index = torch.arange(rows.start, rows.stop)
-    return kjt.index_rows(index)
+    if not dedup:
+        return _batch(step).index_rows(index), []
+    unique, inverse, cand = _dedup_parts(step)
+    used, local = torch.unique(inverse[index], return_inverse=True)
+    return cand.index_rows(index), [DedupGroup(unique=unique.index_rows(used), inverse=local)]
 
 
-def _loss(out: KeyedTensor, step: int, rows: slice) -> torch.Tensor:
+def _loss(out: KeyedTensor, step: int, rows: slice, full: KeyedJaggedTensor) -> torch.Tensor:
     """A fixed random linear function of every output row of the samples ``rows``."""
     gen = torch.Generator().manual_seed(900 + step)
     pooled_w = torch.randn(BATCH, out.values.shape[1], generator=gen)[rows]
     loss = (out.values * pooled_w).sum()
-    full = _batch(step)
     for name in ("hist", "cand", "hist_cat"):
         lengths = full.select([name]).lengths
         dim = out.jagged[name].values.shape[1]
@@ -127,37 +154,42 @@ def _run(rank: int, world_size: int) -> list[dict]:
     start = sum(SPLITS[world_size][:rank])
     rows = slice(start, start + SPLITS[world_size][rank])
     results = []
-    for kind, optimizer in SCENARIOS:
+    for kind, optimizer, dedup in SCENARIOS:
         config = _config(kind, optimizer, world_size)
         plan = plan_sharding(_tables(), world_size=world_size, config=config)
         ebc = ShardedEmbeddingBagCollection(
-            EmbeddingBagCollection(_tables(), device="meta"), plan=plan, config=config, device="cpu"
+            EmbeddingBagCollection(_tables(), device="meta"),
+            plan=plan,
+            config=config,
+            device="cpu",
+            dedup_groups=[DEDUP] if dedup else [],
         )
         steps = []
         for step in range(NUM_STEPS):
-            out = ebc(_slice(_batch(step), rows))
+            out = ebc(*_rank_input(step, dedup, rows))
             steps.append(_record(out))
-            _loss(out, step, rows).backward()
+            _loss(out, step, rows, _full_batch(step, dedup)).backward()
         results.append({"steps": steps, "tables": gather_full_tables(ebc, dst=0)})
     return results
 
 
-def _reference(optimizer: str, world_size: int) -> dict:
+def _reference(optimizer: str, world_size: int, dedup: bool) -> dict:
     ebc = EmbeddingBagCollection(_tables())
     step_fn, _ = reference_optimizer(ebc, optimizer, lr=LR, eps=EPS)
     steps = []
     for step in range(NUM_STEPS):
-        out = ebc(_batch(step))
+        full = _full_batch(step, dedup)
+        out = ebc(full)
         steps.append(_record(out))
-        (_loss(out, step, slice(0, BATCH)) / world_size).backward()
+        (_loss(out, step, slice(0, BATCH), full) / world_size).backward()
         step_fn()
     return {"steps": steps, "tables": {k: w.detach() for k, w in ebc.weights.items()}}
 
 
 def _check(results: list[list[dict]], world_size: int) -> None:
-    for i, (kind, optimizer) in enumerate(SCENARIOS):
-        name = f"{kind}/{optimizer}/{world_size}"
-        ref = _reference(optimizer, world_size)
+    for i, (kind, optimizer, dedup) in enumerate(SCENARIOS):
+        name = f"{kind}/{optimizer}/{'dedup/' if dedup else ''}{world_size}"
+        ref = _reference(optimizer, world_size, dedup)
         for rank, per_rank in enumerate(results):
             start = sum(SPLITS[world_size][:rank])
             rows = slice(start, start + SPLITS[world_size][rank])
@@ -194,14 +226,13 @@ def test_sequence_lookup_sharded(world_size: int) -> None:
     _check(run_distributed(_run, world_size=world_size, timeout_s=300), world_size)
 
 
-def test_per_position_features_cannot_be_deduplicated() -> None:
-    config = _config("table_wise", "sgd")
-    plan = plan_sharding(_tables(), world_size=1, config=config)
-    with pytest.raises(ValueError, match=r"\['hist'\] are looked up per position"):
-        ShardedEmbeddingBagCollection(
-            EmbeddingBagCollection(_tables()),
-            plan=plan,
-            config=config,
-            device="cpu",
-            dedup_groups=[["user", "hist"]],
-        )
+def test_unsharded_dedup_expands_the_histories() -> None:
+    """The unsharded collection given the dedup group equals it given the expanded batch."""
+    ebc = EmbeddingBagCollection(_tables())
+    unique, inverse, cand = _dedup_parts(0)
+    got = ebc(cand, [DedupGroup(unique=unique, inverse=inverse)])
+    want = ebc(_full_batch(0, True))
+    assert torch.equal(got.values, want.values)
+    for name in ("hist", "cand", "hist_cat"):
+        assert torch.equal(got.jagged[name].values, want.jagged[name].values), name
+        assert torch.equal(got.jagged[name].lengths, want.jagged[name].lengths), name

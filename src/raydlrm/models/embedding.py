@@ -433,24 +433,26 @@ class EmbeddingBagCollection(nn.Module):
             ``B x sum(D_f)``, the pooled features in :attr:`pooled_feature_names` order; the
             per-position rows of :attr:`sequence_feature_names` in ``jagged``.
 
-        Raises:
-            ValueError: a feature looked up per position in a dedup group.
+        A deduplicated feature looked up per position (a history repeated over a session's
+        samples) is looked up on the unique rows and expanded to the batch
+        (:meth:`JaggedTensor.index_rows`).
         """
         table_of = {f: t for t in self.tables for f in t.feature_names}
         pooled: dict[str, torch.Tensor] = {}
+        jagged: dict[str, JaggedTensor] = {}
         sources = [(features, None)] + [(g.unique, g.inverse) for g in dedup_groups]
         for kjt, inverse in sources:
-            names = [f for f in kjt.keys if f in table_of and f not in pooled]
+            names = [f for f in kjt.keys if f in table_of and f not in pooled and f not in jagged]
             if not names:
                 continue
-            if inverse is not None and any(not table_of[f].pooled for f in names):
-                raise ValueError(
-                    f"dedup group {kjt.keys}: features looked up per position cannot be "
-                    "deduplicated"
-                )
-            for name, vectors in self._pool(kjt.select(names), table_of).items():
-                pooled[name] = vectors if inverse is None else vectors.index_select(0, inverse)
-        missing = [f for f in self.feature_names if f not in pooled]
+            selected = kjt.select(names)
+            for name, vectors in self._pool(selected, table_of).items():
+                if not table_of[name].pooled:
+                    rows = JaggedTensor(values=vectors, lengths=selected.select([name]).lengths)
+                    jagged[name] = rows if inverse is None else rows.index_rows(inverse)
+                else:
+                    pooled[name] = vectors if inverse is None else vectors.index_select(0, inverse)
+        missing = [f for f in self.feature_names if f not in pooled and f not in jagged]
         if missing:
             raise KeyError(f"features {missing} are missing from the batch")
         keys = self.pooled_feature_names
@@ -459,11 +461,12 @@ class EmbeddingBagCollection(nn.Module):
             if keys
             else torch.zeros(features.batch_size, 0, device=features.values.device)
         )
-        jagged = {
-            f: JaggedTensor(values=pooled[f], lengths=features.select([f]).lengths)
-            for f in self.sequence_feature_names
-        }
-        return KeyedTensor(keys=keys, dims=self.pooled_feature_dims, values=values, jagged=jagged)
+        return KeyedTensor(
+            keys=keys,
+            dims=self.pooled_feature_dims,
+            values=values,
+            jagged={f: jagged[f] for f in self.sequence_feature_names},
+        )
 
     def _rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 rows of ``ids`` (int64 rows of ``table``), differentiable for a float

@@ -182,25 +182,22 @@ def position_classes(
     tables: Sequence[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
 ) -> PositionClasses:
     """The batch classes of ``tables`` (:func:`batch_classes`), each per-position table a class
-    of its own after the dedup groups'.
+    of its own after the dedup groups'. A dedup group's per-position features are looked up
+    in their table's class on the group's unique rows (the class's rows are ids, wherever
+    they come from) and expanded to the batch after the exchange.
 
     Raises:
-        ValueError: naming a dedup group that holds a feature looked up per position, and as
-            :func:`batch_classes`.
+        ValueError: as :func:`batch_classes`.
     """
     per_position = {f for t in tables if not t.pooled for f in t.feature_names}
-    for group in dedup_groups:
-        bad = sorted(per_position & set(group))
-        if bad:
-            raise ValueError(
-                f"dedup group {list(group)}: features {bad} are looked up per position "
-                "(sequence features) and cannot be deduplicated"
-            )
     lookup = [
         t if t.pooled else replace(t, feature_names=(position_feature(t.name),), pooling="sum")
         for t in tables
     ]
-    class_of = batch_classes([t for t in tables if t.pooled], dedup_groups)
+    class_of = batch_classes(
+        [t for t in tables if t.pooled],
+        [[f for f in group if f not in per_position] for group in dedup_groups],
+    )
     first = len(dedup_groups) + 1
     tables_of_class = {first + i: t for i, t in enumerate(t for t in tables if not t.pooled)}
     for c, table in tables_of_class.items():

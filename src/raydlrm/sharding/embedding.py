@@ -113,22 +113,24 @@ class _Routed:
             sample).
         bags: this rank's units' bags for every rank's samples.
         sequences: per per-position class, its table's features of the batch (their ids are
-            the class's rows, one feature's after another).
+            the class's rows, one feature's after another), each with the inverse index of its
+            dedup group (None: a row per sample).
     """
 
     features: KeyedJaggedTensor
     kjts: list[KeyedJaggedTensor | None]
     inverses: list[torch.Tensor | None]
     bags: LocalBags
-    sequences: dict[int, KeyedJaggedTensor]
+    sequences: dict[int, list[tuple[str, torch.Tensor, torch.Tensor | None]]]
 
     def tensors(self) -> Iterator[torch.Tensor | None]:
         for kjt in self.kjts:
             if kjt is not None:
                 yield from (kjt.values, kjt.lengths, kjt.weights)
         yield from self.inverses
-        for kjt in self.sequences.values():
-            yield kjt.lengths
+        for sources in self.sequences.values():
+            for _, lengths, inverse in sources:
+                yield from (lengths, inverse)
         yield from (self.bags.lengths, self.bags.values, self.bags.weights)
 
 
@@ -403,13 +405,14 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             features = KeyedJaggedTensor.concat([features, *expanded])
         kjts: list[KeyedJaggedTensor | None] = []
         inverses: list[torch.Tensor | None] = []
-        sequences: dict[int, KeyedJaggedTensor] = {}
+        sequences: dict[int, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = {}
         for c, names in enumerate(self._class_features):
             group = given.get(c)
             table = self._position_tables.get(c)
             if table is not None:
-                sequences[c] = features.select(list(table.feature_names))
-                kjt = _positions_as_bags(sequences[c], names[0])
+                sequences[c], kjt = _position_inputs(
+                    table.feature_names, names[0], features, list(given.values())
+                )
             else:
                 source = features if group is None else group.unique
                 kjt = source.select(names) if names else None
@@ -451,13 +454,13 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             values = self.embedding_cut(values)
         jagged = {}
         for c, rows in positions.items():
-            kjt = routed.sequences[c]
-            parts = rows.split(kjt.length_per_key().tolist(), dim=0)
-            lengths = kjt.lengths.view(len(kjt.keys), kjt.batch_size)
-            jagged.update(
-                (f, JaggedTensor(values=part, lengths=lengths[i]))
-                for i, (f, part) in enumerate(zip(kjt.keys, parts, strict=True))
-            )
+            sources = routed.sequences[c]
+            totals = torch.stack([lengths.sum() for _, lengths, _ in sources]).tolist()
+            for (name, lengths, inverse), part in zip(
+                sources, rows.split(totals, dim=0), strict=True
+            ):
+                one = JaggedTensor(values=part, lengths=lengths)
+                jagged[name] = one if inverse is None else one.index_rows(inverse)
         return KeyedTensor(
             keys=list(self.feature_names),
             dims=list(self.feature_dims),
@@ -491,14 +494,27 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         return self._dedup.stats()
 
 
-def _positions_as_bags(kjt: KeyedJaggedTensor, feature: str) -> KeyedJaggedTensor:
-    """The ids of every feature of ``kjt`` (one after another) as bags of one id of
-    ``feature``: the rows of a per-position class (see
-    :func:`~raydlrm.sharding._layout.position_classes`)."""
-    ids = kjt.values.numel()
-    return KeyedJaggedTensor(
+def _position_inputs(
+    names: Sequence[str],
+    feature: str,
+    features: KeyedJaggedTensor,
+    groups: list[DedupGroup],
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor | None]], KeyedJaggedTensor]:
+    """A per-position class's input (see :func:`~raydlrm.sharding._layout.position_classes`):
+    each of its table's features ``names`` with its lengths and inverse index, read from its
+    dedup group's unique rows in ``groups`` or else from ``features``; and their ids, one
+    feature's after another, as bags of one id of the class's single ``feature``."""
+    sources, values = [], []
+    for name in names:
+        group = next((g for g in groups if name in g.keys), None)
+        kjt = (features if group is None else group.unique).select([name])
+        sources.append((name, kjt.lengths, None if group is None else group.inverse))
+        values.append(kjt.values)
+    ids = torch.cat(values) if len(values) > 1 else values[0]
+    bags = KeyedJaggedTensor(
         keys=[feature],
-        values=kjt.values,
-        lengths=torch.ones(ids, dtype=torch.int64, device=kjt.values.device),
-        batch_size=ids,
+        values=ids,
+        lengths=torch.ones(ids.numel(), dtype=torch.int64, device=ids.device),
+        batch_size=ids.numel(),
     )
+    return sources, bags
