@@ -18,9 +18,11 @@ from raydlrm.batch import DedupGroup, KeyedJaggedTensor, KeyedTensor
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.sharding import ShardedEmbeddingBagCollection, ShardingConfig, plan_sharding
 from tests._multiprocess import run_distributed
+from tests._tolerance import EPS16
 from tests.sharding._fixtures import (
     EPS,
     LR,
+    MAGNITUDE,
     NUM_STEPS,
     SPLITS,
     TOL,
@@ -40,6 +42,12 @@ SCENARIOS = [
 # RecD: the user and their history deduplicated over a session's samples (5 unique rows for
 # 13 samples), each sample with a candidate of its own in the same table as the history.
 SCENARIOS += [(kind, "sgd", True) for kind in ("table_wise", "row_wise", "data_parallel")]
+# The communication codecs apply to the per-position rows: fp16 on the wire (both ways) for
+# a row-wise table (whose zero rows from the shards that do not own an id add up exactly).
+SCENARIOS += [("row_wise", "sgd", "fp16")]
+# fp16 on the wire: each output row and gradient rounded once per exchange (half a spacing of
+# values below MAGNITUDE), on top of the summation-order tolerance.
+FP16_TOL = {"atol": TOL["atol"] + NUM_STEPS * 2 * EPS16 * MAGNITUDE, "rtol": TOL["rtol"]}
 DEDUP = ["user", "hist", "hist_cat"]
 UNIQUE = 5
 KEYS = ["user", "hist", "cand", "hist_cat"]
@@ -136,10 +144,15 @@ def _loss(out: KeyedTensor, step: int, rows: slice, full: KeyedJaggedTensor) -> 
     return loss
 
 
-def _config(kind: str, optimizer: str, world_size: int = 1) -> ShardingConfig:
+def _config(kind: str, optimizer: str, world_size: int = 1, comm: str = "fp32") -> ShardingConfig:
     group = 2 if kind == "table_row_wise" and world_size % 2 == 0 else None
     return ShardingConfig(
-        default_type=kind, optimizer=optimizer, learning_rate=LR, eps=EPS, group_size=group
+        default_type=kind,
+        optimizer=optimizer,
+        learning_rate=LR,
+        eps=EPS,
+        group_size=group,
+        comm_precision=comm,
     )
 
 
@@ -154,8 +167,9 @@ def _run(rank: int, world_size: int) -> list[dict]:
     start = sum(SPLITS[world_size][:rank])
     rows = slice(start, start + SPLITS[world_size][rank])
     results = []
-    for kind, optimizer, dedup in SCENARIOS:
-        config = _config(kind, optimizer, world_size)
+    for kind, optimizer, variant in SCENARIOS:
+        dedup = variant is True
+        config = _config(kind, optimizer, world_size, variant if variant == "fp16" else "fp32")
         plan = plan_sharding(_tables(), world_size=world_size, config=config)
         ebc = ShardedEmbeddingBagCollection(
             EmbeddingBagCollection(_tables(), device="meta"),
@@ -187,30 +201,34 @@ def _reference(optimizer: str, world_size: int, dedup: bool) -> dict:
 
 
 def _check(results: list[list[dict]], world_size: int) -> None:
-    for i, (kind, optimizer, dedup) in enumerate(SCENARIOS):
-        name = f"{kind}/{optimizer}/{'dedup/' if dedup else ''}{world_size}"
+    for i, (kind, optimizer, variant) in enumerate(SCENARIOS):
+        dedup = variant is True
+        name = f"{kind}/{optimizer}/{variant}/{world_size}"
         ref = _reference(optimizer, world_size, dedup)
+        tol = FP16_TOL if variant == "fp16" and world_size > 1 else TOL
+        rounded = False  # an fp16 run's rows did cross the wire, rounded
         for rank, per_rank in enumerate(results):
             start = sum(SPLITS[world_size][:rank])
             rows = slice(start, start + SPLITS[world_size][rank])
             for step, (got, want) in enumerate(
                 zip(per_rank[i]["steps"], ref["steps"], strict=True)
             ):
-                torch.testing.assert_close(got["pooled"], want["pooled"][rows], **TOL, msg=name)
+                torch.testing.assert_close(got["pooled"], want["pooled"][rows], **tol, msg=name)
                 for feature in ("hist", "cand", "hist_cat"):
                     values, lengths = got[feature]
                     ref_values, ref_lengths = want[feature]
                     assert torch.equal(lengths, ref_lengths[rows]), (name, feature)
                     lo = int(ref_lengths[: rows.start].sum())
+                    expected = ref_values[lo : lo + values.shape[0]]
                     torch.testing.assert_close(
-                        values,
-                        ref_values[lo : lo + values.shape[0]],
-                        **TOL,
-                        msg=f"{name} {feature} step {step}",
+                        values, expected, **tol, msg=f"{name} {feature} step {step}"
                     )
+                    rounded |= not torch.equal(values, expected)
+        if variant == "fp16" and world_size > 1:
+            assert rounded, f"{name}: no per-position row went through the fp16 codec"
         tables = results[0][i]["tables"]
         for table, weight in ref["tables"].items():
-            torch.testing.assert_close(tables[table], weight, **TOL, msg=f"{name} {table}")
+            torch.testing.assert_close(tables[table], weight, **tol, msg=f"{name} {table}")
 
 
 def test_sequence_lookup_single_process() -> None:
