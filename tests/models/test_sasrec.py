@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from raydlrm.batch import JaggedTensor
 from raydlrm.models.sasrec import SASRecDense, next_items, sampled_softmax_loss
@@ -80,50 +79,45 @@ def test_next_items_shift_by_one_and_end_at_the_target() -> None:
     assert nxt.embeddings.flatten().tolist() == [1.0, -1.0, 3.0, 4.0, -3.0]
 
 
-def _loss_inputs(seed: int = 3):
-    gen = torch.Generator().manual_seed(seed)
-    n, k = 9, 4
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
-
-    # Repeated next items (collisions among the positions) and sampled items that collide.
-    next_rows = torch.tensor([1, 2, 1, 3, 4, 2, 5, 6, 1])
-    negative_rows = torch.tensor([2, 7, 1, 8])
-    return rand(n, D), rand(n, D), next_rows, rand(k, D), negative_rows
+def _loss_inputs() -> tuple[torch.Tensor, ...]:
+    """States and an item table (float64); the next items repeat (collisions among the
+    positions), sampled items collide with them, one is sampled twice."""
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(9, D, generator=gen, dtype=torch.float64).requires_grad_()
+    table = torch.randn(9, D, generator=gen, dtype=torch.float64).requires_grad_()
+    return states, table, torch.tensor([1, 2, 1, 3, 4, 2, 5, 6, 1]), torch.tensor([2, 7, 1, 8, 7])
 
 
-def _brute_force_loss(states, nexts, next_rows, negatives, negative_rows, temperature):
+def _brute_force_loss(states, table, next_rows, negative_rows, temperature):
+    """Column by column: the true next item, every other position's next item unless the same
+    item, every sampled item unless the same item."""
     losses = []
-    for i in range(states.shape[0]):
-        others = [
-            nexts[j] for j in range(len(next_rows)) if j != i and next_rows[j] != next_rows[i]
-        ]
-        sampled = [
-            negatives[j] for j in range(len(negative_rows)) if negative_rows[j] != next_rows[i]
-        ]
-        candidates = torch.stack([nexts[i], *others, *sampled])
-        losses.append(-F.log_softmax(candidates @ states[i] / temperature, dim=0)[0])
+    for i, row in enumerate(next_rows.tolist()):
+        others = [r for j, r in enumerate(next_rows.tolist()) if j != i and r != row]
+        sampled = [r for r in negative_rows.tolist() if r != row]
+        candidates = table[[row, *others, *sampled]]
+        losses.append(-torch.log_softmax(candidates @ states[i] / temperature, dim=0)[0])
     return torch.stack(losses).mean()
 
 
-@pytest.mark.parametrize("max_logits", [1 << 22, 20])  # one chunk; chunks of 1 (checkpointed)
+@pytest.mark.parametrize("max_logits", [1 << 22, 20])  # one chunk; chunks of 2 (checkpointed)
 def test_sampled_softmax_equals_brute_force(max_logits: int) -> None:
-    states, nexts, next_rows, negatives, negative_rows = inputs = _loss_inputs()
+    states, table, next_rows, negative_rows = _loss_inputs()
     got = sampled_softmax_loss(
         states,
-        next_embeddings=nexts,
+        next_embeddings=table[next_rows],
         next_rows=next_rows,
-        negative_embeddings=negatives,
+        negative_embeddings=table[negative_rows],
         negative_rows=negative_rows,
         temperature=0.5,
         max_logits=max_logits,
     )
-    want = _brute_force_loss(*inputs, 0.5)
+    want = _brute_force_loss(states, table, next_rows, negative_rows, 0.5)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
-    params = (states, nexts, negatives)
     for a, b in zip(
-        torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True
+        torch.autograd.grad(got, (states, table)),
+        torch.autograd.grad(want, (states, table)),
+        strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 

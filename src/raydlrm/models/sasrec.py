@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -270,13 +269,17 @@ def sampled_softmax_loss(
 ) -> torch.Tensor:
     """Next-item sampled softmax: position ``i``'s logits are its state's dot products, over
     ``temperature``, with its true next item, every other position's next item (in-batch
-    negatives) and the ``K`` sampled items; a candidate that is position ``i``'s true item
-    (the same row) but not its own column is masked out, so it is never its own negative.
-    Duplicated negatives count once per column, as sampled.
+    negatives) and the ``K`` sampled items; a candidate that is the same item (row) as
+    position ``i``'s true next item is masked out, so an item is never its own negative. A
+    negative that occurs several times counts as often in the softmax's denominator.
 
-    The ``(N, N + K)`` logits are computed ``max_logits`` at a time; past one chunk each
-    chunk is recomputed in the backward pass rather than kept (activation checkpointing), so
-    memory stays at one chunk.
+    Computed exactly so, with one column per distinct item rather than per occurrence: its
+    logit plus ``log(occurrences)`` is the occurrences' sum in the denominator (items repeat
+    in a batch, and a catalogue can be smaller than the batch's positions). The gradient of a
+    repeated negative lands on its first occurrence's embedding: per item row, what an
+    embedding lookup sums, it is the same. The ``(N, items)`` logits are computed
+    ``max_logits`` at a time; past one chunk each is recomputed in the backward pass rather
+    than kept (activation checkpointing), so memory stays at one chunk.
 
     Args:
         states: ``(N, D)``.
@@ -293,40 +296,44 @@ def sampled_softmax_loss(
     n = states.shape[0]
     if n == 0:
         return states.sum() * 0.0
-    candidates = torch.cat([next_embeddings, negative_embeddings])
-    candidate_rows = torch.cat([next_rows, negative_rows])
-    chunk = max(1, max_logits // candidates.shape[0])
-    positions = torch.arange(n, device=states.device)
+    rows = torch.cat([next_rows, negative_rows])
+    items, inverse, counts = torch.unique(rows, return_inverse=True, return_counts=True)
+    occurrence = torch.arange(rows.numel(), device=rows.device)
+    first = torch.full_like(items, rows.numel()).scatter_reduce(0, inverse, occurrence, "amin")
+    candidates = torch.cat([next_embeddings, negative_embeddings]).index_select(0, first)
+    log_counts = counts.to(states.dtype).log()
+    positives = (states * next_embeddings).sum(dim=1) / temperature
+    own = inverse[:n]
+    chunk = max(1, max_logits // items.numel())
     total = states.new_zeros(())
     for start in range(0, n, chunk):
         args = (
             states[start : start + chunk],
-            positions[start : start + chunk],
+            positives[start : start + chunk],
+            own[start : start + chunk],
             candidates,
-            candidate_rows,
+            log_counts,
             temperature,
         )
-        part = (
+        total = total + (
             _chunk_loss(*args)
             if chunk >= n
             else checkpoint(_chunk_loss, *args, use_reentrant=False)
         )
-        total = total + part
     return total / n
 
 
 def _chunk_loss(
     states: torch.Tensor,
-    positions: torch.Tensor,
+    positives: torch.Tensor,
+    own: torch.Tensor,
     candidates: torch.Tensor,
-    candidate_rows: torch.Tensor,
+    log_counts: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """The summed cross-entropy of the positions ``positions`` (their true item is candidate
-    ``positions[i]``)."""
-    logits = states @ candidates.T / temperature
-    own = candidate_rows.index_select(0, positions)
-    collides = candidate_rows.unsqueeze(0) == own.unsqueeze(1)
-    collides[torch.arange(positions.numel(), device=positions.device), positions] = False
-    logits = logits.masked_fill(collides, float("-inf"))
-    return F.cross_entropy(logits, positions, reduction="sum")
+    """The summed cross-entropy of some positions: ``positives`` their true items' logits,
+    ``own`` their true items' columns among the distinct ``candidates``."""
+    logits = states @ candidates.T / temperature + log_counts
+    logits = logits.scatter(1, own.unsqueeze(1), float("-inf"))
+    normalizer = torch.logsumexp(torch.cat([positives.unsqueeze(1), logits], dim=1), dim=1)
+    return (normalizer - positives).sum()
