@@ -273,13 +273,10 @@ def sampled_softmax_loss(
     position ``i``'s true next item is masked out, so an item is never its own negative. A
     negative that occurs several times counts as often in the softmax's denominator.
 
-    Computed exactly so, with one column per distinct item rather than per occurrence: its
-    logit plus ``log(occurrences)`` is the occurrences' sum in the denominator (items repeat
-    in a batch, and a catalogue can be smaller than the batch's positions). The gradient of a
-    repeated negative lands on its first occurrence's embedding: per item row, what an
-    embedding lookup sums, it is the same. The ``(N, items)`` logits are computed
-    ``max_logits`` at a time; past one chunk each is recomputed in the backward pass rather
-    than kept (activation checkpointing), so memory stays at one chunk.
+    Computed exactly so with one column per distinct item (items repeat in a batch): its logit
+    plus ``log(occurrences)``. A repeated negative's gradient lands on its first occurrence;
+    per item row (what a lookup sums) it is the same. The ``(N, items)`` logits are computed
+    ``max_logits`` at a time, past one chunk recomputed in the backward pass (checkpointing).
 
     Args:
         states: ``(N, D)``.
@@ -296,15 +293,13 @@ def sampled_softmax_loss(
     n = states.shape[0]
     if n == 0:
         return states.sum() * 0.0
-    rows = torch.cat([next_rows, negative_rows])
-    items, inverse, counts = torch.unique(rows, return_inverse=True, return_counts=True)
-    occurrence = torch.arange(rows.numel(), device=rows.device)
-    first = torch.full_like(items, rows.numel()).scatter_reduce(0, inverse, occurrence, "amin")
-    candidates = torch.cat([next_embeddings, negative_embeddings]).index_select(0, first)
-    log_counts = counts.to(states.dtype).log()
+    candidates, inverse, log_counts = _distinct(
+        torch.cat([next_rows, negative_rows]),
+        embeddings=torch.cat([next_embeddings, negative_embeddings]),
+    )
     positives = (states * next_embeddings).sum(dim=1) / temperature
     own = inverse[:n]
-    chunk = max(1, max_logits // items.numel())
+    chunk = max(1, max_logits // candidates.shape[0])
     total = states.new_zeros(())
     for start in range(0, n, chunk):
         args = (
@@ -321,6 +316,17 @@ def sampled_softmax_loss(
             else checkpoint(_chunk_loss, *args, use_reentrant=False)
         )
     return total / n
+
+
+def _distinct(
+    rows: torch.Tensor, *, embeddings: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct items of ``rows`` ``(M,)``: the embedding of each one's first occurrence
+    ``(U, D)``, each occurrence's item ``(M,)`` and ``log(occurrences)`` ``(U,)``."""
+    items, inverse, counts = torch.unique(rows, return_inverse=True, return_counts=True)
+    occurrence = torch.arange(rows.numel(), device=rows.device)
+    first = torch.full_like(items, rows.numel()).scatter_reduce(0, inverse, occurrence, "amin")
+    return embeddings.index_select(0, first), inverse, counts.to(embeddings.dtype).log()
 
 
 def _chunk_loss(
