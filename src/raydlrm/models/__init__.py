@@ -10,6 +10,7 @@ from raydlrm._lazy import lazy_exports
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "config": ("ModelConfig",),
     "dhen": ("DHENDense",),
+    "din": ("DINDense",),
     "dlrm": (
         "DCNv2Dense",
         "DLRMDense",
@@ -21,6 +22,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "EmbeddingBagConfig",
     ),
     "layers": ("CrossNet",),
+    "sasrec": ("SASRecDense", "sampled_softmax_loss"),
     "towers": ("TowerDense", "TowerModule"),
     "wukong": ("WukongDense",),
 }

@@ -34,6 +34,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "save_constants",
     ),
     "planner.planners": ("plan_sharding",),
+    "retrieval": (
+        "ItemShard",
+        "TopK",
+        "retrieval_metrics",
+        "target_ranks",
+        "top_k",
+    ),
     "topology": ("Topology",),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
