@@ -15,7 +15,9 @@ Sequence features (a user's history, read position by position) come out of an e
 lookup unpooled: a :class:`JaggedTensor` per feature, one row per position (``values``, shape
 ``(sum L, D)``) and the number of positions of each sample (``lengths``, shape ``(B,)``), never
 padded to the longest. A :class:`KeyedTensor` carries them beside the pooled features
-(:attr:`KeyedTensor.jagged`).
+(:attr:`KeyedTensor.jagged`). Their ids travel in :attr:`Batch.sparse` like any feature's
+(oldest event first); the numeric values that go with each event (a timestamp, a rating) travel
+beside them in :attr:`Batch.sequence_values`, one value per id of the feature they follow.
 
 Validation of shapes and dtypes runs on construction when debug mode is on (environment
 variable ``RAYDLRM_DEBUG=1``, or :func:`set_debug`); it is off by default because it syncs and
@@ -445,6 +447,12 @@ class Batch:
             rows in this batch, its total rows); None when not tracked. Counted when the batch
             is trained, not when it is read, so that a batch read ahead (pipelined) is not in a
             checkpoint taken before its step.
+        sequence_values: the value columns of the sequence features (``data.sequences``):
+            column -> float32, shape ``(sum L,)``, one value per id of the feature it follows
+            (``sequence_of``), position by position in that feature's order in ``sparse``;
+            :meth:`jagged_values` gives it with that feature's lengths.
+        sequence_of: value column -> the sparse feature (its sequence's first id column, in
+            ``sparse``) whose ids its values are aligned with.
     """
 
     dense: torch.Tensor
@@ -453,6 +461,8 @@ class Batch:
     dedup_groups: list[DedupGroup] = field(default_factory=list)
     sample_ids: torch.Tensor | None = None
     row_groups: dict[int, tuple[int, int]] | None = None
+    sequence_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    sequence_of: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if _DEBUG:
@@ -461,6 +471,18 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return self.labels.shape[0]
+
+    def jagged_values(self, column: str) -> JaggedTensor:
+        """The values of sequence value ``column`` with the lengths of the feature they follow
+        (``values`` ``(sum L,)`` float32, ``lengths`` ``(B,)``).
+
+        Raises:
+            KeyError: ``column`` is not a value column of this batch.
+        """
+        feature = self.sequence_of[column]
+        index = self.sparse.keys.index(feature)
+        lengths = self.sparse.lengths.view(len(self.sparse.keys), self.sparse.batch_size)[index]
+        return JaggedTensor(values=self.sequence_values[column], lengths=lengths)
 
     def validate(self) -> None:
         """Checks that every part has batch size ``B``.
@@ -484,6 +506,28 @@ class Batch:
             group.validate()
         if self.sample_ids is not None and self.sample_ids.shape != (b,):
             raise ValueError(f"Batch sample_ids shape {tuple(self.sample_ids.shape)} != ({b},)")
+        self._validate_sequence_values()
+
+    def _validate_sequence_values(self) -> None:
+        if set(self.sequence_values) != set(self.sequence_of):
+            raise ValueError(
+                f"Batch sequence_values {sorted(self.sequence_values)} and sequence_of "
+                f"{sorted(self.sequence_of)} name other value columns"
+            )
+        counts = dict(zip(self.sparse.keys, self.sparse.length_per_key().tolist(), strict=True))
+        for column, values in self.sequence_values.items():
+            feature = self.sequence_of[column]
+            if feature not in counts:
+                raise ValueError(
+                    f"Batch sequence values {column!r} follow {feature!r}, not a feature of sparse"
+                )
+            if values.dim() != 1 or values.dtype != torch.float32:
+                raise ValueError(f"Batch sequence values {column!r} must be 1-D float32")
+            if values.numel() != counts[feature]:
+                raise ValueError(
+                    f"Batch sequence values {column!r} has {values.numel()} values, its feature "
+                    f"{feature!r} {counts[feature]} ids"
+                )
 
     @property
     def feature_names(self) -> list[str]:
@@ -511,6 +555,10 @@ class Batch:
             ],
             sample_ids=None if self.sample_ids is None else self.sample_ids.to(device),
             row_groups=self.row_groups,
+            sequence_values={
+                c: v.to(device, non_blocking=non_blocking) for c, v in self.sequence_values.items()
+            },
+            sequence_of=self.sequence_of,
         )
 
     def pin_memory(self) -> Batch:
@@ -525,4 +573,6 @@ class Batch:
             ],
             sample_ids=self.sample_ids,
             row_groups=self.row_groups,
+            sequence_values={c: v.pin_memory() for c, v in self.sequence_values.items()},
+            sequence_of=self.sequence_of,
         )

@@ -49,6 +49,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "id_kinds_of",
         "validate_data",
     ),
+    "sequence_specs": ("SequenceSpec",),
     "stats": (
         "compute_bucket_boundaries",
         "compute_dense_fill_values",

@@ -11,7 +11,9 @@ by :func:`find_bad_rows`, vectorized over the raw Arrow columns of a batch (no p
   integer id;
 - an id list shorter than ``min_length`` (by default: an empty list) or longer than
   ``max_length``;
-- a null or non-finite per-id weight.
+- a null or non-finite per-id weight;
+- a sequence's (``data.sequences``) null list, lists of unequal lengths in one row, or a null
+  or non-finite value (:mod:`~raydlrm.ingestion.sequence_rows`).
 
 File-level problems (an unreadable or truncated file, a column of the wrong type) are found when
 the footers are checked (:func:`~raydlrm.ingestion.schema.validate_data`) or when a row group is
@@ -45,10 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import uuid
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -57,10 +56,26 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raydlrm.ingestion._arrow import decode_dictionaries, is_list
+from raydlrm.ingestion._arrow import (
+    beyond_float32,
+    decode_dictionaries,
+    flat_values,
+    not_finite,
+    rows_with,
+)
+from raydlrm.ingestion._records import (
+    FILE_COLUMN,
+    ROW_COLUMN,
+    ROW_GROUP_COLUMN,
+    quarantine_fs,
+    record_name,
+    run_tag,
+    source_name,
+    table_source,
+)
 from raydlrm.ingestion.column_specs import SparseSpec
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.storage import filesystem_for
+from raydlrm.ingestion.sequence_rows import TRUNCATED_DIR, flag_bad_sequences
 
 __all__ = [
     "FILE_COLUMN",
@@ -82,61 +97,12 @@ __all__ = [
     "run_tag",
 ]
 
-FILE_COLUMN = "__file"
-"""Column the reader adds: the file a row came from."""
-ROW_GROUP_COLUMN = "__row_group"
-"""Column the reader adds: the row group of the file a row came from."""
-ROW_COLUMN = "__row"
-"""Column the reader adds: the row's position in its row group."""
 _REASON_COLUMN = "_reason"
 _SOURCES = "sources"  # sub-directory of unreadable files and row groups (JSON records)
 
 
 class BadInputError(ValueError):
     """Bad input under the ``fail`` policy; the message names file, row group, column, row."""
-
-
-def _flat(array: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
-    if is_list(array.type):
-        offsets = array.offsets.to_numpy().astype(np.int64)
-        return array.flatten(), offsets - offsets[0]
-    return array, None
-
-
-def _row_of_element(offsets: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Rows (of a list column with ``offsets``) holding at least one element where ``mask``."""
-    rows = np.zeros(offsets.size - 1, dtype=bool)
-    hits = np.flatnonzero(mask)
-    if hits.size:
-        rows[np.searchsorted(offsets, hits, side="right") - 1] = True
-    return rows
-
-
-def _not_finite(array: pa.Array) -> np.ndarray:
-    """Non-null values that are NaN or infinite (False for nulls and integers)."""
-    if not pa.types.is_floating(array.type):
-        return np.zeros(len(array), dtype=bool)
-    values = array.to_numpy(zero_copy_only=False)
-    bad = ~np.isfinite(values)
-    if array.null_count:
-        bad &= ~np.asarray(array.is_null())
-    return bad
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def _beyond_float32(array: pa.Array) -> np.ndarray:
-    """Finite, non-null values that training's float32 cast would turn infinite (a float64
-    1e308 is finite in the file but not in the model)."""
-    if not pa.types.is_floating(array.type) or array.type.bit_width <= 32:
-        return np.zeros(len(array), dtype=bool)
-    values = np.abs(array.to_numpy(zero_copy_only=False))
-    with np.errstate(invalid="ignore"):
-        bad = np.isfinite(values) & (values > _FLOAT32_MAX)
-    if array.null_count:
-        bad &= ~np.asarray(array.is_null())
-    return bad
 
 
 def _array(table: pa.Table, column: str) -> pa.Array:
@@ -150,9 +116,10 @@ class _Reasons:
     def __init__(self, num_rows: int) -> None:
         self.reasons = np.full(num_rows, None, dtype=object)
 
-    def flag(self, mask: np.ndarray, reason: str) -> None:
+    def flag(self, mask: np.ndarray, reason: str | np.ndarray) -> None:
+        """Flags the rows of ``mask`` not flagged yet, with ``reason`` (or ``reason[row]``)."""
         new = mask & (self.reasons == None)  # noqa: E711 (element-wise comparison)
-        self.reasons[new] = reason
+        self.reasons[new] = reason if isinstance(reason, str) else reason[new]
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         return self.reasons != None, self.reasons  # noqa: E711
@@ -185,13 +152,14 @@ def find_bad_rows(
         _check_label(_array(table, config.label_column), config.label_column, flag)
     for column in config.dense_columns:
         dense = _array(table, column)
-        flag(_not_finite(dense), f"dense column {column!r}: NaN or infinite value")
+        flag(not_finite(dense), f"dense column {column!r}: NaN or infinite value")
         flag(
-            _beyond_float32(dense),
+            beyond_float32(dense),
             f"dense column {column!r}: value outside float32's range (infinite in training)",
         )
     for column in config.sparse_columns if sparse_columns is None else sparse_columns:
         _check_sparse(table, column, config, flag)
+    flag_bad_sequences(table, config, flag)
     return reasons.result()
 
 
@@ -222,7 +190,7 @@ def _check_label(label: pa.Array, column: str, flag) -> None:
     if label.null_count:
         flag(np.asarray(label.is_null()), f"label column {column!r}: null label")
     if pa.types.is_floating(label.type) or pa.types.is_integer(label.type):
-        flag(_not_finite(label), f"label column {column!r}: NaN or infinite label")
+        flag(not_finite(label), f"label column {column!r}: NaN or infinite label")
         values = label.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
         flag((values < 0) | (values > 1), f"label column {column!r}: label outside [0, 1]")
 
@@ -250,10 +218,10 @@ def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> Non
     where = f"sparse column {column!r}"
     if ids.null_count:
         flag(np.asarray(ids.is_null()), f"{where}: null id")
-    values, offsets = _flat(ids)
+    values, offsets = flat_values(ids)
 
     def rows(mask: np.ndarray) -> np.ndarray:
-        return mask if offsets is None else _row_of_element(offsets, mask)
+        return mask if offsets is None else rows_with(offsets, mask)
 
     if values.null_count:
         flag(rows(np.asarray(values.is_null())), f"{where}: null id")
@@ -275,7 +243,7 @@ def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> Non
     if offsets is not None:
         lengths = np.diff(offsets)
         valid = ~np.asarray(ids.is_null()) if ids.null_count else np.ones(lengths.size, bool)
-        min_length = spec.min_length if spec is not None else 1
+        min_length = config.min_length_of(column)
         if min_length:
             flag(valid & (lengths < min_length), f"{where}: id list shorter than {min_length}")
         if spec is not None and spec.max_length is not None:
@@ -285,41 +253,12 @@ def _check_sparse(table: pa.Table, column: str, config: DataConfig, flag) -> Non
         weights = _array(table, weight)
         if weights.null_count:
             flag(np.asarray(weights.is_null()), f"weight column {weight!r}: null weight")
-        flat, weight_offsets = _flat(weights)
+        flat, weight_offsets = flat_values(weights)
         bad = np.asarray(flat.is_null()) if flat.null_count else np.zeros(len(flat), bool)
-        bad |= _not_finite(flat) | _beyond_float32(flat)
+        bad |= not_finite(flat) | beyond_float32(flat)
         if weight_offsets is not None:
-            bad = _row_of_element(weight_offsets, bad)
+            bad = rows_with(weight_offsets, bad)
         flag(bad, f"weight column {weight!r}: null, NaN, infinite or beyond float32 weight")
-
-
-def _stem(path: str) -> str:
-    return os.path.basename(path).removesuffix(".parquet")
-
-
-def _source_name(file: str, row_group: int | None) -> str:
-    """A record's name for a source: the file's stem, a hash of its whole path (two data sets
-    may both hold ``part-0.parquet``) and the row group."""
-    where = "file" if row_group is None else f"rg{row_group}"
-    return f"{_stem(file)}-{zlib.crc32(file.encode()):08x}.{where}"
-
-
-def run_tag(run: str, role: str) -> str:
-    """The tag of a run's passes over one data set, ``<run>.<role>`` (the run name made
-    file-name safe); pass ``epoch`` of it is tagged ``<run>.<role>-e<epoch>``."""
-    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', run)}.{role}"
-
-
-def _record_name(source: str, tag: str | None, suffix: str) -> str:
-    # Without a pass (a batch of the Ray Data path), each write is kept apart.
-    return f"{source}.{tag if tag else uuid.uuid4().hex[:12]}{suffix}"
-
-
-def _quarantine_fs(config: DataConfig) -> tuple[pafs.FileSystem, str]:
-    path = config.quarantine_path
-    if path is None:
-        raise ValueError("data.quarantine_path must be set with data.bad_input = 'quarantine'")
-    return filesystem_for(path, config.storage)
 
 
 def quarantine_rows(
@@ -328,17 +267,11 @@ def quarantine_rows(
     """Writes bad rows (all their columns, plus ``_reason``) as one Parquet file under
     ``data.quarantine_path``, named after their source file and row group and the pass ``tag``
     (the same source and pass overwrite their record)."""
-    filesystem, root = _quarantine_fs(config)
+    filesystem, root = quarantine_fs(config)
     filesystem.create_dir(root, recursive=True)
-    source = "batch"
-    if FILE_COLUMN in table.column_names and table.num_rows:
-        groups = table.column(ROW_GROUP_COLUMN).unique()
-        file = table.column(FILE_COLUMN)[0].as_py()
-        source = _source_name(file, table.column(ROW_GROUP_COLUMN)[0].as_py())
-        if len(groups) > 1 or len(table.column(FILE_COLUMN).unique()) > 1:
-            tag = None  # rows of several row groups: not one source's record
+    source, tag = table_source(table, tag)
     out = table.append_column(_REASON_COLUMN, pa.array(list(reasons), pa.string()))
-    with filesystem.open_output_stream(f"{root}/{_record_name(source, tag, '.parquet')}") as stream:
+    with filesystem.open_output_stream(f"{root}/{record_name(source, tag, '.parquet')}") as stream:
         pq.write_table(out, stream)
 
 
@@ -354,11 +287,11 @@ def quarantine_source(
     """Records an unreadable file (or row group) and its row count under the quarantine path.
     A file set aside when the footers are checked has one record (checked again, it is
     overwritten); a row group gets one per pass ``tag``."""
-    filesystem, root = _quarantine_fs(config)
+    filesystem, root = quarantine_fs(config)
     filesystem.create_dir(f"{root}/{_SOURCES}", recursive=True)
     record = {"file": file, "row_group": row_group, "num_rows": num_rows, "reason": reason}
-    source = _source_name(file, row_group)
-    name = f"{source}.json" if row_group is None else _record_name(source, tag, ".json")
+    source = source_name(file, row_group)
+    name = f"{source}.json" if row_group is None else record_name(source, tag, ".json")
     with filesystem.open_output_stream(f"{root}/{_SOURCES}/{name}") as stream:
         stream.write(json.dumps(record).encode())
 
@@ -381,13 +314,14 @@ def quarantine_counts(
     counts = dict.fromkeys(keys, 0)
     if config.quarantine_path is None:
         return counts
-    filesystem, root = _quarantine_fs(config)
+    filesystem, root = quarantine_fs(config)
     if filesystem.get_file_info(root).type == pafs.FileType.NotFound:
         return counts
     seen: set[str] = set()
+    truncated = f"{root.rstrip('/')}/{TRUNCATED_DIR}/"
     for info in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)):
-        if info.type != pafs.FileType.File:
-            continue
+        if info.type != pafs.FileType.File or info.path.startswith(truncated):
+            continue  # not a quarantine record: the counts of histories cut
         if tag is not None and f".{tag}-e" not in info.base_name:
             continue
         if once:

@@ -184,10 +184,12 @@ def _session_columns(
     named: list[str] | None, *, summary: DataSummary, config: DataConfig
 ) -> list[str]:
     """The per-session columns: the sparse ones named (by default the dedup groups', else
-    those constant within the sessions of the data's first rows), and their weights.
+    those constant within the sessions of the data's first rows but the sequences'), and
+    their weights.
 
     Raises:
-        ValueError: a named column that is not a sparse column, or none found.
+        ValueError: a named column that is not a sparse column or is a sequence's, or none
+            found.
     """
     if named is None:
         named = [c for group in config.dedup_groups for c in group]
@@ -203,7 +205,7 @@ def _session_columns(
         named = constant_columns(
             table,
             session_column=config.session_column,
-            columns=config.sparse_columns,
+            columns=[c for c in config.sparse_columns if config.sequence_of(c) is None],
             config=config,
         )
         if not named:
@@ -216,6 +218,12 @@ def _session_columns(
     unknown = [c for c in named if c not in config.sparse_columns]
     if unknown:
         raise ValueError(f"session columns {unknown} are not sparse columns (data.sparse_columns)")
+    sequences = [c for c in named if config.sequence_of(c) is not None]
+    if sequences:
+        raise ValueError(
+            f"session columns {sequences} are sequence columns (data.sequences), which are read "
+            "per sample in this version"
+        )
     weights = [config.weight_column_of(c) for c in named]
     return [*named, *(w for w in weights if w is not None)]
 

@@ -62,7 +62,9 @@ class SparseSpec:
     """Longest id list accepted; a longer list is bad input (``data.bad_input``)."""
     min_length: int = 1
     """Shortest id list accepted (default: an empty list is bad input); 0 accepts empty lists,
-    which pool to zeros."""
+    which pool to zeros. A sequence's id columns (``data.sequences``) take their lengths from
+    the sequence instead, and may set none of ``min_length``, ``max_length`` and
+    ``weight_column`` here."""
     hash: bool = True
     """Hash the ids into the table (default). ``false``: the ids are already row numbers
     (integers); a negative id or one not below the table size is bad input."""

@@ -1,7 +1,8 @@
 """Configuration of the data: where it is, which columns mean what, and how batches are made.
 
 :class:`DataConfig` is ``[data]``; its per-column tables (``[data.dense_specs.<column>]``,
-``[data.sparse_specs.<column>]``) are in ``raydlrm.ingestion.column_specs`` and its
+``[data.sparse_specs.<column>]``) are in ``raydlrm.ingestion.column_specs``, its sequence
+features (``[data.sequences.<name>]``) in ``raydlrm.ingestion.sequence_specs`` and its
 ``[data.synthetic]`` table in ``raydlrm.ingestion.synthetic_config``.
 """
 
@@ -16,6 +17,7 @@ from typing import Literal
 from raydlrm._config import config_dataclass
 from raydlrm.ids import ManagedIds
 from raydlrm.ingestion.column_specs import DenseFill, DenseSpec, DenseTransform, SparseSpec
+from raydlrm.ingestion.sequence_specs import SEQUENCE_NAME, SequenceSpec
 from raydlrm.ingestion.synthetic_config import SyntheticConfig
 from raydlrm.storage import PartitionSelector, StorageConfig
 
@@ -47,6 +49,10 @@ class DataConfig:
     sparse_specs: dict[str, SparseSpec] = field(default_factory=dict)
     """Per sparse column: its table (several columns may share one), per-id weight column and
     longest list."""
+    sequences: dict[str, SequenceSpec] = field(default_factory=dict)
+    """Sequence features by name (see :class:`SequenceSpec`): parallel id list columns (sparse
+    columns) and value list columns of the same length per row, of which reading keeps each
+    row's last ``max_length`` events."""
     table_size: int = 100_000
     """Rows of each embedding table unless ``table_sizes`` names it; raw ids are hashed into it."""
     table_sizes: dict[str, int] = field(default_factory=dict)
@@ -151,8 +157,10 @@ class DataConfig:
     ``fail`` stops the job naming file, row group, row and column; ``quarantine`` sets it aside
     under ``quarantine_path`` with the reason, counts it and continues."""
     quarantine_path: str | None = None
-    """Where quarantined rows go (local or a URI). Default for a job: ``quarantine/`` in the
-    job's run directory (``run.storage_path``/run name)."""
+    """Where quarantined rows go (local or a URI), and the counts of rows whose histories
+    were cut to their sequence's ``max_length`` (``truncated/``). Default for a job with
+    ``bad_input = "quarantine"`` or with sequences: ``quarantine/`` in the job's run directory
+    (``run.storage_path``/run name)."""
     storage: StorageConfig = field(default_factory=StorageConfig)
     """Object-store access for ``s3://`` paths (endpoint, region, credentials)."""
     partitions: dict[str, PartitionSelector] = field(default_factory=dict)
@@ -217,6 +225,7 @@ class DataConfig:
                     f"data.data_date must be a date YYYY-MM-DD, got {self.data_date!r}"
                 ) from None
         self._check_dedup_groups()
+        self._check_sequences()
         columns = [self.label_column, *self.dense_columns, *self.sparse_columns]
         dupes = sorted({c for c in columns if columns.count(c) > 1})
         if dupes:
@@ -387,6 +396,79 @@ class DataConfig:
                     "not all in the same dedup group"
                 )
 
+    def _check_sequences(self) -> None:
+        seen: dict[str, str] = {}
+        taken = {self.label_column, *self.dense_columns, *self.sparse_columns}
+        taken |= {w for c in self.sparse_columns if (w := self.weight_column_of(c))}
+        for name, spec in self.sequences.items():
+            key = f"data.sequences.{name}"
+            if not SEQUENCE_NAME.fullmatch(name):
+                raise ValueError(f"{key}: a sequence's name is letters, digits, '_' and '-'")
+            for column in spec.all_columns:
+                if column in seen:
+                    raise ValueError(
+                        f"{key}: column {column!r} is also a column of sequence {seen[column]!r}"
+                    )
+                seen[column] = name
+            for column in spec.columns:
+                self._check_sequence_ids(column, key=key)
+            for column in spec.value_columns:
+                if column in taken:
+                    raise ValueError(
+                        f"{key}.value_columns: {column!r} is already the label, a dense, sparse "
+                        "or weight column (a value column is read as the sequence's own)"
+                    )
+
+    def _check_sequence_ids(self, column: str, *, key: str) -> None:
+        """An id column of the sequence ``key`` must be a sparse column outside dedup groups,
+        whose spec leaves lengths and per-event values to the sequence."""
+        if column not in self.sparse_columns:
+            raise ValueError(f"{key}.columns: {column!r} is not one of data.sparse_columns")
+        group = self.dedup_group_of(column)
+        if group is not None:
+            raise ValueError(
+                f"{key}.columns: {column!r} is in data.dedup_groups[{group}]; a sequence's "
+                "columns cannot be deduplicated in this version"
+            )
+        spec = self.sparse_specs.get(column)
+        if spec is None:
+            return
+        conflicts = {
+            "max_length": (spec.max_length is not None, f"use {key}.max_length"),
+            "min_length": (spec.min_length != 1, f"use {key}.min_length"),
+            "weight_column": (spec.weight_column is not None, f"use {key}.value_columns"),
+        }
+        for field_name, (given, instead) in conflicts.items():
+            if given:
+                raise ValueError(
+                    f"data.sparse_specs.{column}.{field_name}: {column!r} is a column of "
+                    f"sequence {key.rsplit('.', 1)[1]!r}, which keeps its last max_length "
+                    f"events; {instead}"
+                )
+
+    def sequence_of(self, column: str) -> str | None:
+        """The name of the sequence ``column`` (an id or value column) belongs to, or None."""
+        return next((n for n, s in self.sequences.items() if column in s.all_columns), None)
+
+    def min_length_of(self, column: str) -> int:
+        """The shortest id list sparse ``column`` accepts: its sequence's ``min_length``, else
+        its ``sparse_specs`` entry's (default 1)."""
+        name = self.sequence_of(column)
+        if name is not None:
+            return self.sequences[name].min_length
+        spec = self.sparse_specs.get(column)
+        return spec.min_length if spec is not None else 1
+
+    def max_length_of(self, column: str) -> int | None:
+        """The most ids one row of sparse ``column`` holds after reading: its sequence's
+        ``max_length`` (longer rows are cut), else its ``sparse_specs`` entry's (longer rows
+        are bad input); None: no bound."""
+        name = self.sequence_of(column)
+        if name is not None:
+            return self.sequences[name].max_length
+        spec = self.sparse_specs.get(column)
+        return spec.max_length if spec is not None else None
+
     def table_of(self, column: str) -> str:
         """Name of the embedding table of sparse ``column`` (or bucket feature)."""
         spec = self.sparse_specs.get(column)
@@ -487,14 +569,20 @@ class DataConfig:
         return spec.weight_column if spec is not None else None
 
     def input_columns(self) -> list[str]:
-        """The raw columns training reads: label, dense, sparse and weight columns."""
+        """The raw columns training reads: label, dense, sparse, weight and sequence value
+        columns."""
         weights = [self.weight_column_of(c) for c in self.sparse_columns]
         return [
             self.label_column,
             *self.dense_columns,
             *self.sparse_columns,
             *(w for w in weights if w is not None),
+            *self.value_columns(),
         ]
+
+    def value_columns(self) -> list[str]:
+        """The sequences' value columns, in the order of the sequences and their columns."""
+        return [c for spec in self.sequences.values() for c in spec.value_columns]
 
     def dedup_group_of(self, column: str) -> int | None:
         """Index of the dedup group of sparse ``column``, or None."""

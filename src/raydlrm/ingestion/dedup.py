@@ -37,7 +37,8 @@ def infer_dedup_groups(
     them); for a sample-level one, the sparse columns constant within the sessions of its
     first ``max_rows`` rows (:func:`~raydlrm.ingestion.sessions.constant_columns`, files in
     order). Columns sharing a table with a column outside the group are left out (a table's
-    columns are deduplicated together).
+    columns are deduplicated together), and so are the sequences' columns (not deduplicated
+    in this version).
 
     Args:
         summary: the validated data set (:func:`~raydlrm.ingestion.schema.validate_data`).
@@ -85,8 +86,9 @@ def infer_dedup_groups(
 
 
 def _whole_tables(columns: list[str], config: DataConfig) -> list[str]:
-    """``columns`` less those whose table is shared with a column not among them."""
-    chosen = set(columns)
+    """``columns`` less the sequences' and those whose table is shared with a column not among
+    them."""
+    chosen = {c for c in columns if config.sequence_of(c) is None}
     for table_columns in config.table_columns().values():
         if not set(table_columns) <= chosen:
             chosen -= set(table_columns)

@@ -6,7 +6,8 @@ session-clustered data set, each sample joined with its session's columns) to re
 training would reject (bad input); per sparse column the null count, the distinct raw ids, the
 table rows those ids hash to and the mean id-list length; per dense column the null and
 non-finite counts, the missing share and whether the fill dominates the column's spread (a
-flag, see :data:`COLLAPSED_SPREAD`); the label rate; per dedup group the dedup ratio inside
+flag, see :data:`COLLAPSED_SPREAD`); per sequence the events per row and the share of rows its
+``max_length`` cuts; the label rate; per dedup group the dedup ratio inside
 batches of ``data.batch_size`` consecutive rows (the data is read session by session, as
 training reads it); and what RecD would gain: the sparse columns constant within sessions
 (``data.session_column``), the dedup factor over all sparse features (id lookups per distinct
@@ -60,10 +61,11 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
     Returns:
         A JSON-ready dict: ``path``, ``files``, ``rows``, ``row_groups``, ``sampled_rows``,
         ``bad_rows_in_sample``, ``schema``, ``label_rate``, ``sparse`` and ``dense`` (per
-        column), ``dedup`` (per group) and ``recd`` (``layout``, ``session_column``,
-        ``session_constant_columns``, ``user_columns`` and where they come from,
-        ``dedup_factor``, ``user_lookup_share``) and ``file_order`` (what the file order is
-        correlated with, :func:`~raydlrm.ingestion.order.order_findings`).
+        column), ``sequences`` (per sequence: its events per row), ``dedup`` (per group) and
+        ``recd`` (``layout``, ``session_column``, ``session_constant_columns``,
+        ``user_columns`` and where they come from, ``dedup_factor``, ``user_lookup_share``)
+        and ``file_order`` (what the file order is correlated with,
+        :func:`~raydlrm.ingestion.order.order_findings`).
 
     Raises:
         DataValidationError: the data set is missing or does not match the config.
@@ -91,6 +93,9 @@ def inspect_data(path: str, data: DataConfig, *, max_rows: int = 200_000) -> dic
             for column in data.sparse_columns
         },
         "dense": _dense_reports(config, sample=sample, good=good, processed=processed),
+        "sequences": {
+            name: _sequence_report(name, data=data, sample=good) for name in data.sequences
+        },
         "dedup": _dedup_report(processed, data=data),
         "recd": _recd_report(summary, data=data, sample=good, processed=processed, session=session),
         "file_order": [f.to_dict() for f in order_findings(summary, data)],
@@ -189,6 +194,27 @@ def _sparse_report(
         "table_rows_used": pc.count_distinct(hashed).as_py(),
         "table_size": data.table_size_of(column),
         "mean_length": float(pc.mean(lengths).as_py() or 0.0) if lengths is not None else 1.0,
+    }
+
+
+def _sequence_report(name: str, *, data: DataConfig, sample: pa.Table) -> dict[str, Any]:
+    """The events per row of sequence ``name`` in the good rows of the sample (as read, before
+    the cut to ``max_length``): mean, median, 99th percentile and most, and the shares of
+    empty rows and of rows the cut shortens."""
+    spec = data.sequences[name]
+    raw = sample.column(spec.columns[0]).combine_chunks()
+    lengths = raw.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+    if not lengths.size:
+        lengths = np.zeros(1, dtype=np.int64)  # no good row: all zeros, reported as such
+    return {
+        "columns": spec.all_columns,
+        "max_length": spec.max_length,
+        "mean_length": float(lengths.mean()),
+        "median_length": float(np.median(lengths)),
+        "p99_length": float(np.percentile(lengths, 99)),
+        "longest": int(lengths.max()),
+        "empty_share": float((lengths == 0).mean()),
+        "truncated_share": float((lengths > spec.max_length).mean()),
     }
 
 

@@ -33,7 +33,7 @@ import torch
 
 from raydlrm.batch import Batch, DedupGroup, KeyedJaggedTensor
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.preprocess import DEDUP_PREFIX, WEIGHT_PREFIX
+from raydlrm.ingestion.preprocess import DEDUP_PREFIX, VALUE_PREFIX, WEIGHT_PREFIX
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
 
 if TYPE_CHECKING:
@@ -198,7 +198,8 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
         table: ``B`` rows with ``label`` (float32), ``dense`` (``FixedSizeList<float32>[D]``),
             each of ``config.feature_columns()`` (int64 or ``list<int64>``, already hashed), their
             ``weight:<column>`` columns, the ``dedup:<i>`` row keys of the dedup groups and
-            optionally ``sample_id`` (int64). May be sliced or chunked. A sparse column (and
+            optionally ``sample_id`` (int64), and the sequences' ``value:<column>`` columns
+            (``list<float32>``). May be sliced or chunked. A sparse column (and
             its weights) may be a dictionary array (session-clustered data): a dedup group of
             such columns, sharing one index, is built from the dictionaries (unique rows) and
             the indices (inverse index) and needs no ``dedup:<i>`` column; elsewhere such a
@@ -209,8 +210,9 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
         A ``Batch`` with dense ``(B, D)`` float32, labels ``(B,)`` float32, a KJT over the
         sparse columns outside dedup groups (lengths ``(F * B,)``, values ``(sum L,)`` int64,
         float32 weights when any feature is weighted), one :class:`DedupGroup` per dedup group
-        (its unique rows in this batch and the inverse index), and ``sample_ids`` ``(B,)`` when
-        the table has them.
+        (its unique rows in this batch and the inverse index), ``sample_ids`` ``(B,)`` when
+        the table has them, and each sequence value column's values ``(sum L,)`` float32
+        (``sequence_values``, aligned with the ids of ``sequence_of``'s feature).
     """
     b = table.num_rows
     labels = _numpy(_array(table, config.label_column).cast(pa.float32()))
@@ -233,12 +235,18 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
     sample_ids = None
     if SAMPLE_ID_COLUMN in table.column_names:
         sample_ids = _tensor(_numpy(_array(table, SAMPLE_ID_COLUMN)))
+    values = {
+        c: _tensor(_numpy(_array(table, VALUE_PREFIX + c).flatten()))
+        for c in config.value_columns()
+    }
     return Batch(
         dense=_tensor(dense),
         sparse=sparse,
         labels=_tensor(labels),
         dedup_groups=dedup_groups,
         sample_ids=sample_ids,
+        sequence_values=values,
+        sequence_of={c: s.columns[0] for s in config.sequences.values() for c in s.value_columns},
     )
 
 

@@ -18,6 +18,9 @@ It turns a table of raw columns into
   aligned with the id list);
 - ``dedup:<i>`` for dedup group ``i``: an int64 key per row, a hash of the group's hashed ids;
   rows with equal keys are deduplicated by the loader (which checks they are equal);
+- ``value:<column>`` for each value column of a sequence (``DataConfig.sequences``):
+  ``list<float32>`` aligned with the sequence's id lists. A sequence's columns are first cut to
+  each row's last ``max_length`` events (:mod:`~raydlrm.ingestion.sequence_rows`);
 - ``sample_id`` (int64), passed through when the input has it.
 
 Session-clustered data (``raydlrm.ingestion.clustered``; :meth:`Preprocessor.sessions`) is
@@ -52,10 +55,12 @@ from raydlrm.ingestion.badinput import (
 )
 from raydlrm.ingestion.config import DataConfig
 from raydlrm.ingestion.schema import SAMPLE_ID_COLUMN
+from raydlrm.ingestion.sequence_rows import truncate_sequences, value_lists
 from raydlrm.ingestion.sessions import session_rows
 
 __all__ = [
     "DEDUP_PREFIX",
+    "VALUE_PREFIX",
     "WEIGHT_PREFIX",
     "Preprocessor",
     "SessionRows",
@@ -74,6 +79,8 @@ WEIGHT_PREFIX = "weight:"
 """Output column ``weight:<column>``: the per-id weights of sparse ``column``."""
 DEDUP_PREFIX = "dedup:"
 """Output column ``dedup:<i>``: the row key of dedup group ``i``."""
+VALUE_PREFIX = "value:"
+"""Output column ``value:<column>``: the values of a sequence's value column, per event."""
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -312,13 +319,13 @@ class Preprocessor:
         """Preprocesses one batch.
 
         Args:
-            table: raw columns of ``B`` rows (label, dense, sparse, weight columns, optionally
-                ``sample_id``).
+            table: raw columns of ``B`` rows (label, dense, sparse, weight and sequence value
+                columns, optionally ``sample_id``).
 
         Returns:
             A table of ``B`` rows with ``label``, ``dense``, the sparse columns, their
-            ``weight:<column>`` columns, the ``dedup:<i>`` keys and, if the input has it,
-            ``sample_id``.
+            ``weight:<column>`` columns, the sequences' ``value:<column>`` columns, the
+            ``dedup:<i>`` keys and, if the input has it, ``sample_id``.
 
         Bad rows (:mod:`raydlrm.ingestion.badinput`) are first set aside or raise, by
         ``data.bad_input``.
@@ -337,7 +344,13 @@ class Preprocessor:
 
     def process(self, table: pa.Table) -> pa.Table:
         """Preprocesses the good rows of a raw batch (:meth:`clean`'s output), in order."""
-        return self._per_sample(drop_tagging_columns(table)).outputs.table()
+        return self._per_sample(self._untagged(table)).outputs.table()
+
+    def _untagged(self, table: pa.Table) -> pa.Table:
+        """Good raw rows, tagged, with their sequences cut to ``max_length`` (the rows cut are
+        recorded by their source), less the reader's tags."""
+        cut = truncate_sequences(table, self.config, tag=self.quarantine_tag)
+        return drop_tagging_columns(cut)
 
     def sessions(
         self,
@@ -391,7 +404,7 @@ class Preprocessor:
             if column in session_columns:
                 self._add_sparse(per_session, sessions, column, key=column in mixed)
         processed = self._per_sample(
-            drop_tagging_columns(samples), per_session=per_session, session_of=session_of
+            self._untagged(samples), per_session=per_session, session_of=session_of
         )
         return SessionRows(
             samples=processed.outputs.table(),
@@ -433,6 +446,9 @@ class Preprocessor:
                 self._add_sparse(outputs, table, column, key=column in grouped)
             weight = [WEIGHT_PREFIX + column] if cfg.weight_column_of(column) is not None else []
             names += [column, *weight]
+        for column in cfg.value_columns():
+            outputs.add(VALUE_PREFIX + column, value_lists(table, column))
+            names.append(VALUE_PREFIX + column)
         for column in cfg.bucketized_columns():
             feature = cfg.bucket_feature(column)
             values = dense_values(table, column, fill=cfg.fill_value_of(column))

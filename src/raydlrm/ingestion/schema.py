@@ -31,7 +31,13 @@ import pyarrow.parquet as pq
 from raydlrm.ingestion._arrow import decoded_type, is_list, is_string
 from raydlrm.ingestion.badinput import quarantine_source
 from raydlrm.ingestion.config import DataConfig
-from raydlrm.ingestion.layout import ClusteredLayout, read_layout, sessions_file_of, with_layout
+from raydlrm.ingestion.layout import (
+    ClusteredLayout,
+    layout_of,
+    read_layout,
+    sessions_file_of,
+    with_layout,
+)
 from raydlrm.storage import StorageError, filesystem_for, list_files
 
 __all__ = [
@@ -154,6 +160,9 @@ def _check_type(column: str, type_: pa.DataType, *, kind: str, file: str) -> Non
     elif kind == "weight":
         ok = _is_number(type_) or (is_list(type_) and _is_number(type_.value_type))
         expected = "float or list of floats"
+    elif kind == "sequence value":
+        ok = is_list(type_) and _is_number(decoded_type(type_.value_type))
+        expected = "a list of numbers (one per event)"
     else:
         ok = _is_id(type_) or (is_list(type_) and _is_id(type_.value_type))
         expected = "integer or string ids, or a list of either"
@@ -186,6 +195,7 @@ def validate_data(path: str, config: DataConfig, *, role: str = "train") -> Data
     schema = _schema_of_rows(scan, path=path, role=role)
     _check_weight_shapes(schema, config=config, role=role)
     _check_unhashed_ids(schema, config=config, role=role)
+    _check_sequences(schema, config=config, role=role)
     return DataSummary(
         path=path,
         num_rows=scan.num_rows,
@@ -231,13 +241,15 @@ def _fragments(path: str, *, config: DataConfig, role: str) -> list[pads.Parquet
 
 
 def _expected_columns(config: DataConfig) -> list[tuple[str, str]]:
-    """``(column, kind)`` of every column a file must have: label, dense, sparse, weights."""
+    """``(column, kind)`` of every column a file must have: label, dense, sparse, weights,
+    sequence values."""
     weights = (config.weight_column_of(c) for c in config.sparse_columns)
     return [
         (config.label_column, "label"),
         *((c, "dense") for c in config.dense_columns),
         *((c, "sparse") for c in config.sparse_columns),
         *((w, "weight") for w in weights if w is not None),
+        *((c, "sequence value") for c in config.value_columns()),
     ]
 
 
@@ -365,6 +377,28 @@ def _check_weight_shapes(schema: pa.Schema, *, config: DataConfig, role: str) ->
                 f"{role} data: weight column {weight!r} ({weights}) does not match sparse "
                 f"column {column!r} ({ids}): id lists need lists of weights, single ids single "
                 "weights"
+            )
+
+
+def _check_sequences(schema: pa.Schema, *, config: DataConfig, role: str) -> None:
+    """A sequence's id columns hold lists (one per row, of its events), read per sample: a
+    session-clustered data set may not store them per session."""
+    layout = layout_of(schema)
+    for name, spec in config.sequences.items():
+        for column in spec.columns:
+            type_ = schema.field(column).type
+            if not is_list(decoded_type(type_)):
+                raise DataValidationError(
+                    f"{role} data: sparse column {column!r} of sequence {name!r} "
+                    f"(data.sequences.{name}) has type {type_}, expected a list of ids (one "
+                    "list of events per row)"
+                )
+        stored = [c for c in spec.all_columns if layout and c in layout.session_columns]
+        if stored:
+            raise DataValidationError(
+                f"{role} data: the session-clustered data set stores columns {stored} of "
+                f"sequence {name!r} per session; a sequence's columns are read per sample in "
+                "this version (cluster the data without them)"
             )
 
 

@@ -97,8 +97,8 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Inspect a data set through the config: files, rows, schema, bad rows, id cardinalities
-    and table use per sparse column, dedup ratio per dedup group, what the file order is
-    correlated with (runs of ids, label drift, time)."""
+    and table use per sparse column, events per row per sequence, dedup ratio per dedup group,
+    what the file order is correlated with (runs of ids, label drift, time)."""
     from raydlrm.ingestion.inspect import inspect_data
 
     try:
@@ -131,6 +131,7 @@ def data_inspect(
             typer.echo(f"  warning: {c['flag']}")
     for group in report["dedup"]:
         typer.echo(f"  dedup {'+'.join(group['columns'])}: ratio {group['ratio']:.2f}")
+    _echo_sequences(report["sequences"])
     r = report["recd"]
     typer.echo(
         f"  recd: {r['layout']} layout; dedup factor {r['dedup_factor']:.2f} over all sparse "
@@ -140,6 +141,17 @@ def data_inspect(
     typer.echo("  file order:" + ("" if report["file_order"] else " no order found"))
     for finding in report["file_order"]:
         typer.echo(f"    {finding['kind']} {finding['message']}")
+
+
+def _echo_sequences(sequences: dict[str, dict]) -> None:
+    """One line per sequence of ``raydlrm data inspect``: its events per row."""
+    for name, q in sequences.items():
+        typer.echo(
+            f"  sequence {name} ({'+'.join(q['columns'])}): events per row mean "
+            f"{q['mean_length']:.1f}, median {q['median_length']:.0f}, p99 {q['p99_length']:.0f}, "
+            f"longest {q['longest']}; {q['empty_share']:.1%} empty, {q['truncated_share']:.1%} "
+            f"longer than max_length {q['max_length']}"
+        )
 
 
 @data_app.command("cluster")

@@ -191,8 +191,9 @@ class DataShape:
     learned cost model (``sharding.cost_model`` other than ``analytic`` only)."""
     max_bag_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
     """Table name -> the most ids one sample looks up in it: one per single-id feature, per
-    id-list feature its ``data.sparse_specs.<c>.max_length`` (a longer list is bad input),
-    else the longest list of the rows read. The planner sizes row caches by it, so that a
+    id-list feature its ``data.sparse_specs.<c>.max_length`` (a longer list is bad input) or
+    its sequence's ``data.sequences.<name>.max_length`` (a longer list is cut), else the
+    longest list of the rows read. The planner sizes row caches by it, so that a
     step's rows fit a cache."""
 
 
@@ -213,8 +214,12 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
         max_rows=min(max(10_000, 4 * config.batch_size), 100_000),
     )
     check_managed_capacity(job, table, where=data.train.path)
+    # A sequence's rows are cut to its max_length: that many ids at most are looked up.
+    cut = {c: config.max_length_of(c) for c in config.sparse_columns if config.sequence_of(c)}
     lengths = {
-        c: _mean_length(table.column(c)) for c in config.sparse_columns if c in table.column_names
+        c: _mean_length(table.column(c), cap=cut.get(c))
+        for c in config.sparse_columns
+        if c in table.column_names
     }
     pooling = {
         name: sum(lengths.get(c, 1.0) for c in columns) / len(columns)
@@ -232,7 +237,7 @@ def data_shape(job: JobConfig, data: JobData) -> DataShape:
     stats = {}
     if job.sharding.cost_model != "analytic":
         stats = table_stats(job, table.slice(0, job.global_batch_size()))
-    declared = {c: s.max_length for c, s in config.sparse_specs.items() if s.max_length}
+    declared = {c: n for c in config.sparse_columns if (n := config.max_length_of(c))}
     longest = {
         c: declared[c] if c in declared else _max_length(table.column(c))
         for c in config.sparse_columns
@@ -406,12 +411,14 @@ def _max_length(column: pa.ChunkedArray) -> int:
     return max(1, longest or 0)
 
 
-def _mean_length(column: pa.ChunkedArray) -> float:
-    """Mean ids per row of a sparse column: its lists' mean length (a null list is empty), 1
-    for single ids."""
+def _mean_length(column: pa.ChunkedArray, *, cap: int | None = None) -> float:
+    """Mean ids per row of a sparse column: its lists' mean length (a null list is empty; a
+    list longer than ``cap`` counts ``cap``), 1 for single ids."""
     if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
         return 1.0
     if column.length() == 0:
         return 1.0
     lengths = pc.fill_null(pc.list_value_length(column), 0)
+    if cap is not None:
+        lengths = pc.min_element_wise(lengths, cap)
     return float(pc.mean(lengths).as_py())

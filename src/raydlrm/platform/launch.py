@@ -36,6 +36,7 @@ from ray.train.torch import TorchTrainer
 from raydlrm._logs import configure_api, library_level, quiet_libraries, worker_level
 from raydlrm.ingestion import DataSummary, default_num_actors
 from raydlrm.ingestion.badinput import quarantine_counts, run_tag
+from raydlrm.ingestion.sequence_rows import truncated_counts
 from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.platform.export import (
     example_rows,
@@ -491,7 +492,8 @@ def _account_rows(
     that passed validation) = rows trained + rows quarantined while reading (bad rows,
     unreadable row groups; the run's records over all its submissions, each once). Files set
     aside at validation by this submission are counted apart, with their rows when their
-    footers could be read."""
+    footers could be read. The rows whose histories were cut (``data.sequences``) are
+    counted too; they are trained."""
     now = quarantine_counts(job.data)
     q = {k: now[k] - before.get(k, 0) for k in now}
     run = quarantine_counts(job.data, tag=run_tag(run_name, "train"))
@@ -505,6 +507,7 @@ def _account_rows(
         "data/eval_rows_quarantined": held_out["bad_rows"] + held_out["row_group_rows"],
     }
     metrics.update(_trained_rows(result, job=job, data=data, quarantined=metrics))
+    metrics.update(_truncated_rows(job, run_name=run_name))
     result.metrics.update({k: float(v) for k, v in metrics.items()})
     tracked.log_metrics(metrics, step=int(result.metrics.get("step", 0)))
     if metrics["data/eval_rows_quarantined"]:
@@ -520,6 +523,28 @@ def _account_rows(
             q["files"],
             job.data.quarantine_path,
         )
+
+
+def _truncated_rows(job: JobConfig, *, run_name: str) -> dict[str, int]:
+    """Rows whose history each sequence cut to its ``max_length``: while training (every
+    epoch) and in the held-out set (once), logged when any."""
+    train = truncated_counts(job.data, tag=run_tag(run_name, "train"))
+    held_out = truncated_counts(job.data, tag=run_tag(run_name, "eval"), once=True)
+    for name, rows in train.items():
+        if rows or held_out[name]:
+            logger.info(
+                "sequence %s: %d training rows (over all epochs) and %d held-out rows kept "
+                "their last %d events (data.sequences.%s.max_length)",
+                name,
+                rows,
+                held_out[name],
+                job.data.sequences[name].max_length,
+                name,
+            )
+    return {
+        **{f"data/sequences/{n}/rows_truncated": rows for n, rows in train.items()},
+        **{f"data/sequences/{n}/eval_rows_truncated": rows for n, rows in held_out.items()},
+    }
 
 
 def _trained_rows(

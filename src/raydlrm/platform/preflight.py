@@ -62,8 +62,9 @@ def resolve_job(
     job: JobConfig, *, run_name: str, scaling_config: ScalingConfig | None = None
 ) -> JobConfig:
     """``job`` with what the call decides applied: a Ray ``scaling_config`` replaces
-    ``[scaling]`` (the plan and the memory budget depend on it), and quarantined data goes
-    under the run's storage unless ``data.quarantine_path`` names a place."""
+    ``[scaling]`` (the plan and the memory budget depend on it), and quarantined data (and
+    the counts of histories cut to their sequence's ``max_length``) goes under the run's
+    storage unless ``data.quarantine_path`` names a place."""
     if scaling_config is not None:
         resources = scaling_config.resources_per_worker
         job = dataclasses.replace(
@@ -78,7 +79,9 @@ def resolve_job(
             ),
         )
     job = resolve_paths(job)
-    if job.data.bad_input == "quarantine" and job.data.quarantine_path is None:
+    # Reading also records there how many histories it cut (data.sequences).
+    recorded = job.data.bad_input == "quarantine" or job.data.sequences
+    if recorded and job.data.quarantine_path is None:
         path = join(job.run.storage_path, run_name, "quarantine")
         job = dataclasses.replace(job, data=dataclasses.replace(job.data, quarantine_path=path))
     return job

@@ -255,14 +255,18 @@ def _log_resumed_window(saved: int, *, epoch: int, job: JobConfig) -> None:
 def resume_differences(state: dict[str, Any], *, job: JobConfig, plan: ShardingPlan) -> list[str]:
     """What a checkpoint's ``trainer_state.json`` (``state``) and the job disagree on that a
     resume cannot change: the model, the dense and sparse columns and their statistics (what
-    a standardized value and a bucket mean), the fused optimizer, the tables (names and
-    shapes; tables that differ alike are named together); one phrase each, with both values."""
+    a standardized value and a bucket mean), the sequences (which columns, how many events),
+    the fused optimizer, the tables (names and shapes; tables that differ alike are named
+    together); one phrase each, with both values."""
     spec = state["spec"]
     settings = _model_settings(spec, job=job)
     for key in ("dense_columns", "sparse_columns"):
         settings[f"data.{key}"] = (spec["data"][key], getattr(job.data, key))
     for key in ("dense_stats", "dense_fill_values", "bucket_boundaries"):  # older: may lack
         settings[f"data.{key}"] = (spec["data"].get(key, {}), getattr(job.data, key))
+    # Which columns are one history, and how many of its events are kept.
+    sequences = {n: dataclasses.asdict(s) for n, s in job.data.sequences.items()}
+    settings["data.sequences"] = (spec["data"].get("sequences", {}), sequences)
     settings.update(_indicator_settings(spec, job=job))
     settings["sharding.optimizer"] = (spec["sharding"]["optimizer"], job.sharding.optimizer)
     out = [

@@ -52,7 +52,8 @@ def any_rank_has(has_batch: bool, device: torch.device, pg: ProcessGroup | None 
 
 
 def emptied(batch: Batch) -> Batch:
-    """A batch of 0 samples with the structure (features, dedup groups) of ``batch``."""
+    """A batch of 0 samples with the structure (features, dedup groups, sequence values) of
+    ``batch``."""
     none = torch.zeros(0, dtype=torch.int64)
     return Batch(
         dense=batch.dense[:0],
@@ -62,6 +63,8 @@ def emptied(batch: Batch) -> Batch:
             DedupGroup(unique=g.unique.index_rows(none), inverse=none) for g in batch.dedup_groups
         ],
         sample_ids=None if batch.sample_ids is None else batch.sample_ids[:0],
+        sequence_values={c: v[:0] for c, v in batch.sequence_values.items()},
+        sequence_of=batch.sequence_of,
     )
 
 
