@@ -22,13 +22,19 @@ def tower_name(index: int) -> str:
 class ModelConfig:
     """Which model, and its sizes."""
 
-    arch: Literal["dlrm", "dcnv2", "wukong", "dhen"] = "dlrm"
+    arch: Literal["dlrm", "dcnv2", "wukong", "dhen", "din", "sasrec"] = "dlrm"
     """``dlrm``: bottom MLP, dot interaction, top MLP. ``dcnv2``: the MLPerf DLRMv2 model (low-rank
     cross layers over the concatenated bottom output and embeddings, then the top MLP).
     ``wukong``: stacked factorization machine and linear compress blocks
     (:mod:`raydlrm.models.wukong`). ``dhen``: layers of an ensemble of interaction modules
     (:mod:`raydlrm.models.dhen`). For ``wukong`` and ``dhen`` the bottom MLP's output is cut into
-    ``embedding_dim``-wide vectors that join the embeddings."""
+    ``embedding_dim``-wide vectors that join the embeddings. Sequence models read the history
+    ``sequence`` position by position: ``din`` (Deep Interest Network: the candidate's target
+    attention over the history, then an MLP; ranking with the click label,
+    :mod:`raydlrm.models.din`) and ``sasrec`` (causal self-attention over the history,
+    next-item prediction with a sampled softmax; retrieval, evaluated by HR@K and NDCG@K over
+    the whole item table, :mod:`raydlrm.models.sasrec`). The other archs pool a sequence's
+    columns (mean)."""
     embedding_dim: int = 16
     """Dimension of every embedding table (a multiple of 4, as fbgemm's kernels require)."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
@@ -78,7 +84,52 @@ class ModelConfig:
     embeddings and their pairwise dot products projected to it (what crosses hosts). 0: identity
     towers (the pooled embeddings themselves, regrouped)."""
 
+    sequence: str | None = None
+    """The ``data.sequences`` entry a sequence model (``din``, ``sasrec``) reads: its id
+    columns are the history, looked up per position."""
+    candidate: list[str] = field(default_factory=list)
+    """``din``: the candidate's columns (the item being ranked), one per column of
+    ``sequence`` in the same order, each sharing that column's table (``data.sparse_specs``
+    ``table``). ``sasrec``: one column, the example's target item, in the table of the
+    sequence's first (item) column."""
+    din_attention_mlp: list[int] = field(default_factory=lambda: [80, 40])
+    """Hidden sizes of DIN's activation unit (the attention weight of a history position)."""
+    din_attention_normalization: Literal["none", "softmax"] = "none"
+    """``none``: the weights are used as they are (the paper: the intensity of the interest is
+    kept); ``softmax``: normalized over each history."""
+    din_activation: Literal["dice", "prelu"] = "prelu"
+    """DIN's activation, in the activation unit and the top MLP. ``dice`` (the paper's)
+    normalizes with batch statistics, those of each worker's own batch (as batch norm under
+    data parallelism): its training then depends on the per-worker batch size, and a run
+    resharded to another number of workers trains another model. ``prelu`` does not."""
+    sasrec_num_blocks: int = 2
+    """SASRec self-attention blocks."""
+    sasrec_num_heads: int = 1
+    """Heads per block; must divide ``embedding_dim``."""
+    sasrec_dropout: float = 0.2
+    """Dropout of the item and position embeddings, attention and feed-forward layers."""
+    sasrec_num_negatives: int = 128
+    """Items drawn uniformly from the item table each step as negatives of every position
+    (beside the batch's other next items)."""
+    sasrec_temperature: float = 1.0
+    """The sampled softmax's logits are the scores divided by it."""
+    retrieval_k: list[int] = field(default_factory=lambda: [10, 50, 200])
+    """The cut-offs of the retrieval metrics (``hr@K``, ``ndcg@K``, ``sasrec``) and the top-K
+    ``raydlrm score`` writes (the largest)."""
+
+    @property
+    def reads_sequences(self) -> bool:
+        """Whether the arch reads a history position by position."""
+        return self.arch in ("din", "sasrec")
+
+    @property
+    def retrieval(self) -> bool:
+        """Whether the model retrieves items (next-item prediction) rather than scoring
+        clicks."""
+        return self.arch == "sasrec"
+
     def __post_init__(self) -> None:
+        self._check_sequence_model()
         if self.embedding_dim <= 0 or self.embedding_dim % 4:
             raise ValueError(
                 f"model.embedding_dim must be a positive multiple of 4, got {self.embedding_dim}"
@@ -116,6 +167,37 @@ class ModelConfig:
             raise ValueError(
                 f"model.dhen_attention_heads ({self.dhen_attention_heads}) must be positive and "
                 f"divide model.embedding_dim ({self.embedding_dim})"
+            )
+
+    def _check_sequence_model(self) -> None:
+        if not self.reads_sequences:
+            if self.sequence is not None or self.candidate:
+                raise ValueError(
+                    f"model.sequence and model.candidate are read by the sequence models (din, "
+                    f"sasrec), not by arch {self.arch!r}: unset them"
+                )
+            return
+        if self.sequence is None:
+            raise ValueError(f"arch {self.arch!r} needs model.sequence (a data.sequences entry)")
+        if self.arch == "sasrec" and len(self.candidate) != 1:
+            raise ValueError(
+                f"arch 'sasrec' needs model.candidate = [<target item column>], got "
+                f"{self.candidate}"
+            )
+        if self.towers is not None:
+            raise ValueError(f"arch {self.arch!r} does not run with model.towers")
+        if any(n <= 0 for n in [*self.din_attention_mlp, *self.retrieval_k]):
+            raise ValueError("model.din_attention_mlp and model.retrieval_k must be positive")
+        if self.sasrec_num_blocks < 0 or self.sasrec_num_negatives < 0:
+            raise ValueError("model.sasrec_num_blocks and sasrec_num_negatives must be >= 0")
+        if self.sasrec_num_heads <= 0 or self.embedding_dim % self.sasrec_num_heads:
+            raise ValueError(
+                f"model.sasrec_num_heads ({self.sasrec_num_heads}) must be positive and divide "
+                f"model.embedding_dim ({self.embedding_dim})"
+            )
+        if not 0.0 <= self.sasrec_dropout < 1.0 or self.sasrec_temperature <= 0:
+            raise ValueError(
+                "model.sasrec_dropout must be in [0, 1) and model.sasrec_temperature positive"
             )
 
     def _check_towers(self) -> None:

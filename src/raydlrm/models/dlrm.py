@@ -16,6 +16,8 @@ and wraps ``dense`` in DDP. No parallelism lives here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ from raydlrm.models.config import ModelConfig
 from raydlrm.models.dhen import DHENDense
 from raydlrm.models.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from raydlrm.models.layers import CrossNet, autocast_fp32, mlp
+from raydlrm.models.sequence_models import RetrievalFeatures, RetrievalRows, sequence_dense
 from raydlrm.models.towers import TowerDense, tower_vectors
 from raydlrm.models.wukong import WukongDense
 
@@ -111,12 +114,20 @@ class RecModel(nn.Module):
         dense: a module mapping ``(dense B x num_dense, pooled B x sum D_f)`` to logits ``(B,)``.
     """
 
-    def __init__(self, embedding_bags: EmbeddingBagCollection, dense: nn.Module):
+    def __init__(
+        self,
+        embedding_bags: EmbeddingBagCollection,
+        dense: nn.Module,
+        *,
+        retrieval: RetrievalFeatures | None = None,
+    ):
         super().__init__()
         self.embedding_bags = embedding_bags
         self.dense = dense
         self.dense_dtype: torch.dtype | None = None
         """Autocast the dense module to this type (``training.precision``; None: fp32)."""
+        self.retrieval = retrieval
+        """A retrieval model's item features (None: the model scores clicks)."""
 
     def _dense(
         self,
@@ -138,6 +149,39 @@ class RecModel(nn.Module):
         out = self.embedding_bags(batch.sparse, batch.dedup_groups)
         return self._dense(batch.dense, out.values, out.jagged), out.values
 
+    def retrieval_loss(self, batch: Batch, negatives: torch.Tensor) -> torch.Tensor:
+        """A retrieval model's mean next-item loss on ``batch`` (0-d), against the batch's
+        other next items and the sampled item rows ``negatives`` ``(K,)``, looked up in the
+        same pass as the batch."""
+        features = self.retrieval
+        assert features is not None, "not a retrieval model"
+        sparse = features.with_negatives(batch.sparse, negatives)
+        out = self.embedding_bags(sparse, batch.dedup_groups)
+        every = batch.all_sparse()
+        rows = RetrievalRows(
+            history=every.select([features.history]).values,
+            target=every.select([features.target]).values,
+            negatives=negatives,
+        )
+        return autocast_fp32(
+            self.dense_dtype,
+            batch.dense.device.type,
+            self.dense,
+            batch.dense,
+            out.values,
+            out.jagged,
+            rows,
+        )
+
+    def user_vectors(self, batch: Batch) -> torch.Tensor:
+        """A retrieval model's query of each sample, ``(B, D)``: an item's score is its
+        embedding's dot product with it."""
+        features = self.retrieval
+        assert features is not None, "not a retrieval model"
+        empty = batch.sparse.values.new_zeros(0)
+        out = self.embedding_bags(features.with_negatives(batch.sparse, empty), batch.dedup_groups)
+        return self._dense(batch.dense, out.values, out.jagged)
+
     def forward_features(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Click logits of shape ``(B,)`` from dense ``B x num_dense`` and a KJT of batch ``B``."""
         out = self.embedding_bags(sparse)
@@ -152,6 +196,9 @@ def build_model(
     device: torch.device | str = "cpu",
     embedding_device: torch.device | str | None = None,
     seed: int = 0,
+    history: Sequence[str] = (),
+    max_length: int = 0,
+    negatives: str | None = None,
 ) -> RecModel:
     """Builds the model ``config.arch`` over ``tables``.
 
@@ -167,6 +214,9 @@ def build_model(
             model whose tables are created shard by shard (``raydlrm.sharding.shard_model``) or
             loaded from files.
         seed: the seed of the tables' initialization.
+        history: a sequence model's history columns (``model.sequence``'s).
+        max_length: the most events its history holds.
+        negatives: ``sasrec``: the feature its sampled negatives are looked up through.
 
     Raises:
         ValueError: if a table's dim differs from ``model.embedding_dim``.
@@ -175,6 +225,16 @@ def build_model(
     embedding_bags = EmbeddingBagCollection(
         tables, device=device if embedding_device is None else embedding_device, seed=seed
     )
+    if config.reads_sequences:
+        return _sequence_model(
+            config,
+            embedding_bags,
+            num_dense=num_dense,
+            device=device,
+            history=history,
+            max_length=max_length,
+            negatives=negatives,
+        )
     num_sparse = len(embedding_bags.feature_names)
     if config.towers == "auto":
         raise ValueError("model.towers = 'auto' is resolved by the driver before a model is built")
@@ -200,6 +260,41 @@ def build_model(
                 inner=dense,
             )
     return RecModel(embedding_bags, dense)
+
+
+def _sequence_model(
+    config: ModelConfig,
+    embedding_bags: EmbeddingBagCollection,
+    *,
+    num_dense: int,
+    device: torch.device | str,
+    history: Sequence[str],
+    max_length: int,
+    negatives: str | None,
+) -> RecModel:
+    """A sequence model (``din``, ``sasrec``) over ``embedding_bags``."""
+    if not history or max_length <= 0:
+        raise ValueError(f"arch {config.arch!r} needs its history columns and max_length")
+    with torch.device(device):
+        dense = sequence_dense(
+            config,
+            num_dense=num_dense,
+            pooled_features=embedding_bags.pooled_feature_names,
+            history=history,
+            max_length=max_length,
+            negatives=negatives,
+        )
+    retrieval = None
+    if config.retrieval:
+        assert negatives is not None
+        table_of = {f: t.name for t in embedding_bags.tables for f in t.feature_names}
+        retrieval = RetrievalFeatures(
+            history=history[0],
+            target=config.candidate[0],
+            negatives=negatives,
+            item_table=table_of[history[0]],
+        )
+    return RecModel(embedding_bags, dense, retrieval=retrieval)
 
 
 _DENSE_CLASSES: dict[str, type[nn.Module]] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -141,6 +142,10 @@ class TrackingConfig:
     """MLflow run this job's run is a child of (``raydlrm tune`` sets it for its trials)."""
 
 
+RANKED_METRIC = re.compile(r"(hr|ndcg)_at_(\d+)")
+"""A retrieval model's held-out metrics (:mod:`raydlrm.trainers.retrieval`)."""
+
+
 @config_dataclass
 class RetrainConfig:
     """Scheduled retraining (``raydlrm retrain``): which partitions, and when a new model
@@ -153,8 +158,10 @@ class RetrainConfig:
     holdout_partitions: int = 1
     """How many of the newest partitions to hold out: the new model and the champion are both
     evaluated on them."""
-    metric: Literal["auc", "log_loss"] = "auc"
-    """The held-out metric that decides (AUC: higher is better; log loss: lower is better)."""
+    metric: str = "auc"
+    """The held-out metric that decides: ``auc`` (higher is better) or ``log_loss`` (lower is
+    better) for a click model; ``ndcg_at_K`` or ``hr_at_K`` (higher is better, ``K`` in
+    ``model.retrieval_k``) for a retrieval model."""
     min_improvement: float = 0.0
     """The new model takes the champion alias only if it beats the champion by more than this
     (in units of ``metric``); otherwise it is registered as the challenger."""
@@ -180,6 +187,10 @@ class RetrainConfig:
             raise ValueError(f"retrain.max_regression must be >= 0, got {self.max_regression}")
         if self.champion_alias == self.challenger_alias:
             raise ValueError("retrain.champion_alias and retrain.challenger_alias must differ")
+        if self.metric not in ("auc", "log_loss") and not RANKED_METRIC.fullmatch(self.metric):
+            raise ValueError(
+                f"retrain.metric must be auc, log_loss, hr_at_K or ndcg_at_K, got {self.metric!r}"
+            )
 
 
 @config_dataclass
@@ -264,6 +275,22 @@ class JobConfig(WorkerSpec):
         self._check_topology()
         self._check_towers()
         self._check_validation()
+        self.check_sequence_model()
+
+    def check_retrain_metric(self) -> None:
+        """A retrieval model is decided on a ranking metric, a click model on a click one."""
+        ranked = RANKED_METRIC.fullmatch(self.retrain.metric)
+        if self.model.retrieval and not ranked:
+            raise ValueError(
+                f"retrain.metric {self.retrain.metric!r} is a click metric: a retrieval model "
+                f"(arch 'sasrec') is decided on ndcg_at_K or hr_at_K, K in model.retrieval_k "
+                f"{self.model.retrieval_k}"
+            )
+        if ranked and (not self.model.retrieval or int(ranked[2]) not in self.model.retrieval_k):
+            raise ValueError(
+                f"retrain.metric {self.retrain.metric!r} needs a retrieval model (arch 'sasrec') "
+                f"with {ranked[2]} in model.retrieval_k"
+            )
 
     def _check_validation(self) -> None:
         """``training.early_stopping`` needs a validation set and keeps its best checkpoint

@@ -47,6 +47,7 @@ from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.schema import check_id_kinds
+from raydlrm.platform.scorer import TARGET_RANK_COLUMN, TOP_ITEMS_COLUMN, TOP_SCORES_COLUMN
 from raydlrm.storage import is_remote, scratch_directory
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
 from raydlrm.trainers.checkpoints import STATE_FILE, check_intact, local_checkpoint
@@ -70,6 +71,7 @@ __all__ = [
     "export_model",
     "log_model",
     "register_version",
+    "retrieve_table",
     "run_model_dir",
     "save_model",
     "score_table",
@@ -92,10 +94,14 @@ class RecModelPythonModel(mlflow.pyfunc.PythonModel):
         loaded = load_model_checkpoint(context.artifacts["checkpoint"])
         self._model = loaded.model
         self._data = loaded.spec.data
+        self._k = max(loaded.spec.model.retrieval_k)
         self._preprocess = Preprocessor(loaded.spec.data)
 
-    def predict(self, context: Any, model_input: pd.DataFrame, params: Any = None) -> np.ndarray:
-        """Click probabilities, shape ``(N,)``, for ``N`` raw rows (a pandas DataFrame).
+    def predict(
+        self, context: Any, model_input: pd.DataFrame, params: Any = None
+    ) -> np.ndarray | pd.DataFrame:
+        """Click probabilities, shape ``(N,)``, for ``N`` raw rows (a pandas DataFrame); a
+        retrieval model's top-K items per row instead (:func:`retrieve_table`'s columns).
 
         Raises:
             DataValidationError: a sparse column holds ids of another kind (integer or string)
@@ -103,6 +109,10 @@ class RecModelPythonModel(mlflow.pyfunc.PythonModel):
         """
         table = pa.Table.from_pandas(pd.DataFrame(model_input), preserve_index=False)
         check_id_kinds(table.schema, self._data, what="model input")
+        if self._model.retrieval is not None:
+            return retrieve_table(
+                self._model, self._preprocess, self._data, table, k=self._k
+            ).to_pandas()
         return score_table(self._model, self._preprocess, self._data, table)
 
 
@@ -114,6 +124,45 @@ def score_table(
     batch = arrow_to_batch(preprocess(with_zero_labels(table, data)), config=data)
     with torch.no_grad():
         return torch.sigmoid(model(batch)).numpy()
+
+
+def retrieve_table(
+    model: torch.nn.Module,
+    preprocess: Preprocessor,
+    data: DataConfig,
+    table: pa.Table,
+    *,
+    k: int,
+) -> pa.Table:
+    """A retrieval model's top ``k`` items of each of ``N`` raw rows, ranked against the whole
+    item table, and the rank of each row's target item: the columns
+    :data:`TOP_ITEMS_COLUMN`, :data:`TOP_SCORES_COLUMN`, :data:`TARGET_RANK_COLUMN`."""
+    from raydlrm.sharding.retrieval import target_ranks, top_k
+    from raydlrm.trainers.retrieval import item_shard
+
+    batch = arrow_to_batch(preprocess(with_zero_labels(table, data)), config=data)
+    features = model.retrieval
+    items = item_shard(model)
+    with torch.no_grad():
+        queries = model.user_vectors(batch)
+        best = top_k(queries, k=min(k, items.num_embeddings), items=items)
+        every = batch.all_sparse()
+        ranked = every.select([features.history]).lengths > 0
+        ranks = torch.full((batch.batch_size,), -1, dtype=torch.int64)
+        ranks[ranked] = target_ranks(
+            queries[ranked], targets=every.select([features.target]).values[ranked], items=items
+        )
+    width = best.rows.shape[1]
+    offsets = pa.array(np.arange(0, (batch.batch_size + 1) * width, width, dtype=np.int32))
+    return pa.table(
+        {
+            TOP_ITEMS_COLUMN: pa.ListArray.from_arrays(offsets, best.rows.reshape(-1).numpy()),
+            TOP_SCORES_COLUMN: pa.ListArray.from_arrays(
+                offsets, best.scores.reshape(-1).numpy().astype(np.float32)
+            ),
+            TARGET_RANK_COLUMN: pa.array(ranks.numpy()),
+        }
+    )
 
 
 def with_zero_labels(table: pa.Table, data: DataConfig) -> pa.Table:

@@ -135,7 +135,7 @@ def decide(new: float, champion: float | None, config: RetrainConfig) -> tuple[s
     if champion is None:
         return CHAMPION, f"no champion before: the new model ({metric} {new:.6f}) becomes it"
     # Positive: the new model is better.
-    gain = new - champion if metric == "auc" else champion - new
+    gain = champion - new if metric == "log_loss" else new - champion
     compared = f"{metric} {new:.6f} vs champion {champion:.6f} ({gain:+.6f})"
     if not math.isfinite(champion):
         return CHAMPION, f"{compared}: the champion's held-out {metric} is not finite"
@@ -264,6 +264,10 @@ def retrain(
         RetrainError: the new model failed a guard, or the champion has no checkpoint.
     """
     job = resolve_paths(load_config(config, overrides=overrides))
+    try:
+        job.check_retrain_metric()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     name = job.tracking.registered_model_name
     if not name:
         raise ConfigError("retrain needs tracking.registered_model_name (the champion's model)")

@@ -21,9 +21,24 @@ from raydlrm.platform.score_source import PATH_COLUMN
 from raydlrm.storage import scratch_directory
 from raydlrm.trainers.model_dir import METADATA_FILES, WEIGHTS_FILE
 
-__all__ = ["PREDICTION_COLUMN", "Scorer", "UnknownIds", "model_for_actors"]
+__all__ = [
+    "PREDICTION_COLUMN",
+    "TARGET_RANK_COLUMN",
+    "TOP_ITEMS_COLUMN",
+    "TOP_SCORES_COLUMN",
+    "Scorer",
+    "UnknownIds",
+    "model_for_actors",
+]
 
 PREDICTION_COLUMN = "prediction"
+TOP_ITEMS_COLUMN = "top_items"
+"""A retrieval model's output: the item table rows of the best ``K`` items, best first."""
+TOP_SCORES_COLUMN = "top_scores"
+"""Their scores (the user vector's dot products with the items' embeddings)."""
+TARGET_RANK_COLUMN = "target_rank"
+"""The rank of the row's target item among every item (0: first; items scoring strictly
+higher); -1 where the history is empty (no query to rank with)."""
 
 
 def model_for_actors(files: ModelFiles) -> dict[str, Any]:
@@ -90,15 +105,19 @@ class Scorer:
         self.model = loaded.model
         # Every row is scored or the job stops: nothing is set aside.
         self.data = dataclasses.replace(loaded.spec.data, bad_input="fail")
+        self.k = max(loaded.spec.model.retrieval_k)  # a retrieval model's items per row
         self.preprocess = Preprocessor(self.data)
         self.keep = keep
         self.unknown, self._counted = unknown, None
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from raydlrm.platform.export import score_table
+        from raydlrm.platform.export import retrieve_table, score_table
 
         try:
-            probs = score_table(self.model, self.preprocess, self.data, table)
+            if self.model.retrieval is not None:
+                found = retrieve_table(self.model, self.preprocess, self.data, table, k=self.k)
+            else:
+                probs = score_table(self.model, self.preprocess, self.data, table)
         except BadInputError:
             # A batch may span files: the one of the first bad row (the driver finds its row).
             found = first_unscorable_row(table, self.data)
@@ -107,6 +126,10 @@ class Scorer:
             raise BadInputError(f"{table.column(PATH_COLUMN)[row].as_py()}: {reason}") from None
         self._count_unknown()
         out = table.select([c for c in self.keep if c in table.column_names])
+        if self.model.retrieval is not None:
+            for name in found.column_names:
+                out = out.append_column(name, found.column(name))
+            return out
         return out.append_column(PREDICTION_COLUMN, pa.array(probs, pa.float32()))
 
     def _count_unknown(self) -> None:

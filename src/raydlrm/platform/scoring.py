@@ -36,9 +36,16 @@ from raydlrm.ingestion.reader import PREPROCESS_ACTOR_CPUS
 from raydlrm.ingestion.schema import check_id_kinds
 from raydlrm.platform.model_files import ModelFiles, model_files
 from raydlrm.platform.score_source import ScoreSource
-from raydlrm.platform.scorer import PREDICTION_COLUMN, Scorer, UnknownIds, model_for_actors
+from raydlrm.platform.scorer import (
+    PREDICTION_COLUMN,
+    TARGET_RANK_COLUMN,
+    Scorer,
+    UnknownIds,
+    model_for_actors,
+)
 from raydlrm.storage import PartitionSelector, StorageConfig, filesystem_for, scratch_directory
 from raydlrm.trainers.metrics import binary_metrics
+from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]
 
@@ -272,7 +279,8 @@ def evaluate(
     num_actors: int = 2,
 ) -> ScoreResult:
     """Scores a labelled data set (its selected ``partitions``, default all) and returns AUC
-    and log loss (and the predictions under ``output`` when given).
+    and log loss (and the predictions under ``output`` when given); for a retrieval model,
+    HR@K and NDCG@K of each row's target item against the whole item table.
 
     ``model`` is a model URI or directory, or :func:`model_files` of one.
 
@@ -311,8 +319,26 @@ def evaluate(
         out_fs, out_path = filesystem_for(target, storage)
         table = pads.dataset(out_path, filesystem=out_fs, format="parquet").to_table()
     result.output = output
-    result.metrics = {**_metrics(table, label=label), "rows": float(result.rows)}
+    if TARGET_RANK_COLUMN in table.column_names:  # a retrieval model
+        ks = WorkerSpec.stored(files.spec).model.retrieval_k
+        result.metrics = {**_retrieval_metrics(table, ks=ks), "rows": float(result.rows)}
+    else:
+        result.metrics = {**_metrics(table, label=label), "rows": float(result.rows)}
     return result
+
+
+def _retrieval_metrics(table: pa.Table, *, ks: list[int]) -> dict[str, float]:
+    """HR@K and NDCG@K over the rows with a history (training's definitions,
+    :func:`raydlrm.sharding.retrieval.retrieval_metrics`), and how many had none."""
+    from raydlrm.sharding.retrieval import retrieval_metrics
+
+    ranks = torch.from_numpy(table.column(TARGET_RANK_COLUMN).to_numpy().astype(np.int64))
+    ranked = ranks[ranks >= 0]
+    metrics = {
+        name: float(values.mean()) if ranked.numel() else float("nan")
+        for name, values in retrieval_metrics(ranked, ks=tuple(ks)).items()
+    }
+    return {**metrics, "empty_histories": float((ranks < 0).sum())}
 
 
 def _metrics(table: pa.Table, *, label: str) -> dict[str, float]:

@@ -52,11 +52,18 @@ def _dedup_line(metrics: dict[str, float]) -> str | None:
 def _metrics_table(m: dict[str, float]) -> Table:
     """The metrics by data set: train, valid (with a validation set) and eval."""
     table = Table(title="raydlrm training summary", show_header=True)
-    parts = ["train", *(["valid"] if "valid/auc" in m else []), "eval"]
+    ranked = {
+        k.split("/", 1)[1] for k in m if k.startswith(("eval/", "valid/")) and "_at_" in k
+    }  # a retrieval model's hr_at_K, ndcg_at_K
+    names = ["auc", "log_loss", "normalized_entropy"]
+    if ranked:
+        by_cut = sorted(ranked, key=lambda n: (n.split("_at_")[0], int(n.split("_at_")[1])))
+        names = [*by_cut, "loss"]
+    parts = ["train", *(["valid"] if "valid/num_samples" in m else []), "eval"]
     table.add_column("metric")
     for part in parts:
         table.add_column(part, justify="right")
-    for name in ("auc", "log_loss", "normalized_entropy"):
+    for name in names:
         table.add_row(name, *(_fmt(m.get(f"{part}/{name}")) for part in parts))
     samples = {"train": "samples_seen", "valid": "valid/num_samples", "eval": "eval/num_samples"}
     table.add_row("samples", *(_fmt(m.get(samples[part]), ".0f") for part in parts))

@@ -97,7 +97,8 @@ def tune(
     if num_trials is not None:
         job = replaced(job, tune=replaced(job.tune, num_trials=num_trials))
     if job.tune.metric is None:  # on validation where there is a validation set
-        metric = "valid/auc" if job.data.has_validation() else "eval/auc"
+        name = f"ndcg_at_{min(job.model.retrieval_k)}" if job.model.retrieval else "auc"
+        metric = f"valid/{name}" if job.data.has_validation() else f"eval/{name}"
         job = replaced(job, tune=replaced(job.tune, metric=metric))
     space = {**parse_search(job.tune.search), **parse_search(list(search))}
     if not space:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from raydlrm._config import config_dataclass
 
 VALID_METRICS = {"valid/auc": "max", "valid/log_loss": "min", "valid/normalized_entropy": "min"}
-"""The validation metrics early stopping can watch, with the direction that is better."""
+"""The validation metrics early stopping can watch, with the direction that is better (a
+click model's; a retrieval model's are :data:`RETRIEVAL_METRIC`)."""
+RETRIEVAL_METRIC = re.compile(r"valid/(hr|ndcg)_at_(\d+)")
+"""A retrieval model's validation metrics (``valid/hr_at_K``, ``valid/ndcg_at_K``, for ``K``
+in ``model.retrieval_k``): higher is better."""
+
+
+def metric_direction(metric: str) -> Literal["max", "min"] | None:
+    """Which direction of validation metric ``metric`` is better (None: not one)."""
+    if RETRIEVAL_METRIC.fullmatch(metric):
+        return "max"
+    return VALID_METRICS.get(metric)  # type: ignore[return-value]
 
 
 @config_dataclass
@@ -33,10 +45,10 @@ class EarlyStoppingConfig:
     """An improvement is a change beyond the best by more than this (in the metric's units)."""
 
     def __post_init__(self) -> None:
-        if self.metric not in VALID_METRICS:
+        if metric_direction(self.metric) is None:
             raise ValueError(
-                f"training.early_stopping.metric must be one of {sorted(VALID_METRICS)}, "
-                f"got {self.metric!r}"
+                f"training.early_stopping.metric must be one of {sorted(VALID_METRICS)} or, "
+                f"for a retrieval model, valid/hr_at_K or valid/ndcg_at_K; got {self.metric!r}"
             )
         if self.patience < 1:
             raise ValueError(
@@ -49,7 +61,7 @@ class EarlyStoppingConfig:
 
     def better(self) -> Literal["max", "min"]:
         """The direction that is better: ``mode``, else the metric's."""
-        return self.mode or VALID_METRICS[self.metric]  # type: ignore[return-value]
+        return self.mode or metric_direction(self.metric)  # type: ignore[return-value]
 
 
 @config_dataclass

@@ -6,7 +6,9 @@ the held-out data in lock-step with the others (the model's forward pass is a co
 the metrics are computed over all ranks. A worker keeps its share of the held-out batches in
 memory after the first whole pass, up to ``training.held_out_cache_mib``
 (:class:`~raydlrm.trainers.sources.HeldOutCache`): later evaluations then only run the model.
-A reading error of the held-out data in the final
+A retrieval model (``sasrec``) is evaluated by HR@K and NDCG@K of each example's target
+against every item (:mod:`raydlrm.trainers.retrieval`). A reading error of the held-out data in
+the final
 evaluation ends it on every rank alike and is reported as ``eval/error`` (the first rank's
 error line), so that the trained model, already checkpointed, is kept.
 """
@@ -23,6 +25,7 @@ from raydlrm.ingestion.loader import iter_train_batches
 from raydlrm.trainers._dist import all_gather_object
 from raydlrm.trainers.metrics import PredictionBuffer
 from raydlrm.trainers.pipeline import Lockstep
+from raydlrm.trainers.retrieval import RetrievalBuffer, item_shard
 from raydlrm.trainers.sources import BatchSource, HeldOutCache, empty_batch_of
 from raydlrm.trainers.spec import WorkerSpec
 
@@ -101,9 +104,17 @@ class Evaluator:
         ``empty`` is an empty batch for a rank without data, ``errors`` collects reading errors
         instead of raising them (see :class:`~raydlrm.trainers.pipeline.Lockstep`)."""
         self.model.eval()
-        buffer = PredictionBuffer()
         limit = self.spec.training.max_eval_batches
         stream = Lockstep(device=self.device, rank=self.rank)
+        if getattr(self.model, "retrieval", None) is not None:  # HR@K, NDCG@K, every item
+            ranked = RetrievalBuffer(self.spec.model.retrieval_k)
+            items = item_shard(self.model)
+            for i, batch in enumerate(stream(batches, empty, errors)):
+                ranked.add(self.model, batch, items=items)
+                if limit is not None and i + 1 >= limit:
+                    break
+            return ranked.compute(device=self.device, prefix=self.prefix)
+        buffer = PredictionBuffer()
         for i, batch in enumerate(stream(batches, empty, errors)):
             buffer.add(self.model(batch), batch.labels)
             if limit is not None and i + 1 >= limit:

@@ -78,8 +78,8 @@ logger = logging.getLogger(__name__)
 class StepResult:
     """What one training step produced."""
 
-    logits: torch.Tensor
-    """Detached logits, shape ``(B,)``."""
+    logits: torch.Tensor | None
+    """Detached logits, shape ``(B,)`` (None: a retrieval model's step)."""
     loss: torch.Tensor
     """This rank's mean loss over the batch (detached, 0-d, on the device: reading it is a
     host synchronization on a GPU)."""
@@ -142,8 +142,13 @@ class Trainer:
         if hooks is None:
             hooks = default_hooks(spec)
         self.hooks = list(hooks)
+        self.draw_seed = spec.training.seed
+        """What a sequence model's per-step draws derive from (:meth:`_step_draws`)."""
         self.window = MetricsWindow(
-            every=spec.training.log_every_steps, device=self.device, rank=rank
+            every=spec.training.log_every_steps,
+            device=self.device,
+            rank=rank,
+            clicks=not spec.model.retrieval,
         )
         self.reporter = Reporter(
             report or _ray_report, rank=rank, log_every_steps=spec.training.log_every_steps
@@ -183,6 +188,7 @@ class Trainer:
             num_dense=spec.data.num_dense_inputs(),
             embedding_device="meta",
             seed=spec.training.seed,
+            **spec.sequence_inputs(),
         )
         sharded = shard_model(
             model,
@@ -222,6 +228,8 @@ class Trainer:
             state["precision"] = precision
         if self.validation.active:
             state["validation"] = self.validation.state_dict()
+        if self.spec.model.reads_sequences:  # what a step's draws derive from
+            state["draw_seed"] = self.draw_seed
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -231,6 +239,7 @@ class Trainer:
         self.samples_seen = int(state["samples_seen"])
         self.clock.train_seconds = float(state["train_seconds"])
         self.precision.load_state_dict(state.get("precision", {}))
+        self.draw_seed = int(state.get("draw_seed", self.draw_seed))
 
     def load(self, directory: str, *, stored: Any = None) -> None:
         """Continues from a training checkpoint (any world size or plan); all ranks.
@@ -300,6 +309,10 @@ class Trainer:
         """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
         self.precision.begin_step()
+        if self.model.retrieval is not None:
+            return self._retrieval_step(batch)
+        if self.spec.model.reads_sequences:
+            self._step_draws()
         logits, pooled = self.model.forward_pooled(batch)
         # The mean over this rank's samples, written so that an empty batch (a rank that ran
         # dry while others still train) has loss 0 and zero gradients rather than NaN.
@@ -325,6 +338,31 @@ class Trainer:
         if self.device.type == "cpu":
             check_finite(float(loss), rank=self.rank, when=f"step {self.step}")
         return StepResult(logits=logits.detach(), loss=loss)
+
+    def _step_draws(self) -> torch.Generator:
+        """A sequence model's draws of this step (dropout, sampled negatives): seeded from the
+        run's seed, the step and the rank, so that a resumed run draws what it would have
+        (the seed is part of the loop state)."""
+        seed = (self.draw_seed * 1_000_003 + self.step) * 1_009 + self.rank
+        torch.manual_seed(seed)  # dropout draws from torch's global generator
+        return torch.Generator().manual_seed(seed)
+
+    def _retrieval_step(self, batch: Batch) -> StepResult:
+        """One step of a retrieval model: the next-item loss against the batch's other next
+        items and ``model.sasrec_num_negatives`` item rows drawn uniformly
+        (:meth:`_step_draws`)."""
+        config, table = self.spec.model, self.model.retrieval.item_table
+        rows = next(t.num_embeddings for t in self.spec.tables() if t.name == table)
+        draw = self._step_draws()
+        negatives = torch.randint(rows, (config.sasrec_num_negatives,), generator=draw)
+        loss = self.model.retrieval_loss(batch, negatives.to(self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.backward_and_step(loss, self.optimizer)
+        self.step += 1
+        loss = loss.detach()
+        if self.device.type == "cpu":
+            check_finite(float(loss), rank=self.rank, when=f"step {self.step}")
+        return StepResult(logits=None, loss=loss)
 
     def fit(
         self,

@@ -199,14 +199,17 @@ class MetricsWindow:
         every: log every this many steps (``training.log_every_steps``).
         device: the worker's device (the loss sum stays there).
         rank: this worker's rank (for messages).
+        clicks: the steps' click metrics (``train/auc``, ...): not for a retrieval model,
+            whose steps have no logits (only its loss is reported).
     """
 
-    def __init__(self, *, every: int, device: torch.device, rank: int) -> None:
+    def __init__(self, *, every: int, device: torch.device, rank: int, clicks: bool = True) -> None:
         self.every = every
         self.device = device
         self.rank = rank
         self._window = PredictionBuffer()
         self._epoch = PredictionBuffer()
+        self._binary = clicks
         self._reset()
 
     def _reset(self) -> None:
@@ -220,11 +223,18 @@ class MetricsWindow:
         self._epoch = PredictionBuffer()
 
     def add(
-        self, *, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, seconds: float
+        self,
+        *,
+        logits: torch.Tensor | None,
+        labels: torch.Tensor,
+        loss: torch.Tensor,
+        seconds: float,
     ) -> None:
-        """One step: its logits and labels ``(B,)``, mean loss (0-d, on the device) and time."""
-        self._window.add(logits, labels)
-        self._epoch.add(logits, labels)
+        """One step: its logits and labels ``(B,)`` (no logits: a retrieval model's step,
+        whose window reports no click metrics), mean loss (0-d, on the device) and time."""
+        if logits is not None:
+            self._window.add(logits, labels)
+            self._epoch.add(logits, labels)
         self._loss += loss
         self._steps += 1
         self._samples += labels.numel()
@@ -248,8 +258,9 @@ class MetricsWindow:
         samples = all_reduce_scalar(float(self._samples), self.device)
         seconds = all_reduce_scalar(self._seconds, self.device, op="max")
         self._epoch.offload()  # the epoch's predictions wait on the host
+        clicks = self._window.compute().to_dict("train/") if self._binary else {}
         metrics = {
-            **self._window.compute().to_dict("train/"),
+            **clicks,
             "train/loss": mean_loss,
             "train/samples_per_second": samples / max(seconds, 1e-9),
         }
@@ -257,5 +268,6 @@ class MetricsWindow:
         return metrics
 
     def epoch_metrics(self) -> dict[str, float]:
-        """``train/*`` over the current epoch's predictions, all ranks (a collective)."""
-        return self._epoch.compute().to_dict("train/")
+        """``train/*`` over the current epoch's predictions, all ranks (a collective); none
+        for a retrieval model."""
+        return self._epoch.compute().to_dict("train/") if self._binary else {}

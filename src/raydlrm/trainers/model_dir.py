@@ -333,6 +333,7 @@ def load_model_checkpoint(directory: str | Path) -> LoadedModel:
         tables=spec.tables(),
         num_dense=spec.data.num_dense_inputs(),
         embedding_device="meta",
+        **spec.sequence_inputs(),
     )
     with model_source(path) as source:
         weights_file = source / WEIGHTS_FILE

@@ -9,7 +9,7 @@ worker.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raydlrm._config import config_dataclass
 from raydlrm.ingestion.config import DataConfig
@@ -48,19 +48,109 @@ class WorkerSpec:
         """The embedding tables of the data config's sparse features (``t_<column>`` unless a
         ``sparse_specs`` entry names a shared table; ``t_<column>_bucket`` of a bucketized dense
         column), each looked up by its features, sized from the data config, in order of their
-        first feature."""
+        first feature.
+
+        Pooling: a table of the model's history or candidate columns is looked up per position
+        (``none``) by a sequence model (``model.sequence``); the item table of ``sasrec`` also
+        by :meth:`negatives_feature`. Another sequence's columns pool as means (a pooled arch
+        reads a history as its mean), the other columns as sums."""
         from raydlrm.models.embedding import EmbeddingBagConfig
 
-        return [
-            EmbeddingBagConfig(
-                name=table,
-                num_embeddings=self.data.table_size_of(columns[0]),
-                embedding_dim=self.model.embedding_dim,
-                feature_names=tuple(columns),
-                managed=self.data.managed_of(table),
+        per_position = set(self.history_columns()) | set(self.model.candidate)
+        in_sequences = {c for s in self.data.sequences.values() for c in s.columns}
+        negatives = self.negatives_feature()
+        tables = []
+        for table, columns in self.data.table_columns().items():
+            features = tuple(columns)
+            if negatives is not None and self.model.candidate[0] in columns:
+                features += (negatives,)
+            pooling = (
+                "none"
+                if per_position & set(columns)
+                else "mean"
+                if in_sequences & set(columns)
+                else "sum"
             )
-            for table, columns in self.data.table_columns().items()
-        ]
+            tables.append(
+                EmbeddingBagConfig(
+                    name=table,
+                    num_embeddings=self.data.table_size_of(columns[0]),
+                    embedding_dim=self.model.embedding_dim,
+                    feature_names=features,
+                    pooling=pooling,
+                    managed=self.data.managed_of(table),
+                )
+            )
+        return tables
+
+    def check_sequence_model(self) -> None:
+        """Checks that a sequence model's history and candidate fit the data config.
+
+        Raises:
+            ValueError: naming the ``model`` or ``data`` key that does not fit.
+        """
+        if not self.model.reads_sequences:
+            return
+        name = self.model.sequence
+        if name not in self.data.sequences:
+            raise ValueError(
+                f"model.sequence = {name!r} is not a data.sequences entry (have "
+                f"{sorted(self.data.sequences)})"
+            )
+        columns = self.data.sequences[name].columns
+        table_of = {c: t for t, cs in self.data.table_columns().items() for c in cs}
+        candidate = self.model.candidate
+        pairs = list(zip(candidate, columns, strict=False))
+        if self.model.arch == "din" and len(candidate) != len(columns):
+            raise ValueError(
+                f"model.candidate {candidate} must name one column per column of "
+                f"data.sequences.{name} {columns} (the candidate's item, category, ...)"
+            )
+        for cand, column in pairs:
+            if cand not in table_of or cand in columns:
+                raise ValueError(
+                    f"model.candidate {cand!r} must be a sparse column outside the history "
+                    f"data.sequences.{name}"
+                )
+            if table_of[cand] != table_of[column]:
+                raise ValueError(
+                    f"model.candidate {cand!r} is looked up in table {table_of[cand]!r} but the "
+                    f"history column {column!r} in {table_of[column]!r}: give both the same "
+                    f"table (data.sparse_specs.{cand}.table = {table_of[column]!r})"
+                )
+        if self.model.retrieval and self.data.managed_of(table_of[columns[0]]) is not None:
+            raise ValueError(
+                f"arch 'sasrec' ranks every row of the item table {table_of[columns[0]]!r}: it "
+                "cannot be a managed table (data.managed_ids)"
+            )
+
+    def sequence_inputs(self) -> dict[str, Any]:
+        """What :func:`~raydlrm.models.dlrm.build_model` needs of the data for a sequence
+        model (its history columns, their longest history, the negatives feature)."""
+        return {
+            "history": self.history_columns(),
+            "max_length": self.history_max_length(),
+            "negatives": self.negatives_feature(),
+        }
+
+    def history_columns(self) -> list[str]:
+        """The id columns of the history a sequence model reads (none for a pooled arch)."""
+        if not self.model.reads_sequences or self.model.sequence is None:
+            return []
+        return list(self.data.sequences[self.model.sequence].columns)
+
+    def history_max_length(self) -> int:
+        """The most events a history of the model's sequence holds (0: none)."""
+        if not self.history_columns():
+            return 0
+        return self.data.sequences[self.model.sequence].max_length
+
+    def negatives_feature(self) -> str | None:
+        """The feature through which ``sasrec`` looks up its sampled negatives in the item
+        table (a name no data column has), or None."""
+        if not self.model.retrieval:
+            return None
+        return f"{self.model.candidate[0]}/negatives"
 
     def to_dict(self) -> dict:
         return asdict(self)
