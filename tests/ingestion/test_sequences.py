@@ -163,6 +163,28 @@ def test_bad_input_before_ray_names_the_file_and_column(tmp_path: Path):
         write_sequences(str(log_dir), out=str(tmp_path / "out"), config=config)
 
 
+def test_cli_stops_bad_options_and_input_with_one_line_before_ray_starts(tmp_path: Path):
+    import ray
+
+    ray_before = ray.is_initialized()
+    pq.write_table(_log(20), tmp_path / "log.parquet")
+    base = ["data", "sequences", "--out", str(tmp_path / "out"), "--user-column", "user"]
+    cases = {
+        "--item-column=movie": "no column 'movie' (data.sequence_build.item_column)",
+        "--examples=first": "data.sequence_build.examples",
+        "--max-length=0": "data.sequence_build.max_length must be positive",
+    }
+    for flag, message in cases.items():
+        args = [*base, "--log", str(tmp_path / "log.parquet"), flag]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+        assert message in line
+    no_log = CliRunner().invoke(app, base)
+    assert no_log.exit_code == 2 and "error: no interaction log" in no_log.stderr
+    assert ray.is_initialized() == ray_before
+
+
 def test_options_are_checked_naming_the_key():
     with pytest.raises(ValueError, match=r"data\.sequence_build\.label_column"):
         _config(label_column="rating")

@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,6 +455,7 @@ def write_sequences(
     config: SequenceBuildConfig,
     storage: StorageConfig | None = None,
     overwrite: bool = False,
+    connect: Callable[[], None] | None = None,
 ) -> SequenceInfo:
     """Builds the examples of the interaction log ``log`` into ``out`` (see the module
     docstring) with Ray Data, on the Ray instance this process is connected to (a local one
@@ -466,6 +468,8 @@ def write_sequences(
             not read).
         storage: object-store access of ``log`` and ``out``.
         overwrite: replace an earlier build in ``out``.
+        connect: called once the footers and ``out`` are checked, before the first Ray Data
+            pass (to start or join a Ray instance only for a build that can go ahead).
 
     Returns:
         The counts of the build.
@@ -483,6 +487,8 @@ def write_sequences(
     scanned = _scan(log, storage, config)
     filesystem, root = filesystem_for(out, storage)
     _clear_output(filesystem, root, out=out, overwrite=overwrite)
+    if connect is not None:
+        connect()
     parts = max(1, config.num_partitions or math.ceil(scanned.num_rows / _EVENTS_PER_PARTITION))
     built = _run(scanned, config=config, out=(out, storage), parts=parts)
     if config.item_ids == "rows":

@@ -296,15 +296,13 @@ def data_sequences(
     except ConfigError as e:
         fail(str(e))
     from raydlrm.ingestion.badinput import BadInputError
-    from raydlrm.platform.ray_init import init_ray
     from raydlrm.platform.sequences import build_sequences
 
     options = job.data.sequence_build or SequenceBuildConfig()
     target = out or str(Path(job.data.train_path).parent)
     try:
-        init_ray(job)
         info = build_sequences(
-            out=target, config=options, storage=job.data.storage, overwrite=overwrite
+            out=target, config=options, storage=job.data.storage, overwrite=overwrite, job=job
         )
     except (*bad_input_errors(), BadInputError, FileExistsError, ValueError) as e:
         fail(str(e))

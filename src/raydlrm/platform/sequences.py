@@ -9,7 +9,7 @@ from typing import Any
 from raydlrm._logs import configure_api, quiet_libraries
 from raydlrm.ingestion.sequences import SequenceInfo, write_sequences
 from raydlrm.ingestion.sequences_config import SequenceBuildConfig
-from raydlrm.platform.config import load_config
+from raydlrm.platform.config import JobConfig, load_config
 from raydlrm.storage import StorageConfig
 
 __all__ = ["build_sequences"]
@@ -22,19 +22,18 @@ def build_sequences(
     config: SequenceBuildConfig | dict[str, Any] | None = None,
     storage: StorageConfig | None = None,
     overwrite: bool = False,
+    job: JobConfig | None = None,
 ) -> SequenceInfo:
     """Builds training examples with user histories from the interaction log ``log`` into
     ``out``: ``train/``, ``valid/``, ``test/``, ``items.parquet`` and ``metadata.json`` (see
     :mod:`raydlrm.ingestion.sequences`).
 
-    It runs on the Ray instance this process is connected to, else on a new local one (as
-    :func:`raydlrm.train` starts it).
+    It runs on the Ray instance this process is connected to, else on the one ``job``'s
+    ``[ray]`` section names (by default a new local one, as :func:`raydlrm.train` starts it),
+    joined once the log's footers are checked.
 
-    Example::
-
-        raydlrm.build_sequences(
-            "data/log", out="data/seq", config={"examples": "last", "max_length": 50}
-        )
+    Example: ``raydlrm.build_sequences("data/log", out="data/seq", config={"examples":
+    "last"})``.
 
     Args:
         log: the interaction log, a Parquet file or directory (local or ``s3://``); default:
@@ -45,6 +44,7 @@ def build_sequences(
             the defaults.
         storage: object-store access of ``log`` and ``out``.
         overwrite: replace an earlier build in ``out``.
+        job: the job config whose ``[ray]`` section says which Ray to start or join.
 
     Returns:
         The counts of the build.
@@ -66,6 +66,11 @@ def build_sequences(
     log = log or config.log_path
     if log is None:
         raise ValueError("no interaction log: pass log or set data.sequence_build.log_path")
-    if not ray.is_initialized():
-        init_ray(load_config(None))
-    return write_sequences(log, out=out, config=config, storage=storage, overwrite=overwrite)
+    return write_sequences(
+        log,
+        out=out,
+        config=config,
+        storage=storage,
+        overwrite=overwrite,
+        connect=None if ray.is_initialized() else lambda: init_ray(job or load_config(None)),
+    )
