@@ -22,6 +22,7 @@ from raydlrm.ingestion import DataValidationError, SequenceBuildConfig, write_se
 from raydlrm.ingestion._histories import SEQ_COLUMN, Cutoffs, build_examples, example_tables
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.platform.cli import app
+from raydlrm.storage import filesystem_for
 
 SPLITS = ("train", "valid", "test")
 
@@ -305,3 +306,27 @@ def test_a_null_is_named_by_file_row_group_row_and_column(tmp_path: Path, ray_cl
     pq.write_table(log.set_column(1, "item", pa.array(items)), path, row_group_size=20)
     with pytest.raises(BadInputError, match=r"log\.parquet, row group 1, row 17: column 'item' "):
         raydlrm.build_sequences(str(path), out=str(tmp_path / "out"), config=_config())
+
+
+@pytest.mark.ray
+def test_log_and_output_on_s3(s3_server, ray_cluster):
+    storage = s3_server("sequences")
+    filesystem, _ = filesystem_for("s3://sequences/log", storage)
+    log = _log(200)
+    with filesystem.open_output_stream("sequences/log/a.parquet") as f:
+        pq.write_table(log, f, row_group_size=50)
+    config = _config(examples="last", num_partitions=2)
+    for overwrite in (False, True):  # a second build replaces the first
+        info = write_sequences(
+            "s3://sequences/log",
+            out="s3://sequences/out",
+            config=config,
+            storage=storage,
+            overwrite=overwrite,
+        )
+    items = pq.read_table("sequences/out/items.parquet", filesystem=filesystem)
+    expected = _remap(reference(_with_rows(log), config), items["item"].to_pylist())
+    for split in SPLITS:
+        rows = pq.read_table(f"sequences/out/{split}", filesystem=filesystem).to_pylist()
+        assert sorted(rows, key=lambda row: row["user"]) == expected[split]
+        assert info.rows[split] == len(expected[split])
