@@ -9,7 +9,9 @@ process:
 1. the footers are checked on the driver: every file has the columns, of usable types;
 2. with ``split = "time"`` and no ``cutoff_time``, the time column alone is sorted (Ray Data)
    and the cuts read at the ``eval_fraction`` quantiles;
-3. the item column alone is grouped by id (Ray Data): the catalogue, sorted by id;
+3. the item column alone is grouped by id (Ray Data): the catalogue, every item of the log
+   (those of eval events only included: full ranking ranks them all), sorted by id; it is the
+   one thing the driver and each task hold whole (ids, not events);
 4. the events are hash-partitioned by user (``num_partitions`` groups) and each group is built
    by one task (``groupby(...).map_groups``): its events sorted by (user, time, log row), the
    splits and histories computed vectorized (:mod:`raydlrm.ingestion._histories`) and written
@@ -37,7 +39,8 @@ Output (``out``), written by the tasks, then ``items.parquet`` and, last, ``meta
   short-history events per split, the time cuts, the partitions and the columns.
 
 Bad input (a missing column, a column of an unusable type, a null, a NaN time or label) stops
-the build with an error naming the file (and row group, row) and column.
+the build with an error naming the file (and row group, row) and column: a history with a
+hole would be wrong for every later example of the user, so nothing is quarantined.
 """
 
 from __future__ import annotations
@@ -342,14 +345,11 @@ def _build(
     """Runs the partitions' tasks; their counts."""
     import ray
 
-    ref = ray.put(catalogue.column(config.item_column).combine_chunks())
+    ref = None
+    if config.item_ids == "rows":  # put once, read by every task
+        ref = ray.put(catalogue.column(config.item_column).combine_chunks())
     events = _events(log, config=config, columns=config.log_columns(), parts=parts)
-    kwargs = {
-        "config": config,
-        "cutoffs": cutoffs,
-        "catalogue": ref if config.item_ids == "rows" else None,
-        "out": out,
-    }
+    kwargs = {"config": config, "cutoffs": cutoffs, "catalogue": ref, "out": out}
     built = events.groupby(_PART_COLUMN, num_partitions=parts).map_groups(
         _build_group, fn_kwargs=kwargs, batch_format="pyarrow"
     )
