@@ -4,7 +4,8 @@ The public Python API: :func:`train` runs a training job from a config (a path, 
 :class:`JobConfig`), :func:`load_config` reads a TOML run file with overrides, :func:`score`
 and :func:`evaluate` score a Parquet data set with a trained model on Ray Data, :func:`retrain`
 runs one slot of scheduled retraining (warm start from the champion, promote only if better),
-:func:`tune` sweeps hyperparameters (Ray Tune over training jobs).
+:func:`tune` sweeps hyperparameters (Ray Tune over training jobs), :func:`build_sequences` turns
+an interaction log into examples with user histories (Ray Data).
 They are loaded lazily so that worker-side modules (``raydlrm.batch``, ``raydlrm.sharding``)
 import without Ray or MLflow.
 """
@@ -17,6 +18,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "platform.launch": ("TrainResult", "train"),
     "platform.retrain": ("RetrainResult", "retrain"),
     "platform.scoring": ("ScoreResult", "evaluate", "score"),
+    "platform.sequences": ("build_sequences",),
     "platform.tune": ("TuneResult", "tune"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,6 +1,7 @@
 """Data ingestion: Parquet in, ``Batch`` es out.
 
-Synthetic data (:func:`generate_synthetic`), session-clustered data sets for RecD
+Synthetic data (:func:`generate_synthetic`), user histories from an interaction log
+(:func:`write_sequences`, on Ray Data), session-clustered data sets for RecD
 (:func:`cluster_data`, :func:`infer_dedup_groups`), schema checks (:func:`validate_data`), the
 per-worker row-group readers (``raydlrm.ingestion.reader``: each training worker reads its own
 row groups and preprocesses them with :class:`Preprocessor` on a Ray Data actor pool) and the
@@ -50,6 +51,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "validate_data",
     ),
     "sequence_specs": ("SequenceSpec",),
+    "sequences": (
+        "SequenceInfo",
+        "write_sequences",
+    ),
+    "sequences_config": ("SequenceBuildConfig",),
     "stats": (
         "compute_bucket_boundaries",
         "compute_dense_fill_values",
@@ -63,7 +69,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "synthetic_churn": ("ChurnStats",),
     "synthetic_config": (
         "ChurnConfig",
+        "SequencesConfig",
         "SyntheticConfig",
     ),
+    "synthetic_sequences": ("SequenceStats",),
 }
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

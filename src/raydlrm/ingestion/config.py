@@ -2,8 +2,9 @@
 
 :class:`DataConfig` is ``[data]``; its per-column tables (``[data.dense_specs.<column>]``,
 ``[data.sparse_specs.<column>]``) are in ``raydlrm.ingestion.column_specs``, its sequence
-features (``[data.sequences.<name>]``) in ``raydlrm.ingestion.sequence_specs`` and its
-``[data.synthetic]`` table in ``raydlrm.ingestion.synthetic_config``.
+features (``[data.sequences.<name>]``) in ``raydlrm.ingestion.sequence_specs``, its
+``[data.synthetic]`` table in ``raydlrm.ingestion.synthetic_config`` and its
+``[data.sequence_build]`` table in ``raydlrm.ingestion.sequences_config``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from raydlrm._config import config_dataclass
 from raydlrm.ids import ManagedIds
 from raydlrm.ingestion.column_specs import DenseFill, DenseSpec, DenseTransform, SparseSpec
 from raydlrm.ingestion.sequence_specs import SEQUENCE_NAME, SequenceSpec
+from raydlrm.ingestion.sequences_config import SequenceBuildConfig
 from raydlrm.ingestion.synthetic_config import SyntheticConfig
 from raydlrm.storage import PartitionSelector, StorageConfig
 
@@ -39,6 +41,9 @@ class DataConfig:
     synthetic: SyntheticConfig | None = None
     """If set and ``train_path`` does not exist, a synthetic data set is generated into the parent
     directory of ``train_path`` (``train/`` and ``eval/`` beside each other)."""
+    sequence_build: SequenceBuildConfig | None = None
+    """How ``raydlrm data sequences`` builds examples with user histories from an interaction
+    log (``[data.sequence_build]``); training does not read it."""
     label_column: str = "label"
     """The click label column (0/1)."""
     dense_columns: list[str] = field(default_factory=lambda: list(DEFAULT_DENSE_COLUMNS))

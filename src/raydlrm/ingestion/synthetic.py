@@ -33,7 +33,10 @@ is held in memory at a time.
 
 With ``kind = "churn"`` the data set is daily partitions with id churn instead
 (``out_dir/train/<partition_key>=<YYYY-MM-DD>/part-NNNNN.parquet``, no eval split; see
-``raydlrm.ingestion.synthetic_churn``), and ``metadata.json`` adds its per-day id counts.
+``raydlrm.ingestion.synthetic_churn``), and ``metadata.json`` adds its per-day id counts. With
+``kind = "sequences"`` it is user histories (one row per user, a target item and a
+``list<int64>`` history; see ``raydlrm.ingestion.synthetic_sequences``), and
+``metadata.json`` adds the histories' lengths.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from raydlrm.ingestion.clustered import WRITE_OPTIONS, split_sessions
 from raydlrm.ingestion.layout import ClusteredLayout, write_layout
 from raydlrm.ingestion.synthetic_churn import ChurnStats, write_churn
 from raydlrm.ingestion.synthetic_config import SyntheticConfig
+from raydlrm.ingestion.synthetic_sequences import SequenceStats, write_sequences_data
 from raydlrm.storage import SAMPLES_DIR, SESSIONS_DIR
 
 __all__ = ["SyntheticDataExistsError", "SyntheticInfo", "generate_synthetic"]
@@ -92,6 +96,8 @@ class SyntheticInfo:
             as it is (nothing written).
         churn: of churn data (``kind = "churn"``), the per-day and total distinct ids of each
             id column; None otherwise.
+        sequences: of user histories (``kind = "sequences"``), the item table's rows and the
+            histories' lengths; None otherwise.
     """
 
     out_dir: Path
@@ -105,6 +111,7 @@ class SyntheticInfo:
     positive_rate: float
     kept: bool = False
     churn: ChurnStats | None = None
+    sequences: SequenceStats | None = None
 
 
 def _file_table(
@@ -199,6 +206,7 @@ def _read_info(out_dir: Path) -> _Stored | None:
         planted_auc=meta["planted_auc"],
         positive_rate=meta["positive_rate"],
         churn=ChurnStats(**meta["churn"]) if meta.get("churn") else None,
+        sequences=SequenceStats(**meta["sequences"]) if meta.get("sequences") else None,
     )
     return _Stored(info=info, config=meta["config"])
 
@@ -231,9 +239,8 @@ def generate_synthetic(
         if existing is not None:
             return existing
     _clear(out_dir)
-    info = (
-        _write_churn(config, out_dir) if config.kind == "churn" else _write_criteo(config, out_dir)
-    )
+    writers = {"criteo": _write_criteo, "churn": _write_churn, "sequences": _write_sequences}
+    info = writers[config.kind](config, out_dir)
     _write_metadata(info, config=config)
     return info
 
@@ -251,6 +258,22 @@ def _write_churn(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
         planted_auc=written.stats.planted_auc[-1],
         positive_rate=written.positives / written.num_rows,
         churn=written.stats,
+    )
+
+
+def _write_sequences(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
+    written = write_sequences_data(config, out_dir=out_dir)
+    return SyntheticInfo(
+        out_dir=out_dir,
+        train_path=out_dir / "train",
+        eval_path=out_dir / "eval" if config.num_eval_rows else None,
+        num_train_rows=config.num_train_rows,
+        num_eval_rows=config.num_eval_rows,
+        train_files=written.files["train"],
+        eval_files=written.files["eval"],
+        planted_auc=written.planted_auc,
+        positive_rate=written.positives / (config.num_train_rows + config.num_eval_rows),
+        sequences=written.stats,
     )
 
 
@@ -397,6 +420,8 @@ def _write_metadata(info: SyntheticInfo, *, config: SyntheticConfig) -> None:
     }
     if info.churn is not None:
         meta["churn"] = dataclasses.asdict(info.churn)
+    if info.sequences is not None:
+        meta["sequences"] = dataclasses.asdict(info.sequences)
     tmp = info.out_dir / f".{_METADATA}.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(info.out_dir / _METADATA)

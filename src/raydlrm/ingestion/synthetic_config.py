@@ -1,9 +1,11 @@
 """Configuration of a synthetic data set (``[data.synthetic]``): sizes, shapes, planted model.
 
 The data set itself, its columns and the planted model are described in
-``raydlrm.ingestion.synthetic`` (``kind = "criteo"``) and ``raydlrm.ingestion.synthetic_churn``
+``raydlrm.ingestion.synthetic`` (``kind = "criteo"``), ``raydlrm.ingestion.synthetic_churn``
 (``kind = "churn"``, daily partitions with id churn, configured by :class:`ChurnConfig`,
-``[data.synthetic.churn]``); :class:`SyntheticConfig` is a field of
+``[data.synthetic.churn]``) and ``raydlrm.ingestion.synthetic_sequences`` (``kind =
+"sequences"``, user histories, configured by :class:`SequencesConfig`,
+``[data.synthetic.sequences]``); :class:`SyntheticConfig` is a field of
 :class:`~raydlrm.ingestion.config.DataConfig` (``data.synthetic``).
 """
 
@@ -17,7 +19,7 @@ from typing import Literal
 
 from raydlrm._config import config_dataclass
 
-__all__ = ["ChurnConfig", "SyntheticConfig"]
+__all__ = ["ChurnConfig", "SequencesConfig", "SyntheticConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,18 @@ _CRITEO_ONLY = (
     "layout",
     "max_cardinality",
     "interaction_orders",
+)
+# The fields the user-history data set reads besides its own table (``kind = "sequences"``).
+_SEQUENCES_READ = (
+    "seed",
+    "num_train_rows",
+    "num_eval_rows",
+    "rows_per_file",
+    "num_dense",
+    "dense_null_fraction",
+    "zipf_exponent",
+    "target_auc",
+    "positive_rate",
 )
 
 
@@ -101,6 +115,43 @@ class ChurnConfig:
 
 
 @config_dataclass
+class SequencesConfig:
+    """User histories (``[data.synthetic.sequences]``, read when ``data.synthetic.kind =
+    "sequences"``): one row per user, a target item and the user's history of Zipf-distributed
+    items. See ``raydlrm.ingestion.synthetic_sequences``."""
+
+    num_items: int = 100_000
+    """Items of the catalogue; item ids are the rows ``0..num_items-1`` (of the item table)."""
+    min_length: int = 50
+    """The shortest history."""
+    max_length: int = 1000
+    """The longest history; lengths are uniform between ``min_length`` and this."""
+    num_categories: int = 100
+    """Item categories (of the label model): each user favours one."""
+    taste_share: float = 0.5
+    """Share of a user's events (history and target) drawn from the user's favourite category
+    (Zipf over its items); the rest are drawn from the whole catalogue (Zipf)."""
+
+    def __post_init__(self) -> None:
+        key = "data.synthetic.sequences"
+        for name in ("num_items", "min_length", "num_categories"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{key}.{name} must be positive, got {getattr(self, name)}")
+        if self.max_length < self.min_length:
+            raise ValueError(
+                f"{key}.max_length ({self.max_length}) is below min_length ({self.min_length})"
+            )
+        if self.num_items >= 2**31:
+            raise ValueError(f"{key}.num_items must be below 2^31, got {self.num_items}")
+        if self.num_categories > self.num_items:
+            raise ValueError(
+                f"{key}.num_categories ({self.num_categories}) exceeds num_items ({self.num_items})"
+            )
+        if not 0 <= self.taste_share <= 1:
+            raise ValueError(f"{key}.taste_share must be in [0, 1], got {self.taste_share}")
+
+
+@config_dataclass
 class SyntheticConfig:
     """A synthetic data set with a planted model: Criteo-shaped, or daily partitions with id
     churn (``kind``).
@@ -110,12 +161,16 @@ class SyntheticConfig:
     it; training writes it only when ``generate = "if_missing"`` says so.
     """
 
-    kind: Literal["criteo", "churn"] = "criteo"
+    kind: Literal["criteo", "churn", "sequences"] = "criteo"
     """``criteo``: a Criteo-shaped data set, train and eval splits. ``churn``: daily hive
     partitions ``train/<partition_key>=<YYYY-MM-DD>/`` where each day a share of the ids is new
     and popularity drifts (``[data.synthetic.churn]``); of this table it reads ``seed``,
     ``rows_per_file``, ``num_dense``, ``dense_null_fraction``, ``zipf_exponent``,
-    ``target_auc``, ``positive_rate``, ``interaction_share`` and ``partition_key``."""
+    ``target_auc``, ``positive_rate``, ``interaction_share`` and ``partition_key``.
+    ``sequences``: user histories of Zipf items, train and eval splits of one row per user
+    (``[data.synthetic.sequences]``); of this table it reads ``seed``, ``num_train_rows``,
+    ``num_eval_rows``, ``rows_per_file``, ``num_dense``, ``dense_null_fraction``,
+    ``zipf_exponent``, ``target_auc`` and ``positive_rate``."""
     generate: Literal["never", "if_missing"] = "never"
     """Whether training writes this data set where ``data.train_path`` points when nothing is
     there: ``never`` (the default: a missing data path is an error naming the key and the
@@ -181,6 +236,8 @@ class SyntheticConfig:
     """The hive partition key of ``partitions`` (and of the churn data's days)."""
     churn: ChurnConfig = field(default_factory=ChurnConfig)
     """The churn data's days, rows and id populations (``kind = "churn"``)."""
+    sequences: SequencesConfig = field(default_factory=SequencesConfig)
+    """The user histories' items and lengths (``kind = "sequences"``)."""
 
     def __post_init__(self) -> None:
         self._check_kind()
@@ -191,11 +248,21 @@ class SyntheticConfig:
 
     def _check_kind(self) -> None:
         """Churn data: no ``partitions`` (its days are its partitions), no column named like
-        another; a warning per setting the kind ignores."""
+        another; a warning per setting the kind ignores (the other kinds' tables included)."""
         defaults = {f.name: _default(f) for f in dataclasses.fields(self)}
-        if self.kind == "criteo":
-            if self.churn != defaults["churn"]:
-                logger.warning("data.synthetic.churn is ignored: data.synthetic.kind = 'criteo'")
+        for table in ("churn", "sequences"):
+            if self.kind != table and getattr(self, table) != defaults[table]:
+                logger.warning(
+                    "data.synthetic.%s is ignored: data.synthetic.kind = %r", table, self.kind
+                )
+        if self.kind == "sequences":
+            reads = (*_SEQUENCES_READ, "kind", "generate", "sequences", "churn")
+            for name, value in defaults.items():
+                if name not in reads and getattr(self, name) != value:
+                    logger.warning(
+                        "data.synthetic.%s is ignored: data.synthetic.kind = 'sequences'", name
+                    )
+        if self.kind != "churn":
             return
         if not self.partition_key or "/" in self.partition_key or "=" in self.partition_key:
             raise ValueError(f"data.synthetic.partition_key: invalid key {self.partition_key!r}")
