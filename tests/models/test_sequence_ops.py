@@ -102,3 +102,12 @@ def test_single_rows_needs_one_position_per_sample() -> None:
         single_rows("item", jagged=JaggedTensor(rows, torch.tensor([2, 0, 1])))
     with pytest.raises(ValueError, match="feature 'item' must have exactly one id per sample"):
         single_rows("item", jagged=JaggedTensor(rows[:2], torch.tensor([1, 0, 1])))
+
+
+def test_segment_ops_take_an_empty_batch() -> None:
+    """A rank whose data ran out still runs the model on an empty batch."""
+    from raydlrm.batch import JaggedTensor
+
+    empty = JaggedTensor(values=torch.zeros(0, 3), lengths=torch.zeros(0, dtype=torch.int64))
+    assert segment_sum(empty).shape == (0, 3)
+    assert segment_softmax(empty).values.shape == (0, 3)

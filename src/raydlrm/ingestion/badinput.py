@@ -148,7 +148,7 @@ def find_bad_rows(
     table = decode_dictionaries(table)
     reasons = _Reasons(table.num_rows)
     flag = reasons.flag
-    if labelled:
+    if labelled and config.label_column is not None:
         _check_label(_array(table, config.label_column), config.label_column, flag)
     for column in config.dense_columns:
         dense = _array(table, column)

@@ -25,6 +25,8 @@ from raydlrm.storage import PartitionSelector, StorageConfig
 
 DEFAULT_DENSE_COLUMNS = [f"I{i}" for i in range(1, 14)]
 DEFAULT_SPARSE_COLUMNS = [f"C{i}" for i in range(1, 27)]
+LABEL_OUTPUT = "_label"
+"""The preprocessed labels' column when the data has no label column (all zeros)."""
 BUCKET_SUFFIX = "_bucket"
 """A bucketized dense column ``c`` is also the sparse feature ``c_bucket`` (table
 ``t_c_bucket``)."""
@@ -44,8 +46,10 @@ class DataConfig:
     sequence_build: SequenceBuildConfig | None = None
     """How ``raydlrm data sequences`` builds examples with user histories from an interaction
     log (``[data.sequence_build]``); training does not read it."""
-    label_column: str = "label"
-    """The click label column (0/1)."""
+    label_column: str | None = "label"
+    """The click label column (0/1). None: the data has no label, as an interaction log's
+    histories have none (a retrieval model, ``model.arch = "sasrec"``, learns from the items
+    themselves; a click model needs a label)."""
     dense_columns: list[str] = field(default_factory=lambda: list(DEFAULT_DENSE_COLUMNS))
     """Dense float columns, in model input order."""
     sparse_columns: list[str] = field(default_factory=lambda: list(DEFAULT_SPARSE_COLUMNS))
@@ -231,7 +235,7 @@ class DataConfig:
                 ) from None
         self._check_dedup_groups()
         self._check_sequences()
-        columns = [self.label_column, *self.dense_columns, *self.sparse_columns]
+        columns = [*self.label_columns(), *self.dense_columns, *self.sparse_columns]
         dupes = sorted({c for c in columns if columns.count(c) > 1})
         if dupes:
             raise ValueError(f"data: columns {dupes} are named more than once")
@@ -262,7 +266,7 @@ class DataConfig:
                 raise ValueError(f"data.sparse_specs.{col}: not one of data.sparse_columns")
             weight = spec.weight_column
             if weight is not None and weight in (
-                self.label_column,
+                *self.label_columns(),
                 *self.dense_columns,
                 *self.sparse_columns,
             ):
@@ -295,7 +299,7 @@ class DataConfig:
                 f"data.dense_buckets must be 0 (none) or at least 2, got {self.dense_buckets}"
             )
         bucketized = self.bucketized_columns()
-        taken = {self.label_column, *self.dense_columns, *self.sparse_columns}
+        taken = {*self.label_columns(), *self.dense_columns, *self.sparse_columns}
         taken |= {self.table_of(c) for c in self.sparse_columns}
         for col in bucketized:
             feature = self.bucket_feature(col)
@@ -403,7 +407,7 @@ class DataConfig:
 
     def _check_sequences(self) -> None:
         seen: dict[str, str] = {}
-        taken = {self.label_column, *self.dense_columns, *self.sparse_columns}
+        taken = {*self.label_columns(), *self.dense_columns, *self.sparse_columns}
         taken |= {w for c in self.sparse_columns if (w := self.weight_column_of(c))}
         for name, spec in self.sequences.items():
             key = f"data.sequences.{name}"
@@ -578,12 +582,22 @@ class DataConfig:
         columns."""
         weights = [self.weight_column_of(c) for c in self.sparse_columns]
         return [
-            self.label_column,
+            *self.label_columns(),
             *self.dense_columns,
             *self.sparse_columns,
             *(w for w in weights if w is not None),
             *self.value_columns(),
         ]
+
+    def label_columns(self) -> list[str]:
+        """The label column, or none (``label_column = None``: a retrieval model's data)."""
+        return [] if self.label_column is None else [self.label_column]
+
+    @property
+    def label_output(self) -> str:
+        """The column of the preprocessed table that holds the labels (zeros when the data
+        has none)."""
+        return self.label_column or LABEL_OUTPUT
 
     def value_columns(self) -> list[str]:
         """The sequences' value columns, in the order of the sequences and their columns."""

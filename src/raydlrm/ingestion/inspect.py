@@ -174,7 +174,7 @@ def _inspecting(data: DataConfig) -> DataConfig:
 
 
 def _label_rate(sample: pa.Table, *, data: DataConfig) -> float:
-    if not sample.num_rows:
+    if not sample.num_rows or data.label_column is None:
         return 0.0
     return float(pc.mean(sample.column(data.label_column).cast(pa.float64())).as_py())
 

@@ -215,9 +215,10 @@ def arrow_to_batch(table: pa.Table, *, config: DataConfig) -> Batch:
         (``sequence_values``, aligned with the ids of ``sequence_of``'s feature).
     """
     b = table.num_rows
-    labels = _numpy(_array(table, config.label_column).cast(pa.float32()))
+    labels = _numpy(_array(table, config.label_output).cast(pa.float32()))
     dense_array = _array(table, "dense")
-    num_dense = dense_array.type.list_size
+    fixed = pa.types.is_fixed_size_list(dense_array.type)
+    num_dense = dense_array.type.list_size if fixed else 0  # else empty lists: none
     dense = _numpy(dense_array.flatten()).reshape(b, num_dense)
 
     grouped = {c for g in config.dedup_groups for c in g}

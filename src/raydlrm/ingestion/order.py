@@ -168,7 +168,12 @@ def order_findings(
     session = _session_column(summary, config=config)
     trend_columns = _trend_columns(summary.schema, config=config, session=session)
     run_columns = [c for c in config.sparse_columns if _is_scalar_id(summary.schema, column=c)]
-    columns = [config.label_column, *run_columns, *trend_columns, *([session] if session else [])]
+    columns = [
+        *config.label_columns(),
+        *run_columns,
+        *trend_columns,
+        *([session] if session else []),
+    ]
     groups = _read_sample(
         summary,
         config=config,
@@ -179,7 +184,11 @@ def order_findings(
     )
     mixing = _mixing(summary, config=config, sessions=session is not None)
     findings = [f for c in run_columns if (f := _runs_finding(groups, column=c, mixing=mixing))]
-    label = _drift_finding(groups, column=config.label_column, mixing=mixing)
+    label = (
+        None
+        if config.label_column is None
+        else _drift_finding(groups, column=config.label_column, mixing=mixing)
+    )
     findings += [label] if label else []
     runs = any(f.kind == "runs" for f in findings)
     for column in trend_columns:

@@ -436,9 +436,9 @@ class Preprocessor:
         and a dedup group made of them alone needs no row keys."""
         cfg = self.config
         outputs = _Outputs()
-        outputs.add(cfg.label_column, self._label(table))
+        outputs.add(cfg.label_output, self._label(table))
         outputs.add("dense", self._dense(table))
-        names = [cfg.label_column, "dense"]
+        names = [cfg.label_output, "dense"]
         shared = per_session.keys if per_session is not None else {}
         grouped = {c for g in cfg.dedup_groups for c in g}
         for column in cfg.sparse_columns:
@@ -475,6 +475,8 @@ class Preprocessor:
 
     def _label(self, table: pa.Table) -> pa.Array:
         column = self.config.label_column
+        if column is None:  # a retrieval model's data: no label to read
+            return pa.array(np.zeros(table.num_rows, dtype=np.float32))
         labels = _single_array(table.column(column))
         if labels.null_count:
             raise ValueError(f"label column {column!r} has {labels.null_count} null values")
@@ -489,6 +491,9 @@ class Preprocessor:
             transform_dense(out[:, j], column, cfg)
         for j, column in enumerate(cfg.missing_indicator_columns(), start=len(columns)):
             out[:, j] = missing_values(table, column)
+        if not out.shape[1]:  # no dense input (a retrieval model's data): empty lists
+            empty = np.zeros(table.num_rows + 1, dtype=np.int32)
+            return pa.ListArray.from_arrays(pa.array(empty), pa.array([], pa.float32()))
         return pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), out.shape[1])
 
     def _sparse(

@@ -245,7 +245,7 @@ def _expected_columns(config: DataConfig) -> list[tuple[str, str]]:
     sequence values."""
     weights = (config.weight_column_of(c) for c in config.sparse_columns)
     return [
-        (config.label_column, "label"),
+        *((c, "label") for c in config.label_columns()),
         *((c, "dense") for c in config.dense_columns),
         *((c, "sparse") for c in config.sparse_columns),
         *((w, "weight") for w in weights if w is not None),

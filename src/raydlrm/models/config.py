@@ -33,7 +33,8 @@ class ModelConfig:
     attention over the history, then an MLP; ranking with the click label,
     :mod:`raydlrm.models.din`) and ``sasrec`` (causal self-attention over the history,
     next-item prediction with a sampled softmax; retrieval, evaluated by HR@K and NDCG@K over
-    the whole item table, :mod:`raydlrm.models.sasrec`). The other archs pool a sequence's
+    the whole item table, :mod:`raydlrm.models.sasrec`; it reads no label:
+    ``data.label_column`` is unset for it). The other archs pool a sequence's
     columns (mean)."""
     embedding_dim: int = 16
     """Dimension of every embedding table (a multiple of 4, as fbgemm's kernels require)."""

@@ -38,8 +38,11 @@ def segment_sum(jagged: JaggedTensor) -> torch.Tensor:
         jagged: rows ``(N, ...)`` of ``B`` samples.
 
     Returns:
-        ``(B, ...)``; zeros for a sample without positions.
+        ``(B, ...)``; zeros for a sample without positions (and for an empty batch, a rank
+        whose data ran out while others train, ``(0, ...)``).
     """
+    if not jagged.batch_size:  # segment_reduce refuses no segments
+        return jagged.values.new_zeros(0, *jagged.values.shape[1:])
     return torch.segment_reduce(jagged.values, "sum", lengths=jagged.lengths, axis=0)
 
 
@@ -53,6 +56,8 @@ def segment_softmax(jagged: JaggedTensor) -> JaggedTensor:
         The weights, same shape and lengths; each sample's weights sum to 1 (per head).
     """
     scores, lengths = jagged.values, jagged.lengths
+    if not jagged.batch_size:
+        return jagged
     segments = jagged.segment_ids()
     # The shift only keeps exp() finite; softmax does not depend on it, so no gradient.
     peak = torch.segment_reduce(scores.detach(), "max", lengths=lengths, axis=0)

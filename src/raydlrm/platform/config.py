@@ -275,6 +275,8 @@ class JobConfig(WorkerSpec):
         self._check_topology()
         self._check_towers()
         self._check_validation()
+        if self.model.retrieval:  # it learns from the items: no label is read
+            self.data.label_column = None
         self.check_sequence_model()
 
     def check_retrain_metric(self) -> None:

@@ -168,6 +168,8 @@ def retrieve_table(
 def with_zero_labels(table: pa.Table, data: DataConfig) -> pa.Table:
     """``table`` with its label column (if any) replaced by zeros: the preprocessor expects a
     label; scoring has none (or must not use it)."""
+    if data.label_column is None:  # no label to hide: the preprocessor makes zeros
+        return table
     labels = pa.array(np.zeros(table.num_rows, dtype=np.float32))
     if data.label_column in table.column_names:
         table = table.drop_columns([data.label_column])

@@ -151,7 +151,7 @@ def _columns_to_keep(
     *,
     needed: list[str],
     keep: list[str] | None,
-    label: str,
+    label: str | None,
 ) -> list[str]:
     """The columns scored rows keep beside the prediction (default: ``sample_id`` and the label
     where present), after checking that the data holds the model's inputs.
@@ -310,7 +310,7 @@ def evaluate(
             files,
             data,
             target,
-            keep=[label],
+            keep=[label] if label is not None else [],
             storage=storage,
             partitions=partitions or {},
             batch_size=batch_size,

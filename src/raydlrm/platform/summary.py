@@ -58,7 +58,7 @@ def _metrics_table(m: dict[str, float]) -> Table:
     names = ["auc", "log_loss", "normalized_entropy"]
     if ranked:
         by_cut = sorted(ranked, key=lambda n: (n.split("_at_")[0], int(n.split("_at_")[1])))
-        names = [*by_cut, "loss"]
+        names = by_cut
     parts = ["train", *(["valid"] if "valid/num_samples" in m else []), "eval"]
     table.add_column("metric")
     for part in parts:

@@ -89,6 +89,11 @@ class WorkerSpec:
         Raises:
             ValueError: naming the ``model`` or ``data`` key that does not fit.
         """
+        if self.data.label_column is None and not self.model.retrieval:
+            raise ValueError(
+                f"data.label_column is unset: arch {self.model.arch!r} learns from a click "
+                "label (only a retrieval model, arch 'sasrec', trains without one)"
+            )
         if not self.model.reads_sequences:
             return
         name = self.model.sequence
