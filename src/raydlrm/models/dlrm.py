@@ -235,6 +235,17 @@ def build_model(
             max_length=max_length,
             negatives=negatives,
         )
+    return RecModel(embedding_bags, _pooled_dense(config, embedding_bags, num_dense, device))
+
+
+def _pooled_dense(
+    config: ModelConfig,
+    embedding_bags: EmbeddingBagCollection,
+    num_dense: int,
+    device: torch.device | str,
+) -> nn.Module:
+    """The dense side of a pooled arch (``dlrm``, ``dcnv2``, ``wukong``, ``dhen``), behind its
+    towers when ``model.towers`` is set."""
     num_sparse = len(embedding_bags.feature_names)
     if config.towers == "auto":
         raise ValueError("model.towers = 'auto' is resolved by the driver before a model is built")
@@ -259,7 +270,7 @@ def build_model(
                 tower_dim=config.tower_dim,
                 inner=dense,
             )
-    return RecModel(embedding_bags, dense)
+    return dense
 
 
 def _sequence_model(

@@ -47,7 +47,6 @@ from raydlrm.ingestion import DataConfig, Preprocessor, arrow_to_batch
 from raydlrm.ingestion.badinput import BadInputError
 from raydlrm.ingestion.clustered import read_rows
 from raydlrm.ingestion.schema import check_id_kinds
-from raydlrm.platform.scorer import TARGET_RANK_COLUMN, TOP_ITEMS_COLUMN, TOP_SCORES_COLUMN
 from raydlrm.storage import is_remote, scratch_directory
 from raydlrm.trainers import WorkerSpec, load_model_checkpoint
 from raydlrm.trainers.checkpoints import STATE_FILE, check_intact, local_checkpoint
@@ -64,6 +63,12 @@ from raydlrm.trainers.model_dir import (
     write_model_dir,
 )
 from raydlrm.trainers.model_prune import prune_model_dir, prune_rules
+from raydlrm.trainers.retrieval import (
+    TARGET_RANK_COLUMN,
+    TOP_ITEMS_COLUMN,
+    TOP_SCORES_COLUMN,
+    item_shard,
+)
 
 __all__ = [
     "RecModelPythonModel",
@@ -138,7 +143,6 @@ def retrieve_table(
     item table, and the rank of each row's target item: the columns
     :data:`TOP_ITEMS_COLUMN`, :data:`TOP_SCORES_COLUMN`, :data:`TARGET_RANK_COLUMN`."""
     from raydlrm.sharding.retrieval import target_ranks, top_k
-    from raydlrm.trainers.retrieval import item_shard
 
     batch = arrow_to_batch(preprocess(with_zero_labels(table, data)), config=data)
     features = model.retrieval

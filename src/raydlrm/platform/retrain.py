@@ -242,6 +242,23 @@ class Judgement:
     """``new/<metric>`` and ``champion/<metric>``."""
 
 
+def _retrain_job(
+    config: str | Path | dict[str, Any] | JobConfig | None, overrides: list[str] | tuple[str, ...]
+) -> JobConfig:
+    """The job config a retraining runs, its metric checked against the model (a ranking
+    metric for a retrieval model, a click one otherwise).
+
+    Raises:
+        ConfigError: naming the mismatch.
+    """
+    job = resolve_paths(load_config(config, overrides=overrides))
+    try:
+        job.check_retrain_metric()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return job
+
+
 def retrain(
     config: str | Path | dict[str, Any] | JobConfig | None = None,
     *,
@@ -263,11 +280,7 @@ def retrain(
         StorageError: the data has no such partition, or not enough partitions.
         RetrainError: the new model failed a guard, or the champion has no checkpoint.
     """
-    job = resolve_paths(load_config(config, overrides=overrides))
-    try:
-        job.check_retrain_metric()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    job = _retrain_job(config, overrides)
     name = job.tracking.registered_model_name
     if not name:
         raise ConfigError("retrain needs tracking.registered_model_name (the champion's model)")

@@ -23,22 +23,12 @@ from raydlrm.trainers.model_dir import METADATA_FILES, WEIGHTS_FILE
 
 __all__ = [
     "PREDICTION_COLUMN",
-    "TARGET_RANK_COLUMN",
-    "TOP_ITEMS_COLUMN",
-    "TOP_SCORES_COLUMN",
     "Scorer",
     "UnknownIds",
     "model_for_actors",
 ]
 
 PREDICTION_COLUMN = "prediction"
-TOP_ITEMS_COLUMN = "top_items"
-"""A retrieval model's output: the item table rows of the best ``K`` items, best first."""
-TOP_SCORES_COLUMN = "top_scores"
-"""Their scores (the user vector's dot products with the items' embeddings)."""
-TARGET_RANK_COLUMN = "target_rank"
-"""The rank of the row's target item among every item (0: first; items scoring strictly
-higher); -1 where the history is empty (no query to rank with)."""
 
 
 def model_for_actors(files: ModelFiles) -> dict[str, Any]:

@@ -38,13 +38,13 @@ from raydlrm.platform.model_files import ModelFiles, model_files
 from raydlrm.platform.score_source import ScoreSource
 from raydlrm.platform.scorer import (
     PREDICTION_COLUMN,
-    TARGET_RANK_COLUMN,
     Scorer,
     UnknownIds,
     model_for_actors,
 )
 from raydlrm.storage import PartitionSelector, StorageConfig, filesystem_for, scratch_directory
 from raydlrm.trainers.metrics import binary_metrics
+from raydlrm.trainers.retrieval import TARGET_RANK_COLUMN
 from raydlrm.trainers.spec import WorkerSpec
 
 __all__ = ["PREDICTION_COLUMN", "ModelFiles", "ScoreResult", "evaluate", "model_files", "score"]

@@ -58,6 +58,7 @@ from raydlrm.trainers.evaluation import EVAL_STEP, Evaluator
 from raydlrm.trainers.hooks import TrainerHook, default_hooks
 from raydlrm.trainers.metrics import MetricsWindow, StepClock, check_finite
 from raydlrm.trainers.model_dir import FINAL_METRICS_FILE
+from raydlrm.trainers.objective import objective, step_draws
 from raydlrm.trainers.pipeline import Lockstep, SparseDistPipeline
 from raydlrm.trainers.precision import DensePrecision
 from raydlrm.trainers.reporting import Reporter, ReportFn
@@ -139,16 +140,13 @@ class Trainer:
         self.resume_world_size: int | None = None
         self.finished: FinishedRun | None = None  # the loaded checkpoint is the run's final one
         self.stopped_early = False  # early stopping ended training before its data did
-        if hooks is None:
-            hooks = default_hooks(spec)
-        self.hooks = list(hooks)
-        self.draw_seed = spec.training.seed
-        """What a sequence model's per-step draws derive from (:meth:`_step_draws`)."""
+        self.hooks = list(default_hooks(spec) if hooks is None else hooks)
+        self.draw_seed = spec.training.seed  # a sequence model's draws (step_draws)
         self.window = MetricsWindow(
             every=spec.training.log_every_steps,
             device=self.device,
             rank=rank,
-            clicks=not spec.model.retrieval,
+            clicks=not spec.model.retrieval,  # a retrieval model's steps have no logits
         )
         self.reporter = Reporter(
             report or _ray_report, rank=rank, log_every_steps=spec.training.log_every_steps
@@ -309,60 +307,21 @@ class Trainer:
         """One optimization step on ``batch``; returns its logits and mean loss."""
         self.model.train()
         self.precision.begin_step()
-        if self.model.retrieval is not None:
-            return self._retrieval_step(batch)
-        if self.spec.model.reads_sequences:
-            self._step_draws()
-        logits, pooled = self.model.forward_pooled(batch)
-        # The mean over this rank's samples, written so that an empty batch (a rank that ran
-        # dry while others still train) has loss 0 and zero gradients rather than NaN.
-        samples = max(batch.batch_size, 1)
-        loss = (
-            torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, batch.labels, reduction="sum"
-            )
-            / samples
-        )
-        objective = loss
-        if l2 := self.spec.training.embedding_l2:
-            # Gradient l2 * pooled to each looked-up row (the row itself for a one-id bag),
-            # through every kernel, tier and sharding type; the metrics keep the log loss.
-            objective = loss + 0.5 * l2 * pooled.float().square().sum() / samples
+        draws = None
+        if self.spec.model.reads_sequences:  # dropout, sampled negatives
+            draws = step_draws(self.draw_seed, step=self.step, rank=self.rank)
+        step = objective(self.model, batch, spec=self.spec, draws=draws)
         self.optimizer.zero_grad(set_to_none=True)
         # The backward pass also applies the fused embedding optimizer.
-        self.precision.backward_and_step(objective, self.optimizer)
+        self.precision.backward_and_step(step.minimized, self.optimizer)
         self.step += 1
-        loss = loss.detach()
+        loss = step.loss.detach()
         # On a GPU the loss stays there (no synchronization inside a step): the metrics window
         # checks it at log steps and before checkpoints.
         if self.device.type == "cpu":
             check_finite(float(loss), rank=self.rank, when=f"step {self.step}")
-        return StepResult(logits=logits.detach(), loss=loss)
-
-    def _step_draws(self) -> torch.Generator:
-        """A sequence model's draws of this step (dropout, sampled negatives): seeded from the
-        run's seed, the step and the rank, so that a resumed run draws what it would have
-        (the seed is part of the loop state)."""
-        seed = (self.draw_seed * 1_000_003 + self.step) * 1_009 + self.rank
-        torch.manual_seed(seed)  # dropout draws from torch's global generator
-        return torch.Generator().manual_seed(seed)
-
-    def _retrieval_step(self, batch: Batch) -> StepResult:
-        """One step of a retrieval model: the next-item loss against the batch's other next
-        items and ``model.sasrec_num_negatives`` item rows drawn uniformly
-        (:meth:`_step_draws`)."""
-        config, table = self.spec.model, self.model.retrieval.item_table
-        rows = next(t.num_embeddings for t in self.spec.tables() if t.name == table)
-        draw = self._step_draws()
-        negatives = torch.randint(rows, (config.sasrec_num_negatives,), generator=draw)
-        loss = self.model.retrieval_loss(batch, negatives.to(self.device))
-        self.optimizer.zero_grad(set_to_none=True)
-        self.precision.backward_and_step(loss, self.optimizer)
-        self.step += 1
-        loss = loss.detach()
-        if self.device.type == "cpu":
-            check_finite(float(loss), rank=self.rank, when=f"step {self.step}")
-        return StepResult(logits=None, loss=loss)
+        logits = None if step.logits is None else step.logits.detach()
+        return StepResult(logits=logits, loss=loss)
 
     def fit(
         self,

@@ -16,7 +16,22 @@ from raydlrm.models.dlrm import RecModel
 from raydlrm.sharding.plan import Shard
 from raydlrm.sharding.retrieval import ItemShard, TopK, retrieval_metrics, target_ranks, top_k
 
-__all__ = ["RetrievalBuffer", "item_shard", "retrieve"]
+__all__ = [
+    "TARGET_RANK_COLUMN",
+    "TOP_ITEMS_COLUMN",
+    "TOP_SCORES_COLUMN",
+    "RetrievalBuffer",
+    "item_shard",
+    "retrieve",
+]
+
+TOP_ITEMS_COLUMN = "top_items"
+"""A retrieval model's output: the item table rows of the best ``K`` items, best first."""
+TOP_SCORES_COLUMN = "top_scores"
+"""Their scores (the user vector's dot products with the items' embeddings)."""
+TARGET_RANK_COLUMN = "target_rank"
+"""The rank of the row's target item among every item (0: first; items scoring strictly
+higher); -1 where the history is empty (no query to rank with)."""
 
 
 def item_shard(model: RecModel) -> ItemShard:
