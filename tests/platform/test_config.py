@@ -463,3 +463,44 @@ def test_early_stopping_needs_a_validation_set_and_keeps_its_best_itself() -> No
         overrides=["data.valid_split=random", "training.early_stopping.metric=valid/log_loss"]
     )
     assert on.training.stopping().better() == "min"
+
+
+def test_sequence_models_are_checked_against_the_data_naming_the_key() -> None:
+    """A sequence model's history and candidate must fit the data's sequences and tables; a
+    retrieval model reads no label and is decided on ranking metrics, a click model on click
+    ones."""
+    path = Path(__file__).resolve().parents[2] / "configs"
+    din = load_config(path / "movielens_din.toml")
+    assert [t.pooling for t in din.tables() if t.name == "t_movie"] == ["none"]
+    pooled = load_config(
+        path / "movielens_din.toml",
+        overrides=["model.arch=dcnv2", "model.sequence=null", "model.candidate=[]"],
+    )
+    assert [t.pooling for t in pooled.tables() if t.name == "t_movie"] == ["mean"]
+    sasrec = load_config(path / "movielens_sasrec.toml")
+    assert sasrec.data.label_column is None
+    assert sasrec.negatives_feature() in sasrec.tables()[0].feature_names
+    cases = [
+        ("movielens_din.toml", ["model.sequence=other"], "not a data.sequences entry"),
+        ("movielens_din.toml", ["model.candidate=['movie_id', 'user_id']"], "one column per"),
+        ("movielens_din.toml", ["model.candidate=['user_id']"], "data.sparse_specs.user_id"),
+        ("movielens_din.toml", ["model.sequence=null"], "needs model.sequence"),
+        ("movielens_din.toml", ["data.label_column=null"], "learns from a click label"),
+        ("movielens_din.toml", ["retrain.metric='ndcg_at_10'"], None),
+        ("movielens_sasrec.toml", ["model.candidate=[]"], "model.candidate = [<target"),
+        ("movielens_sasrec.toml", ["model.sasrec_num_heads=3"], "sasrec_num_heads"),
+        ("movielens_sasrec.toml", ["data.managed_ids={ t_movie = {} }"], "managed table"),
+        ("movielens_sasrec.toml", ["retrain.metric='bleu'"], "retrain.metric must be"),
+    ]
+    for name, overrides, message in cases:
+        if message is None:  # loads; refused when a retraining starts
+            job = load_config(path / name, overrides=overrides)
+            with pytest.raises(ValueError, match="needs a retrieval model"):
+                job.check_retrain_metric()
+            continue
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(path / name, overrides=overrides)
+    with pytest.raises(ValueError, match="is a click metric"):
+        load_config(
+            path / "movielens_sasrec.toml", overrides=["retrain.metric='auc'"]
+        ).check_retrain_metric()

@@ -276,3 +276,56 @@ def test_sasrec_retrieval_metrics_rank_every_item(seq_dir: Path) -> None:
     assert got["eval/num_samples"] == sum(r.numel() for r in ranks)
     for name, value in want.items():
         assert got[name] == pytest.approx(value, abs=1e-12), name
+
+
+def test_sasrec_scores_top_items_and_target_ranks(seq_dir: Path, tmp_path: Path) -> None:
+    """``raydlrm score``'s actor on a SASRec checkpoint writes each row's top-K items (the
+    best first, scored against the whole item table) and its target's rank, equal to a
+    brute-force ranking with the unsharded table; ``evaluate``'s metrics follow from the ranks
+    (rows without history left out and counted)."""
+    from raydlrm.platform.scorer import Scorer
+    from raydlrm.platform.scoring import _retrieval_metrics
+    from raydlrm.trainers.model_dir import (
+        WEIGHTS_FILE,
+        load_model_checkpoint,
+        save_model_metadata,
+        write_model_dir,
+    )
+    from raydlrm.trainers.retrieval import TARGET_RANK_COLUMN, TOP_ITEMS_COLUMN, TOP_SCORES_COLUMN
+
+    trainer = _trainer(0, 1, str(seq_dir), "sasrec", "table_wise", seed=7)
+    _steps(trainer, _batches(trainer, str(seq_dir))[:2], 1)
+    ckpt = tmp_path / "ckpt"
+    save_training_state(
+        str(ckpt),
+        parts=trainer.parts(),
+        loop_state=trainer.state_dict(),
+        position={"epoch": 0, "consumed": {}, "totals": {}},
+    )
+    save_model_metadata(ckpt, spec=trainer.spec, plan=trainer.plan, metrics={})
+    directory = write_model_dir(ckpt, tmp_path / "model")
+    size = (directory / WEIGHTS_FILE).stat().st_size
+    scorer = Scorer(
+        {"directory": str(directory), "weights_bytes": size, "files_ref": None}, ["user"]
+    )
+    raw = pq.read_table(seq_dir / "eval")
+    out = scorer(raw)
+    assert out.column_names == ["user", TOP_ITEMS_COLUMN, TOP_SCORES_COLUMN, TARGET_RANK_COLUMN]
+    model = load_model_checkpoint(str(directory)).model
+    table = model.embedding_bags.weights["t_item"].detach()
+    batch = arrow_to_batch(Preprocessor(trainer.spec.data)(raw), config=trainer.spec.data)
+    with torch.no_grad():
+        scores = model.user_vectors(batch) @ table.T
+    top = out.column(TOP_ITEMS_COLUMN).to_pylist()
+    assert all(len(row) == 20 for row in top)  # max(model.retrieval_k)
+    targets = batch.sparse.select(["item"]).values
+    above = (scores > scores.gather(1, targets.unsqueeze(1))).sum(dim=1)
+    has = batch.sparse.select(["hist_item"]).lengths > 0
+    # Without history the query is zero: every item ties, the lower rows first.
+    assert torch.equal(torch.tensor(top)[has], torch.topk(scores[has], 20, dim=1).indices)
+    assert all(row == list(range(20)) for row, h in zip(top, has.tolist(), strict=True) if not h)
+    ranks = torch.tensor(out.column(TARGET_RANK_COLUMN).to_pylist())
+    assert torch.equal(ranks[has], above[has]) and bool((ranks[~has] == -1).all())
+    metrics = _retrieval_metrics(out, ks=[5, 20])
+    assert metrics["empty_histories"] == int((~has).sum())
+    assert metrics["hr_at_20"] == pytest.approx(float((above[has] < 20).double().mean()))
