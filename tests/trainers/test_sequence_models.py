@@ -326,6 +326,16 @@ def test_sasrec_scores_top_items_and_target_ranks(seq_dir: Path, tmp_path: Path)
     assert all(row == list(range(20)) for row, h in zip(top, has.tolist(), strict=True) if not h)
     ranks = torch.tensor(out.column(TARGET_RANK_COLUMN).to_pylist())
     assert torch.equal(ranks[has], above[has]) and bool((ranks[~has] == -1).all())
+    # The MLflow model (pyfunc) returns the same columns for raw rows.
+    import mlflow.pyfunc
+
+    from raydlrm.platform.export import save_model
+
+    example = raw.slice(0, 4).to_pandas()
+    pyfunc = mlflow.pyfunc.load_model(str(save_model(directory, tmp_path / "mlflow", example)))
+    predicted = pyfunc.predict(example)
+    assert predicted[TOP_ITEMS_COLUMN].map(list).tolist() == top[:4]
+    assert predicted[TARGET_RANK_COLUMN].tolist() == ranks[:4].tolist()
     metrics = _retrieval_metrics(out, ks=[5, 20])
     assert metrics["empty_histories"] == int((~has).sum())
     assert metrics["hr_at_20"] == pytest.approx(float((above[has] < 20).double().mean()))

@@ -195,14 +195,23 @@ def example_rows(path: str, data: DataConfig, *, role: str = "train") -> pd.Data
     return rows.select([c for c in columns if c in rows.column_names]).to_pandas()
 
 
-def _signature(example: pd.DataFrame) -> mlflow.models.ModelSignature:
-    """The model's signature: the example's columns in, a click probability out. Written
-    from the columns rather than inferred: inference warns about every integer column (it might
-    hold missing values; the preprocessing rejects or maps those itself)."""
+def _signature(example: pd.DataFrame, *, retrieval: bool) -> mlflow.models.ModelSignature:
+    """The model's signature: the example's columns in, a click probability out (a retrieval
+    model: its top items, their scores and the target's rank, :func:`retrieve_table`).
+    Written from the columns rather than inferred: inference warns about every integer column
+    (it might hold missing values; the preprocessing rejects or maps those itself)."""
     from mlflow.types import ColSpec, Schema
+    from mlflow.types.schema import Array
 
     columns = [ColSpec(_column_type(example[name]), str(name)) for name in example.columns]
-    return mlflow.models.ModelSignature(inputs=Schema(columns), outputs=Schema([ColSpec("float")]))
+    outputs = [ColSpec("float")]
+    if retrieval:
+        outputs = [
+            ColSpec(Array("long"), TOP_ITEMS_COLUMN),
+            ColSpec(Array("float"), TOP_SCORES_COLUMN),
+            ColSpec("long", TARGET_RANK_COLUMN),
+        ]
+    return mlflow.models.ModelSignature(inputs=Schema(columns), outputs=Schema(outputs))
 
 
 def _column_type(values: pd.Series) -> Any:
@@ -223,6 +232,14 @@ def _column_type(values: pd.Series) -> Any:
     return "string"
 
 
+def _is_retrieval(model_dir: Path) -> bool:
+    """Whether the model in ``model_dir`` is a retrieval model (its stored config's arch)."""
+    from raydlrm.trainers.spec import WorkerSpec
+
+    spec = WorkerSpec.stored(json.loads((model_dir / SPEC_FILE).read_text()))
+    return spec.model.retrieval
+
+
 def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
     """What ``mlflow.pyfunc.log_model`` and ``save_model`` take to store the model."""
     # The raydlrm source travels with the model (code_paths); these are what it imports.
@@ -235,7 +252,7 @@ def _pyfunc_kwargs(model_dir: Path, example: pd.DataFrame) -> dict[str, Any]:
         # Models from code: loading runs this file (no pickled scorer in the model).
         "python_model": str(Path(__file__).with_name("_pyfunc_model.py")),
         "artifacts": {"checkpoint": str(model_dir)},
-        "signature": _signature(example),
+        "signature": _signature(example, retrieval=_is_retrieval(model_dir)),
         "input_example": example,
         "pip_requirements": requirements,
         # The raydlrm package (this file is raydlrm/platform/export.py).
