@@ -491,6 +491,17 @@ def test_sequence_models_are_checked_against_the_data_naming_the_key() -> None:
         ("movielens_sasrec.toml", ["model.sasrec_num_heads=3"], "sasrec_num_heads"),
         ("movielens_sasrec.toml", ["data.managed_ids={ t_movie = {} }"], "managed table"),
         ("movielens_sasrec.toml", ["retrain.metric='bleu'"], "retrain.metric must be"),
+        (
+            "movielens_sasrec.toml",
+            ["training.early_stopping.metric='valid/auc'"],
+            "reports valid/ndcg_at_K",
+        ),
+        (
+            "movielens_sasrec.toml",
+            ["training.early_stopping.metric='valid/hr_at_20'"],
+            "K in model.retrieval_k",
+        ),
+        ("movielens_din.toml", ["training.early_stopping.metric='valid/hr_at_10'"], "click metric"),
     ]
     for name, overrides, message in cases:
         if message is None:  # loads; refused when a retraining starts

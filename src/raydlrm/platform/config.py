@@ -27,7 +27,7 @@ from raydlrm.sharding import config as sharding_config
 from raydlrm.sharding.topology import Topology
 from raydlrm.storage import StorageConfig
 from raydlrm.trainers import FaultConfig, WorkerSpec
-from raydlrm.trainers.config import FAULT_ENV
+from raydlrm.trainers.config import FAULT_ENV, RETRIEVAL_METRIC
 
 __all__ = [
     "ConfigError",
@@ -308,6 +308,20 @@ class JobConfig(WorkerSpec):
             raise ValueError(
                 "checkpoint.score_metric with training.early_stopping: early stopping keeps the "
                 "best checkpoint by its validation metric; unset checkpoint.score_metric"
+            )
+        metric = self.training.stopping().metric
+        ranked = RETRIEVAL_METRIC.fullmatch(metric)
+        if bool(ranked) != self.model.retrieval or (
+            ranked and int(ranked[2]) not in self.model.retrieval_k
+        ):
+            wanted = (
+                f"valid/ndcg_at_K or valid/hr_at_K, K in model.retrieval_k {self.model.retrieval_k}"
+                if self.model.retrieval
+                else "a click metric (valid/auc, valid/log_loss, valid/normalized_entropy)"
+            )
+            raise ValueError(
+                f"training.early_stopping.metric {metric!r}: arch {self.model.arch!r} reports "
+                f"{wanted}"
             )
 
     def topology(self) -> Topology:
