@@ -339,3 +339,20 @@ def test_sasrec_scores_top_items_and_target_ranks(seq_dir: Path, tmp_path: Path)
     metrics = _retrieval_metrics(out, ks=[5, 20])
     assert metrics["empty_histories"] == int((~has).sum())
     assert metrics["hr_at_20"] == pytest.approx(float((above[has] < 20).double().mean()))
+
+
+def _one_rank_empty(rank, world_size, data_dir, arch) -> float:
+    trainer = _trainer(rank, world_size, data_dir, arch, "table_wise", seed=7)
+    table = _batches(trainer, data_dir)[0]
+    part = table.slice(0, GLOBAL_BATCH if rank == 0 else 0)  # rank 1's data ran out
+    loss = trainer.train_step(arrow_to_batch(part, config=trainer.spec.data)).loss
+    return float(loss)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["din", "sasrec"])
+def test_a_rank_with_an_empty_batch_trains_along(seq_dir: Path, arch: str) -> None:
+    """A rank whose data ran out steps with an empty batch: every dense parameter still gets
+    a (zero) gradient, so the data-parallel reduction does not wait for it forever."""
+    losses = _run(_one_rank_empty, 2, str(seq_dir), arch)
+    assert np.isfinite(losses[0]) and losses[1] == 0.0

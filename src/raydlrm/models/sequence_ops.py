@@ -42,7 +42,9 @@ def segment_sum(jagged: JaggedTensor) -> torch.Tensor:
         whose data ran out while others train, ``(0, ...)``).
     """
     if not jagged.batch_size:  # segment_reduce refuses no segments
-        return jagged.values.new_zeros(0, *jagged.values.shape[1:])
+        # Still from the values: the layers before stay in the graph (zero gradients), as
+        # data parallelism needs of a rank whose batch is empty.
+        return jagged.values.sum(dim=0, keepdim=True)[:0]
     return torch.segment_reduce(jagged.values, "sum", lengths=jagged.lengths, axis=0)
 
 
@@ -98,8 +100,10 @@ def causal_attention(
         )
         outputs.append(bucket.unpad(out))
         rows.append(bucket.sources)
-    if not outputs:
-        return value.new_zeros(0, *value.shape[1:])
+    if not outputs:  # no position (an empty batch, or empty histories only)
+        # Zeros still made of the inputs: their layers get (zero) gradients, as data
+        # parallelism needs of every rank, whatever its batch.
+        return value + 0.0 * (query.sum() + key.sum())
     order = torch.cat(rows)
     gathered = torch.cat(outputs)
     # Back to the rows' order: every row is in exactly one bucket.
