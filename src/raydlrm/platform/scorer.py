@@ -103,8 +103,9 @@ class Scorer:
     def __call__(self, table: pa.Table) -> pa.Table:
         from raydlrm.platform.export import retrieve_table, score_table
 
+        retrieval = getattr(self.model, "retrieval", None) is not None
         try:
-            if self.model.retrieval is not None:
+            if retrieval:
                 found = retrieve_table(self.model, self.preprocess, self.data, table, k=self.k)
             else:
                 probs = score_table(self.model, self.preprocess, self.data, table)
@@ -116,7 +117,7 @@ class Scorer:
             raise BadInputError(f"{table.column(PATH_COLUMN)[row].as_py()}: {reason}") from None
         self._count_unknown()
         out = table.select([c for c in self.keep if c in table.column_names])
-        if self.model.retrieval is not None:
+        if retrieval:
             for name in found.column_names:
                 out = out.append_column(name, found.column(name))
             return out
