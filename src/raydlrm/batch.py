@@ -37,6 +37,7 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "bag_positions",
     "is_debug",
     "lengths_to_offsets",
     "set_debug",
@@ -61,6 +62,18 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
     return offsets
+
+
+def bag_positions(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The positions, in a jagged ``values``, of the bags that start at ``starts`` with
+    ``lengths`` ids, bag after bag: every bag's start plus its ids' ranks inside it
+    (vectorized: no Python loop over bags). Gathers (and so repeats) bags."""
+    offsets = lengths_to_offsets(lengths)
+    total = int(offsets[-1])
+    within = torch.arange(total, device=lengths.device) - torch.repeat_interleave(
+        offsets[:-1], lengths, output_size=total
+    )
+    return torch.repeat_interleave(starts, lengths, output_size=total) + within
 
 
 @dataclass
@@ -232,15 +245,7 @@ class KeyedJaggedTensor:
         bag = torch.arange(num_keys, device=rows.device).unsqueeze(1) * b + rows.unsqueeze(0)
         bag = bag.reshape(-1)
         lengths = self.lengths[bag]
-        starts = self.offsets[bag]
-        # For every output id, its position in `values`: the start of its bag plus its rank
-        # inside the bag. Vectorized: no Python loop over bags.
-        out_offsets = lengths_to_offsets(lengths)
-        total = int(out_offsets[-1])
-        within = torch.arange(total, device=rows.device) - torch.repeat_interleave(
-            out_offsets[:-1], lengths, output_size=total
-        )
-        src = torch.repeat_interleave(starts, lengths, output_size=total) + within
+        src = bag_positions(self.offsets[bag], lengths)
         return KeyedJaggedTensor(
             keys=self.keys,
             values=self.values[src],
@@ -377,13 +382,7 @@ class JaggedTensor:
         """Gathers samples: sample ``i`` of the result is sample ``rows[i]`` (a deduplicated
         history expanded to the batch; differentiable, duplicates' gradients add up)."""
         lengths = self.lengths.index_select(0, rows)
-        out_offsets = lengths_to_offsets(lengths)
-        total = int(out_offsets[-1])
-        within = torch.arange(total, device=rows.device) - torch.repeat_interleave(
-            out_offsets[:-1], lengths, output_size=total
-        )
-        starts = self.offsets.index_select(0, rows)
-        src = torch.repeat_interleave(starts, lengths, output_size=total) + within
+        src = bag_positions(self.offsets.index_select(0, rows), lengths)
         return JaggedTensor(values=self.values.index_select(0, src), lengths=lengths)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:

@@ -261,34 +261,50 @@ def _write_churn(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
     )
 
 
-def _write_sequences(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
-    written = write_sequences_data(config, out_dir=out_dir)
+def _split_info(
+    config: SyntheticConfig,
+    out_dir: Path,
+    *,
+    files: dict[str, list[Path]],
+    planted_auc: float,
+    positives: int,
+    **extra: Any,
+) -> SyntheticInfo:
+    """What a train/eval data set written into ``out_dir`` holds."""
     return SyntheticInfo(
         out_dir=out_dir,
         train_path=out_dir / "train",
         eval_path=out_dir / "eval" if config.num_eval_rows else None,
         num_train_rows=config.num_train_rows,
         num_eval_rows=config.num_eval_rows,
-        train_files=written.files["train"],
-        eval_files=written.files["eval"],
+        train_files=files["train"],
+        eval_files=files["eval"],
+        planted_auc=planted_auc,
+        positive_rate=positives / (config.num_train_rows + config.num_eval_rows),
+        **extra,
+    )
+
+
+def _write_sequences(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
+    written = write_sequences_data(config, out_dir=out_dir)
+    return _split_info(
+        config,
+        out_dir,
+        files=written.files,
         planted_auc=written.planted_auc,
-        positive_rate=written.positives / (config.num_train_rows + config.num_eval_rows),
+        positives=written.positives,
         sequences=written.stats,
     )
 
 
 def _write_criteo(config: SyntheticConfig, out_dir: Path) -> SyntheticInfo:
     written = _write_splits(config, model=plant(config), out_dir=out_dir)
-    return SyntheticInfo(
-        out_dir=out_dir,
-        train_path=out_dir / "train",
-        eval_path=out_dir / "eval" if config.num_eval_rows else None,
-        num_train_rows=config.num_train_rows,
-        num_eval_rows=config.num_eval_rows,
-        train_files=written.files["train"],
-        eval_files=written.files["eval"],
+    return _split_info(
+        config,
+        out_dir,
+        files=written.files,
         planted_auc=written.auc.compute(),
-        positive_rate=written.positives / (config.num_train_rows + config.num_eval_rows),
+        positives=written.positives,
     )
 
 
