@@ -272,15 +272,35 @@ def _time(steps: dict, batches: list[dict], args: argparse.Namespace, rank: int)
 
 
 def _profile(steps: dict, batches: list[dict], args: argparse.Namespace, rank: int) -> None:
+    """Rank 0's operators by self CPU time over ``--steps`` steps of each variant, and the
+    call sites of the costliest."""
+    from contextlib import nullcontext
+
     from torch.profiler import ProfilerActivity, profile
 
     for variant, step in steps.items():
-        with profile(activities=[ProfilerActivity.CPU], enabled=rank == 0) as prof:
+        prof = (
+            profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True)
+            if rank == 0
+            else nullcontext()
+        )
+        with prof:
             for i in range(args.steps):
                 step(batches[i % len(batches)])
-        if rank == 0:
-            print(f"\n[profile rank 0] {variant}, {args.steps} steps, by self CPU time", flush=True)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        if rank != 0:
+            continue
+        print(f"\n[profile rank 0] {variant}, {args.steps} steps, by self CPU time", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        sites: defaultdict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            if event.name.startswith("aten::") and event.self_cpu_time_total > 0:
+                site = [f for f in event.stack if "raydlrm" in f or "benchmarks" in f][:2]
+                key = (event.name, str(event.input_shapes)[:60], " <- ".join(site))
+                sites[key][0] += event.self_cpu_time_total / 1000
+                sites[key][1] += 1
+        print("self ms | calls | operator | input shapes | call site")
+        for (name, shapes, site), (ms, calls) in sorted(sites.items(), key=lambda x: -x[1][0])[:15]:
+            print(f"{ms:8.1f} | {calls} | {name} | {shapes} | {site}")
 
 
 def _rss_bytes() -> int:
