@@ -31,10 +31,17 @@ all-to-all), ``out_rest`` (the rest of the output distribution and the jagged ou
 backward with the optimizer update, the gradient's copies). Phases that end in a collective
 include the wait for the other rank.
 
-``--memory`` instead runs each variant alone in a fresh pair of processes and reports the peak
-resident set size (``ru_maxrss``) of each rank, and its growth over the RSS measured just before
-the collection was built (the batches and the gradient buffers are loaded by then, so the growth
-is the tables, their optimizer state and the step's activations, gradients and buffers).
+``--ids uniform`` keeps the histories' lengths but draws their ids uniformly over the rows: with
+``--rows`` large, nearly every id of a batch is distinct (the worst case for the per-position
+path's deduplication, which then saves nothing).
+
+``--memory`` instead runs each variant alone in a fresh pair of processes (``--warmup`` plus
+``--steps`` steps) and reports the peak resident set size (``ru_maxrss``) of each rank, and its
+growth over the RSS measured just before the collection was built (the batches are loaded by
+then): the growth is the tables and their optimizer state, the kernels' and the exchanges'
+buffers, the step's outputs and gradients, and the fixed output gradients the step backwards
+from (standing in for the model's: per-position ``2 x max ids x dim x 4`` bytes, about 36 MiB
+at the defaults; pooled ``batch x 2 dim x 4``).
 
 Usage::
 
@@ -43,7 +50,7 @@ Usage::
         --set data.synthetic.rows_per_file=4096 --out /tmp/seqthru_data
     python benchmarks/sequence_step.py --data /tmp/seqthru_data [--batch-size 128] [--dim 64]
         [--rows 100000] [--steps 5] [--repeats 5] [--variants tw-pooled,tw-position,...]
-        [--memory] [--profile]
+        [--ids data|uniform] [--memory] [--profile]
 """
 
 from __future__ import annotations
@@ -77,9 +84,12 @@ ALL_VARIANTS = ",".join(
 PHASES = ("input", "lookup", "out_a2a", "out_rest", "bwd_a2a", "bwd_rest")
 
 
-def _load_batches(data: Path, rank: int, *, batch_size: int, rows: int) -> list[dict]:
+def _load_batches(
+    data: Path, rank: int, *, batch_size: int, rows: int, uniform: bool = False
+) -> list[dict]:
     """``NUM_BATCHES`` batches of this rank: ``batch_size`` histories each (rows of the train
-    split, ranks and batches disjoint), both features' ids and lengths, feature-major."""
+    split, ranks and batches disjoint), both features' ids and lengths, feature-major; with
+    ``uniform``, the histories' lengths with ids drawn uniformly over the rows instead."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -96,6 +106,9 @@ def _load_batches(data: Path, rank: int, *, batch_size: int, rows: int) -> list[
         part = column.slice(start, batch_size)
         lengths = torch.from_numpy(pc.list_value_length(part).to_numpy().astype("int64"))
         items = torch.from_numpy(pc.list_flatten(part).to_numpy().astype("int64")) % rows
+        if uniform:
+            gen = torch.Generator().manual_seed(b * WORLD_SIZE + rank)
+            items = torch.randint(0, rows, items.shape, generator=gen)
         side = (items * 7919 + 13) % rows  # a second id column of the same events
         batches.append(
             {
@@ -212,11 +225,25 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace, variants: list[str
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
-    batches = _load_batches(Path(args.data), rank, batch_size=args.batch_size, rows=args.rows)
+    batches = _load_batches(
+        Path(args.data),
+        rank,
+        batch_size=args.batch_size,
+        rows=args.rows,
+        uniform=args.ids == "uniform",
+    )
     # Ids per step, averaged over both ranks' batches (the time per id is of the global step).
     ids = torch.tensor([float(sum(b["ids"] for b in batches) / len(batches))])
     dist.all_reduce(ids)
-    result = {"ids_per_rank_step": float(ids) / WORLD_SIZE, "variants": {}}
+    # The share of a rank's ids of a table in a step that are distinct (what the per-position
+    # path routes, looks up and exchanges).
+    halves = [b["values"].view(2, -1) for b in batches]
+    distinct = [torch.unique(h[f]).numel() / h.shape[1] for h in halves for f in range(2)]
+    result = {
+        "ids_per_rank_step": float(ids) / WORLD_SIZE,
+        "distinct_share": statistics.mean(distinct),
+        "variants": {},
+    }
     del ids
     rss_before = _rss_bytes()
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -343,8 +370,9 @@ def _report_times(result: dict, args: argparse.Namespace) -> None:
     print(
         f"\n{WORLD_SIZE} gloo ranks x 1 thread; tables {', '.join(TABLES)}: {args.rows:,} rows x "
         f"dim {args.dim}, row-wise Adagrad fused; batch {args.batch_size} histories per rank, "
-        f"{ids:,.0f} ids per rank-step (both features); {args.steps} steps x {args.repeats} "
-        "interleaved repeats (medians)"
+        f"{ids:,.0f} ids per rank-step (both features; ids {args.ids}, "
+        f"{result['distinct_share']:.0%} of a rank's ids of a table in a step distinct); "
+        f"{args.steps} steps x {args.repeats} interleaved repeats (medians)"
     )
     print(
         "| variant | samples/s per rank | ms/step | ns per id | "
@@ -392,6 +420,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per timed segment")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--ids",
+        choices=["data", "uniform"],
+        default="data",
+        help="the histories' ids (Zipf), or ids uniform over --rows (mostly distinct)",
+    )
     parser.add_argument("--memory", action="store_true", help="peak RSS, a process per variant")
     parser.add_argument("--profile", action="store_true", help="torch.profiler on rank 0")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
