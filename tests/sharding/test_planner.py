@@ -279,6 +279,19 @@ def test_cost_formulas() -> None:
     assert seq.compute_bytes == tw.compute_bytes
     assert seq.output_comm_bytes == 2 * tw.output_comm_bytes
     assert seq.input_comm_bytes == 10 * 2 * 8 + 10 * 2 * 4
+    # Row-wise per position: each id goes to its one row shard and comes back as its one row
+    # (not a partial sum from every shard, nor a length to every shard).
+    seq_rw = estimate_table_cost(
+        replace(t, pooling="none"),
+        sharding_type="row_wise",
+        num_shards=4,
+        world_size=4,
+        batch_size=10,
+        pooling_factor=2.0,
+        constants=free,
+    )
+    assert seq_rw.output_comm_bytes == seq.output_comm_bytes
+    assert seq_rw.input_comm_bytes == seq.input_comm_bytes
 
 
 def test_ssd_tier_cost_is_the_disk_time_of_the_rows_a_step_touches() -> None:

@@ -43,7 +43,7 @@ SCENARIOS = [
 # 13 samples), each sample with a candidate of its own in the same table as the history.
 SCENARIOS += [(kind, "sgd", True) for kind in ("table_wise", "row_wise", "data_parallel")]
 # The communication codecs apply to the per-position rows: fp16 on the wire (both ways) for
-# a row-wise table (whose zero rows from the shards that do not own an id add up exactly).
+# a row-wise table (a class per row shard: each id's row comes from its one shard).
 SCENARIOS += [("row_wise", "sgd", "fp16")]
 # fp16 on the wire: each output row and gradient rounded once per exchange (half a spacing of
 # values below MAGNITUDE), on top of the summation-order tolerance.
@@ -254,3 +254,52 @@ def test_unsharded_dedup_expands_the_histories() -> None:
     for name in ("hist", "cand", "hist_cat"):
         assert torch.equal(got.jagged[name].values, want.jagged[name].values), name
         assert torch.equal(got.jagged[name].lengths, want.jagged[name].lengths), name
+
+
+# Each rank's history ids: repeats, and ids in both halves of the table's rows.
+WIRE_IDS = {0: [3, 3, 3, 25, 25, 7, 39], 1: [3, 30, 30, 30, 7, 7, 12, 3]}
+WIRE_TYPES = ("table_wise", "row_wise", "column_wise")
+
+
+def _wire_run(rank: int, world_size: int) -> dict:
+    """Per sharding type: the plan's shards of a per-position table and the bytes this rank
+    sent after one step on ``WIRE_IDS``."""
+    table = EmbeddingBagConfig(
+        name="t_item", num_embeddings=40, embedding_dim=8, feature_names=("hist",), pooling="none"
+    )
+    ids = torch.tensor(WIRE_IDS[rank])
+    kjt = KeyedJaggedTensor.from_lengths(["hist"], ids, torch.tensor([3, ids.numel() - 3]))
+    results = {}
+    for kind in WIRE_TYPES:
+        config = ShardingConfig(default_type=kind)
+        plan = plan_sharding([table], world_size=world_size, config=config)
+        ebc = ShardedEmbeddingBagCollection(
+            EmbeddingBagCollection([table], device="meta"), plan=plan, config=config, device="cpu"
+        )
+        out = ebc(kjt).jagged["hist"]
+        assert torch.equal(out.lengths, kjt.lengths)
+        out.values.sum().backward()
+        results[kind] = (plan.table("t_item").shards, ebc.comm_bytes())
+    return results
+
+
+@pytest.mark.distributed
+def test_per_position_all_to_alls_carry_a_row_per_distinct_id() -> None:
+    """A shard sends each rank one row per distinct id of that rank it owns (and receives one
+    gradient row back): repeated ids travel once, and a row shard sends nothing for the ids
+    of the other shards."""
+    results = run_distributed(_wire_run, world_size=2, timeout_s=120)
+    for kind in WIRE_TYPES:
+        shards = results[0][kind][0]
+        if kind == "row_wise":
+            assert len(shards) == 2, shards
+        # Bytes of the rows (and gradient rows) each shard exchanges with the other rank.
+        expected = sum(
+            len({i for i in WIRE_IDS[1 - s.rank] if s.row_start <= i < s.row_end})
+            * (s.col_end - s.col_start)
+            * 4
+            for s in shards
+        )
+        for direction in ("forward", "backward"):
+            sent = sum(r[kind][1].get(direction, {}).get("fp32", 0) for r in results)
+            assert sent == expected, (kind, direction, sent, expected)

@@ -11,12 +11,17 @@ Every feature has a *batch class*: 0 for the plain features, looked up for each 
 the group's ``U_g`` unique rows (:func:`batch_classes`). A table belongs to one class.
 
 A table looked up per position (``pooling = "none"``: sequence features) is a class of its own
-whose rows are its ids (:func:`position_classes`): every id of its features becomes a bag of
-one id of a single *position feature* (:func:`position_feature`), so a rank's rows of the class
-are the ids its samples look up in the table, one feature's after another. Its lookups pool
-bags of one id (the rows themselves), travel through the same all-to-alls as the pooled
-classes (row shards send zeros for the ids they do not own, which the receiver adds), and come
-out as the class's own columns, a row per id, never padded.
+whose rows are its ids (:func:`position_classes`): every distinct id of its features in a
+rank's batch becomes a bag of one id of a single *position feature* (:func:`position_feature`),
+so a rank's rows of the class are the distinct ids its samples look up in the table, in
+ascending order. Its lookups pool bags of one id (the rows themselves), travel through the same
+all-to-alls as the pooled classes, and come out as the class's own columns, a row per distinct
+id, never padded. A row-split table (row-wise or table-row-wise, not managed) is a class per
+row shard instead, each with a position feature that only its shard looks up: a rank sends
+each shard only the ids it owns and receives only their rows (as a table-wise shard would),
+and the shards' rows, in row order, are again its distinct ids' rows in ascending order. (One
+class for all shards would send each shard every id, and have every shard send back a row,
+zero for the ids it does not own: ``k`` times the rows.)
 
 On each rank, units are ordered by (batch class, replicated, kernel pooling mode, weights
 precision, placement, row cache, table, feature): within a class the sharded units come first
@@ -28,7 +33,7 @@ weights precision, placement and row cache or none, so one batch size) are conti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from typing import Literal
 
@@ -154,10 +159,11 @@ def batch_classes(
     return classes
 
 
-def position_feature(table: str) -> str:
-    """The single feature through which the ids of per-position table ``table`` are looked
-    up (a name no data column can have)."""
-    return f"{table}/positions"
+def position_feature(table: str, shard: int | None = None) -> str:
+    """The feature through which the ids of per-position table ``table`` are looked up (a name
+    no data column can have); of a row-split one, one per row shard (``shard``: its index in
+    row order)."""
+    return f"{table}/positions" if shard is None else f"{table}/positions/{shard}"
 
 
 @dataclass(frozen=True)
@@ -165,49 +171,90 @@ class PositionClasses:
     """The tables as the sharded collection looks them up, and each feature's batch class.
 
     Attributes:
-        tables: the tables, each per-position table with one feature, its
-            :func:`position_feature`, pooled as sums of one id.
+        tables: the tables, each per-position table with its :func:`position_feature` (one
+            per row shard of a row-split table), pooled as sums of one id.
         class_of: every looked-up feature's batch class.
-        num_classes: the plain class, the dedup groups', then one per per-position table.
+        num_classes: the plain class, the dedup groups', then one per per-position table (or
+            row shard).
         tables_of_class: batch class -> the per-position table (its real features) it looks up.
+        classes_of_table: per-position table name -> its classes, in row order.
+        row_starts: per-position table split into a class per row shard -> each class's
+            shard's first row.
+        shard_of_feature: per-shard position feature -> the first row of the only shard
+            that looks it up.
     """
 
     tables: list[EmbeddingBagConfig]
     class_of: dict[str, int]
     num_classes: int
     tables_of_class: dict[int, EmbeddingBagConfig]
+    classes_of_table: dict[str, list[int]] = field(default_factory=dict)
+    row_starts: dict[str, list[int]] = field(default_factory=dict)
+    shard_of_feature: dict[str, int] = field(default_factory=dict)
 
 
 def position_classes(
-    tables: Sequence[EmbeddingBagConfig], dedup_groups: Sequence[Sequence[str]]
+    tables: Sequence[EmbeddingBagConfig],
+    dedup_groups: Sequence[Sequence[str]],
+    plan: ShardingPlan | None = None,
 ) -> PositionClasses:
     """The batch classes of ``tables`` (:func:`batch_classes`), each per-position table a class
-    of its own after the dedup groups'. A dedup group's per-position features are looked up
-    in their table's class on the group's unique rows (the class's rows are ids, wherever
-    they come from) and expanded to the batch after the exchange.
+    of its own after the dedup groups', or, row-split in ``plan`` (and not managed: its raw
+    ids are not rows), a class per row shard. A dedup group's per-position features are looked
+    up in their table's classes on the group's unique rows (the classes' rows are ids,
+    wherever they come from) and expanded to the batch after the exchange.
 
     Raises:
         ValueError: as :func:`batch_classes`.
     """
     per_position = {f for t in tables if not t.pooled for f in t.feature_names}
-    lookup = [
-        t if t.pooled else replace(t, feature_names=(position_feature(t.name),), pooling="sum")
-        for t in tables
-    ]
     class_of = batch_classes(
         [t for t in tables if t.pooled],
         [[f for f in group if f not in per_position] for group in dedup_groups],
     )
-    first = len(dedup_groups) + 1
-    tables_of_class = {first + i: t for i, t in enumerate(t for t in tables if not t.pooled)}
-    for c, table in tables_of_class.items():
-        class_of[position_feature(table.name)] = c
+    lookup: list[EmbeddingBagConfig] = []
+    tables_of_class: dict[int, EmbeddingBagConfig] = {}
+    classes_of_table: dict[str, list[int]] = {}
+    row_starts: dict[str, list[int]] = {}
+    shard_of_feature: dict[str, int] = {}
+    num_classes = len(dedup_groups) + 1
+    for table in tables:
+        if table.pooled:
+            lookup.append(table)
+            continue
+        starts = _row_shard_starts(table, plan)
+        if starts:
+            row_starts[table.name] = starts
+            names = [position_feature(table.name, i) for i in range(len(starts))]
+            shard_of_feature.update(zip(names, starts, strict=True))
+        else:
+            names = [position_feature(table.name)]
+        lookup.append(replace(table, feature_names=tuple(names), pooling="sum"))
+        classes_of_table[table.name] = list(range(num_classes, num_classes + len(names)))
+        for c, name in zip(classes_of_table[table.name], names, strict=True):
+            class_of[name] = c
+            tables_of_class[c] = table
+        num_classes += len(names)
     return PositionClasses(
         tables=lookup,
         class_of=class_of,
-        num_classes=first + len(tables_of_class),
+        num_classes=num_classes,
         tables_of_class=tables_of_class,
+        classes_of_table=classes_of_table,
+        row_starts=row_starts,
+        shard_of_feature=shard_of_feature,
     )
+
+
+def _row_shard_starts(table: EmbeddingBagConfig, plan: ShardingPlan | None) -> list[int]:
+    """The first row of each row shard of per-position ``table``, in row order, when it has a
+    class per row shard (row-split in ``plan`` into several shards, not managed); else []."""
+    if plan is None or table.managed is not None:
+        return []
+    table_plan = plan.table(table.name)
+    if table_plan.sharding_type not in ROW_SPLIT_TYPES or len(table_plan.shards) < 2:
+        return []
+    return sorted(s.row_start for s in table_plan.shards)
 
 
 def rank_units(
@@ -215,18 +262,24 @@ def rank_units(
     plan: ShardingPlan,
     config: ShardingConfig | None = None,
     class_of: dict[str, int] | None = None,
+    shard_of_feature: dict[str, int] | None = None,
 ) -> list[list[LookupUnit]]:
     """The units of every rank, in that rank's lookup order (see the module docstring);
     ``config`` gives each table's weights precision and whether it trains through a row cache
-    (default: fp32, none), ``class_of`` each feature's batch class (default: all plain)."""
+    (default: fp32, none), ``class_of`` each feature's batch class (default: all plain),
+    ``shard_of_feature`` the features that only one shard looks up (its first row; default:
+    none, every shard looks up every feature of its table)."""
     config = config or ShardingConfig()
     class_of = class_of or {}
+    only = shard_of_feature or {}
     units: list[list[LookupUnit]] = [[] for _ in range(plan.world_size)]
     feature_index = 0
     for table_index, table in enumerate(tables):
         table_plan = plan.table(table.name)
         for feature in table.feature_names:
             for shard in table_plan.shards:
+                if feature in only and shard.row_start != only[feature]:
+                    continue
                 units[shard.rank].append(
                     LookupUnit(
                         feature=feature,

@@ -102,6 +102,21 @@ _ROW_SPLIT = ("row_wise", "table_row_wise")
 
 
 @dataclass
+class _Positions:
+    """A per-position table's ids of a batch (:func:`_position_inputs`).
+
+    Attributes:
+        sources: its features of the batch, one after another in the table's order, each with
+            its lengths and the inverse index of its dedup group (None: a row per sample).
+        expand: ``(ids,)``, each id's row among the table's distinct ids of the batch (the
+            rows its class looks up, in ascending id order).
+    """
+
+    sources: list[tuple[str, torch.Tensor, torch.Tensor | None]]
+    expand: torch.Tensor
+
+
+@dataclass
 class _Routed:
     """A batch routed to this collection's shards (a :class:`~raydlrm.sharding.types.Routed`).
 
@@ -112,25 +127,25 @@ class _Routed:
         inverses: per batch class, the inverse index of its dedup group (None: a row per
             sample).
         bags: this rank's units' bags for every rank's samples.
-        sequences: per per-position class, its table's features of the batch (their ids are
-            the class's rows, one feature's after another), each with the inverse index of its
-            dedup group (None: a row per sample).
+        sequences: per per-position table (keyed by its first class), its ids of the batch
+            (:class:`_Positions`).
     """
 
     features: KeyedJaggedTensor
     kjts: list[KeyedJaggedTensor | None]
     inverses: list[torch.Tensor | None]
     bags: LocalBags
-    sequences: dict[int, list[tuple[str, torch.Tensor, torch.Tensor | None]]]
+    sequences: dict[int, _Positions]
 
     def tensors(self) -> Iterator[torch.Tensor | None]:
         for kjt in self.kjts:
             if kjt is not None:
                 yield from (kjt.values, kjt.lengths, kjt.weights)
         yield from self.inverses
-        for sources in self.sequences.values():
-            for _, lengths, inverse in sources:
+        for positions in self.sequences.values():
+            for _, lengths, inverse in positions.sources:
                 yield from (lengths, inverse)
+            yield positions.expand
         yield from (self.bags.lengths, self.bags.values, self.bags.weights)
 
 
@@ -181,7 +196,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
     ):
         super().__init__()
         plan.validate(ebc.tables)
-        layout = position_classes(ebc.tables, dedup_groups)
+        layout = position_classes(ebc.tables, dedup_groups, plan)
         class_of = layout.class_of
         self.dedup_groups = [list(g) for g in dedup_groups]
         self._pg = pg
@@ -196,7 +211,7 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         self.kernel = resolve_kernel(config.kernel)
         self._describe(ebc, layout, plan, config)
         lookup_features = [f for t in self._lookup_tables for f in t.feature_names]
-        units = rank_units(self._lookup_tables, plan, config, class_of)
+        units = rank_units(self._lookup_tables, plan, config, class_of, layout.shard_of_feature)
         self._input = InputDistributor(
             units,
             feature_classes=[class_of[f] for f in lookup_features],
@@ -236,6 +251,8 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         self.tables = list(ebc.tables)
         self._lookup_tables = layout.tables
         self._position_tables = layout.tables_of_class
+        self._position_classes = layout.classes_of_table
+        self._row_starts = layout.row_starts
         self.feature_names = ebc.pooled_feature_names
         self.feature_dims = ebc.pooled_feature_dims
         self.sequence_feature_names = ebc.sequence_feature_names
@@ -405,14 +422,21 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
             features = KeyedJaggedTensor.concat([features, *expanded])
         kjts: list[KeyedJaggedTensor | None] = []
         inverses: list[torch.Tensor | None] = []
-        sequences: dict[int, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = {}
+        sequences: dict[int, _Positions] = {}
+        position_kjts: dict[int, KeyedJaggedTensor] = {}
+        for name, classes in self._position_classes.items():
+            sequences[classes[0]], parts = _position_inputs(
+                self._position_tables[classes[0]].feature_names,
+                [self._class_features[c][0] for c in classes],
+                features,
+                list(given.values()),
+                row_starts=self._row_starts.get(name),
+            )
+            position_kjts.update(zip(classes, parts, strict=True))
         for c, names in enumerate(self._class_features):
             group = given.get(c)
-            table = self._position_tables.get(c)
-            if table is not None:
-                sequences[c], kjt = _position_inputs(
-                    table.feature_names, names[0], features, list(given.values())
-                )
+            if c in position_kjts:
+                kjt = position_kjts[c]
             else:
                 source = features if group is None else group.unique
                 kjt = source.select(names) if names else None
@@ -453,13 +477,18 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
         if self.embedding_cut is not None and self.training and values.requires_grad:
             values = self.embedding_cut(values)
         jagged = {}
-        for c, rows in positions.items():
-            sources = routed.sequences[c]
+        for classes in self._position_classes.values():
+            table_input = routed.sequences[classes[0]]
+            sources, expand = table_input.sources, table_input.expand
+            # A row-split table's shards' rows, in row order, are its distinct ids' rows.
+            parts = [positions[c] for c in classes]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
             totals = torch.stack([lengths.sum() for _, lengths, _ in sources]).tolist()
-            for (name, lengths, inverse), part in zip(
-                sources, rows.split(totals, dim=0), strict=True
-            ):
-                one = JaggedTensor(values=part, lengths=lengths)
+            # The distinct ids' rows to every id of each feature, a gather per feature (the
+            # backward adds each feature's gradient rows into the distinct rows, with no copy
+            # of the features' gradients into one buffer as a split's backward makes).
+            for (name, lengths, inverse), part in zip(sources, expand.split(totals), strict=True):
+                one = JaggedTensor(values=rows.index_select(0, part), lengths=lengths)
                 jagged[name] = one if inverse is None else one.index_rows(inverse)
         return KeyedTensor(
             keys=list(self.feature_names),
@@ -496,14 +525,23 @@ class ShardedEmbeddingBagCollection(LocalState, ShardedTables):
 
 def _position_inputs(
     names: Sequence[str],
-    feature: str,
+    position_features: list[str],
     features: KeyedJaggedTensor,
     groups: list[DedupGroup],
-) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor | None]], KeyedJaggedTensor]:
-    """A per-position class's input (see :func:`~raydlrm.sharding._layout.position_classes`):
-    each of its table's features ``names`` with its lengths and inverse index, read from its
-    dedup group's unique rows in ``groups`` or else from ``features``; and their ids, one
-    feature's after another, as bags of one id of the class's single ``feature``."""
+    *,
+    row_starts: list[int] | None,
+) -> tuple[_Positions, list[KeyedJaggedTensor]]:
+    """A per-position table's input (see :func:`~raydlrm.sharding._layout.position_classes`):
+    each of its features ``names`` with its lengths and inverse index, read from its dedup
+    group's unique rows in ``groups`` or else from ``features``; and the distinct ids of them
+    all, in ascending order, as bags of one id of each of its classes' ``position_features``:
+    one class, or a class per row shard (the shards' first rows ``row_starts``), each with
+    the ids its shard owns.
+
+    A history repeats popular items (Zipf): each distinct id is routed, looked up and sent
+    back once, and its row copied to every position holding it after the exchange
+    (:attr:`_Positions.expand`), so the all-to-alls carry a row per distinct id, not per id.
+    """
     sources, values = [], []
     for name in names:
         group = next((g for g in groups if name in g.keys), None)
@@ -511,10 +549,20 @@ def _position_inputs(
         sources.append((name, kjt.lengths, None if group is None else group.inverse))
         values.append(kjt.values)
     ids = torch.cat(values) if len(values) > 1 else values[0]
-    bags = KeyedJaggedTensor(
-        keys=[feature],
-        values=ids,
-        lengths=torch.ones(ids.numel(), dtype=torch.int64, device=ids.device),
-        batch_size=ids.numel(),
-    )
-    return sources, bags
+    distinct, expand = torch.unique(ids, sorted=True, return_inverse=True)
+    parts = [distinct]
+    # Sorted: each row shard's ids are contiguous (ids out of range land in the first or the
+    # last shard's class, whose id check names the table).
+    if row_starts:
+        starts = torch.tensor(row_starts[1:], dtype=distinct.dtype, device=distinct.device)
+        parts = list(distinct.tensor_split(torch.searchsorted(distinct, starts).cpu()))
+    bags = [
+        KeyedJaggedTensor(
+            keys=[feature],
+            values=part,
+            lengths=torch.ones(part.numel(), dtype=torch.int64, device=ids.device),
+            batch_size=part.numel(),
+        )
+        for feature, part in zip(position_features, parts, strict=True)
+    ]
+    return _Positions(sources=sources, expand=expand), bags

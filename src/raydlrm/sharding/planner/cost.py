@@ -13,8 +13,9 @@ features with ``L`` ids per bag (the pooling factor), split into ``k`` shards on
   none (each rank looks up its own samples);
 - output communication (pooled vectors, each of ``D`` values, at the comm precision, counted
   once: the backward gradients are the same size): table-wise and column-wise ``F * B`` vectors,
-  row-wise and table-row-wise ``k`` partial sums of each, data-parallel none but an all-reduce of
-  the table's gradient (``2 (W - 1) N D 4`` bytes);
+  row-wise and table-row-wise ``k`` partial sums of each (looked up per position: each id's one
+  row, from its shard), data-parallel none but an all-reduce of the table's gradient
+  (``2 (W - 1) N D 4`` bytes);
 - memory: weights plus optimizer state, and the caches (:mod:`raydlrm.sharding.sizes`). A
   quantized table's lookups read its fp32 cache (compute as fp32); the cache's fills and
   evictions are not modelled.
@@ -260,12 +261,17 @@ def _comm_bytes(step: _Step, *, comm_precision: str) -> _CommBytes:
             inputs=num_shards * (ids * _ID_BYTES + bags * _LENGTH_BYTES),
             outputs=vectors + (num_shards - 1) * bags * per_row,
         )
-    if step.sharding_type in ("row_wise", "table_row_wise"):
+    if step.sharding_type in ("row_wise", "table_row_wise") and (
+        step.table.pooled or step.table.managed is not None
+    ):
         return _CommBytes(
             inputs=ids * _ID_BYTES + num_shards * bags * _LENGTH_BYTES,
             outputs=num_shards * vectors,
         )
-    assert step.sharding_type == "table_wise", step.sharding_type
+    # Table-wise; and a row-split table looked up per position (unless managed), whose ids go
+    # each to its one row shard and come back as its one row (a class per row shard,
+    # raydlrm.sharding._layout).
+    assert step.sharding_type in ("table_wise", "row_wise", "table_row_wise"), step.sharding_type
     return _CommBytes(inputs=ids * _ID_BYTES + bags * _LENGTH_BYTES, outputs=vectors)
 
 
