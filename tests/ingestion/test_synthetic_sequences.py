@@ -137,3 +137,16 @@ def test_cli_generates_the_histories(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("wrote 300 train and 100 eval rows")
     assert "per user (5..9); 1000 items" in result.stdout
+
+
+def test_cli_generates_without_eval_rows(tmp_path):
+    """No eval rows: no planted-model AUC to print (it used to stop the command)."""
+    sets = [
+        "--set=data.synthetic.kind=sequences",
+        "--set=data.synthetic.num_train_rows=50",
+        "--set=data.synthetic.num_eval_rows=0",
+        "--set=data.synthetic.sequences={num_items = 100, min_length = 5, max_length = 9}",
+    ]
+    result = CliRunner().invoke(app, ["data", "generate", "--out", str(tmp_path), *sets])
+    assert result.exit_code == 0, result.output
+    assert "no eval rows to measure the planted model on" in result.stdout

@@ -70,7 +70,11 @@ def data_generate(
         fail(f"{e.out_dir} holds {e.what}: --overwrite replaces it")
     if info.churn is None:
         rows = f"{info.num_train_rows} train and {info.num_eval_rows} eval rows"
-        auc = f"planted-model eval AUC {info.planted_auc:.4f}"
+        auc = (
+            "no eval rows to measure the planted model on"
+            if info.planted_auc is None
+            else f"planted-model eval AUC {info.planted_auc:.4f}"
+        )
     else:
         days = info.churn.days
         key = synthetic.partition_key
